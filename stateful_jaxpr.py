@@ -1,0 +1,2636 @@
+# Copyright 2026 The stateful_jaxpr authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Imperative, mutable ``State`` objects that trace into pure, cached JAX programs.
+
+Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``,
+``grad`` and ``scan``.  A :class:`StatefulFunction` traces a function that reads
+and writes :class:`State` objects into a ``ClosedJaxpr`` whose extra inputs and
+outputs are those states, caches it per abstract argument signature, and calls
+it as a compiled XLA executable.  :class:`StatefulMapping` maps such a function
+over a batch (``jax.vmap``, ``jax.pmap`` or a shard_map-style mapper) with
+per-state batch axes and per-lane random keys.
+
+The module is one self-contained file that depends on ``jax`` only; copy it
+into your project.  It reads top to bottom as data flows:
+
+1. compatibility shims (every JAX internal the module touches lives there),
+2. ``State`` and the thread-local state trace stack,
+3. the bounded LRU cache and key helpers,
+4. the tracing core,
+5. ``StatefulFunction`` and ``make_jaxpr``,
+6. state filters and ``StatefulMapping``,
+7. jaxpr passes (constant folding),
+8. a demo ``main()`` (``python stateful_jaxpr.py``).
+
+Example
+-------
+>>> import jax.numpy as jnp
+>>> counter = State(jnp.zeros(()), name='counter')
+>>> @StatefulFunction
+... def step(x):
+...     counter.value = counter.value + x
+...     return counter.value * 2
+>>> float(step(1.0)), float(counter.value)
+(2.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import math
+import operator
+import random as _pyrandom
+import sys
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    # states
+    'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
+    'HiddenState', 'RandomState', 'catch_new_states', 'check_state_value_tree',
+    # trace stack
+    'StateTraceStack',
+    # cache
+    'BoundedCache', 'make_hashable', 'hashabledict',
+    # tracing
+    'StatefulFunction', 'make_jaxpr',
+    # mapping and filters
+    'StatefulMapping', 'to_predicate', 'OfType', 'Any', 'All', 'Not',
+    'Everything', 'Nothing',
+    # jaxpr passes
+    'constant_fold_jaxpr', 'IdentitySet',
+    # errors
+    'TraceContextError', 'BatchAxisError',
+]
+
+_Any = Any  # ``Any`` is also the name of a public filter below.
+
+
+# =============================================================================
+# 1. Compatibility shims
+#
+# Every use of a JAX internal (``jax._src``, ``jax.interpreters``,
+# ``jax.extend``, private attributes) is in this section, chosen by feature
+# probes rather than version numbers.  Facts were measured on jax 0.4.30 ..
+# 0.10.2 (see JAX_COMPAT.md); each probe names the releases it serves.  The
+# rest of the module uses only the names defined here and public JAX.
+# =============================================================================
+
+import jax.extend.core as _jex_core          # public-ish IR types, all releases
+import jax.extend.linear_util as _lu         # wrap_init, all releases
+import jax.extend.source_info_util as _siu   # current(), all releases
+from jax.interpreters import partial_eval as _pe  # trace_to_jaxpr_dynamic, never moved
+import jax._src.core as _src_core            # trace_ctx / extend_axis_env_nd
+
+ClosedJaxpr = _jex_core.ClosedJaxpr
+Jaxpr = _jex_core.Jaxpr
+Literal = _jex_core.Literal
+Var = _jex_core.Var
+_jaxpr_as_fun = _jex_core.jaxpr_as_fun
+Tracer = jax.core.Tracer
+ShapedArray = jax.core.ShapedArray
+
+# ``find_top_trace(())`` returns the trace that new jaxpr inputs must be added
+# to.  jax.extend.core has it from 0.10 (the jax.core alias warns there);
+# before that the (identical) jax._src.core function is used.
+try:
+    from jax.extend.core import find_top_trace as _find_top_trace  # >= 0.10
+except ImportError:  # 0.4.30 .. 0.9.x
+    _find_top_trace = _src_core.find_top_trace
+
+# Stackless tracing (0.4.36+) keeps the current trace in ``trace_ctx`` and a
+# tracer's trace in ``_trace``; before, traces hang off ``MainTrace`` objects.
+_STACKLESS = hasattr(_src_core, 'trace_ctx')
+
+if _STACKLESS:  # 0.4.36 ..
+    def _current_trace_id():
+        return _src_core.trace_ctx.trace
+
+    def _trace_id(trace):
+        return trace
+
+    def _tracer_trace_id(tracer):
+        return tracer._trace
+else:  # 0.4.30 .. 0.4.35
+    def _current_trace_id():
+        return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
+
+    def _trace_id(trace):
+        return trace.main
+
+    def _tracer_trace_id(tracer):
+        return tracer._trace.main
+
+# ``DynamicJaxprTrace.new_arg(aval)`` gained a required ``source_info`` in
+# 0.6.1.  Probe the signature once per trace type instead of the version.
+_NEW_ARG_TAKES_SOURCE_INFO: dict = {}
+
+
+def _new_arg(trace, aval):
+    """Adds a fresh input of abstract value ``aval`` to the jaxpr ``trace`` builds."""
+    kind = type(trace)
+    takes = _NEW_ARG_TAKES_SOURCE_INFO.get(kind)
+    if takes is None:
+        method = getattr(kind, 'new_arg', None)
+        if method is None:
+            raise TraceContextError(
+                f'the current JAX trace ({kind.__name__}) cannot take new inputs; '
+                'stateful tracing must start from a StatefulFunction')
+        takes = 'source_info' in inspect.signature(method).parameters
+        _NEW_ARG_TAKES_SOURCE_INFO[kind] = takes
+    if takes:  # 0.6.1 ..
+        return trace.new_arg(aval, _siu.current())
+    return trace.new_arg(aval)  # .. 0.6.0
+
+
+# ``jax.api_util.debug_info`` is public from 0.5.1; from then on ``wrap_init``
+# without ``debug_info=`` warns.  ``arg_names=None`` keeps the extra state
+# inputs from tripping the ``jax_enable_checks`` arity assertion.
+_make_debug_info = getattr(jax.api_util, 'debug_info', None)
+
+
+def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
+    """Traces ``flat_fun(*leaves)``; returns ``(jaxpr, out_avals, consts)``.
+
+    ``pe.trace_to_jaxpr_dynamic`` never moved (0.4.30 .. 0.11); it returns a
+    4-tuple up to 0.6 and a 3-tuple from 0.7, hence the indexing.
+    """
+    if _make_debug_info is not None:  # 0.5.1 ..
+        dbg = _make_debug_info(name, fun, (), {})._replace(arg_names=None)
+        wrapped = _lu.wrap_init(flat_fun, debug_info=dbg)
+    else:  # .. 0.5.0
+        wrapped = _lu.wrap_init(flat_fun)
+    res = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return res[0], res[1], res[2]
+
+
+def _axis_env(axis_env):
+    """Context binding named axes ``[(name, size), ...]`` while tracing.
+
+    ``jax._src.core.extend_axis_env_nd`` exists on every release (its second
+    argument disappeared in 0.4.36; we pass only the pairs).
+    """
+    if not axis_env:
+        return contextlib.nullcontext()
+    return _src_core.extend_axis_env_nd(list(axis_env))
+
+
+# ``jax.typeof`` was added in 0.5.3; ``shaped_abstractify`` is the stable
+# fallback (both give weak-typed avals for Python scalars).
+_typeof = getattr(jax, 'typeof', None) or jax.api_util.shaped_abstractify
+
+# ``jax.make_jaxpr(abstracted_axes=)`` (dynamic shapes) was removed in 0.8.2.
+_MAKE_JAXPR_HAS_ABSTRACTED_AXES = (
+    'abstracted_axes' in inspect.signature(jax.make_jaxpr).parameters)
+
+# Primitive names for the constant folder; 'pjit' became 'jit' in 0.7.
+_CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call'})
+
+
+# =============================================================================
+# 2. Errors and small helpers
+# =============================================================================
+
+class TraceContextError(RuntimeError):
+    """A traced value would escape the JAX trace it belongs to.
+
+    Raised when a JAX tracer is written into a :class:`State` where no
+    enclosing stateful trace can thread it out (for example inside a plain
+    ``jax.jit`` or inside ``jax.grad`` nested in a stateful function), and when
+    a State that kept a tracer from a finished trace is read.
+
+    Example
+    -------
+    >>> s = State(jnp.zeros(()))
+    >>> @jax.jit
+    ... def f(x):
+    ...     s.value = x          # raises TraceContextError
+    ...     return x
+    """
+
+
+class BatchAxisError(ValueError):
+    """A state's batch axis is inconsistent with what the mapping declared.
+
+    Raised by :class:`StatefulMapping` with
+    ``unexpected_out_state_mapping='raise'`` when a state that came in
+    unbatched is written with a batched value.
+    """
+
+
+def _user_site(depth: int = 2):
+    """``(filename, lineno, function)`` of the first caller outside this module."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _format_site(site) -> str:
+    if site is None:
+        return 'an unknown place'
+    filename, lineno, func = site
+    return f'{filename}:{lineno} (in {func})'
+
+
+def _leaves(tree) -> list:
+    return jax.tree_util.tree_leaves(tree)
+
+
+def _aval_of(x):
+    """Abstract value of an array-like leaf (tracers keep their own aval)."""
+    aval = getattr(x, 'aval', None)
+    if aval is not None:
+        return aval
+    return _typeof(x)
+
+
+def _leaf_sig(x) -> tuple:
+    """``(shape, dtype, weak_type)`` of a leaf: the unit of every cache key.
+
+    Plain tuples compare equal for a concrete array and a tracer of the same
+    type, which ``ShapedArray`` objects (carrying sharding) may not.
+    """
+    aval = getattr(x, 'aval', None)
+    if aval is None:
+        aval = _typeof(x)
+    return aval.shape, aval.dtype, aval.weak_type
+
+
+def _value_sig(value) -> tuple:
+    """Structure and leaf signatures of a state value."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, tuple(map(_leaf_sig, leaves))
+
+
+def _contains_tracer(tree) -> bool:
+    return any(isinstance(x, Tracer) for x in _leaves(tree))
+
+
+def _shape_struct(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+# =============================================================================
+# 3. States and the thread-local state trace stack
+#
+# A State's real value lives in ``State._value``.  While a stateful trace is
+# active in a thread, reads and writes go to that thread's innermost
+# *isolating* trace frame, an overlay the ``value`` property consults.  Tracers
+# therefore never enter a State object: another thread, or code running after
+# a failed trace, always sees the real value, and a failed trace has nothing to
+# restore.
+# =============================================================================
+
+class _Context(threading.local):
+    """Per-thread tracing context."""
+
+    def __init__(self):
+        self.frames: list = []         # active StateTraceStacks, outermost first
+        self.catchers: list = []       # active catch_new_states collectors
+        self.check_tree: int = 0       # depth of check_state_value_tree()
+        self.ntraces: int = 0          # user-function traces run by this thread
+
+
+_ctx = _Context()
+_MISSING = object()
+
+
+class State:
+    """A mutable container for a pytree of arrays.
+
+    Reading ``state.value`` inside a function traced by
+    :class:`StatefulFunction` records a read and returns the traced value;
+    assigning records a write.  Outside any trace ``value`` is a plain
+    attribute.
+
+    Parameters
+    ----------
+    value
+        Initial value: an array or any pytree of arrays.
+    name : str, optional
+        Used in reprs, jaxpr labels and error messages.
+    **metadata
+        Free-form metadata; ``tag`` is used by string filters.
+
+    Example
+    -------
+    >>> s = State(jnp.ones(3), name='w', tag='param')
+    >>> s.value = s.value * 2
+    >>> s.value
+    Array([2., 2., 2.], dtype=float32)
+    """
+
+    __slots__ = ('_value', '_name', '_metadata', '_source', '_stack_level',
+                 '_owner', '_creation_trace', '_leak', '__weakref__', '__dict__')
+
+    def __init__(self, value, name: str | None = None, **metadata):
+        if isinstance(value, State):
+            raise ValueError(
+                f'cannot create {type(self).__name__}(name={name!r}) holding another '
+                f'State ({value!r}); pass its value instead: State(other.value)')
+        self._check_value(value)
+        self._value = value
+        self._name = name
+        self._metadata = metadata
+        self._source = _user_site()
+        self._leak = None
+        frames = _ctx.frames
+        self._stack_level = len(frames)
+        self._owner = None
+        self._creation_trace = _current_trace_id()
+        for frame in reversed(frames):
+            if frame._values is not None:   # owned by the innermost isolating frame
+                self._owner = frame
+                frame._owned.append(self)
+                break
+        for catcher in _ctx.catchers:
+            catcher._add(self)
+
+    # -- value ---------------------------------------------------------------
+    @property
+    def value(self):
+        """The current value; reads and writes are recorded while tracing."""
+        frames = _ctx.frames
+        if frames:
+            return _traced_read(self, frames)
+        if self._leak is not None:
+            self._raise_leak()
+        return self._value
+
+    @value.setter
+    def value(self, v):
+        self._check_assignment(v)
+        frames = _ctx.frames
+        if frames:
+            _traced_write(self, v, frames, written=True)
+        else:
+            _check_tracers_may_enter(self, v, ())
+            self._value = v
+            self._leak = None
+
+    def restore_value(self, v) -> None:
+        """Sets the value without recording a write (a read is recorded)."""
+        self._check_assignment(v)
+        frames = _ctx.frames
+        if frames:
+            _traced_write(self, v, frames, written=False)
+        else:
+            _check_tracers_may_enter(self, v, ())
+            self._value = v
+            self._leak = None
+
+    def _check_value(self, v) -> None:
+        """Hook for subclasses that restrict what a value may be."""
+
+    def _check_assignment(self, v) -> None:
+        if isinstance(v, State) or any(isinstance(x, State) for x in _leaves(v)):
+            raise ValueError(
+                f'cannot assign a State as the value of {self._describe()}; '
+                'assign its value instead: target.value = other.value')
+        self._check_value(v)
+        if _ctx.check_tree:
+            old = jax.tree_util.tree_structure(self._current_for_compare())
+            new = jax.tree_util.tree_structure(v)
+            if old != new:
+                raise ValueError(
+                    f'the pytree structure of {self._describe()} would change from '
+                    f'{old} to {new} inside check_state_value_tree(); assign a value '
+                    'with the same structure or leave the check_state_value_tree() block')
+
+    def _current_for_compare(self):
+        frames = _ctx.frames
+        if frames:
+            for frame in reversed(frames):
+                if frame._values is not None:
+                    v = frame._values.get(id(self), _MISSING)
+                    if v is not _MISSING:
+                        return v
+        return self._value
+
+    def _raise_leak(self):
+        raise TraceContextError(self._leak)
+
+    # -- metadata --------------------------------------------------------------
+    @property
+    def name(self) -> str | None:
+        """The name given at creation (or ``None``)."""
+        return self._name
+
+    @name.setter
+    def name(self, name):
+        self._name = name
+
+    @property
+    def tag(self):
+        """The ``tag`` metadata entry (``None`` when absent)."""
+        return self._metadata.get('tag')
+
+    @tag.setter
+    def tag(self, tag):
+        self._metadata['tag'] = tag
+
+    @property
+    def metadata(self) -> dict:
+        """Free-form metadata given at creation."""
+        return self._metadata
+
+    @property
+    def stack_level(self) -> int:
+        """Depth of the state trace stack when this State was created."""
+        return self._stack_level
+
+    @property
+    def source_info(self) -> str:
+        """Where this State was created, as ``file:line (in function)``."""
+        return _format_site(self._source)
+
+    def raise_error_with_source_info(self, error: BaseException):
+        """Raises ``error`` with this State's creation site attached.
+
+        Example
+        -------
+        >>> s = State(1.0, name='w')
+        >>> s.raise_error_with_source_info(ValueError('bad'))  # doctest: +SKIP
+        ValueError: bad [State 'w' created at ...]
+        """
+        message = f'{error} [{self._describe()}]'
+        try:
+            new = type(error)(message)
+        except Exception:  # exceptions with unusual constructors
+            new = RuntimeError(message)
+        raise new from error
+
+    def _describe(self) -> str:
+        label = f"{type(self).__name__} {self._name!r}" if self._name else type(self).__name__
+        return f'{label} created at {self.source_info}'
+
+    # -- copies ------------------------------------------------------------------
+    def copy(self) -> 'State':
+        """A new State of the same class with the same value and metadata."""
+        return self.replace(self._value)
+
+    def replace(self, value) -> 'State':
+        """A new State of the same class and metadata holding ``value``."""
+        new = type(self).__new__(type(self))
+        State.__init__(new, value, self._name, **dict(self._metadata))
+        new._source = _user_site()
+        return new
+
+    def numel(self) -> int:
+        """Total number of elements over all leaves of the value."""
+        return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
+
+    # -- identity --------------------------------------------------------------
+    def __hash__(self):
+        return hash(id(self))
+
+    def __eq__(self, other):
+        return self is other
+
+    def __repr__(self):
+        if self._leak is not None:
+            shown = '<tracer from a finished trace>'
+        else:
+            shown = repr(self._value)
+        name = f'name={self._name!r}, ' if self._name else ''
+        if '\n' in shown:
+            shown = '\n  ' + shown.replace('\n', '\n  ')
+        return f'{type(self).__name__}({name}value={shown})'
+
+
+class ShortTermState(State):
+    """A State whose value is transient (e.g. the last input or spike)."""
+    __slots__ = ()
+
+
+class LongTermState(State):
+    """A State whose value persists across steps (e.g. running statistics)."""
+    __slots__ = ()
+
+
+class ParamState(LongTermState):
+    """A trainable parameter."""
+    __slots__ = ()
+
+
+class BatchState(LongTermState):
+    """A State holding per-batch statistics."""
+    __slots__ = ()
+
+
+class HiddenState(ShortTermState):
+    """A recurrent hidden state; its value must be a single array.
+
+    Example
+    -------
+    >>> h = HiddenState(jnp.zeros(4))
+    """
+    __slots__ = ()
+
+    def _check_value(self, v):
+        if not (isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+                or isinstance(v, Tracer)):
+            raise ValueError(
+                f'HiddenState holds a single array, got {type(v).__name__}; '
+                'use State for pytree values')
+
+
+def _is_raw_key(x) -> bool:
+    return (hasattr(x, 'dtype') and np.dtype(x.dtype) == np.uint32
+            and len(np.shape(x)) >= 1 and np.shape(x)[-1] == 2)
+
+
+def _is_typed_key(x) -> bool:
+    return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _make_key(seed_or_key, owner: str):
+    if seed_or_key is None:
+        return jax.random.PRNGKey(_pyrandom.randrange(2 ** 31))
+    if isinstance(seed_or_key, (bool, np.bool_)):
+        raise ValueError(f'{owner}: a seed must be an int or a PRNG key, got a bool')
+    if isinstance(seed_or_key, (int, np.integer)):
+        return jax.random.PRNGKey(int(seed_or_key))
+    if isinstance(seed_or_key, Tracer) or isinstance(seed_or_key, (jax.Array, np.ndarray)):
+        if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
+            return seed_or_key
+    raise ValueError(
+        f'{owner}: expected an int seed, None, a raw uint32[2] key or a typed key '
+        f'(jax.random.key), got {type(seed_or_key).__name__} '
+        f'{getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key)) if hasattr(seed_or_key, "shape") else ""}')
+
+
+class RandomState(State):
+    """A State holding a PRNG key, split and advanced as you draw.
+
+    Parameters
+    ----------
+    seed_or_key : int, key array or None
+        An int seeds ``jax.random.PRNGKey(seed)`` (raw ``uint32[2]``); a raw
+        or typed key is held as given; ``None`` draws a fresh random seed.
+
+    Example
+    -------
+    >>> rng = RandomState(0)
+    >>> noise = jax.random.normal(rng.split_key(), (3,))
+    """
+    __slots__ = ('_backup',)
+
+    def __init__(self, seed_or_key=None, name: str | None = None, **metadata):
+        super().__init__(_make_key(seed_or_key, 'RandomState'), name, **metadata)
+        self._backup = None
+
+    def _check_value(self, v):
+        if not (_is_raw_key(v) or _is_typed_key(v)):
+            raise ValueError(
+                f'RandomState holds a PRNG key (raw uint32[..., 2] or typed), got '
+                f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
+
+    def seed(self, seed_or_key=None) -> None:
+        """Resets the key: ``PRNGKey(int)``, a given key, or a fresh random one."""
+        self.value = _make_key(seed_or_key, f'{self._describe()}.seed')
+
+    def split_key(self, n: int | None = None):
+        """Advances the state; returns one new key, or ``n`` keys stacked.
+
+        Example
+        -------
+        >>> rng = RandomState(0)
+        >>> keys = rng.split_key(4)    # 4 independent keys
+        """
+        if n is None:
+            keys = jax.random.split(self.value)
+            self.value = keys[0]
+            return keys[1]
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f'split_key(n) needs an int n >= 1, got {n!r}')
+        keys = jax.random.split(self.value, int(n) + 1)
+        self.value = keys[0]
+        return keys[1:]
+
+    def backup_key(self) -> None:
+        """Remembers the current key so that :meth:`restore_key` can return to it."""
+        self._backup = self.value
+
+    def restore_key(self) -> None:
+        """Sets the key saved by :meth:`backup_key`."""
+        if self._backup is None:
+            raise ValueError(f'{self._describe()}: restore_key() without a backup_key()')
+        self.value = self._backup
+
+    def clone(self) -> 'RandomState':
+        """A new, independent RandomState seeded from a key split off this one."""
+        return type(self)(self.split_key(), self._name, **dict(self._metadata))
+
+
+class StateTraceStack:
+    """Records which States a piece of code touches, in first-touch order.
+
+    Used as a context manager; stacks nest LIFO and are thread-local.  A read
+    inside a nested stack is also recorded by every enclosing stack.
+
+    Parameters
+    ----------
+    name : str, optional
+        A label for error messages.
+    new_arg : callable, optional
+        ``new_arg(state, value) -> value``: called on a state's first touch;
+        its result is what the traced code sees for that state.  A stack with
+        ``new_arg`` keeps the values assigned to states inside it (an overlay)
+        instead of writing them into the States.
+
+    Example
+    -------
+    >>> a, b = State(1.0), State(2.0)
+    >>> with StateTraceStack() as st:
+    ...     b.value = a.value + 1
+    >>> st.states == [a, b], st.been_writen
+    (True, [False, True])
+    """
+
+    def __init__(self, name: str | None = None, new_arg: Callable | None = None):
+        self.name = name
+        self.states: list = []
+        self.been_writen: list = []
+        self._index: dict = {}
+        self._originals: list = []
+        self._owned: list = []
+        self._new_arg = None
+        self._values = None
+        self._trace = None
+        if new_arg is not None:
+            self.set_new_arg(new_arg)
+
+    def set_new_arg(self, fn: Callable) -> None:
+        """Makes this stack lift states through ``fn(state, value)`` (see class doc)."""
+        self._new_arg = fn
+        self._values = {}
+
+    # -- recording -----------------------------------------------------------
+    def _touch(self, state, current, write: bool):
+        index = self._index.get(id(state))
+        if index is None:
+            self._index[id(state)] = len(self.states)
+            self.states.append(state)
+            self.been_writen.append(write)
+            self._originals.append(current)
+            if self._values is not None:
+                current = self._new_arg(state, current)
+                self._values[id(state)] = current
+            return current
+        if write:
+            self.been_writen[index] = True
+        if self._values is not None:
+            return self._values[id(state)]
+        return current
+
+    def read_its_value(self, state: State) -> None:
+        """Records a read of ``state``."""
+        self._touch(state, state._value, False)
+
+    def write_its_value(self, state: State) -> None:
+        """Records a write of ``state``."""
+        self._touch(state, state._value, True)
+
+    # -- context -------------------------------------------------------------
+    def __enter__(self):
+        _ctx.frames.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        frames = _ctx.frames
+        if not frames or frames[-1] is not self:
+            if self in frames:
+                frames.remove(self)
+            raise RuntimeError(
+                f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
+                'be exited in the reverse order they were entered (use nested `with`)')
+        frames.pop()
+        if self._values is not None:
+            self._close()
+        return False
+
+    def _close(self):
+        """Ends an isolating trace: drop its tracers, flag States that kept one."""
+        for state in self._owned:
+            state._owner = None
+            if _contains_tracer(state._value):
+                state._leak = (
+                    f'{state._describe()} was created inside a traced function and still '
+                    'holds a tracer from that finished trace; return its value from the '
+                    'function (or create the State outside it) instead of reading it afterwards')
+        self._owned = []
+        self._values = {}
+        self._originals = [None] * len(self.states)
+
+    # -- queries -------------------------------------------------------------
+    def get_state_values(self, separate: bool = False, replace: bool = False):
+        """Current values of the recorded states.
+
+        With ``separate=True`` returns ``(read_values, write_values)``; with
+        ``replace=True`` as well, excluded entries are ``None`` so that
+        positions line up with :attr:`states`.
+        """
+        if not separate:
+            return [s.value for s in self.states]
+        if replace:
+            reads = [None if w else s.value for s, w in zip(self.states, self.been_writen)]
+            writes = [s.value if w else None for s, w in zip(self.states, self.been_writen)]
+            return reads, writes
+        return self.get_read_state_values(), self.get_write_state_values()
+
+    def get_read_states(self, replace_writen: bool = False) -> list:
+        """States only read (written ones are ``None`` with ``replace_writen``)."""
+        if replace_writen:
+            return [None if w else s for s, w in zip(self.states, self.been_writen)]
+        return [s for s, w in zip(self.states, self.been_writen) if not w]
+
+    def get_read_state_values(self, replace_writen: bool = False) -> list:
+        """Values of :meth:`get_read_states`."""
+        return [None if s is None else s.value for s in self.get_read_states(replace_writen)]
+
+    def get_write_states(self, replace_read: bool = False) -> list:
+        """States written (read-only ones are ``None`` with ``replace_read``)."""
+        if replace_read:
+            return [s if w else None for s, w in zip(self.states, self.been_writen)]
+        return [s for s, w in zip(self.states, self.been_writen) if w]
+
+    def get_write_state_values(self, replace_read: bool = False) -> list:
+        """Values of :meth:`get_write_states`."""
+        return [None if s is None else s.value for s in self.get_write_states(replace_read)]
+
+    def recovery_original_values(self) -> None:
+        """Gives every recorded state back the value it had when first touched."""
+        for state, original in zip(self.states, self._originals):
+            if original is not None and not _contains_tracer(original):
+                state.restore_value(original)
+
+    def assign_state_vals(self, state_vals: Sequence) -> None:
+        """Assigns ``state_vals`` (one per state): written states by ``value``,
+        the others by ``restore_value``."""
+        if len(state_vals) != len(self.states):
+            raise ValueError(f'State length mismatch: expected {len(self.states)} values, '
+                             f'got {len(state_vals)}')
+        for state, val, written in zip(self.states, state_vals, self.been_writen):
+            if written:
+                state.value = val
+            else:
+                state.restore_value(val)
+
+    def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
+        """Like :meth:`assign_state_vals` with separate read and write lists
+        (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
+        if not (len(read_state_vals) == len(write_state_vals) == len(self.states)):
+            raise ValueError(
+                f'State length mismatch: expected {len(self.states)} read and write values, '
+                f'got {len(read_state_vals)} and {len(write_state_vals)}')
+        for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
+                                          self.been_writen):
+            if written:
+                state.value = wv
+            else:
+                state.restore_value(rv)
+
+    def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
+        """A new stack with the states of ``self`` and ``others`` (writes OR-ed)."""
+        merged = StateTraceStack(self.name)
+        for stack in (self,) + others:
+            for state, written, original in zip(stack.states, stack.been_writen,
+                                                stack._originals):
+                merged._touch(state, original, written)
+        return merged
+
+    __add__ = merge
+
+    def state_subset(self, state_type: type) -> list:
+        """The recorded states that are instances of ``state_type``."""
+        return [s for s in self.states if isinstance(s, state_type)]
+
+    def __repr__(self):
+        rows = ', '.join(f'{s._name or type(s).__name__}:{"w" if w else "r"}'
+                         for s, w in zip(self.states, self.been_writen))
+        return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
+
+
+def _owner_start(state, frames) -> int:
+    """Index of the first frame for which ``state`` is not a local State."""
+    owner = state._owner
+    if owner is not None:
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i] is owner:
+                return i + 1
+    return 0
+
+
+def _traced_read(state, frames):
+    top = frames[-1]
+    if top._values is not None:  # fast path: already lifted by the innermost frame
+        v = top._values.get(id(state), _MISSING)
+        if v is not _MISSING:
+            return v
+    return _touch_all(state, frames, write=False)
+
+
+def _touch_all(state, frames, write: bool):
+    """Records ``state`` in every frame that sees it; returns the innermost view."""
+    start = _owner_start(state, frames)
+    if start == 0 and state._leak is not None:
+        state._raise_leak()
+    current = state._value
+    for frame in frames[start:]:
+        current = frame._touch(state, current, write)
+    return current
+
+
+def _traced_write(state, value, frames, written: bool):
+    _touch_all(state, frames, write=written)
+    start = _owner_start(state, frames)
+    target = None
+    for frame in reversed(frames[start:]):
+        if frame._values is not None:
+            target = frame
+            break
+    allowed = tuple(f._trace for f in frames if f._trace is not None)
+    _check_tracers_may_enter(state, value, allowed)
+    if target is None:   # only recording stacks (or the creating trace) above
+        state._value = value
+        state._leak = None
+    else:
+        target._values[id(state)] = value
+
+
+def _check_tracers_may_enter(state, value, allowed_traces) -> None:
+    """Rejects a tracer that would outlive its trace inside ``state``."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, Tracer):
+            trace = _tracer_trace_id(leaf)
+            if trace is state._creation_trace or trace in allowed_traces:
+                continue
+            if allowed_traces:
+                raise TraceContextError(
+                    f'{state._describe()} was assigned a traced value inside a JAX '
+                    'transformation (jax.grad / jax.vmap / lax.scan / lax.cond / an inner '
+                    'jax.jit ...) nested in a stateful function; that value cannot leave '
+                    'the transformation through a State.  Return it from the '
+                    'transformation and assign it outside, or call a StatefulFunction\'s '
+                    'jaxpr_call() inside it and thread the state values explicitly.')
+            raise TraceContextError(
+                f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
+                'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
+                'keep a tracer that outlives its transformation.  Wrap the outer function '
+                'in StatefulFunction (or StatefulMapping) so state updates are threaded, or '
+                'thread the values explicitly with StatefulFunction.jaxpr_call().')
+
+
+class _NewStates(list):
+    """The States created inside a :func:`catch_new_states` block."""
+
+    def __init__(self, tag):
+        super().__init__()
+        self.tag = tag
+
+    def _add(self, state):
+        if self.tag is not None:
+            state.tag = self.tag
+        self.append(state)
+
+    def get_states(self) -> list:
+        """The caught States, in creation order."""
+        return list(self)
+
+    def get_state_values(self) -> list:
+        """Their current values."""
+        return [s.value for s in self]
+
+
+@contextlib.contextmanager
+def catch_new_states(tag: str | None = None):
+    """Collects the States created inside the block (and tags them with ``tag``).
+
+    Example
+    -------
+    >>> with catch_new_states('layer1') as new:
+    ...     w = State(jnp.ones(2))
+    >>> new.get_states() == [w], w.tag
+    (True, 'layer1')
+    """
+    catcher = _NewStates(tag)
+    _ctx.catchers.append(catcher)
+    try:
+        yield catcher
+    finally:
+        _ctx.catchers.remove(catcher)
+
+
+@contextlib.contextmanager
+def check_state_value_tree():
+    """Inside this block, assigning a value whose pytree structure differs
+    from a State's current one raises ``ValueError``.
+
+    Example
+    -------
+    >>> s = State({'a': 1.0})
+    >>> with check_state_value_tree():
+    ...     s.value = {'a': 2.0}      # fine; {'b': 2.0} would raise
+    """
+    _ctx.check_tree += 1
+    try:
+        yield
+    finally:
+        _ctx.check_tree -= 1
+
+
+# =============================================================================
+# 4. Cache and key helpers
+# =============================================================================
+
+class hashabledict(dict):
+    """A read-only ``dict`` hashable by its sorted items (used for cache keys).
+
+    Example
+    -------
+    >>> k = hashabledict(static_args=(), dyn_args=())
+    >>> {k: 1}[hashabledict(dyn_args=(), static_args=())]
+    1
+    """
+
+    def __hash__(self):
+        h = self.__dict__.get('_hash')
+        if h is None:
+            h = hash(tuple(sorted(self.items(), key=lambda kv: repr(kv[0]))))
+            self.__dict__['_hash'] = h
+        return h
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError('hashabledict is immutable (it is used as a cache key)')
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+
+    def __repr__(self):
+        return f'hashabledict({dict.__repr__(self)})'
+
+
+def make_hashable(obj):
+    """A hashable stand-in for ``obj`` (lists/tuples → tuples, dicts → sorted
+    item tuples, sets → frozensets, other pytrees → ``(treedef, leaves)``).
+
+    Example
+    -------
+    >>> make_hashable({'b': [1, 2], 'a': 0})
+    (('a', 0), ('b', (1, 2)))
+    """
+    if isinstance(obj, (list, tuple)):
+        return tuple(make_hashable(x) for x in obj)
+    if isinstance(obj, dict):
+        return tuple(sorted(((k, make_hashable(v)) for k, v in obj.items()),
+                            key=lambda kv: repr(kv[0]) if not isinstance(kv[0], str) else kv[0]))
+    if isinstance(obj, (set, frozenset)):
+        return frozenset(make_hashable(x) for x in obj)
+    if isinstance(obj, (State, str, bytes, int, float, complex, type(None))):
+        return obj
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    if treedef.num_nodes > 1 or treedef.num_leaves != 1 or leaves[0] is not obj:
+        return treedef, tuple(make_hashable(x) for x in leaves)
+    return obj
+
+
+class BoundedCache:
+    """A thread-safe LRU cache holding at most ``maxsize`` entries.
+
+    Example
+    -------
+    >>> c = BoundedCache(maxsize=2)
+    >>> c.set('a', 1); c.set('b', 2); c.get('a'); c.set('c', 3)
+    1
+    >>> sorted(c.keys())           # 'b' was least recently used
+    ['a', 'c']
+    """
+
+    def __init__(self, maxsize: int = 128):
+        if isinstance(maxsize, bool) or not isinstance(maxsize, (int, np.integer)) or maxsize < 1:
+            raise ValueError(f'BoundedCache(maxsize) needs an int >= 1, got {maxsize!r}')
+        self.maxsize = int(maxsize)
+        self._data: OrderedDict = OrderedDict()
+        self._lock = threading.RLock()
+        self._reset_counters()
+
+    def _reset_counters(self):
+        # itertools.count is advanced atomically by the GIL, so lock-free
+        # callers (the compiled fast path) can count hits cheaply.
+        self._hits = itertools.count()
+        self._misses = itertools.count()
+
+    @staticmethod
+    def _read(counter) -> int:
+        return counter.__reduce__()[1][0]
+
+    def _record(self, hit: bool) -> None:
+        next(self._hits if hit else self._misses)
+
+    def _peek(self, key, default=None):
+        """Lookup without statistics (refreshes recency)."""
+        with self._lock:
+            value = self._data.get(key, _MISSING)
+            if value is _MISSING:
+                return default
+            self._data.move_to_end(key)
+            return value
+
+    def get(self, key, default=None, raise_on_miss: bool = False, error_context: str = 'item'):
+        """The value for ``key`` (counted as a hit or miss)."""
+        with self._lock:
+            value = self._data.get(key, _MISSING)
+            if value is not _MISSING:
+                self._data.move_to_end(key)
+                next(self._hits)
+                return value
+            next(self._misses)
+            if raise_on_miss:
+                available = '\n'.join(f'  - {k!r}' for k in self._data) or '  none'
+                raise ValueError(
+                    f'{error_context} not compiled for the requested cache key.\n'
+                    f'Requested key: {key!r}\nAvailable keys:\n{available}\n'
+                    'Call make_jaxpr() with these arguments first.')
+            return default
+
+    def set(self, key, value) -> None:
+        """Adds a new entry (``ValueError`` if ``key`` is already present)."""
+        with self._lock:
+            if key in self._data:
+                raise ValueError(f'Cache key already exists: {key!r}; use replace()')
+            self._data[key] = value
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
+    def _store(self, key, value) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
+    def replace(self, key, value) -> None:
+        """Replaces an existing entry (``KeyError`` if ``key`` is missing)."""
+        with self._lock:
+            if key not in self._data:
+                raise KeyError(f'Cache key does not exist: {key!r}; use set()')
+            self._data[key] = value
+            self._data.move_to_end(key)
+
+    def pop(self, key, default=None):
+        """Removes and returns the entry for ``key``."""
+        with self._lock:
+            return self._data.pop(key, default)
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+    def keys(self) -> list:
+        """The stored keys, least recently used first."""
+        with self._lock:
+            return list(self._data.keys())
+
+    def clear(self) -> None:
+        """Removes every entry and resets the statistics."""
+        with self._lock:
+            self._data.clear()
+            self._reset_counters()
+
+    def get_stats(self) -> dict:
+        """``{size, maxsize, hits, misses, hit_rate}``; ``hit_rate`` in percent."""
+        with self._lock:
+            hits, misses = self._read(self._hits), self._read(self._misses)
+            total = hits + misses
+            return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
+                    'misses': misses, 'hit_rate': 100.0 * hits / total if total else 0.0}
+
+
+_BoundedCache = BoundedCache
+
+
+# =============================================================================
+# 5. The tracing core
+#
+# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr whose
+# inputs are the flat dynamic arguments followed by every touched State (in
+# first-touch order) and whose outputs are the flat results followed by the
+# returned states.  A State is lifted into a new jaxpr input the first time
+# the function touches it, on the trace captured when tracing starts, so a
+# first read deep inside ``lax.scan``, ``grad`` or an inner ``jit`` still
+# becomes an input instead of a baked-in constant.
+# =============================================================================
+
+class _Traced:
+    """Everything one trace produced; immutable once built."""
+    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'written',
+                 'returned', 'state_tree', 'state_sigs', 'trace_stack', 'cacheable',
+                 'n_out', 'in_state_avals')
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _reject_states(tree, what: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, State):
+            raise ValueError(
+                f'{what}{jax.tree_util.keystr(path)} is a State ({leaf._describe()}); '
+                'return or pass its value instead (state.value)')
+
+
+def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
+                    name: str, return_only_write: bool, axis_env=None,
+                    lift_aval: Callable | None = None) -> _Traced:
+    """Traces ``fun(*rebuild(flat_leaves))`` with a fresh isolating frame.
+
+    ``rebuild(flat)`` returns ``(args, kwargs)``; ``lift_aval(state, aval)``
+    may change the abstract value a state leaf is lifted with (StatefulMapping
+    lifts batched states at their per-lane shape).
+    """
+    frame = StateTraceStack(name=name)
+    box = {}
+
+    def lift(state, current):
+        leaves, treedef = jax.tree_util.tree_flatten(current)
+        avals = []
+        for leaf in leaves:
+            try:
+                avals.append(_aval_of(leaf))
+            except TypeError:
+                raise TypeError(f'{state._describe()} holds a leaf of type '
+                                f'{type(leaf).__name__}, which is not a JAX array type') from None
+        box.setdefault('lifted', []).append((state, treedef, avals))
+        if lift_aval is not None:
+            avals = [lift_aval(state, a) for a in avals]
+        return jax.tree_util.tree_unflatten(
+            treedef, [_new_arg(box['trace'], a) for a in avals])
+
+    frame.set_new_arg(lift)
+
+    def flat_fun(*flat):
+        trace = _find_top_trace(())
+        box['trace'] = trace
+        frame._trace = _trace_id(trace)
+        with frame:
+            args, kwargs = rebuild(list(flat))
+            out = fun(*args, **kwargs)
+            _reject_states(out, 'the function returned ')
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            if return_only_write:
+                returned = [i for i, w in enumerate(frame.been_writen) if w]
+            else:
+                returned = list(range(len(frame.states)))
+            values = [frame._values[id(frame.states[i])] for i in returned]
+            state_leaves, state_tree = jax.tree_util.tree_flatten(values)
+            box.update(out_tree=out_tree, n_out=len(out_leaves), returned=returned,
+                       state_tree=state_tree)
+            return out_leaves + state_leaves
+
+    _ctx.ntraces += 1
+    with _axis_env(axis_env):
+        jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
+    states = tuple(frame.states)
+    sigs = {}
+    for state, treedef, avals in box.get('lifted', ()):
+        sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
+    return _Traced(
+        closed_jaxpr=ClosedJaxpr(jaxpr, consts),
+        out_tree=box['out_tree'], n_out=box['n_out'], out_avals=list(out_avals),
+        states=states, written=tuple(frame.been_writen), returned=tuple(box['returned']),
+        state_tree=box['state_tree'],
+        state_sigs=tuple(sigs[id(s)] for s in states),
+        trace_stack=frame,
+        cacheable=not any(isinstance(c, Tracer) for c in consts),
+        in_state_avals=None,
+    )
+
+
+# =============================================================================
+# 6. StatefulFunction
+#
+# Calls take one of three paths:
+#
+# * the *fast path* (outside any trace, after the first call): gather the
+#   values of the last-used plan's states and call one ``jax.jit`` dispatcher
+#   whose C++ cache keys on (plan token, static args, abstract signature of
+#   state values and arguments).  No Python-side key, tree walk or shape check
+#   runs; JAX's own dispatch does all of it.  A changed state shape or a new
+#   argument signature is a dispatcher cache miss, which re-enters Python in
+#   ``_dispatch_body`` where our own entry cache is consulted and validated.
+# * the *slow path*: compute our cache key, find or trace the entry, then call
+#   the dispatcher with that entry's plan.
+# * the *in-trace path*, inside an enclosing stateful trace: read and write
+#   the states through the ``value`` property so the enclosing trace threads
+#   them, and evaluate the jaxpr inline.
+# =============================================================================
+
+class _PlanMismatch(Exception):
+    """The dispatcher was called with a plan the arguments do not use."""
+
+
+_plan_tokens = itertools.count(1)
+
+
+class _Plan:
+    """Which states a compiled call reads and writes; shared by entries that agree."""
+    __slots__ = ('token', 'states', 'write_states', 'write_index')
+
+    def __init__(self, states, write_index):
+        self.token = next(_plan_tokens)
+        self.states = states
+        self.write_index = write_index
+        self.write_states = tuple(states[i] for i in write_index)
+
+
+class _Entry:
+    """One cache entry: the trace, its plan and how to apply it."""
+    __slots__ = ('traced', 'plan', 'apply', 'key')
+
+    def __init__(self, traced, plan, apply, key):
+        self.traced, self.plan, self.apply, self.key = traced, plan, apply, key
+
+
+def _normalize_argnums(argnums, what: str) -> tuple:
+    if argnums is None:
+        return ()
+    if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
+        argnums = (argnums,)
+    try:
+        return tuple(_operator_index(a) for a in argnums)
+    except TypeError:
+        raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r}') from None
+
+
+def _operator_index(a):
+    """``operator.index`` that also rejects bools and tracers."""
+    if isinstance(a, bool) or isinstance(a, Tracer):
+        raise TypeError(a)
+    return operator.index(a)
+
+
+def _normalize_argnames(argnames, what: str) -> tuple:
+    if argnames is None:
+        return ()
+    if isinstance(argnames, str):
+        return (argnames,)
+    argnames = tuple(argnames)
+    if not all(isinstance(a, str) for a in argnames):
+        raise TypeError(f'{what} must be a str or a sequence of str, got {argnames!r}')
+    return argnames
+
+
+def _check_callable(fun, who: str):
+    if isinstance(fun, (staticmethod, classmethod)):
+        raise TypeError(
+            f'{who} got a {type(fun).__name__} object; pass the underlying function '
+            f'instead ({type(fun).__name__} objects are descriptors: use obj.__func__ or '
+            'apply the decorator outside @staticmethod)')
+    if not callable(fun):
+        raise TypeError(f'{who} needs a callable, got {type(fun).__name__}: {fun!r}')
+    if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun):
+        raise TypeError(
+            f'{who} cannot trace generator function {getattr(fun, "__qualname__", fun)!r}: '
+            'a generator only runs when iterated; return a value (e.g. a list) instead')
+    if inspect.iscoroutinefunction(fun):
+        raise TypeError(f'{who} cannot trace coroutine function {fun!r}; make it synchronous')
+
+
+class _StatefulBase:
+    """Machinery shared by StatefulFunction and StatefulMapping."""
+
+    _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
+
+    def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
+                 name, return_only_write, cache_size=128):
+        _check_callable(fun, type(self).__name__)
+        self.fun = fun
+        self.static_argnums = _normalize_argnums(static_argnums, 'static_argnums')
+        self.static_argnames = _normalize_argnames(static_argnames, 'static_argnames')
+        self.axis_env = tuple(axis_env) if axis_env else None
+        self.abstracted_axes = abstracted_axes
+        self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
+        self.return_only_write = return_only_write
+        if abstracted_axes is not None and not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
+            raise NotImplementedError(
+                f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
+                'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
+                'abstracted_axes (trace once per concrete shape instead)')
+        self._cache = BoundedCache(cache_size)
+        self._key_locks: dict = {}
+        self._key_locks_guard = threading.Lock()
+        self._reset_dispatch()
+
+    def _reset_dispatch(self):
+        self._plans: dict = {}
+        self._plans_by_token: dict = {}
+        self._last_plan = None
+        self._dispatchers: dict = {}
+
+    # -- keys ------------------------------------------------------------------
+    def _static_positions(self, nargs: int) -> tuple:
+        out = []
+        for i in self.static_argnums:
+            j = i + nargs if i < 0 else i
+            if not 0 <= j < nargs:
+                raise ValueError(
+                    f'{type(self).__name__}({self.name!r}): static_argnums contains {i}, but '
+                    f'the call passed only {nargs} positional argument(s); pass that '
+                    'argument positionally or fix static_argnums')
+            out.append(j)
+        return tuple(sorted(set(out)))
+
+    def _split(self, args, kwargs):
+        statics = self._static_positions(len(args)) if self.static_argnums else ()
+        if statics:
+            static_args = tuple((i, args[i]) for i in statics)
+            dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+        else:
+            static_args, dyn_args = (), tuple(args)
+        if self.static_argnames and kwargs:
+            static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+            dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        else:
+            static_kwargs, dyn_kwargs = {}, dict(kwargs)
+        return static_args, dyn_args, static_kwargs, dyn_kwargs
+
+    def _cache_key(self, args, kwargs):
+        """``(key, flat_dynamic_leaves, split)`` for a call, with clear errors."""
+        static_args, dyn_args, static_kwargs, dyn_kwargs = self._split(args, kwargs)
+        hashed_static = []
+        for where, value in [(f'positional argument {i}', v) for i, v in static_args] + \
+                            [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]:
+            _reject_states(value, f'static {where}')
+            h = make_hashable(value)
+            try:
+                hash(h)
+            except TypeError:
+                raise TypeError(
+                    f'{type(self).__name__}({self.name!r}): static {where} of type '
+                    f'{type(value).__name__} is not hashable; static arguments are cache keys. '
+                    'Pass a hashable value (e.g. a tuple) or make the argument dynamic') from None
+            hashed_static.append(h)
+        n = len(static_args)
+        leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
+        leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
+        leaves = leaves_a + leaves_k
+        try:
+            sigs = tuple(map(_leaf_sig, leaves))
+        except TypeError:
+            self._explain_bad_leaves(dyn_args, dyn_kwargs)
+            raise
+        key = hashabledict(
+            static_args=tuple(zip([i for i, _ in static_args], hashed_static[:n])),
+            dyn_args=(tree_a, sigs[:len(leaves_a)]),
+            static_kwargs=tuple(sorted(zip(static_kwargs, hashed_static[n:]))),
+            dyn_kwargs=(tree_k, sigs[len(leaves_a):]),
+        )
+        return key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs)
+
+    def _explain_bad_leaves(self, dyn_args, dyn_kwargs):
+        _reject_states(dyn_args, f'{type(self).__name__}({self.name!r}): argument ')
+        _reject_states(dyn_kwargs, f'{type(self).__name__}({self.name!r}): keyword argument ')
+        for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                try:
+                    _leaf_sig(leaf)
+                except TypeError:
+                    raise TypeError(
+                        f'{type(self).__name__}({self.name!r}): dynamic {what}'
+                        f'{jax.tree_util.keystr(path)} has type {type(leaf).__name__}, which is '
+                        'not a JAX type; mark it static (static_argnums / static_argnames) '
+                        'or pass an array') from None
+
+    def _rebuilder(self, split):
+        """``rebuild(flat) -> (args, kwargs)`` putting static values back in place."""
+        static_args, dyn_args, static_kwargs, dyn_kwargs = split
+        tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
+        statics = dict(static_args)
+        nargs = len(dyn_args) + len(statics)
+
+        def rebuild(flat):
+            dyn, kw = jax.tree_util.tree_unflatten(tree, flat)
+            it = iter(dyn)
+            args = [statics[i] if i in statics else next(it) for i in range(nargs)]
+            return args, {**kw, **static_kwargs}
+        return rebuild
+
+    # -- entries ---------------------------------------------------------------
+    def _key_lock(self, key):
+        with self._key_locks_guard:
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = self._key_locks[key] = threading.RLock()
+            return lock
+
+    def _is_fresh(self, entry, values) -> bool:
+        """Whether ``entry`` was traced for the current shapes of its states."""
+        sigs = entry.traced.state_sigs
+        return all(_value_sig(v) == sig for v, sig in zip(values, sigs))
+
+    def _entry_for(self, key, leaves, split, *, count: bool):
+        """The valid entry for ``key``, tracing (once per key) when needed."""
+        entry = self._cache._peek(key)
+        if entry is not None and self._is_fresh(entry, [s._value for s in entry.plan.states]):
+            if count:
+                self._cache._record(True)
+            return entry
+        with self._key_lock(key):
+            entry = self._cache._peek(key)
+            if entry is not None and self._is_fresh(entry, [s._value for s in entry.plan.states]):
+                if count:
+                    self._cache._record(True)
+                return entry
+            entry = self._build_entry(key, leaves, split)
+            if entry.traced.cacheable:
+                self._cache._store(key, entry)
+            self._cache._record(False)
+            return entry
+
+    def _plan_for(self, states, write_index) -> _Plan:
+        plan_key = (tuple(map(id, states)), write_index)
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = _Plan(states, write_index)
+            self._plans[plan_key] = plan
+            self._plans_by_token[plan.token] = plan
+        return plan
+
+    def _build_entry(self, key, leaves, split) -> _Entry:
+        raise NotImplementedError
+
+    # -- calls -----------------------------------------------------------------
+    def _dispatcher(self, nargs: int):
+        jitted = self._dispatchers.get(nargs)
+        if jitted is None:
+            statics = self._static_positions(nargs) if self.static_argnums else ()
+            jitted = jax.jit(self._dispatch_body,
+                             static_argnums=(0,) + tuple(i + 2 for i in statics),
+                             static_argnames=self.static_argnames or None)
+            self._dispatchers[nargs] = jitted
+        return jitted
+
+    def _dispatch_body(self, token, state_values, *args, **kwargs):
+        """Runs only when the dispatcher's cache misses: traced by jax.jit."""
+        plan = self._plans_by_token[token]
+        key, leaves, split = self._cache_key(args, kwargs)
+        entry = self._cache._peek(key)
+        if entry is None or entry.plan is not plan or not self._is_fresh(entry, state_values):
+            entry = self._entry_for(key, leaves, split, count=False)
+            if entry.plan is not plan:
+                raise _PlanMismatch
+        return entry.apply(list(state_values), leaves)
+
+    def _run(self, entry, state_values, args, kwargs, leaves):
+        """Runs ``entry`` on concrete values: compiled unless mapping with pmap."""
+        if not self._compiled_dispatch:
+            return entry.apply(state_values, leaves)
+        return self._dispatcher(len(args))(entry.plan.token, state_values, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if _ctx.frames:
+            return self._call_in_trace(args, kwargs)
+        plan = self._last_plan
+        if plan is not None:
+            # Fast path: see the section comment.  ``ntraces`` tells a cache hit
+            # from a call during which the dispatcher had to trace afresh.
+            ntraces = _ctx.ntraces
+            try:
+                out, new = self._dispatcher(len(args))(
+                    plan.token, [s._value for s in plan.states], *args, **kwargs)
+            except _PlanMismatch:
+                return self._call_slow(args, kwargs)
+            except (TypeError, ValueError):
+                if _ctx.ntraces == ntraces:
+                    self._cache_key(args, kwargs)   # raises our own, clearer error
+                raise
+            self._write_back(plan, new)
+            self._cache._record(_ctx.ntraces == ntraces)
+            return out
+        return self._call_slow(args, kwargs)
+
+    def _call_slow(self, args, kwargs):
+        key, leaves, split = self._cache_key(args, kwargs)
+        ntraces = _ctx.ntraces
+        entry = self._entry_for(key, leaves, split, count=False)
+        plan = entry.plan
+        out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves)
+        self._write_back(plan, new)
+        if self._compiled_dispatch and entry.traced.cacheable:
+            self._last_plan = plan
+        self._cache._record(_ctx.ntraces == ntraces)
+        return out
+
+    def _write_back(self, plan, new):
+        if not new:
+            return
+        first = new[0]
+        if isinstance(first, Tracer) or (not isinstance(first, jax.Array)
+                                         and _contains_tracer(first)):
+            # Called under a plain JAX transformation: the new values are tracers.
+            state = plan.write_states[0]
+            raise TraceContextError(
+                f'{type(self).__name__}({self.name!r}) writes {state._describe()} but was '
+                'called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) with '
+                'no enclosing stateful trace, so the new state values would be tracers that '
+                'outlive it.  Wrap the outer function in StatefulFunction, or call '
+                'jaxpr_call(state_values, ...) and thread the values explicitly.')
+        for state, value in zip(plan.write_states, new):
+            state._value = value
+
+    def _call_in_trace(self, args, kwargs):
+        """A call inside an enclosing stateful trace: compose with it."""
+        key, leaves, split = self._cache_key(args, kwargs)
+        ntraces = _ctx.ntraces
+        entry = self._cache._peek(key)
+        values = None
+        if entry is not None:
+            values = [s.value for s in entry.plan.states]
+            if not self._is_fresh(entry, values):
+                entry = None
+        if entry is None:
+            entry = self._entry_for(key, leaves, split, count=False)
+            values = [s.value for s in entry.plan.states]
+        out, new = entry.apply(values, leaves)
+        for state, value in zip(entry.plan.write_states, new):
+            state.value = value
+        self._cache._record(_ctx.ntraces == ntraces)
+        return out
+
+    # -- cache management --------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Drops every cached trace and compiled executable (and the statistics)."""
+        self._cache.clear()
+        with self._key_locks_guard:
+            self._key_locks.clear()
+        self._reset_dispatch()
+
+    def get_cache_stats(self) -> dict:
+        """Statistics of the (single) entry cache, under brainstate's four names."""
+        stats = self._cache.get_stats()
+        return {name: dict(stats) for name in
+                ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
+
+
+class StatefulFunction(_StatefulBase):
+    """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
+
+    The jaxpr's inputs are the flat dynamic arguments (positional, then
+    keyword) followed by every State the function touches, in first-touch
+    order; its outputs are the flat results followed by the written States
+    (all touched States with ``return_only_write=False``).  One trace is
+    cached per abstract signature of the arguments (static arguments by
+    value).  Calling runs a compiled executable and writes the new state
+    values back.
+
+    Parameters
+    ----------
+    fun : callable
+        The function to trace.
+    static_argnums, static_argnames
+        Arguments treated as compile-time constants (part of the cache key by
+        value).  Negative positions count from the end.
+    axis_env : sequence of (name, size), optional
+        Named axes bound while tracing (for ``lax.axis_index`` / collectives).
+    abstracted_axes : optional
+        Dynamic-shape specification, on JAX releases that support it.
+    name : str, optional
+        Label for jaxprs and error messages (defaults to ``fun.__name__``).
+    return_only_write : bool
+        Return only written states from the jaxpr (default) or all touched ones.
+
+    Example
+    -------
+    >>> w = State(jnp.ones(2), name='w')
+    >>> def f(x):
+    ...     w.value = w.value * x
+    ...     return w.value.sum()
+    >>> sf = StatefulFunction(f)
+    >>> float(sf(3.0)), w.value.tolist()
+    (6.0, [3.0, 3.0])
+    >>> len(sf.get_jaxpr(3.0).jaxpr.invars)   # x, then w
+    2
+    """
+
+    def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
+                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True):
+        super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
+                         name, return_only_write)
+        functools.update_wrapper(self, fun, updated=())
+
+    def _build_entry(self, key, leaves, split) -> _Entry:
+        traced = self._trace(leaves, split)
+        plan = self._plan_for(traced.states, traced.returned)
+        closed, n_out, out_tree = traced.closed_jaxpr, traced.n_out, traced.out_tree
+        state_tree = traced.state_tree
+        run = _jaxpr_as_fun(closed)
+
+        def apply(state_values, flat_args):
+            outs = run(*flat_args, *_leaves(state_values))
+            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
+                    jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
+        return _Entry(traced, plan, apply, key)
+
+    def _trace(self, leaves, split) -> _Traced:
+        avals = [_aval_of(x) for x in leaves]
+        rebuild = self._rebuilder(split)
+        if self.abstracted_axes is not None:
+            return _trace_abstracted(self, avals, rebuild)
+        return _trace_stateful(self.fun, avals, rebuild, name=self.name,
+                               return_only_write=self.return_only_write,
+                               axis_env=self.axis_env)
+
+    # -- public API --------------------------------------------------------------
+    def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
+        """The hashable cache key for these arguments (traces first if asked)."""
+        key, leaves, split = self._cache_key(args, kwargs)
+        if compile_if_miss:
+            self._entry_for(key, leaves, split, count=True)
+        return key
+
+    def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
+        """Traces for these arguments on a cache miss; returns ``self``."""
+        key, leaves, split = self._cache_key(args, kwargs)
+        self._entry_for(key, leaves, split, count=True)
+        return self
+
+    def _entry_by_key(self, cache_key, context: str) -> _Entry:
+        return self._cache.get(cache_key, raise_on_miss=True, error_context=context)
+
+    def _entry_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Entry:
+        key, leaves, split = self._cache_key(args, kwargs)
+        if compile_if_miss:
+            return self._entry_for(key, leaves, split, count=True)
+        return self._entry_by_key(key, context)
+
+    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs) -> ClosedJaxpr:
+        """The ClosedJaxpr for these arguments."""
+        return self._entry_by_args(args, kwargs, compile_if_miss,
+                                   'JAX expression').traced.closed_jaxpr
+
+    def get_jaxpr_by_cache(self, cache_key) -> ClosedJaxpr:
+        """The ClosedJaxpr stored under ``cache_key``."""
+        return self._entry_by_key(cache_key, 'JAX expression').traced.closed_jaxpr
+
+    @staticmethod
+    def _out_shapes(entry):
+        t = entry.traced
+        structs = [_shape_struct(a) for a in t.out_avals]
+        out = jax.tree_util.tree_unflatten(t.out_tree, structs[:t.n_out])
+        states = jax.tree_util.tree_unflatten(t.state_tree, structs[t.n_out:])
+        return out, states
+
+    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
+        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees."""
+        return self._out_shapes(self._entry_by_args(args, kwargs, compile_if_miss,
+                                                    'Output shapes'))
+
+    def get_out_shapes_by_cache(self, cache_key):
+        """:meth:`get_out_shapes` for a cache key."""
+        return self._out_shapes(self._entry_by_key(cache_key, 'Output shapes'))
+
+    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The output pytree structure (without the states)."""
+        return self._entry_by_args(args, kwargs, compile_if_miss, 'Output tree').traced.out_tree
+
+    def get_out_treedef_by_cache(self, cache_key):
+        """:meth:`get_out_treedef` for a cache key."""
+        return self._entry_by_key(cache_key, 'Output tree').traced.out_tree
+
+    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs) -> StateTraceStack:
+        """The :class:`StateTraceStack` recorded while tracing."""
+        return self._entry_by_args(args, kwargs, compile_if_miss,
+                                   'State trace').traced.trace_stack
+
+    def get_state_trace_by_cache(self, cache_key) -> StateTraceStack:
+        """:meth:`get_state_trace` for a cache key."""
+        return self._entry_by_key(cache_key, 'State trace').traced.trace_stack
+
+    def get_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
+        """Every touched State, in jaxpr-input order."""
+        return self._entry_by_args(args, kwargs, compile_if_miss, 'State trace').traced.states
+
+    def get_states_by_cache(self, cache_key) -> tuple:
+        """:meth:`get_states` for a cache key."""
+        return self._entry_by_key(cache_key, 'State trace').traced.states
+
+    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
+        """The touched States that are only read."""
+        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                          **kwargs).get_read_states())
+
+    def get_read_states_by_cache(self, cache_key) -> tuple:
+        """:meth:`get_read_states` for a cache key."""
+        return tuple(self.get_state_trace_by_cache(cache_key).get_read_states())
+
+    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
+        """The touched States that are written."""
+        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                          **kwargs).get_write_states())
+
+    def get_write_states_by_cache(self, cache_key) -> tuple:
+        """:meth:`get_write_states` for a cache key."""
+        return tuple(self.get_state_trace_by_cache(cache_key).get_write_states())
+
+    def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
+        """Pure call: ``(new_state_vals, out)`` from explicit state values.
+
+        ``state_vals`` holds one value per touched state (``get_states`` order);
+        the result has the written ones replaced.  Works under every JAX
+        transformation.
+
+        Example
+        -------
+        >>> s = State(jnp.zeros(()))
+        >>> def f(x):
+        ...     s.value = s.value + x
+        ...     return x
+        >>> sf = StatefulFunction(f)
+        >>> new_vals, out = sf.jaxpr_call([jnp.ones(())], 2.0)
+        >>> float(new_vals[0]), float(s.value)      # s itself is untouched
+        (3.0, 0.0)
+        """
+        key, leaves, split = self._cache_key(args, kwargs)
+        entry = self._entry_for(key, leaves, split, count=True)
+        states = entry.plan.states
+        state_vals = list(state_vals)
+        if len(state_vals) != len(states):
+            raise ValueError(
+                f'State length mismatch: {type(self).__name__}({self.name!r}) touches '
+                f'{len(states)} state(s) ({", ".join(s._name or type(s).__name__ for s in states)}) '
+                f'but jaxpr_call got {len(state_vals)} value(s); pass one value per state in '
+                'get_states() order')
+        for state, value, sig in zip(states, state_vals, entry.traced.state_sigs):
+            try:
+                got = _value_sig(value)
+            except TypeError:
+                got = None
+            if got != sig:
+                raise ValueError(
+                    f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
+                    f'{got}, but the function was traced with {sig}; pass a value of the '
+                    'traced shape and dtype')
+        if self._compiled_dispatch and entry.traced.cacheable:
+            out, new = self._dispatcher(len(args))(entry.plan.token, state_vals, *args, **kwargs)
+        else:
+            out, new = entry.apply(state_vals, leaves)
+        for i, value in zip(entry.plan.write_index, new):
+            state_vals[i] = value
+        return state_vals, out
+
+    def jaxpr_call_auto(self, *args, **kwargs):
+        """Reads the states, runs, writes the written ones back; returns the output."""
+        return self(*args, **kwargs)
+
+    def validate_states(self, cache_key) -> bool:
+        """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
+        entry = self._entry_by_key(cache_key, 'State trace')
+        for state, sig in zip(entry.traced.states, entry.traced.state_sigs):
+            got = _value_sig(state._value)
+            if got != sig:
+                raise ValueError(
+                    f'{state._describe()} changed from {sig} to {got} since it was traced; '
+                    'the next call retraces (or call clear_cache())')
+        return True
+
+    def validate_all_states(self) -> dict:
+        """``{cache_key: True or the error message}`` for every entry."""
+        result = {}
+        for key in self._cache.keys():
+            try:
+                result[key] = self.validate_states(key)
+            except ValueError as err:
+                result[key] = str(err)
+        return result
+
+    def __repr__(self):
+        return f'StatefulFunction({self.name!r}, entries={len(self._cache)})'
+
+
+def _trace_abstracted(sf, avals, rebuild) -> _Traced:
+    """Tracing with ``abstracted_axes`` through public ``jax.make_jaxpr``."""
+    frame_box = {}
+
+    def stateful(*flat):
+        args, kwargs = rebuild(list(flat))
+        return sf.fun(*args, **kwargs)
+
+    fake = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    try:
+        closed = jax.make_jaxpr(stateful, abstracted_axes=sf.abstracted_axes)(*fake)
+    except Exception as err:
+        raise NotImplementedError(
+            f'abstracted_axes could not be honoured by the installed JAX {jax.__version__} '
+            f'({type(err).__name__}: {err}); enable jax_dynamic_shapes on a release that '
+            'supports it, or drop abstracted_axes') from err
+    del frame_box
+    probe = StateTraceStack()
+    with probe:
+        jax.eval_shape(stateful, *fake)
+    if probe.states:
+        raise NotImplementedError(
+            'abstracted_axes is supported only for functions that touch no State')
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(stateful, *fake))
+    return _Traced(closed_jaxpr=closed, out_tree=out_tree, n_out=len(closed.out_avals),
+                   out_avals=list(closed.out_avals), states=(), written=(), returned=(),
+                   state_tree=jax.tree_util.tree_structure([]), state_sigs=(),
+                   trace_stack=probe, cacheable=True, in_state_avals=None)
+
+
+def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
+               return_shape: bool = False, abstracted_axes=None,
+               return_only_write: bool = False) -> Callable:
+    """Like ``jax.make_jaxpr``, but States the function touches become inputs
+    and outputs.
+
+    Returns a function that returns ``(closed_jaxpr, states)``, or
+    ``(closed_jaxpr, states, out_shapes)`` with ``return_shape=True``.  For a
+    function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
+
+    Example
+    -------
+    >>> s = State(jnp.zeros(2), name='s')
+    >>> def f(x):
+    ...     s.value = s.value + x
+    ...     return s.value.sum()
+    >>> jaxpr, states = make_jaxpr(f)(jnp.ones(2))
+    >>> states == (s,), len(jaxpr.jaxpr.invars), len(jaxpr.jaxpr.outvars)
+    (True, 2, 2)
+    """
+    sf = StatefulFunction(fun, static_argnums=static_argnums, static_argnames=static_argnames,
+                          axis_env=axis_env, abstracted_axes=abstracted_axes,
+                          return_only_write=return_only_write)
+
+    @functools.wraps(fun)
+    def make(*args, **kwargs):
+        key, leaves, split = sf._cache_key(args, kwargs)
+        entry = sf._entry_for(key, leaves, split, count=True)
+        result = (entry.traced.closed_jaxpr, entry.traced.states)
+        if return_shape:
+            t = entry.traced
+            structs = [_shape_struct(a) for a in t.out_avals[:t.n_out]]
+            result += (jax.tree_util.tree_unflatten(t.out_tree, structs),)
+        return result
+    return make
+
+
+# =============================================================================
+# 7. State filters
+#
+# ``state_in_axes`` / ``state_out_axes`` pick states with filters: a State
+# subclass, a tag string, a predicate ``f(path, state)``, ``True``/``...``,
+# ``False``/``None``, a tuple/list (any of), or the combinators below.
+# =============================================================================
+
+class _Filter:
+    """Base of the filter combinators: a predicate ``f(path, state) -> bool``."""
+
+    def __call__(self, path, x) -> bool:
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self):
+        return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
+
+
+class OfType(_Filter):
+    """Matches instances of ``type_``.
+
+    Example
+    -------
+    >>> OfType(ParamState)((), ParamState(1.0))
+    True
+    """
+
+    def __init__(self, type_: type):
+        self.type = type_
+
+    def __call__(self, path, x):
+        return isinstance(x, self.type)
+
+    def __repr__(self):
+        return f'OfType({self.type.__name__})'
+
+
+class _WithTag(_Filter):
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def __call__(self, path, x):
+        return getattr(x, 'tag', None) == self.tag
+
+    def __repr__(self):
+        return f'WithTag({self.tag!r})'
+
+
+class Any(_Filter):
+    """Matches when any of ``filters`` matches.
+
+    Example
+    -------
+    >>> Any(ParamState, 'hidden')((), State(0.0, tag='hidden'))
+    True
+    """
+
+    def __init__(self, *filters):
+        self.predicates = tuple(to_predicate(f) for f in filters)
+
+    def __call__(self, path, x):
+        return any(p(path, x) for p in self.predicates)
+
+    def __repr__(self):
+        return f'Any({", ".join(map(repr, self.predicates))})'
+
+
+class All(_Filter):
+    """Matches when all of ``filters`` match.
+
+    Example
+    -------
+    >>> All(ParamState, 'w')((), ParamState(0.0, tag='w'))
+    True
+    """
+
+    def __init__(self, *filters):
+        self.predicates = tuple(to_predicate(f) for f in filters)
+
+    def __call__(self, path, x):
+        return all(p(path, x) for p in self.predicates)
+
+    def __repr__(self):
+        return f'All({", ".join(map(repr, self.predicates))})'
+
+
+class Not(_Filter):
+    """Matches when ``filter`` does not.
+
+    Example
+    -------
+    >>> Not(ParamState)((), State(0.0))
+    True
+    """
+
+    def __init__(self, filter):
+        self.predicate = to_predicate(filter)
+
+    def __call__(self, path, x):
+        return not self.predicate(path, x)
+
+    def __repr__(self):
+        return f'Not({self.predicate!r})'
+
+
+class Everything(_Filter):
+    """Matches every state.
+
+    Example
+    -------
+    >>> Everything()((), State(0.0))
+    True
+    """
+
+    def __call__(self, path, x):
+        return True
+
+    def __repr__(self):
+        return 'Everything()'
+
+
+class Nothing(_Filter):
+    """Matches no state.
+
+    Example
+    -------
+    >>> Nothing()((), State(0.0))
+    False
+    """
+
+    def __call__(self, path, x):
+        return False
+
+    def __repr__(self):
+        return 'Nothing()'
+
+
+def to_predicate(filter) -> Callable:
+    """Turns any filter into a predicate ``f(path, state) -> bool``.
+
+    Example
+    -------
+    >>> pred = to_predicate((ParamState, 'hidden'))
+    >>> pred((), ParamState(1.0)), pred((), State(1.0))
+    (True, False)
+    """
+    if isinstance(filter, _Filter):
+        return filter
+    if filter is Everything or filter is Nothing:
+        return filter()
+    if filter is True or filter is Ellipsis:
+        return Everything()
+    if filter is False or filter is None:
+        return Nothing()
+    if isinstance(filter, type):
+        return OfType(filter)
+    if isinstance(filter, str):
+        return _WithTag(filter)
+    if isinstance(filter, (tuple, list)):
+        return Any(*filter)
+    if callable(filter):
+        return filter
+    raise TypeError(
+        f'unsupported state filter {filter!r} of type {type(filter).__name__}; use a State '
+        'subclass, a tag string, a predicate f(path, state), True/..., False/None, a '
+        'tuple/list of filters, or OfType/Any/All/Not/Everything/Nothing')
+
+
+def _normalize_state_axes(spec, what: str) -> tuple:
+    """``{axis: filter}`` or a bare filter (axis 0) → ``((axis, predicate), ...)``."""
+    if spec is None:
+        return ()
+    items = list(spec.items()) if isinstance(spec, dict) else [(0, spec)]
+    out = []
+    for axis, filt in items:
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f'{what} keys must be int axes, got {axis!r}; write '
+                            f'{what}={{0: filter}} or {what}=filter')
+        out.append((int(axis), to_predicate(filt)))
+    return tuple(out)
+
+
+def _axis_for(state, axes: tuple):
+    for axis, predicate in axes:
+        if predicate((), state):
+            return axis
+    return None
+
+
+# =============================================================================
+# 8. StatefulMapping
+#
+# A discovery trace of ``fun`` at per-lane shapes finds the states it touches
+# and, by a dataflow pass over that jaxpr, which written values depend on the
+# batch.  The state values are then handed to ``mapping_fn`` explicitly with
+# per-state ``in_axes`` / ``out_axes``; no batching internals are needed.  The
+# plan is cached per cache key, so a warm call does no discovery.
+# =============================================================================
+
+_UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
+_COLLECTIVES = frozenset({'psum', 'pmax', 'pmin', 'psum_invariant'})
+
+
+def _lane_aval(aval, axis: int):
+    shape = tuple(aval.shape)
+    return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
+
+
+def _nested_jaxprs(params) -> list:
+    found = []
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
+
+
+def _uses_axis_index(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == 'axis_index':
+            return True
+        if any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params)):
+            return True
+    return False
+
+
+def _batched_outputs(jaxpr, in_batched: Sequence[bool], axis_name) -> list:
+    """Which outputs of ``jaxpr`` vary across lanes, given which inputs do."""
+    batched = {v for v, b in zip(jaxpr.invars, in_batched) if b}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        any_in = any(isinstance(v, Var) and v in batched for v in eqn.invars)
+        if name == 'axis_index':
+            out = True
+        elif name in _COLLECTIVES and axis_name is not None:
+            axes = eqn.params.get('axes', eqn.params.get('axis_name', ()))
+            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+            out = any_in and axis_name not in axes
+        else:
+            out = any_in or any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params))
+        if out:
+            batched.update(eqn.outvars)
+    return [isinstance(v, Var) and v in batched for v in jaxpr.outvars]
+
+
+class StatefulMapping(_StatefulBase):
+    """Maps a stateful function over a batch, like ``jax.vmap`` for States.
+
+    States matched by ``state_in_axes`` are split along their axis on the way
+    in and stacked on the way out; other states are broadcast.  Every touched
+    :class:`RandomState` is split into one key per lane (as ``split_key(n)``
+    would) and afterwards holds the advanced key.
+
+    Parameters
+    ----------
+    fun : callable
+    in_axes, out_axes
+        As for ``jax.vmap`` (keyword arguments are mapped over axis 0).
+    state_in_axes, state_out_axes
+        ``{axis: filter}`` or a bare filter (axis 0).  A state batched on the
+        way in leaves batched on the same axis unless ``state_out_axes`` says
+        otherwise.
+    unexpected_out_state_mapping : {'auto', 'warn', 'raise', 'ignore'}
+        What to do when an unbatched state is written with a batched value:
+        leave it batched along axis 0 silently ('auto', 'ignore'), with a
+        warning ('warn'), or raise :class:`BatchAxisError` ('raise').
+    static_argnums, static_argnames, axis_env, name
+        As for :class:`StatefulFunction`.
+    axis_size : int, optional
+        The batch size when nothing is batched.
+    axis_name : hashable, optional
+        Names the mapped axis for collectives (``lax.psum`` ...).
+    mapping_fn : callable
+        ``jax.vmap`` (default), ``jax.pmap``, or a shard_map-based mapper with
+        the same signature.
+
+    Example
+    -------
+    >>> h = HiddenState(jnp.zeros((4, 3)), name='h')   # one row per lane
+    >>> rng = RandomState(0)
+    >>> def step(x):
+    ...     h.value = h.value + x + jax.random.normal(rng.split_key(), (3,))
+    ...     return h.value.sum()
+    >>> f = StatefulMapping(step, in_axes=0, state_in_axes={0: HiddenState})
+    >>> f(jnp.ones((4, 3))).shape
+    (4,)
+    """
+
+    def __init__(self, fun: Callable, in_axes=0, out_axes=0, state_in_axes=None,
+                 state_out_axes=None, unexpected_out_state_mapping: str = 'auto',
+                 static_argnums=(), static_argnames=(), axis_env=None, abstracted_axes=None,
+                 axis_size: int | None = None, axis_name=None, name: str | None = None,
+                 mapping_fn: Callable = jax.vmap):
+        if abstracted_axes is not None:
+            raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
+                                      'map over concrete shapes instead')
+        super().__init__(fun, static_argnums, static_argnames, axis_env, None, name, True)
+        if unexpected_out_state_mapping not in _UNEXPECTED_POLICIES:
+            raise ValueError(
+                f'unexpected_out_state_mapping must be one of {_UNEXPECTED_POLICIES}, got '
+                f'{unexpected_out_state_mapping!r}')
+        if axis_size is not None and (isinstance(axis_size, bool) or not isinstance(
+                axis_size, (int, np.integer)) or axis_size < 1):
+            raise ValueError(f'axis_size must be a positive int, got {axis_size!r}')
+        if not callable(mapping_fn):
+            raise TypeError(f'mapping_fn must be callable like jax.vmap, got {mapping_fn!r}')
+        self.in_axes = in_axes
+        self.out_axes = out_axes
+        self.state_in_axes = state_in_axes
+        self.state_out_axes = state_out_axes
+        self._state_in = _normalize_state_axes(state_in_axes, 'state_in_axes')
+        self._state_out = _normalize_state_axes(state_out_axes, 'state_out_axes')
+        self.unexpected_out_state_mapping = unexpected_out_state_mapping
+        self.axis_size = axis_size
+        self.axis_name = axis_name
+        self.mapping_fn = mapping_fn
+        # pmap compiles by itself, and jit-of-pmap warns: call it directly.
+        self._compiled_dispatch = mapping_fn is not jax.pmap
+        functools.update_wrapper(self, fun, updated=())
+
+    # -- discovery -------------------------------------------------------------
+    def _leaf_axes(self, split) -> list:
+        static_args, dyn_args, static_kwargs, dyn_kwargs = split
+        static_pos = {i for i, _ in static_args}
+        nargs = len(dyn_args) + len(static_pos)
+        spec = self.in_axes
+        if isinstance(spec, (tuple, list)):
+            if len(spec) != nargs:
+                raise ValueError(
+                    f'StatefulMapping({self.name!r}): in_axes has {len(spec)} entries but the '
+                    f'call passed {nargs} positional argument(s); give one axis (int or None) '
+                    'per positional argument, or a single int for all')
+            per_arg = [spec[i] for i in range(nargs) if i not in static_pos]
+        else:
+            per_arg = [spec] * len(dyn_args)
+        axes = []
+        for i, (prefix, arg) in enumerate(zip(per_arg, dyn_args)):
+            found = []
+            try:
+                jax.tree_util.tree_map(
+                    lambda p, sub: found.extend([p] * len(_leaves(sub))), prefix, arg,
+                    is_leaf=lambda x: x is None)
+            except ValueError as err:
+                raise ValueError(f'StatefulMapping({self.name!r}): in_axes entry {prefix!r} '
+                                 f'does not match argument {i}: {err}') from None
+            axes += found
+        axes += [0] * len(_leaves(dyn_kwargs))
+        for ax in axes:
+            if ax is not None and (isinstance(ax, bool) or not isinstance(ax, (int, np.integer))):
+                raise ValueError(f'StatefulMapping({self.name!r}): in_axes entries must be '
+                                 f'int or None, got {ax!r}')
+        return axes
+
+    def _build_entry(self, key, leaves, split) -> _Entry:
+        axes = self._leaf_axes(split)
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path((split[1], split[3]))[0]]
+        sizes, lane_avals, arg_axes = [], [], []
+        for path, leaf, ax in zip(paths, leaves, axes):
+            aval = _aval_of(leaf)
+            if ax is None:
+                lane_avals.append(aval)
+                arg_axes.append(None)
+                continue
+            nd = len(aval.shape)
+            a = ax + nd if ax < 0 else ax
+            if not 0 <= a < nd:
+                raise ValueError(
+                    f'StatefulMapping({self.name!r}): in_axes={ax} is out of range for argument '
+                    f'leaf {path} of shape {tuple(aval.shape)}')
+            sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
+            lane_avals.append(_lane_aval(aval, a))
+            arg_axes.append(a)
+
+        guess = sizes[0][1] if sizes else (self.axis_size or 1)
+        traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
+        if self.axis_name is not None and state_sizes and not sizes and \
+                self.axis_size is None and state_sizes[0][1] != guess:
+            traced, state_axes, state_sizes = self._discover(lane_avals, split,
+                                                             state_sizes[0][1])
+        sizes += state_sizes
+        if self.axis_size is not None:
+            sizes.append(('axis_size', self.axis_size))
+        distinct = {s for _, s in sizes}
+        if len(distinct) > 1:
+            listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
+            raise ValueError(f'StatefulMapping({self.name!r}): inconsistent batch sizes:\n'
+                             f'{listing}\nall mapped arguments and batched states must share '
+                             'one batch size')
+        states = traced.states
+        rng_index = [i for i, s in enumerate(states)
+                     if isinstance(s, RandomState) and state_axes[i] is None]
+        if not distinct:
+            raise ValueError(
+                f'StatefulMapping({self.name!r}): nothing is batched (no argument has an '
+                'in_axes entry and no state matches state_in_axes), so the batch size is '
+                'unknown; pass axis_size=n')
+        n = distinct.pop()
+
+        # Which returned states depend on the batch?
+        in_batched = [a is not None for a in arg_axes]
+        for i, (state, sig) in enumerate(zip(states, traced.state_sigs)):
+            in_batched += [state_axes[i] is not None or i in rng_index] * len(sig[1])
+        out_batched = _batched_outputs(traced.closed_jaxpr.jaxpr, in_batched, self.axis_name)
+        ret_batched, pos = [], traced.n_out
+        returned_tree = jax.tree_util.tree_unflatten(
+            traced.state_tree, list(range(traced.state_tree.num_leaves)))
+        for value_leaves in returned_tree:
+            idx = _leaves(value_leaves)
+            ret_batched.append(any(out_batched[pos + j] for j in idx))
+
+        mapped_write, write_axes = [], []
+        for r, i in enumerate(traced.returned):
+            if i in rng_index:
+                continue
+            state = states[i]
+            axis = _axis_for(state, self._state_out)
+            if axis is None:
+                axis = state_axes[i]
+            if axis is None and ret_batched[r]:
+                self._unexpected(state)
+                axis = 0
+            mapped_write.append((r, i))
+            write_axes.append(axis)
+        write_index = tuple(i for _, i in mapped_write) + tuple(rng_index)
+        plan = self._plan_for(states, write_index)
+        in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
+        apply = self._make_apply(traced, n, arg_axes, in_state_axes, [r for r, _ in mapped_write],
+                                 write_axes, rng_index, not any(in_batched))
+        return _Entry(traced, plan, apply, key)
+
+    def _discover(self, lane_avals, split, size):
+        state_axes, state_sizes = {}, []
+
+        def lift_aval(state, aval):
+            axis = state_axes.get(id(state), _MISSING)
+            if axis is _MISSING:
+                axis = _axis_for(state, self._state_in)
+                state_axes[id(state)] = axis
+            if axis is None:
+                return aval
+            nd = len(aval.shape)
+            a = axis + nd if axis < 0 else axis
+            if not 0 <= a < nd:
+                raise BatchAxisError(
+                    f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
+                    f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape')
+            state_sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
+            return _lane_aval(aval, a)
+
+        axis_env = list(self.axis_env or ())
+        if self.axis_name is not None:
+            axis_env.append((self.axis_name, size))
+        traced = _trace_stateful(self.fun, lane_avals, self._rebuilder(split), name=self.name,
+                                 return_only_write=True, axis_env=axis_env,
+                                 lift_aval=lift_aval)
+        axes = []
+        for s in traced.states:
+            axis = state_axes.get(id(s))
+            if axis is not None:
+                nd = len(traced.state_sigs[len(axes)][1][0][0]) if traced.state_sigs[len(axes)][1] else 0
+                axis = axis + nd if axis < 0 else axis
+            axes.append(axis)
+        return traced, axes, state_sizes
+
+    def _unexpected(self, state):
+        policy = self.unexpected_out_state_mapping
+        message = (f'StatefulMapping({self.name!r}): {state._describe()} came in unbatched but '
+                   'is written with a batched value, so it leaves batched along axis 0. '
+                   'Declare it with state_in_axes (batched in) or state_out_axes (batched out)')
+        if policy == 'raise':
+            raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
+        if policy == 'warn':
+            warnings.warn(message, UserWarning, stacklevel=5)
+
+    def _make_apply(self, traced, n, arg_axes, state_axes, returned_pos, write_axes,
+                    rng_index, nothing_batched):
+        run = _jaxpr_as_fun(traced.closed_jaxpr)
+        n_out, out_tree, state_tree = traced.n_out, traced.out_tree, traced.state_tree
+        extra = {}
+        if self.axis_name is not None:
+            extra['axis_name'] = self.axis_name
+        if nothing_batched:
+            extra['axis_size'] = n
+
+        def lane(lane_args, lane_states):
+            outs = run(*lane_args, *_leaves(lane_states))
+            returned = jax.tree_util.tree_unflatten(state_tree, outs[n_out:])
+            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
+                    [returned[r] for r in returned_pos])
+
+        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), list(state_axes)),
+                                 out_axes=(self.out_axes, list(write_axes)), **extra)
+
+        def apply(state_values, flat_args):
+            values = list(state_values)
+            new_keys = []
+            for i in rng_index:
+                keys = jax.random.split(values[i], n + 1)
+                new_keys.append(keys[0])
+                values[i] = keys[1:]
+            out, written = mapped(list(flat_args), values)
+            return out, list(written) + new_keys
+        return apply
+
+    def __repr__(self):
+        return f'StatefulMapping({self.name!r}, entries={len(self._cache)})'
+
+
+# =============================================================================
+# 9. Jaxpr passes: constant folding
+# =============================================================================
+
+class IdentitySet:
+    """A set of objects compared by identity (for unhashable values such as arrays).
+
+    Example
+    -------
+    >>> a = np.zeros(2)
+    >>> s = IdentitySet([a, a])
+    >>> len(s), a in s, np.zeros(2) in s
+    (1, True, False)
+    """
+
+    def __init__(self, items: Iterable = ()):
+        self._items: dict = {}
+        for item in items:
+            self.add(item)
+
+    def add(self, item) -> None:
+        self._items[id(item)] = item
+
+    def discard(self, item) -> None:
+        self._items.pop(id(item), None)
+
+    def __contains__(self, item) -> bool:
+        return id(item) in self._items
+
+    def __iter__(self):
+        return iter(list(self._items.values()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self):
+        return f'IdentitySet({list(self._items.values())!r})'
+
+
+# Never evaluated at fold time: their value must come from running the program.
+_NO_FOLD_PRIMITIVES = frozenset({
+    'random_seed', 'random_bits', 'random_split', 'random_fold_in', 'random_wrap',
+    'random_unwrap', 'threefry2x32', 'rng_bit_generator', 'rng_uniform',
+    'cond', 'while', 'scan', 'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr',
+    'checkpoint', 'remat', 'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', 'axis_index',
+    'pure_callback', 'io_callback', 'debug_callback', 'debug_print', 'device_put',
+})
+# A folded value larger than this (in elements) and larger than the inputs
+# would only materialise a big constant (e.g. broadcast_in_dim of a scalar).
+_FOLD_MAX_GROWTH = 1024
+
+
+def _numel(aval) -> int:
+    return int(math.prod(getattr(aval, 'shape', ()) or ()))
+
+
+def _foldable(eqn, values) -> bool:
+    name = eqn.primitive.name
+    if not eqn.invars or eqn.effects or name in _NO_FOLD_PRIMITIVES:
+        return False
+    if 'callback' in name or name.startswith('random_') or _nested_jaxprs(eqn.params):
+        return False
+    if any(v is _MISSING or isinstance(v, Tracer) for v in values):
+        return False
+    out_size = sum(_numel(v.aval) for v in eqn.outvars)
+    in_size = sum(_numel(v.aval) for v in eqn.invars)
+    return out_size <= max(in_size, _FOLD_MAX_GROWTH)
+
+
+def _fold(jaxpr, consts):
+    """Folds ``jaxpr``; returns ``(new_jaxpr, new_consts)`` (consts None for a bare Jaxpr)."""
+    known = {}        # folded Var -> value
+    replacement = {}  # folded Var -> Literal or new constvar
+    new_constvars = list(jaxpr.constvars)
+    new_consts = list(consts) if consts is not None else None
+    const_values = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
+
+    def value_of(atom):
+        if isinstance(atom, Literal):
+            return atom.val
+        if atom in known:
+            return known[atom]
+        return const_values.get(atom, _MISSING)
+
+    def substitute(atom):
+        if isinstance(atom, Literal) or atom not in known:
+            return atom
+        rep = replacement.get(atom)
+        if rep is None:
+            val = known[atom]
+            if np.shape(val) == () or new_consts is None:
+                rep = Literal(np.asarray(val), atom.aval)
+            else:
+                new_constvars.append(atom)
+                new_consts.append(val)
+                rep = atom
+            replacement[atom] = rep
+        return rep
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CALL_PRIMITIVES:
+            eqn = _fold_call_body(eqn)
+        values = [value_of(v) for v in eqn.invars]
+        if _foldable(eqn, values):
+            try:
+                outs = eqn.primitive.bind(*values, **eqn.params)
+            except Exception:  # e.g. a primitive with no eager rule: keep it
+                outs = None
+            if outs is not None:
+                outs = outs if eqn.primitive.multiple_results else [outs]
+                for var, out in zip(eqn.outvars, outs):
+                    known[var] = out
+                continue
+        eqns.append(eqn.replace(invars=[substitute(v) for v in eqn.invars]))
+    outvars = [substitute(v) for v in jaxpr.outvars]
+
+    used = set()
+    for eqn in eqns:
+        used.update(v for v in eqn.invars if isinstance(v, Var))
+    used.update(v for v in outvars if isinstance(v, Var))
+    keep = [i for i, v in enumerate(new_constvars) if v in used]
+    new_constvars = [new_constvars[i] for i in keep]
+    if new_consts is not None:
+        new_consts = [new_consts[i] for i in keep]
+    return jaxpr.replace(constvars=new_constvars, eqns=eqns, outvars=outvars), new_consts
+
+
+def _fold_call_body(eqn):
+    for name in ('jaxpr', 'call_jaxpr'):
+        body = eqn.params.get(name)
+        if isinstance(body, (ClosedJaxpr, Jaxpr)):
+            return eqn.replace(params={**eqn.params, name: constant_fold_jaxpr(body)})
+    return eqn
+
+
+def constant_fold_jaxpr(jaxpr):
+    """Evaluates every equation whose inputs are all known and inlines the results.
+
+    Accepts a ``Jaxpr`` or ``ClosedJaxpr`` and returns the same kind with the
+    same interface (invars, outvar avals and debug info), so it evaluates with
+    the original arguments to the same numbers.  Never folded: equations
+    without inputs, random-number primitives, control flow, callbacks and
+    other effectful primitives, and equations that would only materialise a
+    large constant.  Bodies of nested ``pjit``/``closed_call`` are folded too.
+
+    Example
+    -------
+    >>> def f(x):
+    ...     c = jnp.arange(3.0) * 2 + 1        # all constant
+    ...     return x + c
+    >>> cj = jax.make_jaxpr(f)(jnp.ones(3))
+    >>> folded = constant_fold_jaxpr(cj)
+    >>> len(folded.eqns) < len(cj.eqns)
+    True
+    """
+    if isinstance(jaxpr, ClosedJaxpr):
+        new, consts = _fold(jaxpr.jaxpr, list(jaxpr.consts))
+        return ClosedJaxpr(new, consts)
+    if isinstance(jaxpr, Jaxpr):
+        return _fold(jaxpr, None)[0]
+    raise TypeError(f'constant_fold_jaxpr needs a Jaxpr or ClosedJaxpr, got '
+                    f'{type(jaxpr).__name__}')
+
+
+# =============================================================================
+# 10. Demo: ``python stateful_jaxpr.py``
+# =============================================================================
+
+def _label_jaxpr(closed: ClosedJaxpr, n_args: int, states, returned, n_out: int) -> str:
+    """The jaxpr followed by the role of each input and output, by position."""
+    def roles(states_):
+        out = []
+        for s in states_:
+            out += [s.name or type(s).__name__] * len(_leaves(s.value))
+        return out
+    jaxpr = closed.jaxpr
+    in_states, out_states = roles(states), roles([states[i] for i in returned])
+    lines = [str(closed), '', '   inputs (in order):']
+    for i, v in enumerate(jaxpr.invars):
+        role = f'argument {i}' if i < n_args else f'state {in_states[i - n_args]!r} (read)'
+        lines.append(f'     #{i} {v.aval.str_short()} : {role}')
+    lines.append('   outputs (in order):')
+    for i, v in enumerate(jaxpr.outvars):
+        role = f'result {i}' if i < n_out else f'state {out_states[i - n_out]!r} (written)'
+        lines.append(f'     #{i} {v.aval.str_short()} : {role}')
+    return '\n'.join(lines)
+
+
+def main() -> None:
+    """A short tour: trace a stateful function, show its jaxpr, call it."""
+    print(f'stateful_jaxpr on jax {jax.__version__}\n')
+    weight = ParamState(jnp.array([0.5, -1.0, 2.0]), name='weight')
+    trace = LongTermState(jnp.zeros(3), name='trace')
+    count = State(jnp.array(0), name='count')
+
+    def step(x):
+        trace.value = 0.9 * trace.value + x      # a running statistic
+        count.value = count.value + 1
+        return jnp.dot(weight.value, trace.value)
+
+    sf = StatefulFunction(step)
+    x = jnp.ones(3)
+    traced = sf._entry_by_args((x,), {}, True, 'JAX expression').traced
+    print('1. step(x) traced to a jaxpr; the states it touches become inputs, the ones it')
+    print('   writes become outputs:\n')
+    print(_label_jaxpr(traced.closed_jaxpr, 1, traced.states, traced.returned, traced.n_out))
+    print('\n2. calling it runs a compiled executable and updates the states:')
+    for i in range(3):
+        y = sf(x)
+        print(f'   call {i}: out={float(y):+.4f}  trace={trace.value}  count={int(count.value)}')
+    print('\n3. cache statistics:', sf.get_cache_stats()['jaxpr_cache'])
+
+    rng = RandomState(0, name='rng')
+    h = HiddenState(jnp.zeros((4, 3)), name='h', tag='per_lane')
+
+    def noisy(inp):
+        h.value = h.value + inp + 0.1 * jax.random.normal(rng.split_key(), (3,))
+        return h.value.mean()
+
+    sm = StatefulMapping(noisy, in_axes=0, state_in_axes={0: 'per_lane'})
+    out = sm(jnp.ones((4, 3)))
+    print('\n4. StatefulMapping over 4 lanes, one random key per lane:')
+    print(f'   out={np.round(np.asarray(out), 3)}')
+    print(f'   h=\n{np.round(np.asarray(h.value), 3)}')
+
+
+if __name__ == '__main__':
+    main()
