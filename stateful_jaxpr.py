@@ -1158,12 +1158,14 @@ def _reject_states(tree, what: str) -> None:
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
-                    lift_aval: Callable | None = None) -> _Traced:
+                    lift_aval: Callable | None = None,
+                    trace_with: Callable | None = None) -> _Traced:
     """Traces ``fun(*rebuild(flat_leaves))`` with a fresh isolating frame.
 
     ``rebuild(flat)`` returns ``(args, kwargs)``; ``lift_aval(state, aval)``
     may change the abstract value a state leaf is lifted with (StatefulMapping
-    lifts batched states at their per-lane shape).
+    lifts batched states at their per-lane shape).  ``trace_with(flat_fun,
+    avals, name)`` replaces the default tracer (used for ``abstracted_axes``).
     """
     frame = StateTraceStack(name=name)
     box = {}
@@ -1206,7 +1208,10 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
     _ctx.ntraces += 1
     with _axis_env(axis_env):
-        jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
+        if trace_with is None:
+            jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
+        else:
+            jaxpr, out_avals, consts = trace_with(flat_fun, flat_avals)
     states = tuple(frame.states)
     sigs = {}
     for state, treedef, avals in box.get('lifted', ()):
@@ -1258,6 +1263,21 @@ class _Plan:
         self.states = states
         self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
+
+
+class _StaticArg:
+    """Carries a static argument through jax.jit, hashed by ``make_hashable``."""
+    __slots__ = ('value', '_key')
+
+    def __init__(self, value):
+        self.value = value
+        self._key = make_hashable(value)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _StaticArg) and self._key == other._key
 
 
 class _Entry:
@@ -1332,13 +1352,14 @@ class _StatefulBase:
             raise NotImplementedError(
                 f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
-                'abstracted_axes (trace once per concrete shape instead)')
+                'abstracted_axes and trace once per concrete shape')
         self._cache = BoundedCache(cache_size)
         self._key_locks: dict = {}
         self._key_locks_guard = threading.Lock()
         self._reset_dispatch()
 
     def _reset_dispatch(self):
+        self._wrap_statics = False
         self._plans: dict = {}
         self._plans_by_token: dict = {}
         self._last_plan = None
@@ -1381,7 +1402,18 @@ class _StatefulBase:
             h = make_hashable(value)
             try:
                 hash(h)
+                if h is not value:
+                    hash(value)
             except TypeError:
+                if h is not value:
+                    try:
+                        hash(h)
+                        self._wrap_statics = True   # hashable by value only
+                    except TypeError:
+                        pass
+                    else:
+                        hashed_static.append(h)
+                        continue
                 raise TypeError(
                     f'{type(self).__name__}({self.name!r}): static {where} of type '
                     f'{type(value).__name__} is not hashable; static arguments are cache keys. '
@@ -1461,7 +1493,8 @@ class _StatefulBase:
             entry = self._build_entry(key, leaves, split)
             if entry.traced.cacheable:
                 self._cache._store(key, entry)
-            self._cache._record(False)
+            if count:
+                self._cache._record(False)
             return entry
 
     def _plan_for(self, states, write_index) -> _Plan:
@@ -1490,6 +1523,9 @@ class _StatefulBase:
     def _dispatch_body(self, token, state_values, *args, **kwargs):
         """Runs only when the dispatcher's cache misses: traced by jax.jit."""
         plan = self._plans_by_token[token]
+        if self._wrap_statics:
+            args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
+            kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._cache._peek(key)
         if entry is None or entry.plan is not plan or not self._is_fresh(entry, state_values):
@@ -1500,15 +1536,26 @@ class _StatefulBase:
 
     def _run(self, entry, state_values, args, kwargs, leaves):
         """Runs ``entry`` on concrete values: compiled unless mapping with pmap."""
-        if not self._compiled_dispatch:
+        if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
+        if self._wrap_statics:
+            args, kwargs = self._wrapped_statics(args, kwargs)
         return self._dispatcher(len(args))(entry.plan.token, state_values, *args, **kwargs)
+
+    def _wrapped_statics(self, args, kwargs):
+        """Static arguments hashable by ``make_hashable`` value, for jax.jit."""
+        static_args, _, static_kwargs, _ = self._split(args, kwargs)
+        args = list(args)
+        for i, value in static_args:
+            args[i] = _StaticArg(value)
+        kwargs = {k: _StaticArg(v) if k in static_kwargs else v for k, v in kwargs.items()}
+        return tuple(args), kwargs
 
     def __call__(self, *args, **kwargs):
         if _ctx.frames:
             return self._call_in_trace(args, kwargs)
         plan = self._last_plan
-        if plan is not None:
+        if plan is not None and not self._wrap_statics:
             # Fast path: see the section comment.  ``ntraces`` tells a cache hit
             # from a call during which the dispatcher had to trace afresh.
             ntraces = _ctx.ntraces
@@ -1518,9 +1565,11 @@ class _StatefulBase:
             except _PlanMismatch:
                 return self._call_slow(args, kwargs)
             except (TypeError, ValueError):
-                if _ctx.ntraces == ntraces:
-                    self._cache_key(args, kwargs)   # raises our own, clearer error
-                raise
+                if _ctx.ntraces != ntraces:   # raised by the traced function itself
+                    raise
+                # Raised by jax.jit's argument handling: the slow path gives a
+                # clearer error, or copes (e.g. static args hashable only by value).
+                return self._call_slow(args, kwargs)
             self._write_back(plan, new)
             self._cache._record(_ctx.ntraces == ntraces)
             return out
@@ -1643,6 +1692,11 @@ class StatefulFunction(_StatefulBase):
         run = _jaxpr_as_fun(closed)
 
         def apply(state_values, flat_args):
+            if self.abstracted_axes is not None:
+                raise NotImplementedError(
+                    f'StatefulFunction({self.name!r}) was built with abstracted_axes; its '
+                    'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
+                    'Create it without abstracted_axes to call it')
             outs = run(*flat_args, *_leaves(state_values))
             return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
                     jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
@@ -1651,11 +1705,12 @@ class StatefulFunction(_StatefulBase):
     def _trace(self, leaves, split) -> _Traced:
         avals = [_aval_of(x) for x in leaves]
         rebuild = self._rebuilder(split)
+        trace_with = None
         if self.abstracted_axes is not None:
-            return _trace_abstracted(self, avals, rebuild)
+            trace_with = _abstracted_tracer(self.abstracted_axes, split)
         return _trace_stateful(self.fun, avals, rebuild, name=self.name,
                                return_only_write=self.return_only_write,
-                               axis_env=self.axis_env)
+                               axis_env=self.axis_env, trace_with=trace_with)
 
     # -- public API --------------------------------------------------------------
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
@@ -1824,34 +1879,62 @@ class StatefulFunction(_StatefulBase):
         return f'StatefulFunction({self.name!r}, entries={len(self._cache)})'
 
 
-def _trace_abstracted(sf, avals, rebuild) -> _Traced:
-    """Tracing with ``abstracted_axes`` through public ``jax.make_jaxpr``."""
-    frame_box = {}
+def _abstracted_tracer(abstracted_axes, split):
+    """A ``trace_with`` for :func:`_trace_stateful` honouring ``abstracted_axes``.
 
-    def stateful(*flat):
-        args, kwargs = rebuild(list(flat))
-        return sf.fun(*args, **kwargs)
+    Dynamic shapes exist only in ``jax.make_jaxpr`` (0.4.30 .. 0.8.1, with
+    ``jax_dynamic_shapes`` on; broken from 0.7.2), so tracing goes through it,
+    after a one-off probe that the installed JAX can do it with states.
+    """
+    _, dyn_args, _, dyn_kwargs = split
+    if dyn_kwargs:
+        raise NotImplementedError('abstracted_axes applies to positional arguments only; '
+                                  'pass the dynamic arguments positionally')
+    problem = _dynamic_shapes_problem()
+    if problem is not None:
+        raise NotImplementedError(
+            f'abstracted_axes cannot be honoured by JAX {jax.__version__} ({problem}).  '
+            "Dynamic shapes need JAX 0.4.30 .. 0.6.x with jax.config.update("
+            "'jax_dynamic_shapes', True); otherwise drop abstracted_axes and trace once per "
+            'concrete shape')
+    treedef = jax.tree_util.tree_structure(dyn_args)
 
-    fake = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    try:
-        closed = jax.make_jaxpr(stateful, abstracted_axes=sf.abstracted_axes)(*fake)
-    except Exception as err:
-        raise NotImplementedError(
-            f'abstracted_axes could not be honoured by the installed JAX {jax.__version__} '
-            f'({type(err).__name__}: {err}); enable jax_dynamic_shapes on a release that '
-            'supports it, or drop abstracted_axes') from err
-    del frame_box
-    probe = StateTraceStack()
-    with probe:
-        jax.eval_shape(stateful, *fake)
-    if probe.states:
-        raise NotImplementedError(
-            'abstracted_axes is supported only for functions that touch no State')
-    out_tree = jax.tree_util.tree_structure(jax.eval_shape(stateful, *fake))
-    return _Traced(closed_jaxpr=closed, out_tree=out_tree, n_out=len(closed.out_avals),
-                   out_avals=list(closed.out_avals), states=(), written=(), returned=(),
-                   state_tree=jax.tree_util.tree_structure([]), state_sigs=(),
-                   trace_stack=probe, cacheable=True, in_state_avals=None)
+    def trace_with(flat_fun, avals):
+        # Dynamic-shape tracing needs example arrays, not ShapeDtypeStructs.
+        examples = jax.tree_util.tree_unflatten(
+            treedef, [jnp.zeros(a.shape, a.dtype) for a in avals])
+        closed = jax.make_jaxpr(lambda *args: flat_fun(*_leaves(args)),
+                                abstracted_axes=abstracted_axes)(*examples)
+        return closed.jaxpr, closed.out_avals, closed.consts
+    return trace_with
+
+
+_DYNAMIC_SHAPES_PROBES: dict = {}
+
+
+def _dynamic_shapes_problem():
+    """``None`` if abstracted_axes works with states here, else why not (cached)."""
+    config = getattr(jax.config, 'jax_dynamic_shapes', None)
+    if config in _DYNAMIC_SHAPES_PROBES:
+        return _DYNAMIC_SHAPES_PROBES[config]
+    if not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
+        problem = 'jax.make_jaxpr has no abstracted_axes parameter'
+    else:
+        probe_state = State(jnp.zeros(()))
+
+        def probe(flat_fun, avals):
+            closed = jax.make_jaxpr(lambda x: flat_fun(x), abstracted_axes=('n',))(
+                jnp.zeros(2, jnp.float32))
+            return closed.jaxpr, closed.out_avals, closed.consts
+        try:
+            _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
+                            lambda flat: (flat, {}), name='probe', return_only_write=True,
+                            trace_with=probe)
+            problem = None
+        except Exception as err:  # the probe only asks "does it work at all"
+            problem = f'{type(err).__name__}: {err}'.strip()
+    _DYNAMIC_SHAPES_PROBES[config] = problem
+    return problem
 
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
