@@ -269,9 +269,9 @@ def _leaf_sig(x) -> tuple:
 
 
 def _value_sig(value) -> tuple:
-    """Structure and leaf signatures of a state value."""
+    """Structure, shapes and dtypes of a state value (what makes a trace stale)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    return treedef, tuple(map(_leaf_sig, leaves))
+    return treedef, tuple(_leaf_sig(x)[:2] for x in leaves)
 
 
 def _contains_tracer(tree) -> bool:
@@ -340,11 +340,11 @@ class State:
             raise ValueError(
                 f'cannot create {type(self).__name__}(name={name!r}) holding another '
                 f'State ({value!r}); pass its value instead: State(other.value)')
-        self._check_value(value)
-        self._value = value
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
+        self._check_value(value)
+        self._value = value
         self._leak = None
         frames = _ctx.frames
         self._stack_level = len(frames)
@@ -543,17 +543,17 @@ class HiddenState(ShortTermState):
         if not (isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
                 or isinstance(v, Tracer)):
             raise ValueError(
-                f'HiddenState holds a single array, got {type(v).__name__}; '
+                f'{self._describe()} holds a single array, got {type(v).__name__}; '
                 'use State for pytree values')
-
-
-def _is_raw_key(x) -> bool:
-    return (hasattr(x, 'dtype') and np.dtype(x.dtype) == np.uint32
-            and len(np.shape(x)) >= 1 and np.shape(x)[-1] == 2)
 
 
 def _is_typed_key(x) -> bool:
     return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _is_raw_key(x) -> bool:
+    return (hasattr(x, 'dtype') and not _is_typed_key(x) and x.dtype == np.uint32
+            and len(np.shape(x)) >= 1 and np.shape(x)[-1] == 2)
 
 
 def _make_key(seed_or_key, owner: str):
@@ -589,13 +589,14 @@ class RandomState(State):
     __slots__ = ('_backup',)
 
     def __init__(self, seed_or_key=None, name: str | None = None, **metadata):
-        super().__init__(_make_key(seed_or_key, 'RandomState'), name, **metadata)
+        owner = f'{type(self).__name__}(name={name!r}) created at {_format_site(_user_site())}'
+        super().__init__(_make_key(seed_or_key, owner), name, **metadata)
         self._backup = None
 
     def _check_value(self, v):
         if not (_is_raw_key(v) or _is_typed_key(v)):
             raise ValueError(
-                f'RandomState holds a PRNG key (raw uint32[..., 2] or typed), got '
+                f'{self._describe()} holds a PRNG key (raw uint32[..., 2] or typed), got '
                 f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
 
     def seed(self, seed_or_key=None) -> None:
@@ -615,7 +616,8 @@ class RandomState(State):
             self.value = keys[0]
             return keys[1]
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f'split_key(n) needs an int n >= 1, got {n!r}')
+            raise ValueError(f'{self._describe()}: split_key(n) needs an int n >= 1, '
+                             f'got {n!r}; call split_key() for a single key')
         keys = jax.random.split(self.value, int(n) + 1)
         self.value = keys[0]
         return keys[1:]
@@ -669,7 +671,7 @@ class StateTraceStack:
         self._owned: list = []
         self._new_arg = None
         self._values = None
-        self._trace = None
+        self._jax_trace = None
         if new_arg is not None:
             self.set_new_arg(new_arg)
 
@@ -862,7 +864,7 @@ def _traced_write(state, value, frames, written: bool):
         if frame._values is not None:
             target = frame
             break
-    allowed = tuple(f._trace for f in frames if f._trace is not None)
+    allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
         state._value = value
@@ -1190,7 +1192,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     def flat_fun(*flat):
         trace = _find_top_trace(())
         box['trace'] = trace
-        frame._trace = _trace_id(trace)
+        frame._jax_trace = _trace_id(trace)
         with frame:
             args, kwargs = rebuild(list(flat))
             out = fun(*args, **kwargs)
@@ -1215,7 +1217,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     states = tuple(frame.states)
     sigs = {}
     for state, treedef, avals in box.get('lifted', ()):
-        sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
+        sigs[id(state)] = (treedef, tuple((a.shape, a.dtype) for a in avals))
     return _Traced(
         closed_jaxpr=ClosedJaxpr(jaxpr, consts),
         out_tree=box['out_tree'], n_out=box['n_out'], out_avals=list(out_avals),
@@ -1398,7 +1400,7 @@ class _StatefulBase:
         hashed_static = []
         for where, value in [(f'positional argument {i}', v) for i, v in static_args] + \
                             [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]:
-            _reject_states(value, f'static {where}')
+            _reject_states(value, f'{type(self).__name__}({self.name!r}): static {where}')
             h = make_hashable(value)
             try:
                 hash(h)
@@ -1685,7 +1687,7 @@ class StatefulFunction(_StatefulBase):
         functools.update_wrapper(self, fun, updated=())
 
     def _build_entry(self, key, leaves, split) -> _Entry:
-        traced = self._trace(leaves, split)
+        traced = self._run_trace(leaves, split)
         plan = self._plan_for(traced.states, traced.returned)
         closed, n_out, out_tree = traced.closed_jaxpr, traced.n_out, traced.out_tree
         state_tree = traced.state_tree
@@ -1702,7 +1704,7 @@ class StatefulFunction(_StatefulBase):
                     jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
         return _Entry(traced, plan, apply, key)
 
-    def _trace(self, leaves, split) -> _Traced:
+    def _run_trace(self, leaves, split) -> _Traced:
         avals = [_aval_of(x) for x in leaves]
         rebuild = self._rebuilder(split)
         trace_with = None
@@ -2335,7 +2337,9 @@ class StatefulMapping(_StatefulBase):
     def _build_entry(self, key, leaves, split) -> _Entry:
         axes = self._leaf_axes(split)
         paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path((split[1], split[3]))[0]]
+                 jax.tree_util.tree_flatten_with_path(split[1])[0]]
+        paths += [f'keyword {jax.tree_util.keystr(p)}' for p, _ in
+                  jax.tree_util.tree_flatten_with_path(split[3])[0]]
         sizes, lane_avals, arg_axes = [], [], []
         for path, leaf, ax in zip(paths, leaves, axes):
             aval = _aval_of(leaf)
@@ -2432,9 +2436,17 @@ class StatefulMapping(_StatefulBase):
         axis_env = list(self.axis_env or ())
         if self.axis_name is not None:
             axis_env.append((self.axis_name, size))
-        traced = _trace_stateful(self.fun, lane_avals, self._rebuilder(split), name=self.name,
-                                 return_only_write=True, axis_env=axis_env,
-                                 lift_aval=lift_aval)
+        try:
+            traced = _trace_stateful(self.fun, lane_avals, self._rebuilder(split),
+                                     name=self.name, return_only_write=True,
+                                     axis_env=axis_env, lift_aval=lift_aval)
+        except NameError as err:
+            if 'axis' not in str(err) or self.axis_name is not None:
+                raise
+            raise NameError(
+                f'{err}\nStatefulMapping({self.name!r}) maps its axis without a name; to use '
+                'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
+                "pass axis_name='<name>' to StatefulMapping and use that name") from err
         axes = []
         for s in traced.states:
             axis = state_axes.get(id(s))

@@ -1,0 +1,509 @@
+#!/usr/bin/env python
+# Copyright 2026 The stateful_jaxpr authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Benchmarks: ``stateful_jaxpr`` against the same program written in plain JAX.
+
+Usage::
+
+    python benchmarks/bench.py            # full run (a few minutes)
+    python benchmarks/bench.py --quick    # smoke run (well under 2 minutes)
+    python benchmarks/bench.py --only dispatch,vmap --json results.json
+
+Workloads (issue 4).  Every figure is a median over many calls after warm-up;
+each call is blocked on (``jax.block_until_ready`` of the value the function
+returns; the new state values come out of the same executable, so they are
+ready too).  Our implementation and the baseline run in the same process, in
+alternating blocks of calls, so that drift hits both alike.
+
+* dispatch -- N float32[16] states, each ``s = 0.9*s + x``, returning the sum of
+  one state.  Ours: ``StatefulFunction(f)(x)`` on a cache hit.  Baseline:
+  ``jax.jit`` of the pure function over a list of N arrays, returning the new
+  list and the sum (the caller keeps the list for the next call).
+* trace -- first ``StatefulFunction(f).make_jaxpr(x)`` of a fresh function
+  vs ``jax.make_jaxpr(pure)``, and the first compiled call
+  ``StatefulFunction(f)(x)`` vs the first ``jax.jit(pure)(...)`` call.  Fresh
+  function objects each repetition, so no trace or compile cache is reused.
+* vmap -- batch 64, N states of float32[64, 16] batched on axis 0 plus one
+  ``RandomState`` normal draw per lane.  Ours: ``StatefulMapping(f, in_axes=0,
+  state_in_axes={0: HiddenState})``.  Baseline: ``jax.jit`` of ``jax.vmap`` of
+  the pure per-lane function with explicit per-lane keys, split from one key
+  inside the same jit (the work our call does: split n+1, keep key 0).
+* big argument -- a dict of 200 float32[8] arrays as the input, 10 states.
+* memory -- 100,000 cached calls at N=100: growth of VmRSS (/proc/self/status),
+  measured with tracemalloc off; then a shorter run under tracemalloc that
+  reports the Python-heap growth and where it was allocated.
+
+Standard library and JAX only.  brainstate / Flax NNX / Equinox columns are
+added to the dispatch table when those packages are importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, _ROOT)
+
+import jax                      # noqa: E402
+import jax.numpy as jnp         # noqa: E402
+
+import stateful_jaxpr as sj     # noqa: E402
+
+F32 = jnp.float32
+_pc = time.perf_counter_ns
+_block = jax.block_until_ready
+
+
+# -----------------------------------------------------------------------------
+# timing helpers
+# -----------------------------------------------------------------------------
+
+def _timed(call, n: int, samples: list) -> None:
+    """Appends the wall time (ns) of ``n`` blocked calls of ``call()``."""
+    pc, block, append = _pc, _block, samples.append
+    for _ in range(n):
+        t0 = pc()
+        block(call())
+        append(pc() - t0)
+
+
+def interleaved(sides: dict, budget_s: float, min_calls: int, max_calls: int,
+                warmup: int = 50) -> dict:
+    """Median µs per call of each ``sides[name]()``, interleaving blocks of calls.
+
+    The number of calls is chosen from a warm-up estimate so that the whole
+    measurement takes about ``budget_s`` seconds (between ``min_calls`` and
+    ``max_calls`` calls per side).  Block order alternates each round.
+    """
+    names = list(sides)
+    est = {}
+    for name in names:
+        call = sides[name]
+        for _ in range(warmup):
+            _block(call())
+        probe: list = []
+        _timed(call, 10, probe)
+        est[name] = statistics.median(probe)
+    per_round_ns = sum(est.values())
+    calls = int(budget_s * 1e9 / max(per_round_ns, 1))
+    calls = max(min_calls, min(max_calls, calls))
+    rounds = 20 if calls >= 200 else max(2, calls // 10)
+    block = max(1, calls // rounds)
+    samples = {name: [] for name in names}
+    gc.collect()
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            _timed(sides[name], block, samples[name])
+    return {name: statistics.median(v) / 1e3 for name, v in samples.items()} | {
+        '_calls': block * rounds}
+
+
+def once_us(fn) -> float:
+    """µs of one blocked call of ``fn()`` after a full collection."""
+    gc.collect()
+    t0 = _pc()
+    _block(fn())
+    return (_pc() - t0) / 1e3
+
+
+def rss_mb() -> float:
+    with open('/proc/self/status') as fh:
+        for line in fh:
+            if line.startswith('VmRSS:'):
+                return int(line.split()[1]) / 1024.0
+    return float('nan')
+
+
+# -----------------------------------------------------------------------------
+# workload builders (one fresh function object per call of a builder)
+# -----------------------------------------------------------------------------
+
+def make_states(n: int, shape=(16,), cls=None):
+    cls = cls or sj.State
+    return [cls(jnp.zeros(shape, F32), name=f's{i}') for i in range(n)]
+
+
+def stateful_step(states):
+    """f(x): every state ``s = 0.9*s + x``; returns the sum of the first."""
+    def f(x):
+        for s in states:
+            s.value = 0.9 * s.value + x
+        return jnp.sum(states[0].value)
+    return f
+
+
+def pure_step():
+    """pure(vals, x) -> (new_vals, sum(new_vals[0]))."""
+    def pure(vals, x):
+        new = [0.9 * v + x for v in vals]
+        return new, jnp.sum(new[0])
+    return pure
+
+
+class Baseline:
+    """Holds the explicit state list of a plain-JAX baseline between calls."""
+
+    def __init__(self, fn, vals, *args):
+        self.fn, self.vals, self.args = fn, vals, args
+
+    def __call__(self):
+        self.vals, out = self.fn(self.vals, *self.args)
+        return out
+
+
+# -----------------------------------------------------------------------------
+# optional third-party columns (dispatch only; used only when importable)
+# -----------------------------------------------------------------------------
+
+def _optional_dispatch_columns(n: int, x):
+    """``{label: call}`` for installed stateful libraries (none are required)."""
+    cols = {}
+    try:  # brainstate: its compiled stateful jit
+        import brainstate as bst
+        jit = getattr(getattr(bst, 'transform', None), 'jit', None) or bst.compile.jit
+        bstates = [bst.State(jnp.zeros(16, F32)) for _ in range(n)]
+
+        def bf(x):
+            for s in bstates:
+                s.value = 0.9 * s.value + x
+            return jnp.sum(bstates[0].value)
+        bj = jit(bf)
+        cols['brainstate'] = lambda: bj(x)
+    except Exception:  # noqa: BLE001 - optional, any failure drops the column
+        pass
+    try:  # Flax NNX: nnx.jit over a module holding nnx.Variables
+        from flax import nnx
+
+        class M(nnx.Module):
+            def __init__(self):
+                self.vs = [nnx.Variable(jnp.zeros(16, F32)) for _ in range(n)]
+
+        m = M()
+
+        @nnx.jit
+        def nf(m, x):
+            for v in m.vs:
+                v.value = 0.9 * v.value + x
+            return jnp.sum(m.vs[0].value)
+        cols['flax.nnx'] = lambda: nf(m, x)
+    except Exception:  # noqa: BLE001
+        pass
+    try:  # Equinox: filter_jit of the pure function, state threaded by hand
+        import equinox as eqx
+        ej = eqx.filter_jit(pure_step())
+        cols['equinox'] = Baseline(ej, [jnp.zeros(16, F32) for _ in range(n)], x)
+    except Exception:  # noqa: BLE001
+        pass
+    return cols
+
+
+# -----------------------------------------------------------------------------
+# workloads
+# -----------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, quick: bool):
+        self.quick = quick
+        self.rows = []       # dicts: workload, n, ours, jax, extra
+        self.targets = []    # dicts: name, value, limit, met
+        self.notes = []
+        self.sections = {}
+        self.budget = 1.5 if quick else 10.0
+        self.min_calls = 200 if quick else 1000
+        self.max_calls = 20000 if quick else 100000
+
+    def row(self, workload, n, ours, base, extra=None):
+        self.rows.append(dict(workload=workload, n=n, ours_us=ours, jax_us=base,
+                              ratio=ours / base if base else float('nan'),
+                              extra=extra or {}))
+
+    def target(self, name, value, limit, unit='×'):
+        self.targets.append(dict(name=name, value=value, limit=limit, unit=unit,
+                                 met=value <= limit))
+
+    # -- dispatch ---------------------------------------------------------------
+    def dispatch(self):
+        x = jnp.ones(16, F32)
+        for n in (1, 10, 100, 1000):
+            states = make_states(n)
+            sf = sj.StatefulFunction(stateful_step(states))
+            base = Baseline(jax.jit(pure_step()), [jnp.zeros(16, F32) for _ in range(n)], x)
+            sides = {'ours': lambda sf=sf: sf(x), 'jax': base}
+            sides.update(_optional_dispatch_columns(n, x))
+            res = interleaved(sides, self.budget, self.min_calls, self.max_calls)
+            # Same number of calls on both sides from the same start: same values.
+            ok = all(bool(jnp.allclose(s.value, v)) for s, v in zip(states, base.vals))
+            if not ok:
+                self.notes.append(f'dispatch N={n}: our states differ from the baseline!')
+            extra = {k: v for k, v in res.items() if k not in ('ours', 'jax', '_calls')}
+            self.row('dispatch', n, res['ours'], res['jax'], extra)
+            self.target(f'dispatch N={n}', res['ours'] / res['jax'], 1.3 if n <= 10 else 1.2)
+            stats = sf.get_cache_stats()['jaxpr_cache']
+            if stats['size'] != 1:
+                self.notes.append(f'dispatch N={n}: {stats["size"]} cache entries, expected 1')
+
+    # -- trace ------------------------------------------------------------------
+    def trace(self):
+        x = jnp.ones(16, F32)
+        reps = ({10: 10, 100: 6, 1000: 3, 5000: 1} if self.quick
+                else {10: 30, 100: 15, 1000: 5, 5000: 3})
+        mk = {}
+        for n, r in reps.items():
+            states = make_states(n)
+            vals = [s.value for s in states]
+            t = {'ours_jaxpr': [], 'jax_jaxpr': [], 'ours_call': [], 'jax_call': []}
+            for i in range(r):
+                # Alternate which side goes first.
+                jobs = [
+                    ('ours_jaxpr', lambda: sj.StatefulFunction(stateful_step(states)).make_jaxpr(x)
+                     and None),
+                    ('jax_jaxpr', lambda: jax.make_jaxpr(pure_step())(vals, x) and None),
+                ]
+                calls = [
+                    ('ours_call', lambda: sj.StatefulFunction(stateful_step(states))(x)),
+                    ('jax_call', lambda: jax.jit(pure_step())(vals, x)),
+                ]
+                if i % 2:
+                    jobs.reverse()
+                    calls.reverse()
+                for name, fn in jobs + calls:
+                    t[name].append(once_us(fn))
+            med = {k: statistics.median(v) for k, v in t.items()}
+            mk[n] = med['ours_jaxpr']
+            self.row('trace: make_jaxpr', n, med['ours_jaxpr'], med['jax_jaxpr'],
+                     {'reps': r})
+            self.row('trace: first call', n, med['ours_call'], med['jax_call'], {'reps': r})
+            self.target(f'trace make_jaxpr N={n}', med['ours_jaxpr'] / med['jax_jaxpr'], 1.2)
+            self.target(f'trace first call N={n}', med['ours_call'] / med['jax_call'], 1.15)
+        self.target('trace linear: make_jaxpr(5000)/make_jaxpr(1000)', mk[5000] / mk[1000], 6.0)
+
+    # -- vmap -------------------------------------------------------------------
+    def vmap(self):
+        batch = 64
+        x = jnp.ones((batch, 16), F32)
+        for n in (10, 100):
+            states = make_states(n, (batch, 16), sj.HiddenState)
+            rng = sj.RandomState(0)
+
+            def f(x):
+                noise = jax.random.normal(rng.split_key(), (16,))
+                states[0].value = 0.9 * states[0].value + x + noise
+                for s in states[1:]:
+                    s.value = 0.9 * s.value + x
+                return jnp.sum(states[0].value)
+            sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
+
+            def lane(vals, x, key):
+                # rng.split_key() inside a lane: split the lane's key, draw with [1].
+                noise = jax.random.normal(jax.random.split(key)[1], (16,))
+                new = [0.9 * vals[0] + x + noise] + [0.9 * v + x for v in vals[1:]]
+                return new, jnp.sum(new[0])
+
+            def pure(carry, x):
+                vals, key = carry
+                keys = jax.random.split(key, batch + 1)
+                new, out = jax.vmap(lane)(vals, x, keys[1:])
+                return (new, keys[0]), out
+
+            base = Baseline(jax.jit(pure),
+                            ([jnp.zeros((batch, 16), F32) for _ in range(n)],
+                             jax.random.PRNGKey(0)), x)
+            res = interleaved({'ours': lambda sm=sm: sm(x), 'jax': base},
+                              self.budget, self.min_calls, self.max_calls)
+            ok = (all(bool(jnp.allclose(s.value, v)) for s, v in zip(states, base.vals[0]))
+                  and bool(jnp.array_equal(rng.value, base.vals[1])))
+            if not ok:
+                self.notes.append(f'vmap N={n}: our states / key differ from the baseline!')
+            self.row('vmap (batch 64)', n, res['ours'], res['jax'])
+            self.target(f'vmap N={n}', res['ours'] / res['jax'], 1.2)
+
+    # -- big argument -------------------------------------------------------------
+    def big_arg(self):
+        n = 10
+        d = {f'k{i:03d}': jnp.full((8,), i, F32) for i in range(200)}
+        states = make_states(n)
+
+        def f(d):
+            acc = sum(d.values())
+            inc = jnp.sum(acc)
+            for s in states:
+                s.value = 0.9 * s.value + inc
+            return jnp.sum(states[0].value)
+
+        def pure(vals, d):
+            inc = jnp.sum(sum(d.values()))
+            new = [0.9 * v + inc for v in vals]
+            return new, jnp.sum(new[0])
+
+        sf = sj.StatefulFunction(f)
+        base = Baseline(jax.jit(pure), [jnp.zeros(16, F32) for _ in range(n)], d)
+        res = interleaved({'ours': lambda: sf(d), 'jax': base},
+                          self.budget, self.min_calls, self.max_calls)
+        self.row('big arg (dict of 200)', n, res['ours'], res['jax'])
+        self.target('big argument', res['ours'] / res['jax'], 1.25)
+
+    # -- memory -------------------------------------------------------------------
+    def memory(self):
+        n, calls = 100, 100_000
+        x = jnp.ones(16, F32)
+        states = make_states(n)
+        sf = sj.StatefulFunction(stateful_step(states))
+        base = Baseline(jax.jit(pure_step()), [jnp.zeros(16, F32) for _ in range(n)], x)
+
+        def grow(call, count):
+            for _ in range(2000):
+                _block(call())
+            gc.collect()
+            r0 = rss_mb()
+            half = count // 2
+            for i in range(count):
+                _block(call())
+                if i == half - 1:
+                    gc.collect()
+                    rmid = rss_mb()
+            gc.collect()
+            return rmid - r0, rss_mb() - r0
+
+        sides = [('ours', lambda: sf(x))]
+        if not self.quick:
+            sides.append(('jax', base))    # reference: what plain jax.jit grows
+        mem = {}
+        for name, call in sides:
+            mem[name] = grow(call, calls)
+        self.mem = mem
+        # Python-heap growth (tracemalloc slows calls, so fewer of them).
+        tm_calls = 5000 if self.quick else 20000
+        call = sides[0][1]
+        for _ in range(500):
+            _block(call())
+        gc.collect()
+        tracemalloc.start(10)
+        snaps = [tracemalloc.take_snapshot()]
+        for _ in range(2):     # two halves: a one-off allocation shows in the first only
+            for _ in range(tm_calls // 2):
+                _block(call())
+            gc.collect()
+            snaps.append(tracemalloc.take_snapshot())
+        tracemalloc.stop()
+        flt = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        snaps = [sn.filter_traces(flt) for sn in snaps]
+        first = sum(st.size_diff for st in snaps[1].compare_to(snaps[0], 'lineno'))
+        stats = snaps[2].compare_to(snaps[1], 'lineno')
+        second = sum(st.size_diff for st in stats)
+        self.heap = (tm_calls, first, second, [st for st in stats if st.size_diff > 0][:3])
+        self.target('memory: RSS growth over 100k calls (MB)', mem['ours'][1], 5.0, unit='MB')
+
+    # -- report -------------------------------------------------------------------
+    def report(self, wall):
+        out = []
+        p = out.append
+        try:
+            import jaxlib
+            jaxlib_v = jaxlib.__version__
+        except Exception:  # noqa: BLE001
+            jaxlib_v = '?'
+        with open(sj.__file__, 'rb') as fh:
+            digest = hashlib.sha256(fh.read()).hexdigest()[:12]
+        p(f'jax {jax.__version__} (jaxlib {jaxlib_v}), Python {platform.python_version()}, '
+          f'{jax.devices()[0].platform} x{len(jax.devices())}, {os.cpu_count()} CPUs, '
+          f'stateful_jaxpr.py sha256 {digest}, mode {"quick" if self.quick else "full"}')
+        p('')
+        extras = sorted({k for r in self.rows for k in r['extra'] if k != 'reps'})
+        head = '| workload | N | ours (µs) | JAX (µs) | ours/JAX |'
+        sep = '|---|---:|---:|---:|---:|'
+        for k in extras:
+            head += f' {k} (µs) |'
+            sep += '---:|'
+        if self.rows:
+            p(head)
+            p(sep)
+        for r in self.rows:
+            line = (f'| {r["workload"]} | {r["n"]} | {r["ours_us"]:,.1f} | '
+                    f'{r["jax_us"]:,.1f} | {r["ratio"]:.2f} |')
+            for k in extras:
+                v = r['extra'].get(k)
+                line += f' {v:,.1f} |' if v is not None else ' |'
+            p(line)
+        if hasattr(self, 'mem'):
+            p('')
+            for name, (mid, end) in self.mem.items():
+                who = 'ours' if name == 'ours' else 'plain jax.jit (reference)'
+                p(f'memory, {who}: VmRSS growth over 100,000 cached calls at N=100 '
+                  f'(tracemalloc off): {end:+.2f} MB (after 50,000: {mid:+.2f} MB)')
+            calls, first, second, top = self.heap
+            half = calls // 2
+            p(f'memory, ours: Python-heap growth under tracemalloc: {first / 1024:+.1f} KiB over '
+              f'the first {half:,} calls, {second / 1024:+.1f} KiB ({second / half:+.2f} B/call) '
+              f'over the next {half:,}')
+            for st in top:
+                fr = st.traceback[0]
+                p(f'    {st.size_diff / 1024:+.1f} KiB  {fr.filename}:{fr.lineno}')
+        p('')
+        p('Targets (issue 4):')
+        for t in self.targets:
+            if t['unit'] == 'MB':
+                val, lim = f'{t["value"]:+.2f} MB', f'< {t["limit"]:g} MB'
+            else:
+                val, lim = f'{t["value"]:.2f}×', f'≤ {t["limit"]:g}×'
+            if t['met']:
+                verdict = f'met (margin {100 * (1 - t["value"] / t["limit"]):.0f}%)' \
+                    if t['value'] > 0 else 'met'
+            else:
+                verdict = f'MISSED (over by {100 * (t["value"] / t["limit"] - 1):.0f}%)'
+            p(f'- {t["name"]}: {val} (target {lim}): {verdict}')
+        if self.notes:
+            p('')
+            p('Notes:')
+            for note in self.notes:
+                p(f'- {note}')
+        p('')
+        p('Section wall times: ' + ', '.join(f'{k} {v:.0f} s' for k, v in self.sections.items())
+          + f'; total {wall:.0f} s')
+        return '\n'.join(out)
+
+
+SECTIONS = ('dispatch', 'trace', 'vmap', 'big_arg', 'memory')
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--quick', action='store_true', help='short run (< 2 minutes)')
+    ap.add_argument('--only', default=','.join(SECTIONS),
+                    help=f'comma-separated subset of {",".join(SECTIONS)}')
+    ap.add_argument('--json', help='also write the results to this JSON file')
+    args = ap.parse_args(argv)
+    only = [s.strip() for s in args.only.split(',') if s.strip()]
+    bad = [s for s in only if s not in SECTIONS]
+    if bad:
+        ap.error(f'unknown section(s) {bad}; choose from {SECTIONS}')
+
+    bench = Bench(args.quick)
+    t_all = time.perf_counter()
+    for name in SECTIONS:
+        if name in only:
+            t0 = time.perf_counter()
+            getattr(bench, name)()
+            bench.sections[name] = time.perf_counter() - t0
+            print(f'[{name} done in {bench.sections[name]:.0f} s]', file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t_all
+    print(bench.report(wall))
+    if args.json:
+        with open(args.json, 'w') as fh:
+            json.dump(dict(jax=jax.__version__, quick=args.quick, wall_s=wall,
+                           rows=bench.rows, targets=bench.targets, notes=bench.notes,
+                           memory=getattr(bench, 'mem', None)), fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
