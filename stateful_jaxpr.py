@@ -1364,7 +1364,7 @@ class _StatefulBase:
         self._wrap_statics = False
         self._plans: dict = {}
         self._plans_by_token: dict = {}
-        self._last_plan = None
+        self._fast = None          # (plan, dispatcher, nargs) of the last slow call
         self._dispatchers: dict = {}
 
     # -- keys ------------------------------------------------------------------
@@ -1554,28 +1554,34 @@ class _StatefulBase:
         return tuple(args), kwargs
 
     def __call__(self, *args, **kwargs):
-        if _ctx.frames:
+        ctx = _ctx
+        if ctx.frames:
             return self._call_in_trace(args, kwargs)
-        plan = self._last_plan
-        if plan is not None and not self._wrap_statics:
-            # Fast path: see the section comment.  ``ntraces`` tells a cache hit
-            # from a call during which the dispatcher had to trace afresh.
-            ntraces = _ctx.ntraces
-            try:
-                out, new = self._dispatcher(len(args))(
-                    plan.token, [s._value for s in plan.states], *args, **kwargs)
-            except _PlanMismatch:
-                return self._call_slow(args, kwargs)
-            except (TypeError, ValueError):
-                if _ctx.ntraces != ntraces:   # raised by the traced function itself
-                    raise
-                # Raised by jax.jit's argument handling: the slow path gives a
-                # clearer error, or copes (e.g. static args hashable only by value).
-                return self._call_slow(args, kwargs)
+        fast = self._fast
+        if fast is None or fast[2] != len(args):
+            return self._call_slow(args, kwargs)
+        # Fast path (see the section comment): a handful of attribute reads
+        # around one jax.jit call.  ``ntraces`` tells a cache hit from a call
+        # during which the dispatcher had to trace afresh.
+        plan, dispatch, _ = fast
+        ntraces = ctx.ntraces
+        try:
+            out, new = dispatch(plan.token, [s._value for s in plan.states], *args, **kwargs)
+        except _PlanMismatch:
+            return self._call_slow(args, kwargs)
+        except (TypeError, ValueError):
+            if ctx.ntraces != ntraces:   # raised by the traced function itself
+                raise
+            # Raised by jax.jit's argument handling: the slow path gives a
+            # clearer error, or copes (e.g. static args hashable only by value).
+            return self._call_slow(args, kwargs)
+        if new:
             self._write_back(plan, new)
-            self._cache._record(_ctx.ntraces == ntraces)
-            return out
-        return self._call_slow(args, kwargs)
+        if ctx.ntraces == ntraces:
+            next(self._cache._hits)
+        else:
+            next(self._cache._misses)
+        return out
 
     def _call_slow(self, args, kwargs):
         key, leaves, split = self._cache_key(args, kwargs)
@@ -1584,8 +1590,8 @@ class _StatefulBase:
         plan = entry.plan
         out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves)
         self._write_back(plan, new)
-        if self._compiled_dispatch and entry.traced.cacheable:
-            self._last_plan = plan
+        if self._compiled_dispatch and entry.traced.cacheable and not self._wrap_statics:
+            self._fast = (plan, self._dispatcher(len(args)), len(args))
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -1593,7 +1599,8 @@ class _StatefulBase:
         if not new:
             return
         first = new[0]
-        if isinstance(first, Tracer) or (not isinstance(first, jax.Array)
+        # An array value has an ``aval``; only a pytree value needs a walk.
+        if isinstance(first, Tracer) or (getattr(first, 'aval', None) is None
                                          and _contains_tracer(first)):
             # Called under a plain JAX transformation: the new values are tracers.
             state = plan.write_states[0]
