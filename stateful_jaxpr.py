@@ -46,6 +46,7 @@ import random as _pyrandom
 import sys
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -1254,6 +1255,8 @@ class _PlanMismatch(Exception):
 
 
 _plan_tokens = itertools.count(1)
+# After this many plan switches a function stays on the slow path (see __call__).
+_MAX_PLAN_SWITCHES = 3
 
 
 class _Plan:
@@ -1265,6 +1268,21 @@ class _Plan:
         self.states = states
         self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
+
+
+class _KeyLock:
+    """A re-entrant lock that can be held in a ``WeakValueDictionary``."""
+    __slots__ = ('_lock', '__weakref__')
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
 
 
 class _StaticArg:
@@ -1356,7 +1374,7 @@ class _StatefulBase:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self._cache = BoundedCache(cache_size)
-        self._key_locks: dict = {}
+        self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
         self._reset_dispatch()
 
@@ -1365,6 +1383,7 @@ class _StatefulBase:
         self._plans: dict = {}
         self._plans_by_token: dict = {}
         self._fast = None          # (plan, dispatcher, nargs) of the last slow call
+        self._plan_switches = 0
         self._dispatchers: dict = {}
 
     # -- keys ------------------------------------------------------------------
@@ -1467,11 +1486,13 @@ class _StatefulBase:
         return rebuild
 
     # -- entries ---------------------------------------------------------------
-    def _key_lock(self, key):
+    def _key_lock(self, key) -> '_KeyLock':
+        # Weakly held: a lock lives only while some thread traces that key, so
+        # evicted keys (and their static arguments) are not kept alive.
         with self._key_locks_guard:
             lock = self._key_locks.get(key)
             if lock is None:
-                lock = self._key_locks[key] = threading.RLock()
+                lock = self._key_locks[key] = _KeyLock()
             return lock
 
     def _is_fresh(self, entry, values) -> bool:
@@ -1568,13 +1589,17 @@ class _StatefulBase:
         try:
             out, new = dispatch(plan.token, [s._value for s in plan.states], *args, **kwargs)
         except _PlanMismatch:
-            return self._call_slow(args, kwargs)
+            # These arguments use other states.  Switching plans costs an
+            # aborted trace, so a function that keeps switching gives up the
+            # fast path and pays only the slow path's key computation.
+            self._plan_switches += 1
+            return self._call_slow(args, kwargs, ntraces)
         except (TypeError, ValueError):
             if ctx.ntraces != ntraces:   # raised by the traced function itself
                 raise
             # Raised by jax.jit's argument handling: the slow path gives a
             # clearer error, or copes (e.g. static args hashable only by value).
-            return self._call_slow(args, kwargs)
+            return self._call_slow(args, kwargs, ntraces)
         if new:
             self._write_back(plan, new)
         if ctx.ntraces == ntraces:
@@ -1583,15 +1608,19 @@ class _StatefulBase:
             next(self._cache._misses)
         return out
 
-    def _call_slow(self, args, kwargs):
+    def _call_slow(self, args, kwargs, ntraces=None):
+        if ntraces is None:
+            ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
-        ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
         out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves)
         self._write_back(plan, new)
-        if self._compiled_dispatch and entry.traced.cacheable and not self._wrap_statics:
+        if (self._compiled_dispatch and entry.traced.cacheable and not self._wrap_statics
+                and self._plan_switches < _MAX_PLAN_SWITCHES):
             self._fast = (plan, self._dispatcher(len(args)), len(args))
+        else:
+            self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -2576,13 +2605,22 @@ def _foldable(eqn, values) -> bool:
     return out_size <= max(in_size, _FOLD_MAX_GROWTH)
 
 
-def _fold(jaxpr, consts):
-    """Folds ``jaxpr``; returns ``(new_jaxpr, new_consts)`` (consts None for a bare Jaxpr)."""
-    known = {}        # folded Var -> value
+def _fold(jaxpr, consts, in_values=None):
+    """Folds ``jaxpr``.
+
+    Returns ``(new_jaxpr, new_consts, out_values)``: ``new_consts`` is ``None``
+    for a bare Jaxpr, and ``out_values[i]`` is the known value of output ``i``
+    (or ``_MISSING``).  ``in_values`` gives known values for the inputs, used
+    to evaluate a call whose arguments are all known.
+    """
+    known = {}        # Var -> value known at fold time
     replacement = {}  # folded Var -> Literal or new constvar
     new_constvars = list(jaxpr.constvars)
     new_consts = list(consts) if consts is not None else None
     const_values = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
+    invars = set(jaxpr.invars)
+    if in_values is not None:
+        known.update(zip(jaxpr.invars, in_values))
 
     def value_of(atom):
         if isinstance(atom, Literal):
@@ -2592,7 +2630,7 @@ def _fold(jaxpr, consts):
         return const_values.get(atom, _MISSING)
 
     def substitute(atom):
-        if isinstance(atom, Literal) or atom not in known:
+        if isinstance(atom, Literal) or atom not in known or atom in invars:
             return atom
         rep = replacement.get(atom)
         if rep is None:
@@ -2608,20 +2646,24 @@ def _fold(jaxpr, consts):
 
     eqns = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CALL_PRIMITIVES:
-            eqn = _fold_call_body(eqn)
         values = [value_of(v) for v in eqn.invars]
-        if _foldable(eqn, values):
+        if eqn.primitive.name in _CALL_PRIMITIVES:
+            outs = _fold_call(eqn, values)
+            if outs is not None:        # every output of the call is known
+                known.update(zip(eqn.outvars, outs))
+                continue
+            eqn = _fold_call_body(eqn)
+        elif _foldable(eqn, values):
             try:
                 outs = eqn.primitive.bind(*values, **eqn.params)
             except Exception:  # e.g. a primitive with no eager rule: keep it
                 outs = None
             if outs is not None:
                 outs = outs if eqn.primitive.multiple_results else [outs]
-                for var, out in zip(eqn.outvars, outs):
-                    known[var] = out
+                known.update(zip(eqn.outvars, outs))
                 continue
         eqns.append(eqn.replace(invars=[substitute(v) for v in eqn.invars]))
+    out_values = [value_of(v) for v in jaxpr.outvars]
     outvars = [substitute(v) for v in jaxpr.outvars]
 
     used = set()
@@ -2632,15 +2674,41 @@ def _fold(jaxpr, consts):
     new_constvars = [new_constvars[i] for i in keep]
     if new_consts is not None:
         new_consts = [new_consts[i] for i in keep]
-    return jaxpr.replace(constvars=new_constvars, eqns=eqns, outvars=outvars), new_consts
+    # Same inputs and output types: the original debug info stays valid
+    # (``replace`` would otherwise drop the names when outvars change).
+    new = jaxpr.replace(constvars=new_constvars, eqns=eqns, outvars=outvars,
+                        debug_info=jaxpr.debug_info)
+    return new, new_consts, out_values
 
 
-def _fold_call_body(eqn):
+def _call_body(eqn):
     for name in ('jaxpr', 'call_jaxpr'):
         body = eqn.params.get(name)
         if isinstance(body, (ClosedJaxpr, Jaxpr)):
-            return eqn.replace(params={**eqn.params, name: constant_fold_jaxpr(body)})
-    return eqn
+            return name, body
+    return None, None
+
+
+def _fold_call(eqn, values):
+    """The outputs of a call whose inputs are known, if its body folds completely."""
+    name, body = _call_body(eqn)
+    if body is None or eqn.effects or any(v is _MISSING or isinstance(v, Tracer)
+                                          for v in values):
+        return None
+    if isinstance(body, ClosedJaxpr):
+        *_, outs = _fold(body.jaxpr, list(body.consts), values)
+    else:
+        *_, outs = _fold(body, None, values)
+    if any(v is _MISSING for v in outs):
+        return None
+    return outs
+
+
+def _fold_call_body(eqn):
+    name, body = _call_body(eqn)
+    if body is None:
+        return eqn
+    return eqn.replace(params={**eqn.params, name: constant_fold_jaxpr(body)})
 
 
 def constant_fold_jaxpr(jaxpr):
@@ -2664,7 +2732,7 @@ def constant_fold_jaxpr(jaxpr):
     True
     """
     if isinstance(jaxpr, ClosedJaxpr):
-        new, consts = _fold(jaxpr.jaxpr, list(jaxpr.consts))
+        new, consts, _ = _fold(jaxpr.jaxpr, list(jaxpr.consts))
         return ClosedJaxpr(new, consts)
     if isinstance(jaxpr, Jaxpr):
         return _fold(jaxpr, None)[0]
