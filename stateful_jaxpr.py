@@ -2063,7 +2063,21 @@ class _WithTag(_Filter):
         return f'WithTag({self.tag!r})'
 
 
-class Any(_Filter):
+class _Combination(_Filter):
+    """Combines the predicates of several filters with ``_reduce`` (any / all)."""
+    _reduce = staticmethod(any)
+
+    def __init__(self, *filters):
+        self.predicates = tuple(to_predicate(f) for f in filters)
+
+    def __call__(self, path, x):
+        return self._reduce(p(path, x) for p in self.predicates)
+
+    def __repr__(self):
+        return f'{type(self).__name__}({", ".join(map(repr, self.predicates))})'
+
+
+class Any(_Combination):
     """Matches when any of ``filters`` matches.
 
     Example
@@ -2071,18 +2085,10 @@ class Any(_Filter):
     >>> Any(ParamState, 'hidden')((), State(0.0, tag='hidden'))
     True
     """
-
-    def __init__(self, *filters):
-        self.predicates = tuple(to_predicate(f) for f in filters)
-
-    def __call__(self, path, x):
-        return any(p(path, x) for p in self.predicates)
-
-    def __repr__(self):
-        return f'Any({", ".join(map(repr, self.predicates))})'
+    _reduce = staticmethod(any)
 
 
-class All(_Filter):
+class All(_Combination):
     """Matches when all of ``filters`` match.
 
     Example
@@ -2090,15 +2096,7 @@ class All(_Filter):
     >>> All(ParamState, 'w')((), ParamState(0.0, tag='w'))
     True
     """
-
-    def __init__(self, *filters):
-        self.predicates = tuple(to_predicate(f) for f in filters)
-
-    def __call__(self, path, x):
-        return all(p(path, x) for p in self.predicates)
-
-    def __repr__(self):
-        return f'All({", ".join(map(repr, self.predicates))})'
+    _reduce = staticmethod(all)
 
 
 class Not(_Filter):
@@ -2723,8 +2721,9 @@ def constant_fold_jaxpr(jaxpr):
 
     Example
     -------
+    >>> table = jnp.array([0.0, 1.0, 2.0])
     >>> def f(x):
-    ...     c = jnp.arange(3.0) * 2 + 1        # all constant
+    ...     c = jnp.exp(table) * 2 + 1         # depends on constants only
     ...     return x + c
     >>> cj = jax.make_jaxpr(f)(jnp.ones(3))
     >>> folded = constant_fold_jaxpr(cj)

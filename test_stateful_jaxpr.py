@@ -1107,6 +1107,13 @@ class ModuleTest(unittest.TestCase):
             obj = getattr(sj, name)
             self.assertTrue(obj.__doc__, name)
 
+    def test_docstring_examples(self):
+        import doctest
+        result = doctest.testmod(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np},
+                                 optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        self.assertGreater(result.attempted, 40)
+        self.assertEqual(result.failed, 0)
+
     def test_internals_only_in_compat_section(self):
         with open(sj.__file__) as fh:
             source = fh.read()

@@ -116,6 +116,14 @@ def once_us(fn) -> float:
     return (_pc() - t0) / 1e3
 
 
+def _loadavg() -> str:
+    try:
+        with open('/proc/loadavg') as fh:
+            return fh.read().split()[0]
+    except OSError:
+        return '?'
+
+
 def rss_mb() -> float:
     with open('/proc/self/status') as fh:
         for line in fh:
@@ -217,6 +225,7 @@ class Bench:
         self.rows = []       # dicts: workload, n, ours, jax, extra
         self.targets = []    # dicts: name, value, limit, met
         self.notes = []
+        self.load = (_loadavg(),)
         self.sections = {}
         self.budget = 1.5 if quick else 10.0
         self.min_calls = 200 if quick else 1000
@@ -254,38 +263,65 @@ class Bench:
 
     # -- trace ------------------------------------------------------------------
     def trace(self):
+        """First trace / first compiled call, fresh function objects every time.
+
+        Repetitions stop when a size's share of the time budget is spent (at
+        least one).  Compile time grows faster than N (much faster on old
+        JAX releases), so the first-call measurement at a size is skipped,
+        with a note, when the previous size projects (cost ~ N**1.5) one
+        repetition beyond twice that size's share.
+        """
         x = jnp.ones(16, F32)
-        reps = ({10: 10, 100: 6, 1000: 3, 5000: 1} if self.quick
-                else {10: 30, 100: 15, 1000: 5, 5000: 3})
-        mk = {}
-        for n, r in reps.items():
+        budget = 36.0 if self.quick else 300.0
+        share = {10: 0.1, 100: 0.15, 1000: 0.25, 5000: 0.5}
+        max_reps = ({10: 15, 100: 9, 1000: 5, 5000: 3} if self.quick
+                    else {10: 41, 100: 21, 1000: 9, 5000: 5})
+        ours_mk = lambda states: (  # noqa: E731
+            lambda: sj.StatefulFunction(stateful_step(states)).make_jaxpr(x) and None)
+        jax_mk = lambda vals: lambda: jax.make_jaxpr(pure_step())(vals, x) and None  # noqa: E731
+        ours_call = lambda states: lambda: sj.StatefulFunction(stateful_step(states))(x)  # noqa
+        jax_call = lambda vals: lambda: jax.jit(pure_step())(vals, x)  # noqa: E731
+        mk, mk_jax = {}, {}
+        prev = None   # (n, seconds of one first-call repetition, both sides)
+        for n, frac in share.items():
             states = make_states(n)
             vals = [s.value for s in states]
-            t = {'ours_jaxpr': [], 'jax_jaxpr': [], 'ours_call': [], 'jax_call': []}
-            for i in range(r):
-                # Alternate which side goes first.
-                jobs = [
-                    ('ours_jaxpr', lambda: sj.StatefulFunction(stateful_step(states)).make_jaxpr(x)
-                     and None),
-                    ('jax_jaxpr', lambda: jax.make_jaxpr(pure_step())(vals, x) and None),
-                ]
-                calls = [
-                    ('ours_call', lambda: sj.StatefulFunction(stateful_step(states))(x)),
-                    ('jax_call', lambda: jax.jit(pure_step())(vals, x)),
-                ]
-                if i % 2:
-                    jobs.reverse()
-                    calls.reverse()
-                for name, fn in jobs + calls:
-                    t[name].append(once_us(fn))
+            allot = budget * frac
+
+            def measure(pairs, reps, allot):
+                t = {name: [] for name, _ in pairs}
+                t0 = time.perf_counter()
+                for i in range(reps):
+                    if i and time.perf_counter() - t0 > allot:
+                        break
+                    for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
+                        t[name].append(once_us(fn))
+                return t, (time.perf_counter() - t0) / len(t[pairs[0][0]])
+
+            t, _ = measure([('ours', ours_mk(states)), ('jax', jax_mk(vals))],
+                           max_reps[n], 0.3 * allot)
             med = {k: statistics.median(v) for k, v in t.items()}
-            mk[n] = med['ours_jaxpr']
-            self.row('trace: make_jaxpr', n, med['ours_jaxpr'], med['jax_jaxpr'],
-                     {'reps': r})
-            self.row('trace: first call', n, med['ours_call'], med['jax_call'], {'reps': r})
-            self.target(f'trace make_jaxpr N={n}', med['ours_jaxpr'] / med['jax_jaxpr'], 1.2)
-            self.target(f'trace first call N={n}', med['ours_call'] / med['jax_call'], 1.15)
-        self.target('trace linear: make_jaxpr(5000)/make_jaxpr(1000)', mk[5000] / mk[1000], 6.0)
+            mk[n], mk_jax[n] = med['ours'], med['jax']
+            self.row('trace: make_jaxpr', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
+            self.target(f'trace make_jaxpr N={n}', med['ours'] / med['jax'], 1.2)
+
+            projected = prev[1] * (n / prev[0]) ** 1.5 if prev else 0.0
+            if projected > 2 * allot:
+                self.notes.append(
+                    f'trace first call N={n}: skipped, one repetition projected at '
+                    f'{projected:.0f} s on jax {jax.__version__} (N={prev[0]} took '
+                    f'{prev[1]:.1f} s); budget {allot:.0f} s')
+                prev = (n, projected)
+                continue
+            t, per_rep = measure([('ours', ours_call(states)), ('jax', jax_call(vals))],
+                                 max_reps[n], 0.7 * allot)
+            prev = (n, per_rep)
+            med = {k: statistics.median(v) for k, v in t.items()}
+            self.row('trace: first call', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
+            self.target(f'trace first call N={n}', med['ours'] / med['jax'], 1.15)
+        self.target(f'trace linear: make_jaxpr(5000)/make_jaxpr(1000) '
+                    f'(jax.make_jaxpr itself: {mk_jax[5000] / mk_jax[1000]:.2f}×)',
+                    mk[5000] / mk[1000], 6.0)
 
     # -- vmap -------------------------------------------------------------------
     def vmap(self):
@@ -354,7 +390,7 @@ class Bench:
 
     # -- memory -------------------------------------------------------------------
     def memory(self):
-        n, calls = 100, 100_000
+        n, calls = 100, (25_000 if self.quick else 100_000)
         x = jnp.ones(16, F32)
         states = make_states(n)
         sf = sj.StatefulFunction(stateful_step(states))
@@ -381,6 +417,7 @@ class Bench:
         for name, call in sides:
             mem[name] = grow(call, calls)
         self.mem = mem
+        self.mem_calls = calls
         # Python-heap growth (tracemalloc slows calls, so fewer of them).
         tm_calls = 5000 if self.quick else 20000
         call = sides[0][1]
@@ -401,7 +438,10 @@ class Bench:
         stats = snaps[2].compare_to(snaps[1], 'lineno')
         second = sum(st.size_diff for st in stats)
         self.heap = (tm_calls, first, second, [st for st in stats if st.size_diff > 0][:3])
-        self.target('memory: RSS growth over 100k calls (MB)', mem['ours'][1], 5.0, unit='MB')
+        scale = 100_000 / calls
+        self.target('memory: RSS growth over 100k calls (MB)'
+                    + (f', extrapolated ×{scale:g} from {calls:,}' if scale != 1 else ''),
+                    max(mem['ours'][1], 0.0) * scale, 5.0, unit='MB')
 
     # -- report -------------------------------------------------------------------
     def report(self, wall):
@@ -414,9 +454,10 @@ class Bench:
             jaxlib_v = '?'
         with open(sj.__file__, 'rb') as fh:
             digest = hashlib.sha256(fh.read()).hexdigest()[:12]
+        load = f'load average {self.load[0]} at start, {_loadavg()} at end'
         p(f'jax {jax.__version__} (jaxlib {jaxlib_v}), Python {platform.python_version()}, '
           f'{jax.devices()[0].platform} x{len(jax.devices())}, {os.cpu_count()} CPUs, '
-          f'stateful_jaxpr.py sha256 {digest}, mode {"quick" if self.quick else "full"}')
+          f'stateful_jaxpr.py sha256 {digest}, mode {"quick" if self.quick else "full"}, {load}')
         p('')
         extras = sorted({k for r in self.rows for k in r['extra'] if k != 'reps'})
         head = '| workload | N | ours (µs) | JAX (µs) | ours/JAX |'
@@ -438,8 +479,9 @@ class Bench:
             p('')
             for name, (mid, end) in self.mem.items():
                 who = 'ours' if name == 'ours' else 'plain jax.jit (reference)'
-                p(f'memory, {who}: VmRSS growth over 100,000 cached calls at N=100 '
-                  f'(tracemalloc off): {end:+.2f} MB (after 50,000: {mid:+.2f} MB)')
+                p(f'memory, {who}: VmRSS growth over {self.mem_calls:,} cached calls at N=100 '
+                  f'(tracemalloc off): {end:+.2f} MB (after {self.mem_calls // 2:,}: '
+                  f'{mid:+.2f} MB)')
             calls, first, second, top = self.heap
             half = calls // 2
             p(f'memory, ours: Python-heap growth under tracemalloc: {first / 1024:+.1f} KiB over '
@@ -461,6 +503,13 @@ class Bench:
             else:
                 verdict = f'MISSED (over by {100 * (t["value"] / t["limit"] - 1):.0f}%)'
             p(f'- {t["name"]}: {val} (target {lim}): {verdict}')
+        try:
+            busy = max(float(self.load[0]), float(_loadavg())) > 1.0
+        except ValueError:
+            busy = False
+        if busy:
+            self.notes.append('other processes were using the CPUs (load average > 1): '
+                              'figures are noisy; re-run on an idle machine')
         if self.notes:
             p('')
             p('Notes:')
