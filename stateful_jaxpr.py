@@ -48,7 +48,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +72,6 @@ __all__ = [
     # errors
     'TraceContextError', 'BatchAxisError',
 ]
-
-_Any = Any  # ``Any`` is also the name of a public filter below.
 
 
 # =============================================================================
@@ -1142,9 +1140,8 @@ _BoundedCache = BoundedCache
 
 class _Traced:
     """Everything one trace produced; immutable once built."""
-    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'written',
-                 'returned', 'state_tree', 'state_sigs', 'trace_stack', 'cacheable',
-                 'n_out', 'in_state_avals')
+    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
+                 'state_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out')
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -1222,12 +1219,11 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     return _Traced(
         closed_jaxpr=ClosedJaxpr(jaxpr, consts),
         out_tree=box['out_tree'], n_out=box['n_out'], out_avals=list(out_avals),
-        states=states, written=tuple(frame.been_writen), returned=tuple(box['returned']),
+        states=states, returned=tuple(box['returned']),
         state_tree=box['state_tree'],
         state_sigs=tuple(sigs[id(s)] for s in states),
         trace_stack=frame,
         cacheable=not any(isinstance(c, Tracer) for c in consts),
-        in_state_avals=None,
     )
 
 

@@ -186,6 +186,7 @@ def _optional_dispatch_columns(n: int, x):
                 s.value = 0.9 * s.value + x
             return jnp.sum(bstates[0].value)
         bj = jit(bf)
+        _block(bj(x))
         cols['brainstate'] = lambda: bj(x)
     except Exception:  # noqa: BLE001 - optional, any failure drops the column
         pass
@@ -194,7 +195,8 @@ def _optional_dispatch_columns(n: int, x):
 
         class M(nnx.Module):
             def __init__(self):
-                self.vs = [nnx.Variable(jnp.zeros(16, F32)) for _ in range(n)]
+                self.vs = getattr(nnx, 'List', list)(
+                    [nnx.Variable(jnp.zeros(16, F32)) for _ in range(n)])
 
         m = M()
 
@@ -203,13 +205,16 @@ def _optional_dispatch_columns(n: int, x):
             for v in m.vs:
                 v.value = 0.9 * v.value + x
             return jnp.sum(m.vs[0].value)
+        _block(nf(m, x))
         cols['flax.nnx'] = lambda: nf(m, x)
     except Exception:  # noqa: BLE001
         pass
     try:  # Equinox: filter_jit of the pure function, state threaded by hand
         import equinox as eqx
         ej = eqx.filter_jit(pure_step())
-        cols['equinox'] = Baseline(ej, [jnp.zeros(16, F32) for _ in range(n)], x)
+        col = Baseline(ej, [jnp.zeros(16, F32) for _ in range(n)], x)
+        _block(col())
+        cols['equinox'] = col
     except Exception:  # noqa: BLE001
         pass
     return cols
