@@ -14,13 +14,15 @@ The module is one self-contained file that depends on ``jax`` only; copy it
 into your project.  It reads top to bottom as data flows:
 
 1. compatibility shims (every JAX internal the module touches lives there),
-2. ``State`` and the thread-local state trace stack,
-3. the bounded LRU cache and key helpers,
-4. the tracing core,
-5. ``StatefulFunction`` and ``make_jaxpr``,
-6. state filters and ``StatefulMapping``,
-7. jaxpr passes (constant folding),
-8. a demo ``main()`` (``python stateful_jaxpr.py``).
+2. errors and small helpers,
+3. ``State`` and the thread-local state trace stack,
+4. the bounded LRU cache and key helpers,
+5. the tracing core,
+6. ``StatefulFunction`` and ``make_jaxpr``,
+7. state filters,
+8. ``StatefulMapping``,
+9. jaxpr passes (constant folding),
+10. a demo ``main()`` (``python stateful_jaxpr.py``).
 
 Example
 -------
@@ -2477,14 +2479,8 @@ class StatefulMapping(_StatefulBase):
                 f'{err}\nStatefulMapping({self.name!r}) maps its axis without a name; to use '
                 'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
                 "pass axis_name='<name>' to StatefulMapping and use that name") from err
-        axes = []
-        for s in traced.states:
-            axis = state_axes.get(id(s))
-            if axis is not None:
-                nd = len(traced.state_sigs[len(axes)][1][0][0]) if traced.state_sigs[len(axes)][1] else 0
-                axis = axis + nd if axis < 0 else axis
-            axes.append(axis)
-        return traced, axes, state_sizes
+        # Axes stay as declared (negative too): the mapper resolves them per leaf.
+        return traced, [state_axes.get(id(s)) for s in traced.states], state_sizes
 
     def _unexpected(self, state):
         policy = self.unexpected_out_state_mapping

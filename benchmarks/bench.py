@@ -116,6 +116,11 @@ def once_us(fn) -> float:
     return (_pc() - t0) / 1e3
 
 
+def _few(samples: dict) -> str:
+    n = len(next(iter(samples.values())))
+    return f' [{n} rep{"s" if n > 1 else ""}: indicative only]' if n < 3 else ''
+
+
 def _loadavg() -> str:
     try:
         with open('/proc/loadavg') as fh:
@@ -308,7 +313,7 @@ class Bench:
             med = {k: statistics.median(v) for k, v in t.items()}
             mk[n], mk_jax[n] = med['ours'], med['jax']
             self.row('trace: make_jaxpr', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
-            self.target(f'trace make_jaxpr N={n}', med['ours'] / med['jax'], 1.2)
+            self.target(f'trace make_jaxpr N={n}{_few(t)}', med['ours'] / med['jax'], 1.2)
 
             projected = prev[1] * (n / prev[0]) ** 1.5 if prev else 0.0
             if projected > 2 * allot:
@@ -323,7 +328,7 @@ class Bench:
             prev = (n, per_rep)
             med = {k: statistics.median(v) for k, v in t.items()}
             self.row('trace: first call', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
-            self.target(f'trace first call N={n}', med['ours'] / med['jax'], 1.15)
+            self.target(f'trace first call N={n}{_few(t)}', med['ours'] / med['jax'], 1.15)
         self.target(f'trace linear: make_jaxpr(5000)/make_jaxpr(1000) '
                     f'(jax.make_jaxpr itself: {mk_jax[5000] / mk_jax[1000]:.2f}×)',
                     mk[5000] / mk[1000], 6.0)
