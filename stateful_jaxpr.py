@@ -44,6 +44,7 @@ import inspect
 import itertools
 import math
 import operator
+import os
 import random as _pyrandom
 import sys
 import threading
@@ -236,6 +237,16 @@ def _user_site(depth: int = 2):
     if frame is None:
         return None
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn`` stacklevel pointing past this module and JAX."""
+    jax_dir = os.path.dirname(jax.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_filename.startswith(jax_dir)):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _format_site(site) -> str:
@@ -2490,7 +2501,7 @@ class StatefulMapping(_StatefulBase):
         if policy == 'raise':
             raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
         if policy == 'warn':
-            warnings.warn(message, UserWarning, stacklevel=5)
+            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
     def _make_apply(self, traced, n, arg_axes, state_axes, returned_pos, write_axes,
                     rng_index, nothing_batched):
