@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import itertools
 import math
@@ -1161,6 +1162,32 @@ class _Traced:
             setattr(self, k, v)
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pauses the cyclic garbage collector while tracing.
+
+    A trace allocates many small, long-lived objects; generation-2 collections
+    rescanning them made tracing grow faster than linearly in the number of
+    states.  Nested and concurrent traces share one pause.
+    """
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
+
+
 def _reject_states(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, State):
@@ -1220,7 +1247,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             return out_leaves + state_leaves
 
     _ctx.ntraces += 1
-    with _axis_env(axis_env):
+    with _axis_env(axis_env), _gc_paused():
         if trace_with is None:
             jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
         else:

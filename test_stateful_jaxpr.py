@@ -930,6 +930,18 @@ class FailureSafetyTest(unittest.TestCase):
             return jax.grad(inner)(x)
         self._check(g, 1.0, states=[a])
 
+    def test_garbage_collector_resumes_after_tracing(self):
+        self.assertTrue(gc.isenabled())
+
+        def f(x):
+            self.assertFalse(gc.isenabled())     # paused while tracing
+            raise _Boom
+        with self.assertRaises(_Boom):
+            StatefulFunction(f)(1.0)
+        self.assertTrue(gc.isenabled())
+        StatefulFunction(lambda x: x)(1.0)
+        self.assertTrue(gc.isenabled())
+
     def test_next_call_works_after_failure(self):
         a = State(jnp.zeros(()))
         fail = [True]
