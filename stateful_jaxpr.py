@@ -1916,10 +1916,7 @@ class StatefulFunction(_StatefulBase):
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}, but the function was traced with {sig}; pass a value of the '
                     'traced shape and dtype')
-        if self._compiled_dispatch and entry.traced.cacheable:
-            out, new = self._dispatcher(len(args))(entry.plan.token, state_vals, *args, **kwargs)
-        else:
-            out, new = entry.apply(state_vals, leaves)
+        out, new = self._run(entry, state_vals, args, kwargs, leaves)
         for i, value in zip(entry.plan.write_index, new):
             state_vals[i] = value
         return state_vals, out
