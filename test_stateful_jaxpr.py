@@ -10,8 +10,10 @@ import os
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
+import argparse
 import gc
 import inspect
+import pprint
 import random
 import re
 import subprocess
@@ -25,6 +27,7 @@ import weakref
 
 import jax
 import jax.extend.core
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -3770,6 +3773,1716 @@ class Memory(unittest.TestCase):
                 sf(jnp.asarray(1.0))
             return [weakref.ref(s), weakref.ref(sf)]
         self.assertAllFreed(build())
+
+# ===========================================================================
+# Fault injection and differential fuzzing (issue 5, items 1 and 2)
+# ===========================================================================
+
+# =============================================================================
+# Reliability, part 1: fault injection (issue 5, item 1)
+#
+# A traced function is made to raise at its k-th State access (a State
+# subclass whose ``value`` property counts reads and writes) and at its k-th
+# JAX operation (every operation of the test programs goes through
+# ``_fz_op``), for every k, with the failing access at top level and inside
+# ``lax.scan``, ``lax.cond``, ``jax.grad``, an inner ``jax.jit``, a nested
+# StatefulFunction and a StatefulMapping.  After each failure the test checks
+# that the injected exception type propagates, that every State (RandomStates
+# included) holds the very value object it held before the call and no
+# tracer, that the callable's cache and statistics are unchanged, and that the
+# next call (no fault) returns the numbers of a fault-free twin run.
+# =============================================================================
+
+class _fz_Injected(Exception):
+    """The fault the harness injects."""
+
+
+class _fz_InjectedValueError(ValueError):
+    """An injected fault of a type the module's fast path catches and inspects."""
+
+
+class _fz_InjectedTypeError(TypeError):
+    """Likewise (``TypeError`` is also caught by the fast path)."""
+
+
+_fz_EXCEPTIONS = (_fz_Injected, _fz_InjectedValueError, _fz_InjectedTypeError)
+# At an operation the fault can also be JAX's own error, raised by JAX itself:
+# the program converts a traced value to a Python bool.
+_fz_JAX_ERROR = jax.errors.TracerBoolConversionError
+
+
+class _fz_FaultPlan:
+    """Counts State accesses and operations; raises at the armed k-th one."""
+
+    def __init__(self):
+        self.arm(None, 0, None)
+
+    def arm(self, kind, at, exc):
+        self.counts = {'state': 0, 'op': 0}
+        self.kind, self.at, self.exc, self.fired = kind, at, exc, 0
+
+    def disarm(self):
+        self.kind = None
+
+    def tick(self, kind):
+        """Counts an event; raises at the armed one (returns True instead when the
+        caller must make JAX raise its own error)."""
+        n = self.counts[kind] = self.counts[kind] + 1
+        if kind == self.kind and n == self.at:
+            self.fired += 1
+            if self.exc is _fz_JAX_ERROR:
+                return True
+            raise self.exc(f'injected fault at {kind} event #{n}')
+        return False
+
+
+_fz_FAULTS = _fz_FaultPlan()
+
+
+def _fz_counted_get(self):
+    _fz_FAULTS.tick('state')
+    return sj.State.value.fget(self)
+
+
+def _fz_counted_set(self, v):
+    _fz_FAULTS.tick('state')
+    sj.State.value.fset(self, v)
+
+
+class _fz_CountingState(sj.State):
+    """A State whose every ``value`` read and write is a fault-injection point."""
+    __slots__ = ()
+    value = property(_fz_counted_get, _fz_counted_set)
+
+
+class _fz_CountingRandomState(sj.RandomState):
+    """Likewise for a RandomState (``split_key`` reads and writes ``value``)."""
+    __slots__ = ()
+    value = property(_fz_counted_get, _fz_counted_set)
+
+
+def _fz_op(fn, *args, **kwargs):
+    """Every JAX operation of the fault-injection programs: an injection point."""
+    if _fz_FAULTS.tick('op'):   # a user bug JAX reports: bool() of a traced value
+        x = args[0]
+        if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if bool(jnp.sum(jnp.abs(x)) >= 0):
+            raise AssertionError('the fault-injection op got a concrete value, not a tracer')
+    return fn(*args, **kwargs)
+
+
+# A cheap PRNG implementation for typed keys (public jax.extend.random API).
+# jax.random's threefry expands to ~100 HLO ops per split/draw, and XLA CPU
+# compile time then dominates these tests; this counter-based hash compiles
+# in a fraction of it.  Threefry keys (raw and typed) are still used, less often.
+
+def _fz_mix(h):
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fz_cheap_stream(key, n, salt):
+    i = jnp.arange(n, dtype=jnp.uint32)
+    return _fz_mix(key[0] ^ _fz_mix(i * jnp.uint32(0x9E3779B9) + key[1] + jnp.uint32(salt)))
+
+
+def _fz_cheap_seed(seed):
+    s = jnp.asarray(seed).astype(jnp.uint32)
+    return jnp.stack([_fz_mix(s ^ jnp.uint32(0x9E3779B9)), _fz_mix(s + jnp.uint32(0x7F4A7C15))])
+
+
+def _fz_cheap_split(key, shape):
+    n = int(np.prod(shape, dtype=np.int64))
+    pair = jnp.stack([_fz_cheap_stream(key, n, 1), _fz_cheap_stream(key, n, 2)], axis=-1)
+    return pair.reshape(tuple(shape) + (2,))
+
+
+def _fz_cheap_bits(key, bit_width, shape):
+    n = int(np.prod(shape, dtype=np.int64))
+    bits = _fz_cheap_stream(key, n, 3)
+    if bit_width == 64:
+        hi = _fz_cheap_stream(key, n, 4).astype(jnp.uint64)
+        return ((hi << 32) | bits.astype(jnp.uint64)).reshape(shape)
+    if bit_width < 32:
+        bits = (bits >> (32 - bit_width)).astype(jnp.dtype(f'uint{bit_width}'))
+    return bits.reshape(shape)
+
+
+def _fz_cheap_fold_in(key, data):
+    d = jnp.asarray(data).astype(jnp.uint32)
+    return jnp.stack([_fz_mix(key[0] ^ d), _fz_mix(key[1] + d * jnp.uint32(0x9E3779B9))])
+
+
+_fz_CHEAP_PRNG = jax.extend.random.define_prng_impl(
+    key_shape=(2,), seed=_fz_cheap_seed, split=_fz_cheap_split, random_bits=_fz_cheap_bits,
+    fold_in=_fz_cheap_fold_in, name='fz_cheap', tag='fzc')
+
+
+def _fz_key(seed, kind='cheap'):
+    """A PRNG key: 'cheap' (typed, the hash above), 'raw' or 'typed' threefry."""
+    if kind == 'cheap':
+        return jax.random.key(seed, impl=_fz_CHEAP_PRNG)
+    if kind == 'typed':
+        return jax.random.key(seed)
+    return jax.random.PRNGKey(seed)
+
+
+def _fz_key_bits(key, shape):
+    """Integers in [0, 1000) of ``shape`` hashed from a PRNG key's bits.
+
+    Cheap to compile, for raw threefry keys too (a ``jax.random`` sampler on
+    them expands to threefry rounds); used where a test only needs numbers
+    that depend on the key a RandomState handed out.
+    """
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    key = key.astype(jnp.uint32)
+    n = int(np.prod(shape, dtype=np.int64))
+    i = jnp.arange(1, n + 1, dtype=jnp.uint32)
+    h = key[..., 0] ^ (key[..., 1] * jnp.uint32(2654435761) + i * jnp.uint32(40503))
+    h = h ^ (h >> 13)
+    return lax.rem(h, jnp.uint32(1000)).astype(jnp.int32).reshape(shape)
+
+
+def _fz_key_uniform(key, shape):
+    """Floats in [-1, 1) hashed from a key (see ``_fz_key_bits``)."""
+    return _fz_key_bits(key, shape).astype(jnp.float32) * (2.0 / 1000) - 1.0
+
+
+def _fz_set_raw(state, value):
+    """Sets a value without counting (outside any trace)."""
+    sj.State.value.fset(state, value)
+
+
+class _fz_Scn:
+    """The States one fault-injection scenario works on (fresh per instance)."""
+
+    def __init__(self):
+        f32 = jnp.float32
+        self.a = _fz_CountingState(jnp.linspace(-1.0, 1.0, 3, dtype=f32), name='a')
+        self.b = _fz_CountingState(jnp.array(2, jnp.int32), name='b')
+        self.w = _fz_CountingState(jnp.array([0.5, -0.25, 1.0], f32), name='w')
+        self.t = _fz_CountingState(
+            {'m': jnp.full((3,), 0.1, f32),
+             'n': (jnp.array([True, False, True]), jnp.array(0.3 + 0.4j, jnp.complex64))},
+            name='t')
+        self.h = _fz_CountingState(jnp.arange(6, dtype=f32).reshape(2, 3) / 6, name='h',
+                                   tag='lane')
+        self.rng = _fz_CountingRandomState(_fz_key(7), name='rng')   # cheap typed key
+        self.key = _fz_CountingRandomState(3, name='key')            # raw threefry key
+        self.all = [self.a, self.b, self.w, self.t, self.h, self.rng, self.key]
+
+
+# Each scenario: make(S) -> a fresh top-level stateful callable f(x, tag=...).
+# ``tag`` is static and unused by the numbers: a new tag is a new cache key
+# with the same result, so every injection point traces afresh.
+
+def _fz_scn_top(S):
+    op = _fz_op
+
+    def f(x, tag):
+        S.a.value = op(jnp.add, S.a.value, x)
+        S.b.value = op(jnp.add, S.b.value, 1)
+        noise = op(jax.random.uniform, S.rng.split_key(), (3,))
+        t = S.t.value
+        S.t.value = {'m': op(jnp.tanh, t['m'] + noise),
+                     'n': (op(jnp.logical_not, t['n'][0]), t['n'][1] * (0.6 + 0.8j))}
+        return op(jnp.sum, S.a.value * S.w.value)
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_scn_scan(S):
+    op = _fz_op
+
+    def f(x, tag):
+        def body(c, i):
+            c = op(jnp.tanh, c * S.w.value + S.a.value)
+            return c, op(jnp.sum, c) + S.t.value['m'][0]
+        c, ys = lax.scan(body, x, jnp.arange(3))
+        S.a.value = c
+        S.b.value = S.b.value + 1
+        return op(jnp.sum, ys)
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_scn_cond(S):
+    op = _fz_op
+
+    def f(x, tag):
+        pred = op(jnp.greater, S.b.value, 0)
+        y = lax.cond(pred, lambda v: op(jnp.sin, v * S.w.value),
+                     lambda v: op(jnp.cos, v) + S.t.value['m'], x)
+        S.a.value = op(jnp.add, S.a.value, y)
+        return y
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_scn_grad(S):
+    op = _fz_op
+
+    def f(x, tag):
+        def loss(p):
+            return op(jnp.sum, op(jnp.sin, p * S.w.value)) + op(jnp.sum, S.a.value)
+        g = jax.grad(loss)(x)
+        S.a.value = S.a.value + g
+        return g
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_scn_jit(S):
+    op = _fz_op
+
+    def f(x, tag):
+        y = jax.jit(lambda v: op(jnp.multiply, v, S.w.value) + S.b.value)(x)
+        S.a.value = op(jnp.tanh, y)
+        return y
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_scn_nested(S):
+    op = _fz_op
+
+    def inner(v, tag):
+        S.a.value = op(jnp.add, S.a.value, v)
+        k = S.key.split_key()
+        return op(_fz_key_uniform, k, (3,)) + S.w.value
+    isf = sj.StatefulFunction(inner, static_argnames='tag')
+
+    def f(x, tag):
+        y = op(jnp.tanh, x * S.w.value)
+        z = isf(y, tag=tag)
+        S.b.value = S.b.value + 1
+        return z
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_scn_nested_in_scan(S):
+    op = _fz_op
+
+    def inner(v, tag):   # read-only: may run inside a scan body
+        return op(jnp.sin, v * S.w.value) + S.t.value['m']
+    isf = sj.StatefulFunction(inner, static_argnames='tag')
+
+    def f(x, tag):
+        def body(c, _):
+            return isf(c, tag=tag), None
+        c, _ = lax.scan(body, x, None, length=2)
+        S.a.value = c
+        return op(jnp.sum, c)
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+def _fz_lane_fn(S, draw):
+    op = _fz_op
+
+    def lane(x, tag):
+        S.h.value = op(jnp.add, S.h.value, x * S.w.value)
+        out = op(jnp.sum, S.h.value) + S.b.value
+        if draw:   # one key per lane, split off S.rng
+            out = out + op(jnp.sum, op(jax.random.normal, S.rng.split_key(), (3,)))
+        return out
+    return lane
+
+
+def _fz_scn_mapping(S):
+    return sj.StatefulMapping(_fz_lane_fn(S, True), in_axes=0, state_in_axes={0: 'lane'},
+                              static_argnames='tag')
+
+
+def _fz_scn_mapping_in_sf(S):
+    op = _fz_op
+    sm = sj.StatefulMapping(_fz_lane_fn(S, False), in_axes=0, state_in_axes={0: 'lane'},
+                            static_argnames='tag')
+
+    def f(x, tag):
+        y = sm(x, tag=tag)
+        S.a.value = S.a.value + op(jnp.sum, y)
+        return y
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
+_fz_X3 = np.array([0.3, -0.7, 1.1], np.float32)
+_fz_X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
+
+_fz_SCENARIOS = [
+    ('top', _fz_scn_top, _fz_X3),
+    ('scan', _fz_scn_scan, _fz_X3),
+    ('cond', _fz_scn_cond, _fz_X3),
+    ('grad', _fz_scn_grad, _fz_X3),
+    ('inner_jit', _fz_scn_jit, _fz_X3),
+    ('nested_sf', _fz_scn_nested, _fz_X3),
+    ('nested_sf_in_scan', _fz_scn_nested_in_scan, _fz_X3),
+    ('mapping', _fz_scn_mapping, _fz_X23),
+    ('mapping_in_sf', _fz_scn_mapping_in_sf, _fz_X23),
+]
+
+
+def _fz_stack(xs, axis):
+    """Lane values stacked along ``axis``, in numpy (Python scalars keep their
+    loose typing: a 64-bit result is compared by value)."""
+    return np.stack([_host(x) for x in xs], axis=axis)
+
+
+def _fz_assert_close(expected, got, what, rtol=1e-5, atol=1e-5):
+    """Same pytree structure; integer/bool leaves equal, float leaves close."""
+    el, et = jax.tree_util.tree_flatten(expected)
+    gl, gt = jax.tree_util.tree_flatten(got)
+    if et != gt:
+        raise AssertionError(f'{what}: tree structure differs: expected {et}, got {gt}')
+    for i, (a, b) in enumerate(zip(el, gl)):
+        loose = isinstance(a, (bool, int, float, complex)) or isinstance(b, (bool, int, float,
+                                                                             complex))
+        a, b = _host(a), _host(b)
+        # 64-bit values only come from Python scalars (stacked by _fz_stack).
+        loose = loose or a.dtype in (np.int64, np.float64, np.complex128)
+        if loose:   # a Python scalar: its value counts, not its (default) dtype
+            b = b.astype(a.dtype)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise AssertionError(f'{what}, leaf {i}: expected {a.dtype}{list(a.shape)}, '
+                                 f'got {b.dtype}{list(b.shape)}')
+        if a.dtype.kind in 'biu':
+            ok = np.array_equal(a, b)
+        else:
+            ok = np.allclose(a, b, rtol=rtol, atol=atol)
+        if not ok:
+            raise AssertionError(f'{what}, leaf {i}: values differ\nexpected {a!r}\ngot      {b!r}')
+
+
+class _fz_Either:
+    """Expected value of an unbatched state written under a mapping: stacked
+    over the lanes, or (only when every lane wrote the same value) that value."""
+
+    def __init__(self, stacked, single):
+        self.stacked, self.single = stacked, single
+
+
+def _fz_assert_states(expected, got, what):
+    """``_fz_assert_close`` per state, resolving ``_fz_Either`` by the shape found."""
+    if len(expected) != len(got):
+        raise AssertionError(f'{what}: {len(got)} states, expected {len(expected)}')
+    for i, (e, g) in enumerate(zip(expected, got)):
+        if isinstance(e, _fz_Either):
+            shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(g)]
+            if e.single is None or shapes == [np.shape(x) for x in
+                                              jax.tree_util.tree_leaves(e.stacked)]:
+                e = e.stacked
+            else:
+                e = e.single
+        _fz_assert_close(e, g, f'{what}, state {i}')
+
+
+def _fz_tracer_leaves(state):
+    found = [x for x in jax.tree_util.tree_leaves(state._value) if isinstance(x, jax.core.Tracer)]
+    backup = getattr(state, '_backup', None)
+    found += [x for x in jax.tree_util.tree_leaves(backup) if isinstance(x, jax.core.Tracer)]
+    return found
+
+
+class FaultInjectionTest(unittest.TestCase):
+    """Issue 5 item 1: fail at every State access and every op, everywhere."""
+
+    points = 0
+
+    @classmethod
+    def tearDownClass(cls):
+        print(f'\n[fault injection] {cls.points} injection points ran over '
+              f'{len(_fz_SCENARIOS)} scenarios', file=sys.stderr)
+
+    def _check_clean(self, S, before, stats_before, call, where):
+        frames = getattr(getattr(sj, '_ctx', None), 'frames', [])
+        self.assertEqual(list(frames), [], f'{where}: a state trace frame is still active')
+        for s, v0 in zip(S.all, before):
+            self.assertIs(s._value, v0, f'{where}: {s.name} does not hold its old value object')
+            self.assertEqual(_fz_tracer_leaves(s), [], f'{where}: {s.name} holds a tracer')
+            self.assertNotIn('Trace', repr(s), f'{where}: repr of {s.name} shows a tracer')
+            self.assertIsNone(getattr(s, '_leak', None), f'{where}: {s.name} flagged as leaking')
+            self.assertIs(sj.State.value.fget(s), v0,
+                          f'{where}: {s.name}.value is not the old value')
+        self.assertEqual(call.get_cache_stats(), stats_before, f'{where}: cache statistics changed')
+
+    def test_jax_error_type_propagates(self):
+        # Found by fault injection (jax 0.5.x/0.6.x): JAX's own error for a user bug
+        # inside a traced function (bool() of a traced value) must reach the caller
+        # as that error, as it does under jax.jit; and under jax.disable_jit() a
+        # fori_loop with a traced trip count falls back to the loop primitive.
+        s = sj.State(jnp.zeros(()), name='s')
+
+        def f(x):
+            if x > 0:
+                s.value = s.value + x
+            return x
+        with self.assertRaises(jax.errors.TracerBoolConversionError):
+            jax.jit(f)(1.0)
+        with self.assertRaises(jax.errors.TracerBoolConversionError):
+            sj.StatefulFunction(f)(1.0)
+        self.assertEqual(float(s.value), 0.0)
+        n = sj.State(jnp.int32(2), name='n')
+
+        def g(x):
+            return lax.fori_loop(0, n.value, lambda i, a: a + 1.0, x)
+        with jax.disable_jit():
+            self.assertEqual(float(sj.StatefulFunction(g)(jnp.float32(0))), 2.0)
+
+    def _run(self, name, make, x):
+        # Fault-free twin: the expected numbers, and the number of events per kind.
+        twin = _fz_Scn()
+        tcall = make(twin)
+        _fz_FAULTS.arm(None, 0, None)
+        tcall(x, tag='warm')
+        v0_twin = [s._value for s in twin.all]
+        _fz_FAULTS.arm(None, 0, None)
+        expected_out = tcall(x, tag='dry')
+        counts = {'warm': dict(_fz_FAULTS.counts)}
+        expected_states = [s._value for s in twin.all]
+        for s, v in zip(twin.all, v0_twin):
+            _fz_set_raw(s, v)
+        _fz_FAULTS.arm(None, 0, None)
+        cold_out = make(twin)(x, tag='dry')
+        counts['cold'] = dict(_fz_FAULTS.counts)
+        _fz_assert_close(expected_out, cold_out, f'{name}: cold vs warm fault-free run')
+        self.assertGreater(counts['warm']['state'], 0)
+        self.assertGreater(counts['warm']['op'], 0)
+
+        S = _fz_Scn()
+        warm = make(S)
+        warm(x, tag='warm')
+        before = [s._value for s in S.all]
+        _fz_assert_close(v0_twin, before, f'{name}: warm-up')
+        n = 0
+        for kind in ('state', 'op'):
+            top = max(counts['warm'][kind], counts['cold'][kind])
+            for k in range(1, top + 1):
+                # 'cold': a fresh callable (slow path), whose next call retraces
+                # the key that failed; 'warm': the warmed callable (fast path via
+                # the compiled dispatcher), whose next call either retraces the
+                # failed key ('retrace') or hits the cache (no compile: cheap).
+                mode = 'cold' if k % 4 == 0 else 'warm'
+                if k > counts[mode][kind]:
+                    mode = 'cold' if mode == 'warm' else 'warm'
+                retrace = mode == 'cold' or k % 4 == 2 or k == top
+                call = warm if mode == 'warm' else make(S)
+                for s, v in zip(S.all, before):
+                    _fz_set_raw(s, v)
+                stats_before = call.get_cache_stats()
+                kinds = _fz_EXCEPTIONS + ((_fz_JAX_ERROR,) if kind == 'op' else ())
+                exc = kinds[k % len(kinds)]
+                where = f'{name}/{mode}: {kind} #{k} ({exc.__name__})'
+                tag = f'{kind}{k}'
+                _fz_FAULTS.arm(kind, k, exc)
+                try:
+                    call(x, tag=tag)
+                except BaseException as err:  # noqa: B902 -- checked right below
+                    raised = err
+                else:
+                    raised = None
+                finally:
+                    _fz_FAULTS.disarm()
+                self.assertIsNotNone(raised, f'{where}: the injected fault did not propagate')
+                self.assertIs(type(raised), exc,
+                              f'{where}: expected {exc.__name__}, got {type(raised).__name__}: '
+                              f'{raised}')
+                self.assertEqual(_fz_FAULTS.fired, 1, where)
+                self._check_clean(S, before, stats_before, call, where)
+                out = call(x, tag=tag if retrace else 'warm')   # the next call, no fault
+                _fz_assert_close(expected_out, out, f'{where}: output after recovery')
+                _fz_assert_close(expected_states, [s._value for s in S.all],
+                                 f'{where}: states after recovery')
+                n += 1
+        type(self).points += n
+        return n
+
+
+def _fz_scenario_test(name, make, x):
+    def test(self):
+        self.assertGreater(self._run(name, make, x), 0)
+    test.__name__ = f'test_fault_injection_{name}'
+    return test
+
+
+for _fz_name, _fz_make, _fz_x in _fz_SCENARIOS:
+    setattr(FaultInjectionTest, f'test_fault_injection_{_fz_name}',
+            _fz_scenario_test(_fz_name, _fz_make, _fz_x))
+del _fz_name, _fz_make, _fz_x
+
+
+# =============================================================================
+# Reliability, part 2: differential fuzzing (issue 5, item 2)
+#
+# ``_fz_generate(seed)`` builds a random stateful program as plain data
+# (nested tuples and dicts; print it to read it) and ``_fz_make_main``
+# interprets it.  ``_fz_check_program(seed)`` runs it
+#   (a)   eagerly, as plain Python under ``jax.disable_jit()`` (the reference),
+#   (b)   through ``StatefulFunction.__call__`` (twice: first call, cache hit),
+#   (c)   through ``jax.jit`` over ``jaxpr_call`` with explicit state values,
+#   (d)   through ``constant_fold_jaxpr(get_jaxpr(...))`` under ``jaxpr_as_fun``,
+#   (d')  through the module-level ``make_jaxpr``, and checks the accessors
+#         (get_arg_cache_key, *_by_cache, get_write/read_states against the
+#         states the reference actually wrote, validate_states, get_out_shapes);
+# with extras (one more compile each, so on a subset in the unit suite)
+#   (b'') another call with a different static value (a Python-level branch
+#         may touch other states) and one after a state changed shape (stale),
+#   (b')  a fresh StatefulFunction under ``jax.disable_jit()``;
+# or, for batched programs,
+#   (e)   through ``StatefulMapping`` (twice) against a Python loop over the
+#         lanes (RandomStates: lane i uses ``rng.split_key(n)[i]``), with
+#         per-argument in_axes (0, -1, None, pytree prefixes), states batched
+#         on axis 0 or 1, out_axes 0 or -1, axis_size, unbatched states written
+#         under the 'auto'/'ignore'/'warn' policies,
+#   (e')  and (extra) through a StatefulFunction wrapping the mapping.
+# Outputs and final state values must agree: exactly for integers, bools and
+# keys, to 1e-5 for floats.  Integers never depend on floats and control-flow
+# predicates are integers, so every path takes the same branches; float
+# operations are non-expanding so rounding differences stay tiny.
+#
+# Expressions (each evaluates to an array of the program's work shape W;
+# domain 'f' is float32, 'i' is int32 in [0, M] or a small raw value):
+#   ('arg', j) ('var', v) ('loc', u, name) ('read', state, path) ('peek', rng)
+#   ('fconst', x) ('iconst', n) ('static',) ('staticf',)
+#   ('fadd'|'fsub'|'fmul', a, b) ('sin'|'tanh'|'fmean'|'fcum', a) ('itof', i)
+#   ('fwhere'|'iwhere', i, a, b) ('iadd'|'imul'|'imax'|'igt', a, b) ('isum', i)
+#   ('cond', dom, i, then, else) ('scan', dom, L, u, init_f, init_i, body_f, body_i)
+#   ('fori', dom, L, u, init, body)   [L: int | ('static',) | ('dyn', i): while_loop]
+#   ('grad', u, at, body) ('jit', dom, e)   [jax.grad / an inner jax.jit in between]
+#   ('sfcall', sub, f) ('vmapsf', sub, f, f)   [read-only nested StatefulFunctions,
+#   anywhere, also under a plain jax.vmap]
+# Statements: ('let', v, e) ('write', state, path, e) ('draw', rng, kind, v)
+#   ('call', sub, f, v) ('local', v, dom, e, e) [a State created inside]
+#   ('pyif', stmts, stmts) [Python-level branch on the static argument].
+#   Writes, draws and writing calls only at statement level, never inside a
+#   lax body: writing a State there is a TraceContextError by design.
+# =============================================================================
+
+_FZ_M = 1023   # integers are kept in [0, 1023] with ``& _FZ_M`` (one cheap op)
+_FZ_DOM = {'f32': 'f', 'c64': 'f', 'i32': 'i', 'bool': 'i'}
+_FZ_NP = {'f32': np.float32, 'i32': np.int32, 'bool': np.bool_, 'c64': np.complex64}
+_FZ_SINGLE_CLASSES = ('State', 'ShortTermState', 'LongTermState', 'ParamState',
+                      'BatchState', 'HiddenState')
+_FZ_TREE_CLASSES = ('State', 'LongTermState', 'ParamState')
+_FZ_FILTERS = ('dict', 'bare', 'predicate', 'combinator')
+
+
+def _fz_leaf_specs(tree, path=()):
+    """``[(path, dtype, shape_kind)]`` of a state's tree spec, in flatten order."""
+    if tree[0] == 'leaf':
+        return [(path, tree[1], tree[2])]
+    out = []
+    if tree[0] == 'dict':
+        for k, sub in sorted(tree[1]):
+            out += _fz_leaf_specs(sub, path + (k,))
+    else:
+        for i, sub in enumerate(tree[1]):
+            out += _fz_leaf_specs(sub, path + (i,))
+    return out
+
+
+def _fz_get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _fz_set(tree, path, leaf):
+    if not path:
+        return leaf
+    p = path[0]
+    if isinstance(tree, dict):
+        new = dict(tree)
+        new[p] = _fz_set(tree[p], path[1:], leaf)
+        return new
+    items = list(tree)
+    items[p] = _fz_set(tree[p], path[1:], leaf)
+    return tuple(items)
+
+
+class _fz_Gen:
+    """Seeded random program generator (the program is plain data)."""
+
+    def __init__(self, seed):
+        self.r = random.Random(seed)
+        self.seed = seed
+        self.next_var = 0
+        self.next_loc = 0
+
+    def tree(self, depth):
+        r = self.r
+        if depth <= 0 or r.random() < 0.6:
+            return ('leaf', r.choice(('f32', 'f32', 'i32', 'bool', 'c64')),
+                    r.choice(('W', 'W', 'S', 'L')))
+        if r.random() < 0.5:
+            keys = r.sample(('a', 'b', 'c', 'd'), r.randint(1, 3))
+            return ('dict', tuple((k, self.tree(depth - 1)) for k in keys))
+        return ('tuple', tuple(self.tree(depth - 1) for _ in range(r.randint(1, 2))))
+
+    def leaf(self, dom, sc):
+        r = self.r
+        cands = [('arg', j) for j, d in enumerate(sc['args']) if d == dom]
+        cands += [('var', v) for v, d in sc['vars'] if d == dom]
+        cands += [('loc', u, nm) for (u, nm), d in sc['locs'] if d == dom] * 2
+        cands += [('read', si, path) for si, path, dt, sk in self.leaves if _FZ_DOM[dt] == dom] * 2
+        if dom == 'f' and self.nrngs and r.random() < 0.15:   # read a key, no split
+            return ('peek', r.randrange(self.nrngs))
+        if dom == 'f':
+            cands.append(('fconst', round(r.uniform(-1, 1), 3)))
+            if self.static_is_tuple:
+                cands.append(('staticf',))
+        else:
+            cands += [('iconst', r.randint(-5, 30)), ('static',)]
+        return r.choice(cands)
+
+    def length(self, sc, depth):
+        r = self.r
+        x = r.random()
+        if x < 0.4:
+            return ('static',)
+        if x < 0.7 or sc.get('no_while'):   # no reverse-mode through while_loop
+            return r.randint(1, 3)
+        return ('dyn', self.expr('i', depth - 1, sc))
+
+    def expr(self, dom, depth, sc):
+        r = self.r
+        if depth <= 0 or r.random() < 0.25:
+            return self.leaf(dom, sc)
+        if self.cf_left > 0 and r.random() < 0.25:
+            self.cf_left -= 1
+            kind = r.choice(('cond', 'scan', 'fori'))
+            if kind == 'cond':
+                return ('cond', dom, self.expr('i', depth - 1, sc),
+                        self.expr(dom, depth - 1, sc), self.expr(dom, depth - 1, sc))
+            u = self.next_loc
+            self.next_loc += 1
+            if kind == 'scan':
+                L = self.length(sc, depth)
+                if isinstance(L, tuple) and L[0] == 'dyn':
+                    L = ('static',)      # scan lengths are static
+                inner = dict(sc, locs=sc['locs'] + [((u, 'cf'), 'f'), ((u, 'ci'), 'i'),
+                                                    ((u, 'x'), 'i')])
+                return ('scan', dom, L, u, self.expr('f', depth - 1, sc),
+                        self.expr('i', depth - 1, sc), self.expr('f', depth - 1, inner),
+                        self.expr('i', depth - 1, inner))
+            L = self.length(sc, depth)
+            inner = dict(sc, locs=sc['locs'] + [((u, 'acc'), dom), ((u, 'k'), 'i')])
+            return ('fori', dom, L, u, self.expr(dom, depth - 1, sc),
+                    self.expr(dom, depth - 1, inner))
+        if r.random() < 0.08:   # a JAX transform in between: jax.grad or an inner jax.jit
+            if dom == 'f' and r.random() < 0.5:
+                u = self.next_loc
+                self.next_loc += 1
+                inner = dict(sc, locs=sc['locs'] + [((u, 'p'), 'f')], no_while=True)
+                return ('grad', u, self.expr('f', depth - 1, sc), self.expr('f', depth - 1, inner))
+            return ('jit', dom, self.expr(dom, depth - 1, sc))
+        if dom == 'f':
+            ops = ['fadd', 'fsub', 'fmul', 'sin', 'tanh', 'fmean', 'fcum', 'itof', 'fwhere']
+            if sc['ro_subs']:
+                ops += ['sfcall', 'sfcall', 'vmapsf']
+            op = r.choice(ops)
+            if op in ('fadd', 'fsub', 'fmul'):
+                return (op, self.expr('f', depth - 1, sc), self.expr('f', depth - 1, sc))
+            if op in ('sin', 'tanh', 'fmean', 'fcum'):
+                return (op, self.expr('f', depth - 1, sc))
+            if op == 'itof':
+                return (op, self.expr('i', depth - 1, sc))
+            if op == 'sfcall':
+                return (op, r.choice(sc['ro_subs']), self.expr('f', depth - 1, sc))
+            if op == 'vmapsf':   # a nested StatefulFunction under a plain jax.vmap
+                return (op, r.choice(sc['ro_subs']), self.expr('f', depth - 1, sc),
+                        self.expr('f', depth - 1, sc))
+            return (op, self.expr('i', depth - 1, sc), self.expr('f', depth - 1, sc),
+                    self.expr('f', depth - 1, sc))
+        op = r.choice(['iadd', 'imul', 'imax', 'igt', 'isum', 'iwhere'])
+        if op == 'isum':
+            return (op, self.expr('i', depth - 1, sc))
+        if op == 'iwhere':
+            return (op,) + tuple(self.expr('i', depth - 1, sc) for _ in range(3))
+        return (op, self.expr('i', depth - 1, sc), self.expr('i', depth - 1, sc))
+
+    def new_var(self):
+        self.next_var += 1
+        return self.next_var
+
+    def stmts(self, sc, count, rw, rw_subs):
+        r = self.r
+        out = []
+        for _ in range(count):
+            kinds = ['let', 'let', 'local']
+            if rw and self.writable:
+                kinds += ['write'] * 3
+            if rw and self.nrngs:
+                kinds += ['draw']
+            if rw and rw_subs:
+                kinds += ['call']
+            if not sc.get('in_pyif'):
+                kinds += ['pyif']
+            kind = r.choice(kinds)
+            depth = r.choice((1, 2, 2, 3) if self.large else (1, 1, 2))
+            if kind == 'let':
+                dom = r.choice('ffi')
+                e = self.expr(dom, depth, sc)
+                v = self.new_var()
+                out.append(('let', v, e))
+                sc['vars'].append((v, dom))
+            elif kind == 'local':   # a State created (and written) inside the function
+                dom = r.choice('fi')
+                v = self.new_var()
+                out.append(('local', v, dom, self.expr(dom, depth - 1, sc),
+                            self.expr(dom, depth - 1, sc)))
+                sc['vars'].append((v, dom))
+            elif kind == 'write':
+                si, path, dt, sk = r.choice(self.writable)
+                out.append(('write', si, path, self.expr(_FZ_DOM[dt], depth, sc)))
+            elif kind == 'draw':
+                dk = r.choice(('bits', 'ibits', 'split2', 'normal', 'uniform', 'randint',
+                               'bernoulli'))
+                v = self.new_var()
+                out.append(('draw', r.randrange(self.nrngs), dk, v))
+                sc['vars'].append((v, 'i' if dk in ('randint', 'bernoulli', 'ibits') else 'f'))
+            elif kind == 'pyif':   # Python-level branch on the static argument
+                arms = []
+                for _ in range(2):
+                    inner = dict(sc, vars=list(sc['vars']), in_pyif=True)
+                    arms.append(self.stmts(inner, r.randint(1, 2), rw, rw_subs))
+                out.append(('pyif', arms[0], arms[1]))
+            else:
+                v = self.new_var()
+                out.append(('call', r.choice(rw_subs), self.expr('f', depth - 1, sc), v))
+                sc['vars'].append((v, 'f'))
+        return out
+
+    def program(self):
+        r = self.r
+        mapped = r.random() < 0.22
+        # Few distinct shapes (mostly 2s: the 'L' axis and 2 lanes are 2 as well):
+        # eager op-by-op evaluation compiles each primitive once per shape, and
+        # those compiles are shared by all programs.
+        W = r.choice([(), (), (2,), (2,), (2, 2), (3,)])
+        n = r.choice([2, 2, 2, 3]) if mapped else 0
+        states = []
+        for _ in range(r.randint(1, 4)):
+            tree = self.tree(2)
+            classes = _FZ_SINGLE_CLASSES if tree[0] == 'leaf' else _FZ_TREE_CLASSES
+            batched = mapped and r.random() < 0.6
+            axis = None
+            if batched:   # axis 1 needs every leaf to have a dimension per lane
+                lane_nd = [{'W': len(W), 'S': 0, 'L': len(W) + 1}[sk]
+                           for _, _, sk in _fz_leaf_specs(tree)]
+                axis = 1 if min(lane_nd) >= 1 and r.random() < 0.3 else 0
+            states.append({'tree': tree, 'cls': r.choice(classes), 'batched': batched,
+                           'axis': axis})
+        self.nrngs = r.choice((1, 1, 2)) if r.random() < 0.35 else 0
+        rngs = [{'kind': r.choice(('cheap',) * 6 + ('raw', 'raw', 'typed')),
+                 'seed': r.randrange(2 ** 16)} for _ in range(self.nrngs)]
+        args = [r.choice('ffi') for _ in range(r.randint(1, 3))]
+        # The static argument: an int, or (c, f) as a tuple, a list or a dict (the
+        # last two are hashable only through make_hashable: another module path).
+        c = r.randint(1, 3)
+        form = r.choice(('int', 'int', 'int', 'tuple', 'list', 'dict'))
+        self.static_is_tuple = form != 'int'
+        f = round(r.uniform(-1, 1), 3)
+        static = {'int': c, 'tuple': (c, f), 'list': [c, f], 'dict': {'c': c, 'f': f}}[form]
+        style = r.choice(('pos', 'neg', 'kw'))
+        kw_last = len(args) > 1 and r.random() < 0.4
+        pack = r.choice((None, None, None, 'tuple', 'dict'))   # dynamic args in one pytree
+        npos = 1 if pack else len(args) - kw_last
+        call = {'style': style, 'static_pos': r.randint(0, npos), 'kw_last': kw_last,
+                'pack': pack, 'pyargs': W == () and not mapped and r.random() < 0.3}
+        mapping = None
+        if mapped:   # axes of the dynamic args (keyword args are mapped over 0)
+            arg_axes = [r.choice((0, 0, None, -1) if W else (0, 0, None))
+                        for _ in range(len(args) - kw_last)] + [0] * kw_last
+            # (A batched state the function never touches does not fix the size.)
+            unbatched = all(a is None for a in arg_axes)
+            mapping = {'arg_axes': arg_axes,
+                       # writes to unbatched states too (they leave batched, or not,
+                       # as the module's dataflow finds: 'auto' / 'ignore' / 'warn')
+                       'unbatched_writes': r.random() < 0.3,
+                       'policy': r.choice(('auto', 'auto', 'ignore', 'warn')),
+                       'as_int': all(a == 0 for a in arg_axes) and r.random() < 0.7,
+                       'out_axis': r.choice((0, 0, -1)) if W else 0,
+                       'axis_size': unbatched or r.random() < 0.2}
+        self.leaves = [(si, path, dt, sk) for si, st in enumerate(states)
+                       for path, dt, sk in _fz_leaf_specs(st['tree'])]
+        self.writable = [lf for lf in self.leaves if not mapped or states[lf[0]]['batched']
+                         or mapping['unbatched_writes']]
+        # Most programs are small (XLA compile time dominates the cost of a
+        # program); one in ten is larger.
+        self.large = large = r.random() < 0.1
+        self.cf_left = r.choice((1, 2, 2, 3) if large else (0, 1, 1, 2))
+        subs = []
+        for j in range(r.choice((0, 1, 2) if large else (0, 0, 1))):
+            readonly = r.random() < 0.5
+            ro = [i for i, s in enumerate(subs) if s['readonly']]
+            # (no while_loop in sub-programs: they may be called under jax.grad)
+            sc = {'args': ['f'], 'vars': [], 'locs': [], 'ro_subs': ro, 'no_while': True}
+            body = self.stmts(sc, r.randint(1, 2 if large else 1), not readonly, [])
+            subs.append({'readonly': readonly, 'body': body, 'ret': self.expr('f', 2, sc)})
+        sc = {'args': list(args), 'vars': [], 'locs': [],
+              'ro_subs': [i for i, s in enumerate(subs) if s['readonly']]}
+        rw_subs = [i for i, s in enumerate(subs) if not s['readonly']]
+        body = self.stmts(sc, r.randint(3, 6) if large else r.choice((1, 2, 2, 3)), True, rw_subs)
+        outs = [self.expr(r.choice('ffi'), r.randint(1, 2), sc)
+                for _ in range(r.randint(1, 3 if large else 2))]
+        return {
+            'seed': self.seed, 'W': W, 'lanes': n, 'states': states, 'rngs': rngs,
+            'args': args, 'static': static, 'call': call, 'subs': subs, 'body': body,
+            'outs': outs, 'out_form': r.choice(('tuple', 'tuple', 'dict', 'extra')),
+            # extra calls, each one more XLA compile: a fraction of the programs
+            'eager_sf': r.random() < 0.1, 'restatic': r.random() < 0.12,
+            'stale': r.random() < 0.15,
+            'return_only_write': r.random() < 0.8, 'check_tree': r.random() < 0.2,
+            'filter': r.choice(_FZ_FILTERS), 'compose': r.random() < 0.4, 'map': mapping,
+        }
+
+
+def _fz_generate(seed):
+    """The program for ``seed`` (deterministic: replay by seed)."""
+    return _fz_Gen(seed).program()
+
+
+# -- interpreter ------------------------------------------------------------------
+
+class _fz_Env:
+    __slots__ = ('prog', 'W', 'states', 'rngs', 'args', 'static', 'c', 'cf', 'vars', 'locs',
+                 'subs', 'specs')
+
+    def __init__(self, prog, states, rngs, args, static, subs):
+        self.prog, self.W, self.states, self.rngs = prog, prog['W'], states, rngs
+        self.args, self.static, self.subs = list(args), static, subs
+        if isinstance(static, int):
+            self.c, self.cf = static, 0.0
+        elif isinstance(static, dict):
+            self.c, self.cf = static['c'], static['f']
+        else:
+            self.c, self.cf = static
+        self.vars, self.locs = {}, {}
+        self.specs = {(si, path): (dt, sk) for si, st in enumerate(prog['states'])
+                      for path, dt, sk in _fz_leaf_specs(st['tree'])}
+
+    def child(self, locs):
+        env = _fz_Env.__new__(_fz_Env)
+        for name in _fz_Env.__slots__:
+            setattr(env, name, getattr(self, name))
+        env.locs = {**self.locs, **locs}
+        return env
+
+
+def _fz_i32(x):
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def _fz_to_work(leaf, dt, sk, W):
+    """A state leaf as a work-shaped value of its domain."""
+    M = _FZ_M
+    if dt in ('f32', 'c64'):
+        if sk == 'L':
+            z = leaf[0] - 0.5 * leaf[1]
+        elif sk == 'S':
+            z = jnp.broadcast_to(leaf, W)
+        else:
+            z = jnp.asarray(leaf)
+        if dt == 'c64':
+            z = jnp.real(z) - 0.5 * jnp.imag(z)
+        return z.astype(jnp.float32)
+    if dt == 'i32':
+        if sk == 'L':
+            return _fz_i32((leaf[0] + 2 * leaf[1]) & M)
+        return _fz_i32(jnp.broadcast_to(leaf, W))
+    if sk == 'L':
+        return _fz_i32(jnp.logical_xor(leaf[0], leaf[1]))
+    return _fz_i32(jnp.broadcast_to(leaf, W))
+
+
+def _fz_from_work(e, old, dt, sk):
+    """The new value of a state leaf written with work value ``e``."""
+    M = _FZ_M
+    if dt == 'f32':
+        n = jnp.tanh(e)
+        new = jnp.mean(n) if sk == 'S' else n
+    elif dt == 'c64':
+        rot = jnp.complex64(0.6 + 0.8j)
+        nz = lax.complex(jnp.tanh(e), jnp.sin(e))
+        prev = old[0] if sk == 'L' else old
+        new = 0.5 * prev * rot + 0.5 * (jnp.mean(nz) if sk == 'S' else nz)
+    elif dt == 'i32':
+        n = e & M
+        new = jnp.sum(n) & M if sk == 'S' else n
+    else:
+        n = (e & 1) == 1
+        new = jnp.any(n) if sk == 'S' else n
+    if sk == 'L':
+        new = jnp.stack([new, old[0]])
+    return jnp.asarray(new).astype(_FZ_NP[dt])
+
+
+def _fz_length(L, env):
+    if isinstance(L, int):
+        return L
+    if L[0] == 'static':
+        return env.c
+    return _fz_i32(jnp.sum(_fz_eval(L[1], env)) & 3)
+
+
+def _fz_eval(e, env):
+    op = e[0]
+    W = env.W
+    M = _FZ_M
+    if op == 'arg':   # (Python-scalar or weak-typed arguments made strong here)
+        a = env.args[e[1]]
+        return jnp.asarray(a, jnp.int32 if jnp.issubdtype(jnp.result_type(a), jnp.integer)
+                           else jnp.float32)
+    if op == 'var':
+        return env.vars[e[1]]
+    if op == 'loc':
+        return env.locs[(e[1], e[2])]
+    if op == 'read':
+        dt, sk = env.specs[(e[1], e[2])]
+        return _fz_to_work(_fz_get(env.states[e[1]].value, e[2]), dt, sk, W)
+    if op == 'fconst':
+        return jnp.full(W, e[1], jnp.float32)
+    if op == 'iconst':
+        return jnp.full(W, e[1], jnp.int32)
+    if op == 'static':
+        return jnp.full(W, env.c, jnp.int32)
+    if op == 'staticf':
+        return jnp.full(W, env.cf, jnp.float32)
+    if op == 'fadd':
+        return (_fz_eval(e[1], env) + _fz_eval(e[2], env)) * 0.5
+    if op == 'fsub':
+        return (_fz_eval(e[1], env) - _fz_eval(e[2], env)) * 0.5
+    if op == 'fmul':
+        return _fz_eval(e[1], env) * jnp.tanh(_fz_eval(e[2], env))
+    if op == 'sin':
+        return jnp.sin(_fz_eval(e[1], env))
+    if op == 'tanh':
+        return jnp.tanh(_fz_eval(e[1], env))
+    if op == 'fmean':
+        return jnp.broadcast_to(jnp.mean(_fz_eval(e[1], env)), W).astype(jnp.float32)
+    if op == 'fcum':
+        a = _fz_eval(e[1], env)
+        return jnp.cumsum(a, axis=-1) / W[-1] if W else a
+    if op == 'itof':
+        return (_fz_eval(e[1], env) & M).astype(jnp.float32) * (1.0 / M)
+    if op in ('fwhere', 'iwhere'):
+        c = (_fz_eval(e[1], env) & 1) == 1
+        return jnp.where(c, _fz_eval(e[2], env), _fz_eval(e[3], env))
+    if op == 'iadd':
+        return _fz_i32((_fz_eval(e[1], env) + _fz_eval(e[2], env)) & M)
+    if op == 'imul':
+        return _fz_i32((_fz_eval(e[1], env) * _fz_eval(e[2], env)) & M)
+    if op == 'imax':
+        return jnp.maximum(_fz_eval(e[1], env), _fz_eval(e[2], env))
+    if op == 'igt':
+        return _fz_i32(_fz_eval(e[1], env) > _fz_eval(e[2], env))
+    if op == 'isum':
+        return _fz_i32(jnp.broadcast_to(jnp.sum(_fz_eval(e[1], env)) & M, W))
+    if op == 'sfcall':
+        return env.subs[e[1]](_fz_eval(e[2], env), env.static)
+    if op == 'jit':
+        return jax.jit(lambda: _fz_eval(e[2], env))()
+    if op == 'peek':
+        return _fz_key_uniform(env.rngs[e[1]].value, W)
+    if op == 'vmapsf':
+        sub = env.subs[e[1]]
+        rows = jnp.stack([_fz_eval(e[2], env), _fz_eval(e[3], env)])
+        out = jax.vmap(lambda row: sub(row, env.static))(rows)
+        return out[0] - 0.5 * out[1]
+    if op == 'grad':
+        _, u, at, body_e = e
+
+        def loss(p):
+            return jnp.sum(jnp.sin(_fz_eval(body_e, env.child({(u, 'p'): p}))))
+        return jax.grad(loss)(_fz_eval(at, env))
+    if op == 'cond':
+        pred = (jnp.sum(_fz_eval(e[2], env)) & 1) == 0
+        return lax.cond(pred, lambda _: _fz_eval(e[3], env), lambda _: _fz_eval(e[4], env),
+                        jnp.int32(0))
+    if op == 'scan':
+        _, dom, L, u, init_f, init_i, body_f, body_i = e
+        n = _fz_length(L, env)
+
+        def body(carry, x):
+            inner = env.child({(u, 'cf'): carry[0], (u, 'ci'): carry[1],
+                               (u, 'x'): jnp.broadcast_to(x, W).astype(jnp.int32)})
+            cf = jnp.tanh(_fz_eval(body_f, inner))
+            ci = _fz_i32(_fz_eval(body_i, inner) & M)
+            return (cf, ci), cf
+        (cf, ci), ys = lax.scan(body, (_fz_eval(init_f, env), _fz_eval(init_i, env)),
+                                jnp.arange(n, dtype=jnp.int32))
+        return cf + 0.1 * jnp.mean(ys, axis=0) if dom == 'f' else ci
+    if op == 'fori':
+        _, dom, L, u, init, body_e = e
+        n = _fz_length(L, env)
+
+        def body(k, acc):
+            inner = env.child({(u, 'acc'): acc,
+                               (u, 'k'): jnp.broadcast_to(k, W).astype(jnp.int32)})
+            v = _fz_eval(body_e, inner)
+            return jnp.tanh(v) if dom == 'f' else _fz_i32(v & M)
+        return lax.fori_loop(0, n, body, _fz_eval(init, env))
+    raise ValueError(f'unknown expression {op!r}')
+
+
+def _fz_draw(rng, kind, W):
+    if kind == 'bits':
+        return _fz_key_uniform(rng.split_key(), W)
+    if kind == 'ibits':
+        return _fz_key_bits(rng.split_key(), W)
+    if kind == 'normal':
+        return jax.random.normal(rng.split_key(), W, jnp.float32)
+    if kind == 'uniform':
+        return jax.random.uniform(rng.split_key(), W, jnp.float32, -1.0, 1.0)
+    if kind == 'randint':
+        return jax.random.randint(rng.split_key(), W, 0, 50, jnp.int32)
+    if kind == 'bernoulli':
+        return _fz_i32(jax.random.bernoulli(rng.split_key(), 0.3, W))
+    keys = rng.split_key(2)
+    return _fz_key_uniform(keys[0], W) - 0.5 * _fz_key_uniform(keys[1], W)
+
+
+def _fz_exec(stmts, env):
+    for s in stmts:
+        kind = s[0]
+        if kind == 'let':
+            env.vars[s[1]] = _fz_eval(s[2], env)
+        elif kind == 'write':
+            _, si, path, e = s
+            dt, sk = env.specs[(si, path)]
+            val = _fz_eval(e, env)
+            state = env.states[si]
+            old = state.value
+            state.value = _fz_set(old, path, _fz_from_work(val, _fz_get(old, path), dt, sk))
+        elif kind == 'draw':
+            env.vars[s[3]] = _fz_draw(env.rngs[s[1]], s[2], env.W)
+        elif kind == 'pyif':
+            _fz_exec(s[1] if env.c % 2 else s[2], env)
+        elif kind == 'local':
+            _, v, dom, e1, e2 = s
+            tmp = sj.State(_fz_eval(e1, env), name='tmp')
+            if dom == 'f':
+                tmp.value = (tmp.value + jnp.tanh(_fz_eval(e2, env))) * 0.5
+            else:
+                tmp.value = _fz_i32((tmp.value + _fz_eval(e2, env)) & _FZ_M)
+            env.vars[v] = tmp.value
+        else:
+            env.vars[s[3]] = env.subs[s[1]](_fz_eval(s[2], env), env.static)
+
+
+def _fz_unpack(prog, pos, kw):
+    """``(dynamic args in program order, static)`` from a call's args and kwargs."""
+    call = prog['call']
+    pos, kw = list(pos), dict(kw)
+    if call['style'] == 'kw':
+        static = kw.pop('c')
+    else:
+        static = pos.pop(call['static_pos'])
+    if call['pack'] == 'tuple':
+        pos = list(pos[0])
+    elif call['pack'] == 'dict':
+        pos = [pos[0][f'a{i}'] for i in range(len(pos[0]))]
+    if call['kw_last']:
+        pos.append(kw.pop('kx'))
+    return pos, static
+
+
+def _fz_pack(prog, dyn, static):
+    """``(positional, keyword)`` call arguments and the static_argnums/names to use."""
+    call = prog['call']
+    dyn = list(dyn)
+    kw = {}
+    if call['kw_last']:
+        kw['kx'] = dyn.pop()
+    if call['pack'] == 'tuple':
+        dyn = [tuple(dyn)]
+    elif call['pack'] == 'dict':
+        dyn = [{f'a{i}': v for i, v in enumerate(dyn)}]
+    if call['style'] == 'kw':
+        kw['c'] = static
+        return dyn, kw, (), ('c',)
+    p = call['static_pos']
+    pos = dyn[:p] + [static] + dyn[p:]
+    num = p if call['style'] == 'pos' else p - len(pos)
+    return pos, kw, (num,), ()
+
+
+def _fz_make_subs(prog, states, rngs, nested):
+    """The sub-programs, as plain functions or nested StatefulFunctions."""
+    subs = []
+    for sub in prog['subs']:
+        def fn(x, static, _sub=sub):
+            env = _fz_Env(prog, states, rngs, [x], static, subs)
+            _fz_exec(_sub['body'], env)
+            return _fz_eval(_sub['ret'], env)
+        subs.append(sj.StatefulFunction(fn, static_argnums=(1,)) if nested else fn)
+    return subs
+
+
+def _fz_make_main(prog, states, rngs, nested):
+    subs = _fz_make_subs(prog, states, rngs, nested)
+
+    def main(*pos, **kw):
+        dyn, static = _fz_unpack(prog, pos, kw)
+        env = _fz_Env(prog, states, rngs, dyn, static, subs)
+        _fz_exec(prog['body'], env)
+        outs = [_fz_eval(e, env) for e in prog['outs']]
+        if prog['out_form'] == 'tuple':
+            return tuple(outs)
+        out = {f'o{i}': o for i, o in enumerate(outs)}
+        if prog['out_form'] == 'extra':   # a None and a Python constant in the tree
+            out.update(none=None, k=3)
+        return out
+    return main
+
+
+# -- building values ---------------------------------------------------------------
+
+def _fz_leaf_value(nrng, dt, shape, forms=False):
+    """A random leaf; with ``forms``, sometimes a numpy array or a Python scalar."""
+    if dt == 'f32':
+        x = nrng.uniform(-1, 1, shape).astype(np.float32)
+    elif dt == 'c64':
+        z = (nrng.uniform(-1, 1, shape) + 1j * nrng.uniform(-1, 1, shape)) / np.sqrt(2)
+        x = z.astype(np.complex64)
+    elif dt == 'i32':
+        x = nrng.integers(-20, 21, shape).astype(np.int32)
+    else:
+        x = nrng.random(shape) < 0.5
+    form = nrng.random() if forms else 1.0
+    if form < 0.12:
+        return x
+    if form < 0.2 and shape == ():
+        return {'f32': float, 'c64': complex, 'i32': int, 'bool': bool}[dt](x)
+    return jnp.asarray(x)
+
+
+def _fz_insert(shape, n, axis):
+    """``shape`` with a lane axis of size ``n`` inserted at ``axis`` (None: none)."""
+    if axis is None:
+        return tuple(shape)
+    axis = axis if axis >= 0 else len(shape) + 1 + axis
+    return tuple(shape[:axis]) + (n,) + tuple(shape[axis:])
+
+
+def _fz_tree_value(nrng, tree, W, n, axis):
+    if tree[0] == 'leaf':
+        _, dt, sk = tree
+        shape = {'W': W, 'S': (), 'L': (2,) + W}[sk]
+        return _fz_leaf_value(nrng, dt, _fz_insert(shape, n, axis), forms=True)
+    if tree[0] == 'dict':
+        return {k: _fz_tree_value(nrng, sub, W, n, axis) for k, sub in tree[1]}
+    return tuple(_fz_tree_value(nrng, sub, W, n, axis) for sub in tree[1])
+
+
+def _fz_build(prog):
+    """``(states, rngs, initial values, dynamic args)`` for a program."""
+    nrng = np.random.default_rng(prog['seed'])
+    W, n = prog['W'], prog['lanes']
+    states, inits = [], []
+    for i, st in enumerate(prog['states']):
+        axis = st['axis'] if st['batched'] else None
+        value = _fz_tree_value(nrng, st['tree'], W, n, axis)
+        meta = {'tag': 'lane' if axis == 0 else 'lane1'} if st['batched'] else {}
+        states.append(getattr(sj, st['cls'])(value, name=f's{i}', **meta))
+        inits.append(value)
+    rngs = []
+    for i, spec in enumerate(prog['rngs']):
+        key = _fz_key(spec['seed'], spec['kind'])
+        rngs.append(sj.RandomState(key, name=f'rng{i}'))
+        inits.append(key)
+    axes = prog['map']['arg_axes'] if n else [None] * len(prog['args'])
+    dyn = []
+    for d, axis in zip(prog['args'], axes):
+        x = _fz_leaf_value(nrng, 'f32' if d == 'f' else 'i32', _fz_insert(W, n, axis))
+        if prog['call']['pyargs'] and nrng.random() < 0.7:
+            x = float(x) if d == 'f' else int(x)   # a weakly typed Python scalar
+        dyn.append(x)
+    return states, rngs, inits, dyn
+
+
+def _fz_reset(all_states, values):
+    for s, v in zip(all_states, values):
+        s.value = v
+
+
+def _fz_values(all_states):
+    return [s.value for s in all_states]
+
+
+def _fz_rngs_used(prog):
+    """RandomStates the trace touches: drawn or peeked anywhere (every lax branch is
+    traced), except in the Python-level branch the static argument skips."""
+    used, subs, seen = set(), [], set()
+    odd = _fz_Env(prog, [], [], [], prog['static'], []).c % 2
+
+    def walk(node):
+        if isinstance(node, list):
+            for x in node:
+                walk(x)
+        elif isinstance(node, tuple) and node and isinstance(node[0], str):
+            if node[0] == 'pyif':
+                walk(node[1] if odd else node[2])
+                return
+            if node[0] in ('draw', 'peek'):
+                used.add(node[1])
+            if node[0] in ('call', 'sfcall', 'vmapsf') and node[1] not in seen:
+                seen.add(node[1])
+                subs.append(node[1])
+            for x in node[1:]:
+                walk(x)
+    walk(prog['body'])
+    walk(prog['outs'])
+    while subs:
+        sub = prog['subs'][subs.pop()]
+        walk(sub['body'])
+        walk(sub['ret'])
+    return used
+
+
+def _fz_state_filter(kind, axis1):
+    """state_in_axes in one of several spellings: axis 0 for tag 'lane', 1 for 'lane1'."""
+    if kind == 'dict' or (kind == 'bare' and axis1):
+        f0 = 'lane'
+    elif kind == 'bare':
+        return 'lane'
+    elif kind == 'predicate':
+        f0 = (lambda path, state: state.tag == 'lane')
+    else:
+        f0 = sj.All('lane', sj.Not(sj.OfType(sj.RandomState)))
+    return {0: f0, 1: 'lane1'} if axis1 else {0: f0}
+
+
+# -- the differential check ------------------------------------------------------------
+
+def _fz_check_program(seed, extras=True):
+    """Runs every path for the program of ``seed``; raises AssertionError on a mismatch.
+
+    ``extras=False`` skips the extra calls a program may ask for (another static
+    value, a state changing shape, the eager debugging mode, a mapping composed
+    in a StatefulFunction): each costs one more XLA compile.
+    """
+    prog = _fz_generate(seed)
+    if not extras:
+        prog.update(restatic=False, stale=False, eager_sf=False, compose=False)
+    if prog['lanes']:
+        return _fz_check_mapped(prog)
+    states, rngs, inits, dyn = _fz_build(prog)
+    every = states + rngs
+    pos, kw, argnums, argnames = _fz_pack(prog, dyn, prog['static'])
+
+    # (a) the reference: plain Python, eager, real values; two steps.
+    ref = _fz_make_main(prog, states, rngs, nested=False)
+    with jax.disable_jit():
+        out1 = ref(*pos, **kw)
+        fin1 = _fz_values(every)
+        out2 = ref(*pos, **kw)
+        fin2 = _fz_values(every)
+    _fz_reset(every, inits)
+
+    # (b) StatefulFunction.__call__: a first call, then a cache hit.
+    main = _fz_make_main(prog, states, rngs, nested=True)
+    sf = sj.StatefulFunction(main, static_argnums=argnums, static_argnames=argnames,
+                             return_only_write=prog['return_only_write'])
+    if prog['check_tree']:
+        with sj.check_state_value_tree():
+            got1 = sf(*pos, **kw)
+    else:
+        got1 = sf(*pos, **kw)
+    _fz_assert_close(out1, got1, '(b) sf() output, call 1')
+    _fz_assert_close(fin1, _fz_values(every), '(b) sf() states, call 1')
+    got2 = sf(*pos, **kw)
+    _fz_assert_close(out2, got2, '(b) sf() output, call 2')
+    _fz_assert_close(fin2, _fz_values(every), '(b) sf() states, call 2')
+    stats = sf.get_cache_stats()['jaxpr_cache']
+    # A state that started as a (weakly typed) Python scalar and was written has a
+    # new signature: the second call may retrace (API: a stale entry is retraced).
+    scalars = any(isinstance(x, (bool, int, float, complex))
+                  for x in jax.tree_util.tree_leaves(inits))
+    if stats['size'] != 1 or stats['misses'] + stats['hits'] != 2 or \
+            not 1 <= stats['misses'] <= (2 if scalars else 1):
+        raise AssertionError(f'(b) cache statistics after two identical calls: {stats}')
+
+    # (b'') a third call with another static value (a Python-level branch may
+    # touch other states: another plan), then one after a state changed shape
+    # (the cached entry is stale and must be retraced).
+    base = fin2
+    if prog['restatic']:
+        c = _fz_Env(prog, [], [], [], prog['static'], []).c
+        static2 = _fz_restatic(prog['static'], c % 3 + 1)
+        pos2, kw2, _, _ = _fz_pack(prog, dyn, static2)
+        _fz_reset(every, base)
+        with jax.disable_jit():
+            out3 = ref(*pos2, **kw2)
+            fin3 = _fz_values(every)
+        _fz_reset(every, base)
+        _fz_assert_close(out3, sf(*pos2, **kw2), "(b'') sf() output, other static")
+        _fz_assert_close(fin3, _fz_values(every), "(b'') sf() states, other static")
+        base = fin3
+    stale = _fz_stale_target(prog) if prog['stale'] else None
+    if stale is not None:
+        si, path, dt = stale
+        leaf = np.array(np.broadcast_to(np.asarray(_fz_get(base[si], path), _FZ_NP[dt]),
+                                        prog['W']))
+        base = list(base)
+        base[si] = _fz_set(base[si], path, leaf)
+        _fz_reset(every, base)
+        with jax.disable_jit():
+            out4 = ref(*pos, **kw)
+            fin4 = _fz_values(every)
+        _fz_reset(every, base)
+        _fz_assert_close(out4, sf(*pos, **kw), "(b'') sf() output, state changed shape")
+        _fz_assert_close(fin4, _fz_values(every), "(b'') sf() states, state changed shape")
+    _fz_reset(every, inits)
+
+    # (b') the module's eager debugging mode: a fresh StatefulFunction under
+    # jax.disable_jit() (one in ten programs).
+    if prog['eager_sf']:
+        sf_eager = sj.StatefulFunction(_fz_make_main(prog, states, rngs, nested=True),
+                                       static_argnums=argnums, static_argnames=argnames)
+        with jax.disable_jit():
+            got = sf_eager(*pos, **kw)
+        _fz_assert_close(out1, got, "(b') sf() under disable_jit output")
+        _fz_assert_close(fin1, _fz_values(every), "(b') sf() under disable_jit states")
+        _fz_reset(every, inits)
+
+    # (c) jax.jit over jaxpr_call with explicit state values, and (d) the
+    # constant-folded jaxpr under jaxpr_as_fun.  Both run in one jax.jit (one
+    # XLA compile instead of two: compiling dominates the fuzzer's time).
+    touched = sf.get_states(*pos, **kw)
+    index = {id(s): i for i, s in enumerate(every)}
+    vals = [inits[index[id(s)]] for s in touched]
+    dyn_kw = {k: v for k, v in kw.items() if k != 'c'}
+    static_kw = {k: v for k, v in kw.items() if k == 'c'}
+    static_pos = None if argnames else argnums[0] % len(pos)
+    dyn_pos = [a for i, a in enumerate(pos) if i != static_pos]
+    closed = sf.get_jaxpr(*pos, **kw)
+    folded = sj.constant_fold_jaxpr(closed)
+    if not isinstance(folded, jax.extend.core.ClosedJaxpr):
+        raise AssertionError(f'(d) constant_fold_jaxpr returned {type(folded).__name__}')
+    if [v.aval for v in folded.jaxpr.invars] != [v.aval for v in closed.jaxpr.invars] or \
+            [v.aval for v in folded.jaxpr.outvars] != [v.aval for v in closed.jaxpr.outvars]:
+        raise AssertionError('(d) constant folding changed the jaxpr interface')
+    folded_fn = jax.extend.core.jaxpr_as_fun(folded)
+    # (d') the module-level make_jaxpr: every touched state in and out.
+    made, made_states, made_shapes = sj.make_jaxpr(
+        main, static_argnums=argnums, static_argnames=argnames, return_shape=True)(*pos, **kw)
+    if tuple(made_states) != tuple(touched):
+        raise AssertionError("(d') make_jaxpr found other states than get_states()")
+    made_fn = jax.extend.core.jaxpr_as_fun(made)
+
+    def pure(state_vals, dpos, dkw):
+        p = list(dpos)
+        if static_pos is not None:
+            p.insert(static_pos, prog['static'])
+        by_call = sf.jaxpr_call(state_vals, *p, **dkw, **static_kw)
+        flat = jax.tree_util.tree_leaves((dpos, dkw)) + jax.tree_util.tree_leaves(state_vals)
+        return by_call, folded_fn(*flat), made_fn(*flat)
+    # LLVM optimisation off: a quarter less compile time, same numbers to 1e-5.
+    compiled = jax.jit(pure).lower(vals, dyn_pos, dyn_kw).compile(
+        {'xla_backend_optimization_level': 0})
+    (new_vals, got), outs, made_outs = compiled(vals, dyn_pos, dyn_kw)
+    _fz_assert_close(out1, got, '(c) jit(jaxpr_call) output')
+    _fz_assert_close([fin1[index[id(s)]] for s in touched], list(new_vals),
+                     '(c) jit(jaxpr_call) state values')
+    for s, v in zip(every, inits):
+        if s._value is not v:
+            raise AssertionError(f'(c) jaxpr_call changed {s.name}')
+    out_tree = sf.get_out_treedef(*pos, **kw)
+    n_out = out_tree.num_leaves
+    _fz_assert_close(out1, jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
+                     '(d) folded jaxpr output')
+    returned = (sf.get_write_states(*pos, **kw) if prog['return_only_write'] else touched)
+    expected = [fin1[index[id(s)]] for s in returned]
+    state_tree = jax.tree_util.tree_structure(expected)
+    _fz_assert_close(expected, jax.tree_util.tree_unflatten(state_tree, list(outs[n_out:])),
+                     '(d) folded jaxpr state values')
+    _fz_assert_close(out1, jax.tree_util.tree_unflatten(out_tree, made_outs[:n_out]),
+                     "(d') make_jaxpr output")
+    expected = [fin1[index[id(s)]] for s in touched]
+    _fz_assert_close(expected, jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(expected), list(made_outs[n_out:])),
+        "(d') make_jaxpr state values")
+    _fz_check_shapes(made_shapes, got, "(d') make_jaxpr(return_shape=True)")
+
+    # The accessors agree with each other and with what the program did: the
+    # written states are exactly those the reference run gave a new value.
+    key = sf.get_arg_cache_key(*pos, **kw)
+    if sf.get_jaxpr_by_cache(key) is not closed:
+        raise AssertionError('get_jaxpr_by_cache(key) is not get_jaxpr(args)')
+    if tuple(sf.get_states_by_cache(key)) != tuple(touched):
+        raise AssertionError('get_states_by_cache(key) != get_states(args)')
+    written = [s for s, a, b in zip(every, inits, fin1) if a is not b]
+    got_written = sf.get_write_states_by_cache(key)
+    if {id(s) for s in got_written} != {id(s) for s in written}:
+        raise AssertionError(f'get_write_states: {[s.name for s in got_written]}, but the '
+                             f'program wrote {[s.name for s in written]}')
+    reads = sf.get_read_states(*pos, **kw)
+    if {id(s) for s in reads} != {id(s) for s in touched} - {id(s) for s in written}:
+        raise AssertionError('get_read_states() is not get_states() minus the written ones')
+    if sf.validate_states(key) is not True or sf.validate_all_states().get(key) is not True:
+        raise AssertionError('validate_states() does not accept the current state values')
+    out_shapes, state_shapes = sf.get_out_shapes(*pos, **kw)
+    _fz_check_shapes(out_shapes, got, 'get_out_shapes() outputs')
+    _fz_check_shapes(state_shapes, jax.tree_util.tree_unflatten(state_tree, list(outs[n_out:])),
+                     'get_out_shapes() states')
+    return prog
+
+
+def _fz_check_shapes(structs, values, what):
+    """``ShapeDtypeStruct`` pytree ``structs`` describes the arrays ``values``."""
+    sl, st = jax.tree_util.tree_flatten(structs)
+    vl, vt = jax.tree_util.tree_flatten(values)
+    if st != vt:
+        raise AssertionError(f'{what}: tree {st}, values have {vt}')
+    for i, (a, b) in enumerate(zip(sl, vl)):
+        if tuple(a.shape) != tuple(np.shape(b)) or a.dtype != b.dtype:
+            raise AssertionError(f'{what}, leaf {i}: {a} does not describe '
+                                 f'{b.dtype}{list(np.shape(b))}')
+
+
+def _fz_restatic(static, c):
+    """``static`` in the same form with its int part replaced by ``c``."""
+    if isinstance(static, int):
+        return c
+    if isinstance(static, dict):
+        return dict(static, c=c)
+    return type(static)([c, static[1]])
+
+
+def _fz_stale_target(prog):
+    """A scalar ('S') leaf that can grow to the work shape, or None."""
+    if not prog['W']:
+        return None
+    for si, st in enumerate(prog['states']):
+        for path, dt, sk in _fz_leaf_specs(st['tree']):
+            if sk == 'S':
+                return si, path, dt
+    return None
+
+
+def _fz_check_mapped(prog):
+    states, rngs, inits, dyn = _fz_build(prog)
+    every = states + rngs
+    n = prog['lanes']
+    m = prog['map']
+    axes = [st['axis'] if st['batched'] else None for st in prog['states']]
+    axes += [None] * len(rngs)
+    used = _fz_rngs_used(prog)
+    pos, kw, argnums, argnames = _fz_pack(prog, dyn, prog['static'])
+
+    # (a) the reference: a Python loop over the lanes, two steps (one when an
+    # unbatched state may be written: it may leave batched, and a second call
+    # would then map a differently shaped state).  Every lane starts from the
+    # same unbatched values, as under vmap.
+    ref = _fz_make_main(prog, states, rngs, nested=False)
+    ref_rngs = [sj.RandomState(k) for k in inits[len(states):]]
+    values = list(inits)
+    expected = []
+    steps = 1 if m['unbatched_writes'] else 2
+    with jax.disable_jit():
+        for step in range(steps):
+            keys = {i: ref_rngs[i].split_key(n) for i in sorted(used)}
+            keys = {i: k if _is_key(k) else np.asarray(k) for i, k in keys.items()}
+            lane_outs, lane_states = [], []
+            for lane in range(n):
+                # (Slicing and stacking in numpy: harness bookkeeping, not the
+                # reference's semantics, and no per-shape XLA compiles.)
+                for s, v, ax in zip(every, values, axes):
+                    s.value = v if ax is None else jax.tree_util.tree_map(
+                        lambda x: np.take(np.asarray(x), lane, axis=ax), v)
+                for i in keys:
+                    rngs[i].value = keys[i][lane]
+                lane_args = [a if ax is None else np.take(np.asarray(a), lane, axis=ax)
+                             for a, ax in zip(dyn, m['arg_axes'])]
+                lp, lk, _, _ = _fz_pack(prog, lane_args, prog['static'])
+                lane_outs.append(ref(*lp, **lk))
+                lane_states.append(_fz_values(states))
+            out = jax.tree_util.tree_map(lambda *xs: _fz_stack(xs, m['out_axis']), *lane_outs)
+            new = []
+            for i, (v, ax) in enumerate(zip(values[:len(states)], axes)):
+                lanes = [ls[i] for ls in lane_states]
+                if ax is not None:
+                    new.append(jax.tree_util.tree_map(lambda *xs: _fz_stack(xs, ax), *lanes))
+                elif all(x is v for x in lanes):   # not written
+                    new.append(v)
+                else:   # written: stacked on axis 0, or one value if it is lane-invariant
+                    stacked = jax.tree_util.tree_map(lambda *xs: _fz_stack(xs, 0), *lanes)
+                    same = all(np.array_equal(_host(a), _host(b))
+                               for x in lanes[1:] for a, b in zip(
+                                   jax.tree_util.tree_leaves(lanes[0]),
+                                   jax.tree_util.tree_leaves(x)))
+                    new.append(_fz_Either(stacked, lanes[0] if same else None))
+            new += [ref_rngs[i].value for i in range(len(rngs))]
+            values = new
+            expected.append((out, values))
+    _fz_reset(every, inits)
+
+    # (e) StatefulMapping, twice (first call and cache hit).
+    main = _fz_make_main(prog, states, rngs, nested=True)
+    if m['as_int']:
+        in_axes = 0
+    else:   # one entry per positional argument (the static one's is ignored)
+        call = prog['call']
+        npos = len(m['arg_axes']) - call['kw_last']
+        axes_pos = list(m['arg_axes'][:npos])
+        if call['pack'] == 'tuple':
+            axes_pos = [tuple(axes_pos)]
+        elif call['pack'] == 'dict':
+            axes_pos = [{f'a{i}': a for i, a in enumerate(axes_pos)}]
+        it = iter(axes_pos)
+        static_at = None if argnames else argnums[0] % len(pos)
+        in_axes = tuple(None if i == static_at else next(it) for i in range(len(pos)))
+    sm = sj.StatefulMapping(main, in_axes=in_axes, out_axes=m['out_axis'],
+                            state_in_axes=_fz_state_filter(prog['filter'], 1 in axes),
+                            static_argnums=argnums, static_argnames=argnames,
+                            axis_size=n if m['axis_size'] else None,
+                            unexpected_out_state_mapping=m['policy'])
+    for step in range(steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', UserWarning)   # the 'warn' policy
+            got = sm(*pos, **kw)
+        _fz_assert_close(expected[step][0], got, f'(e) StatefulMapping output, call {step + 1}')
+        _fz_assert_states(expected[step][1], _fz_values(every),
+                          f'(e) StatefulMapping states, call {step + 1}')
+    _fz_reset(every, inits)
+
+    # (e') the mapping composed inside a StatefulFunction (two in five programs:
+    # one more XLA compile).
+    if not prog['compose']:
+        return prog
+    outer = sj.StatefulFunction(lambda *a, **k: sm(*a, **k), static_argnums=argnums,
+                                static_argnames=argnames)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', UserWarning)
+        got = outer(*pos, **kw)
+    _fz_assert_close(expected[0][0], got, "(e') sf(mapping) output")
+    _fz_assert_states(expected[0][1], _fz_values(every), "(e') sf(mapping) states")
+    return prog
+
+
+def _fz_failure_kind(err):
+    """The exception type and the start of its message, numbers masked (to group)."""
+    text = str(err).splitlines()[0] if str(err) else ''
+    return re.sub(r'\d+', '#', f'{type(err).__name__}: {text}')[:90]
+
+
+def _fz_describe(seed):
+    return pprint.pformat(_fz_generate(seed), width=100, compact=True)
+
+
+class FuzzDifferentialTest(unittest.TestCase):
+    """Issue 5 item 2: random stateful programs agree on every execution path."""
+
+    N = int(os.environ.get('SJ_FUZZ_PROGRAMS', '300'))
+    SEED = int(os.environ.get('SJ_FUZZ_SEED', '20260500'))
+
+    def test_differential_fuzz(self):
+        failures = []
+        mapped = 0
+        t0 = time.perf_counter()
+        for seed in range(self.SEED, self.SEED + self.N):
+            try:
+                # The extra calls (one more compile each) for one program in five;
+                # benchmarks/fuzz.py runs them for every program.
+                prog = _fz_check_program(seed, extras=seed % 5 == 0)
+                mapped += bool(prog['lanes'])
+            except Exception as err:  # report every failing seed, not just the first
+                failures.append((seed, err, traceback.format_exc()))
+        dt = time.perf_counter() - t0
+        print(f'\n[fuzz] {self.N} programs ({mapped} batched) in {dt:.1f}s '
+              f'({self.N / dt:.1f} programs/s), base seed {self.SEED}, '
+              f'{len(failures)} failure(s)', file=sys.stderr)
+        if failures:
+            kinds = {}
+            for seed, err, _ in failures:
+                kinds.setdefault(_fz_failure_kind(err), []).append(seed)
+            listing = '\n'.join(f'  {len(v)} x {k}\n      seeds {v[:12]}'
+                                for k, v in sorted(kinds.items(), key=lambda kv: -len(kv[1])))
+            seed, err, tb = failures[0]
+            self.fail(f'{len(failures)} of {self.N} programs disagree, by kind:\n{listing}\n'
+                      f'First failure (seed {seed}; replay with fuzz_main(["--replay", '
+                      f'"{seed}"]) or benchmarks/fuzz.py --replay {seed}):\n{tb}\n'
+                      f'program:\n{_fz_describe(seed)}')
+
+    def test_jaxpr_call_static_hashable_by_value(self):
+        # Found by the fuzzer: a static argument hashable only by value (a list or
+        # dict; make_hashable) works through __call__, so it must work through
+        # jaxpr_call (outside and inside jax.jit) too.
+        s = sj.State(jnp.zeros(()), name='s')
+
+        def f(x, cfg):
+            s.value = s.value + x * cfg[0]
+            return x * 2
+        sf = sj.StatefulFunction(f, static_argnums=1)
+        self.assertEqual(float(sf(1.0, [2.0])), 2.0)
+        self.assertEqual(float(s.value), 2.0)
+        new, out = sf.jaxpr_call([jnp.zeros(())], 1.0, [2.0])
+        self.assertEqual((float(new[0]), float(out)), (2.0, 2.0))
+        new, out = jax.jit(lambda v, x: sf.jaxpr_call(v, x, [2.0]))([jnp.ones(())], 1.0)
+        self.assertEqual((float(new[0]), float(out)), (3.0, 2.0))
+        self.assertEqual(float(s.value), 2.0)
+
+    def test_generator_is_deterministic(self):
+        for seed in (0, 1, 12345):
+            self.assertEqual(_fz_generate(seed), _fz_generate(seed))
+
+
+def fuzz_main(argv=None):
+    """Long differential fuzzing run: ``--seed S --n N`` or ``--replay SEED``."""
+    parser = argparse.ArgumentParser(
+        prog='fuzz', description='Differential fuzzing of stateful_jaxpr: random stateful '
+        'programs run eagerly, through StatefulFunction, jit(jaxpr_call), the constant-folded '
+        'jaxpr and StatefulMapping must agree.')
+    parser.add_argument('--seed', type=int, default=0, help='first program seed (default 0)')
+    parser.add_argument('--n', type=int, default=10000, help='number of programs (default 10000)')
+    parser.add_argument('--replay', type=int, default=None, metavar='SEED',
+                        help='run (and print) only the program of this seed')
+    parser.add_argument('--stop', action='store_true', help='stop at the first failure')
+    parser.add_argument('--verbose', action='store_true',
+                        help='print every traceback (default: the first of each kind)')
+    args = parser.parse_args(argv)
+    print(f'stateful_jaxpr fuzz on jax {jax.__version__}', flush=True)
+    if args.replay is not None:
+        print(_fz_describe(args.replay), flush=True)
+        try:
+            _fz_check_program(args.replay)
+        except Exception:
+            traceback.print_exc()
+            print(f'FAIL seed {args.replay}', flush=True)
+            return 1
+        print(f'ok seed {args.replay}', flush=True)
+        return 0
+    failures, kinds = [], {}
+    t0 = last = time.perf_counter()
+    done = 0
+    for seed in range(args.seed, args.seed + args.n):
+        try:
+            _fz_check_program(seed)
+        except Exception as err:
+            failures.append(seed)
+            kind = _fz_failure_kind(err)
+            print(f'FAIL seed {seed} (replay: --replay {seed}): {kind}', flush=True)
+            if args.verbose or kind not in kinds:
+                traceback.print_exc(file=sys.stdout)
+                sys.stdout.flush()
+            kinds.setdefault(kind, []).append(seed)
+            if args.stop:
+                break
+        done += 1
+        now = time.perf_counter()
+        if now - last > 10 or done == args.n:
+            last = now
+            print(f'{done}/{args.n} programs, {done / (now - t0):.1f} programs/s, '
+                  f'{len(failures)} failure(s)', flush=True)
+        if done % 500 == 0 and hasattr(jax, 'clear_caches'):
+            jax.clear_caches()   # bound memory over long runs
+    dt = time.perf_counter() - t0
+    print(f'done: {done} programs in {dt:.1f}s ({done / dt:.1f} programs/s); '
+          f'{len(failures)} failure(s)', flush=True)
+    for kind, seeds in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        more = ' ...' if len(seeds) > 20 else ''
+        print(f'  {len(seeds)} x {kind}\n      seeds {seeds[:20]}{more}', flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == '__main__':
