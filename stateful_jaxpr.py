@@ -250,6 +250,10 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _label(state) -> str:
+    return state._name or type(state).__name__
+
+
 def _format_site(site) -> str:
     if site is None:
         return 'an unknown place'
@@ -579,10 +583,12 @@ def _make_key(seed_or_key, owner: str):
     if isinstance(seed_or_key, Tracer) or isinstance(seed_or_key, (jax.Array, np.ndarray)):
         if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
             return seed_or_key
+    kind = type(seed_or_key).__name__
+    if hasattr(seed_or_key, 'shape'):
+        kind += f' {getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key))}'
     raise ValueError(
         f'{owner}: expected an int seed, None, a raw uint32[2] key or a typed key '
-        f'(jax.random.key), got {type(seed_or_key).__name__} '
-        f'{getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key)) if hasattr(seed_or_key, "shape") else ""}')
+        f'(jax.random.key), got {kind}')
 
 
 class RandomState(State):
@@ -834,7 +840,7 @@ class StateTraceStack:
         return [s for s in self.states if isinstance(s, state_type)]
 
     def __repr__(self):
-        rows = ', '.join(f'{s._name or type(s).__name__}:{"w" if w else "r"}'
+        rows = ', '.join(f'{_label(s)}:{"w" if w else "r"}'
                          for s, w in zip(self.states, self.been_writen))
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
@@ -1903,7 +1909,7 @@ class StatefulFunction(_StatefulBase):
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {type(self).__name__}({self.name!r}) touches '
-                f'{len(states)} state(s) ({", ".join(s._name or type(s).__name__ for s in states)}) '
+                f'{len(states)} state(s) ({", ".join(_label(s) for s in states)}) '
                 f'but jaxpr_call got {len(state_vals)} value(s); pass one value per state in '
                 'get_states() order')
         for state, value, sig in zip(states, state_vals, entry.traced.state_sigs):
@@ -2402,13 +2408,50 @@ class StatefulMapping(_StatefulBase):
         return axes
 
     def _build_entry(self, key, leaves, split) -> _Entry:
-        axes = self._leaf_axes(split)
+        lane_avals, arg_axes, sizes = self._lane_args(leaves, split)
+        guess = sizes[0][1] if sizes else (self.axis_size or 1)
+        traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
+        if (self.axis_name is not None and state_sizes and not sizes
+                and self.axis_size is None and state_sizes[0][1] != guess):
+            # Collectives saw the guessed axis size: trace again with the real one.
+            traced, state_axes, state_sizes = self._discover(lane_avals, split,
+                                                             state_sizes[0][1])
+        n = self._batch_size(sizes + state_sizes)
+        states = traced.states
+        rng_index = [i for i, s in enumerate(states)
+                     if isinstance(s, RandomState) and state_axes[i] is None]
+        in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
+
+        in_batched = [a is not None for a in arg_axes]
+        for axis, sig in zip(in_state_axes, traced.state_sigs):
+            in_batched += [axis is not None] * len(sig[1])
+        ret_batched = self._returned_batched(traced, in_batched)
+
+        mapped_write, write_axes = [], []
+        for r, i in enumerate(traced.returned):
+            if i in rng_index:          # a RandomState leaves with the advanced key
+                continue
+            axis = _axis_for(states[i], self._state_out)
+            if axis is None:
+                axis = state_axes[i]
+            if axis is None and ret_batched[r]:
+                self._unexpected(states[i])
+                axis = 0
+            mapped_write.append((r, i))
+            write_axes.append(axis)
+        plan = self._plan_for(states, tuple(i for _, i in mapped_write) + tuple(rng_index))
+        apply = self._make_apply(traced, n, arg_axes, in_state_axes, [r for r, _ in mapped_write],
+                                 write_axes, rng_index, not any(in_batched))
+        return _Entry(traced, plan, apply, key)
+
+    def _lane_args(self, leaves, split):
+        """Per-lane avals and axes of the flat arguments, and the sizes they imply."""
         paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(split[1])[0]]
         paths += [f'keyword {jax.tree_util.keystr(p)}' for p, _ in
                   jax.tree_util.tree_flatten_with_path(split[3])[0]]
-        sizes, lane_avals, arg_axes = [], [], []
-        for path, leaf, ax in zip(paths, leaves, axes):
+        lane_avals, arg_axes, sizes = [], [], []
+        for path, leaf, ax in zip(paths, leaves, self._leaf_axes(split)):
             aval = _aval_of(leaf)
             if ax is None:
                 lane_avals.append(aval)
@@ -2423,63 +2466,32 @@ class StatefulMapping(_StatefulBase):
             sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
             lane_avals.append(_lane_aval(aval, a))
             arg_axes.append(a)
+        return lane_avals, arg_axes, sizes
 
-        guess = sizes[0][1] if sizes else (self.axis_size or 1)
-        traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
-        if self.axis_name is not None and state_sizes and not sizes and \
-                self.axis_size is None and state_sizes[0][1] != guess:
-            traced, state_axes, state_sizes = self._discover(lane_avals, split,
-                                                             state_sizes[0][1])
-        sizes += state_sizes
+    def _batch_size(self, sizes) -> int:
+        """The one batch size all mapped arguments and states agree on."""
         if self.axis_size is not None:
-            sizes.append(('axis_size', self.axis_size))
+            sizes = sizes + [('axis_size', self.axis_size)]
         distinct = {s for _, s in sizes}
         if len(distinct) > 1:
             listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
             raise ValueError(f'StatefulMapping({self.name!r}): inconsistent batch sizes:\n'
                              f'{listing}\nall mapped arguments and batched states must share '
                              'one batch size')
-        states = traced.states
-        rng_index = [i for i, s in enumerate(states)
-                     if isinstance(s, RandomState) and state_axes[i] is None]
         if not distinct:
             raise ValueError(
                 f'StatefulMapping({self.name!r}): nothing is batched (no argument has an '
                 'in_axes entry and no state matches state_in_axes), so the batch size is '
                 'unknown; pass axis_size=n')
-        n = distinct.pop()
+        return distinct.pop()
 
-        # Which returned states depend on the batch?
-        in_batched = [a is not None for a in arg_axes]
-        for i, (state, sig) in enumerate(zip(states, traced.state_sigs)):
-            in_batched += [state_axes[i] is not None or i in rng_index] * len(sig[1])
+    def _returned_batched(self, traced, in_batched) -> list:
+        """For each returned state: does its new value vary across lanes?"""
         out_batched = _batched_outputs(traced.closed_jaxpr.jaxpr, in_batched, self.axis_name)
-        ret_batched, pos = [], traced.n_out
-        returned_tree = jax.tree_util.tree_unflatten(
-            traced.state_tree, list(range(traced.state_tree.num_leaves)))
-        for value_leaves in returned_tree:
-            idx = _leaves(value_leaves)
-            ret_batched.append(any(out_batched[pos + j] for j in idx))
-
-        mapped_write, write_axes = [], []
-        for r, i in enumerate(traced.returned):
-            if i in rng_index:
-                continue
-            state = states[i]
-            axis = _axis_for(state, self._state_out)
-            if axis is None:
-                axis = state_axes[i]
-            if axis is None and ret_batched[r]:
-                self._unexpected(state)
-                axis = 0
-            mapped_write.append((r, i))
-            write_axes.append(axis)
-        write_index = tuple(i for _, i in mapped_write) + tuple(rng_index)
-        plan = self._plan_for(states, write_index)
-        in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
-        apply = self._make_apply(traced, n, arg_axes, in_state_axes, [r for r, _ in mapped_write],
-                                 write_axes, rng_index, not any(in_batched))
-        return _Entry(traced, plan, apply, key)
+        first = traced.n_out
+        positions = jax.tree_util.tree_unflatten(
+            traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
+        return [any(out_batched[j] for j in _leaves(value)) for value in positions]
 
     def _discover(self, lane_avals, split, size):
         state_axes, state_sizes = {}, []
@@ -2775,7 +2787,7 @@ def _label_jaxpr(closed: ClosedJaxpr, n_args: int, states, returned, n_out: int)
     def roles(states_):
         out = []
         for s in states_:
-            out += [s.name or type(s).__name__] * len(_leaves(s.value))
+            out += [_label(s)] * len(_leaves(s.value))
         return out
     jaxpr = closed.jaxpr
     in_states, out_states = roles(states), roles([states[i] for i in returned])
