@@ -156,9 +156,14 @@ def _new_arg(trace, aval):
 
 
 # ``jax.api_util.debug_info`` is public from 0.5.1; from then on ``wrap_init``
-# without ``debug_info=`` warns.  ``arg_names=None`` keeps the extra state
-# inputs from tripping the ``jax_enable_checks`` arity assertion.
+# without ``debug_info=`` warns.  Releases whose DebugInfo has
+# ``assert_arg_names`` (0.7+) accept ``arg_names=None``, which keeps the extra
+# state inputs from tripping the ``jax_enable_checks`` arity assertion.  0.5.x
+# and 0.6.x index ``arg_names`` when explaining a tracer error (and turn a None
+# into a TypeError), so they get one name per flat argument instead.
 _make_debug_info = getattr(jax.api_util, 'debug_info', None)
+_ARG_NAMES_MAY_BE_NONE = _make_debug_info is not None and hasattr(
+    type(_make_debug_info('probe', lambda: None, (), {})), 'assert_arg_names')
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
@@ -168,7 +173,8 @@ def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name:
     4-tuple up to 0.6 and a 3-tuple from 0.7, hence the indexing.
     """
     if _make_debug_info is not None:  # 0.5.1 ..
-        dbg = _make_debug_info(name, fun, (), {})._replace(arg_names=None)
+        names = None if _ARG_NAMES_MAY_BE_NONE else tuple(f'arg{i}' for i in range(len(in_avals)))
+        dbg = _make_debug_info(name, fun, (), {})._replace(arg_names=names)
         wrapped = _lu.wrap_init(flat_fun, debug_info=dbg)
     else:  # .. 0.5.0
         wrapped = _lu.wrap_init(flat_fun)
