@@ -1706,28 +1706,24 @@ class ErrorsTracing(ErrorsBase):
         self.check(sj.TraceContextError, lambda: sf(jnp.ones(2)), [s, other],
                    culprit=self.site('er_grad_write'), fix=['Return it', 'jaxpr_call'])
 
-    def test_writing_stateful_function_under_plain_jit(self):
-        cnt = sj.State(jnp.zeros(()), name='er_cnt_jit')
+    def _check_writer_under_jit(self, name, warm):
+        cnt = sj.State(jnp.zeros(()), name=f'er_cnt_{name}')
 
         def f(x):
             cnt.value = cnt.value + x
             return x * 2
-        sf = sj.StatefulFunction(f, name='er_writer')
+        sf = sj.StatefulFunction(f, name=f'er_writer_{name}')
+        if warm:
+            sf(1.0)     # the next call takes the compiled fast path
         self.check(sj.TraceContextError, lambda: jax.jit(lambda x: sf(x))(1.0), [cnt],
-                   culprit=["'er_writer'"] + self.site('er_cnt_jit'),
+                   culprit=[f"'er_writer_{name}'"] + self.site(f'er_cnt_{name}'),
                    fix=['StatefulFunction', 'jaxpr_call'])
+
+    def test_writing_stateful_function_under_plain_jit(self):
+        self._check_writer_under_jit('jit', warm=False)
 
     def test_writing_stateful_function_under_plain_jit_after_warm_call(self):
-        cnt = sj.State(jnp.zeros(()), name='er_cnt_warm')
-
-        def f(x):
-            cnt.value = cnt.value + x
-            return x * 2
-        sf = sj.StatefulFunction(f, name='er_warm_writer')
-        sf(1.0)     # warm: the next call takes the compiled fast path
-        self.check(sj.TraceContextError, lambda: jax.jit(lambda x: sf(x))(1.0), [cnt],
-                   culprit=["'er_warm_writer'"] + self.site('er_cnt_warm'),
-                   fix=['StatefulFunction', 'jaxpr_call'])
+        self._check_writer_under_jit('warm', warm=True)
 
     def test_read_state_that_kept_a_tracer(self):
         bystander = sj.State(jnp.ones(2), name='er_bystander')
@@ -5105,19 +5101,23 @@ def _fz_check_program(seed, extras=True):
     # (b'') a third call with another static value (a Python-level branch may
     # touch other states: another plan), then one after a state changed shape
     # (the cached entry is stale and must be retraced).
+    def against_reference(start, pos_, kw_, what):
+        """Runs the reference and ``sf`` from the state values ``start``; compares them."""
+        _fz_reset(every, start)
+        with jax.disable_jit():
+            out_ref = ref(*pos_, **kw_)
+            fin_ref = _fz_values(every)
+        _fz_reset(every, start)
+        _fz_assert_close(out_ref, sf(*pos_, **kw_), f"(b'') sf() output, {what}")
+        _fz_assert_close(fin_ref, _fz_values(every), f"(b'') sf() states, {what}")
+        return fin_ref
+
     base = fin2
     if prog['restatic']:
         c = _fz_Env(prog, [], [], [], prog['static'], []).c
         static2 = _fz_restatic(prog['static'], c % 3 + 1)
         pos2, kw2, _, _ = _fz_pack(prog, dyn, static2)
-        _fz_reset(every, base)
-        with jax.disable_jit():
-            out3 = ref(*pos2, **kw2)
-            fin3 = _fz_values(every)
-        _fz_reset(every, base)
-        _fz_assert_close(out3, sf(*pos2, **kw2), "(b'') sf() output, other static")
-        _fz_assert_close(fin3, _fz_values(every), "(b'') sf() states, other static")
-        base = fin3
+        base = against_reference(base, pos2, kw2, 'other static')
     stale = _fz_stale_target(prog) if prog['stale'] else None
     if stale is not None:
         si, path, dt = stale
@@ -5125,13 +5125,7 @@ def _fz_check_program(seed, extras=True):
                                         prog['W']))
         base = list(base)
         base[si] = _fz_set(base[si], path, leaf)
-        _fz_reset(every, base)
-        with jax.disable_jit():
-            out4 = ref(*pos, **kw)
-            fin4 = _fz_values(every)
-        _fz_reset(every, base)
-        _fz_assert_close(out4, sf(*pos, **kw), "(b'') sf() output, state changed shape")
-        _fz_assert_close(fin4, _fz_values(every), "(b'') sf() states, state changed shape")
+        against_reference(base, pos, kw, 'state changed shape')
     _fz_reset(every, inits)
 
     # (b') the module's eager debugging mode: a fresh StatefulFunction under
