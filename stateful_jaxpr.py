@@ -204,6 +204,60 @@ _MAKE_JAXPR_HAS_ABSTRACTED_AXES = (
 # Primitive names for the constant folder; 'pjit' became 'jit' in 0.7.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call'})
 
+# JAX caches the traces of lax control-flow bodies and of jitted functions,
+# keyed on the Python function and ``config.trace_context()``.  A module-level
+# scan body that reads a State can then be reused by a later trace with the
+# first trace's (dead) tracer baked in, or after a write with the old value.
+# The axis environment is part of that context on every release (0.4.30 ..
+# 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
+# caches miss; no jaxpr refers to the axis.  It is bound only where needed:
+# it also makes jax.numpy's own jitted helpers retrace.
+_EPOCH_AXES = itertools.count()
+
+
+def _epoch_axis():
+    return _src_core.extend_axis_env_nd([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)])
+
+
+# Mutable references carry a State written inside a nested transformation
+# (a lax.scan/cond/while body, an inner jax.jit, jax.grad) out of it: such a
+# state is lifted as a Ref input, accessed with get/set at whatever trace is
+# current, and the finished jaxpr is discharged into a pure one whose Ref
+# inputs became value inputs.  ``jax._src.state`` has AbstractRef, ref_get /
+# ref_set and discharge_state on 0.4.30 .. 0.10; discharge_state takes
+# ``(jaxpr, consts)`` up to 0.9 and a ClosedJaxpr from 0.10.  Without it,
+# such writes raise TraceContextError.
+try:
+    from jax._src.state import discharge as _st_discharge
+    from jax._src.state import primitives as _st_prims
+    from jax._src.state import types as _st_types
+    _HAS_REFS = all(hasattr(m, n) for m, n in (
+        (_st_types, 'AbstractRef'), (_st_prims, 'ref_get'), (_st_prims, 'ref_set'),
+        (_st_discharge, 'discharge_state')))
+except ImportError:  # a future JAX that moved them
+    _HAS_REFS = False
+
+if _HAS_REFS:
+    _DISCHARGE_TAKES_CLOSED = (
+        'closed_jaxpr' in inspect.signature(_st_discharge.discharge_state).parameters)
+
+    def _ref_aval(aval):
+        return _st_types.AbstractRef(aval)
+
+    def _ref_get(ref):
+        return _st_prims.ref_get(ref, ())
+
+    def _ref_set(ref, value) -> None:
+        _st_prims.ref_set(ref, (), value)
+
+    def _discharge(closed: ClosedJaxpr) -> ClosedJaxpr:
+        """The pure equivalent of ``closed``: each Ref input becomes a value
+        input, and its final value an extra output appended at the end."""
+        if _DISCHARGE_TAKES_CLOSED:  # 0.10 ..
+            return _st_discharge.discharge_state(closed)
+        jaxpr, consts = _st_discharge.discharge_state(closed.jaxpr, closed.consts)
+        return ClosedJaxpr(jaxpr, consts)
+
 
 # =============================================================================
 # 2. Errors and small helpers
@@ -438,6 +492,8 @@ class State:
             for frame in reversed(frames):
                 if frame._values is not None:
                     v = frame._values.get(id(self), _MISSING)
+                    if type(v) is _RefCell:
+                        return jax.tree_util.tree_unflatten(v.treedef, v.avals)
                     if v is not _MISSING:
                         return v
         return self._value
@@ -696,7 +752,11 @@ class StateTraceStack:
         self._owned: list = []
         self._new_arg = None
         self._values = None
-        self._jax_trace = None
+        self._jax_trace = None      # the JAX trace a stateful trace runs at
+        self._pending = None        # states written inside nested transformations
+        self._nested_reads = None   # ids of states read inside them
+        self._epoch = None          # its _TraceEpoch
+        self._isolated = False      # whether it runs under its own epoch from the start
         if new_arg is not None:
             self.set_new_arg(new_arg)
 
@@ -801,7 +861,8 @@ class StateTraceStack:
     def recovery_original_values(self) -> None:
         """Gives every recorded state back the value it had when first touched."""
         for state, original in zip(self.states, self._originals):
-            if original is not None and not _contains_tracer(original):
+            if (original is not None and type(original) is not _RefCell
+                    and not _contains_tracer(original)):
                 state.restore_value(original)
 
     def assign_state_vals(self, state_vals: Sequence) -> None:
@@ -851,6 +912,77 @@ class StateTraceStack:
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
+class _RefCell:
+    """A State that a stateful trace lifted as Refs, one per leaf, because the
+    function writes it inside a nested transformation.  Reads and writes bind
+    at whatever JAX trace is current, so a scan body sees the value of its
+    own iteration and an inner jit's write reaches the code after it."""
+    __slots__ = ('state', 'refs', 'treedef', 'avals')
+
+    def __init__(self, state, refs, treedef, avals):
+        self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
+
+    def read(self):
+        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r) for r in self.refs])
+
+    def write(self, value) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        got = None
+        if treedef == self.treedef:
+            try:
+                got = [_aval_of(x) for x in leaves]
+            except TypeError:
+                pass
+        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
+                              for g, a in zip(got, self.avals)):
+            expected = jax.tree_util.tree_unflatten(self.treedef, [a.str_short() for a in self.avals])
+            shown = (jax.tree_util.tree_unflatten(treedef, [g.str_short() for g in got])
+                     if got is not None else f'a value of structure {treedef}')
+            raise TraceContextError(
+                f'{self.state._describe()} is written inside a nested JAX transformation '
+                '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
+                f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
+                'Cast or reshape the value before assigning it')
+        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
+            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
+                leaf = jax.lax.convert_element_type(leaf, a.dtype)
+            try:
+                _ref_set(ref, leaf)
+            except Exception as err:
+                # Under jax.grad the value carries a tangent, which a Ref the
+                # gradient does not flow through cannot take: keep the primal.
+                try:
+                    _ref_set(ref, jax.lax.stop_gradient(leaf))
+                except Exception:
+                    raise TraceContextError(
+                        f'{self.state._describe()} cannot be written inside this nested '
+                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                        'varies across jax.vmap lanes cannot go into an unbatched State: map '
+                        'the function with StatefulMapping instead, or return the value '
+                        'from the transformation and assign it outside') from err
+
+
+class _TraceEpoch:
+    """The unique dummy axis bound while a stateful trace runs (see
+    ``_epoch_axis``).  Renewing it makes JAX retrace, rather than reuse from
+    its caches, a body that closed over a State's value before a write."""
+    __slots__ = ('_cm',)
+
+    def __init__(self):
+        self._cm = None
+
+    def renew(self) -> None:
+        self.close()
+        cm = _epoch_axis()
+        cm.__enter__()
+        self._cm = cm
+
+    def close(self) -> None:
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+
 def _owner_start(state, frames) -> int:
     """Index of the first frame for which ``state`` is not a local State."""
     owner = state._owner
@@ -866,29 +998,54 @@ def _traced_read(state, frames):
     if top._values is not None:  # fast path: already lifted by the innermost frame
         v = top._values.get(id(state), _MISSING)
         if v is not _MISSING:
-            return v
-    return _touch_all(state, frames, write=False)
+            return _view(state, v, top)
+    return _view(state, *_touch_all(state, frames, write=False))
 
 
 def _touch_all(state, frames, write: bool):
-    """Records ``state`` in every frame that sees it; returns the innermost view."""
+    """Records ``state`` in every frame that sees it; returns the innermost
+    isolating frame's entry for it (a value or a ``_RefCell``) and that frame."""
     start = _owner_start(state, frames)
     if start == 0 and state._leak is not None:
         state._raise_leak()
-    current = state._value
+    current, source = state._value, None
     for frame in frames[start:]:
         current = frame._touch(state, current, write)
-    return current
+        if frame._values is not None:
+            source = frame
+    return current, source
+
+
+def _view(state, entry, frame):
+    """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``."""
+    if type(entry) is _RefCell:
+        return entry.read()
+    if frame is not None and frame._nested_reads is not None and (
+            _current_trace_id() is not frame._jax_trace):
+        frame._nested_reads.add(id(state))   # a nested transformation closes over it
+    return entry
 
 
 def _traced_write(state, value, frames, written: bool):
-    _touch_all(state, frames, write=written)
-    start = _owner_start(state, frames)
-    target = None
-    for frame in reversed(frames[start:]):
-        if frame._values is not None:
-            target = frame
-            break
+    entry, target = _touch_all(state, frames, write=written)
+    if type(entry) is _RefCell:
+        entry.write(value)
+        return
+    if target is not None and target._jax_trace is not None:
+        if _current_trace_id() is not target._jax_trace:
+            if target._pending is not None:
+                # Written inside a nested transformation: the value cannot
+                # leave it through the overlay.  The trace is redone with the
+                # state lifted as Refs (see _trace_stateful).
+                target._pending.add(state)
+                if not target._isolated:
+                    raise _Retrace   # abort, so JAX caches no body without the write
+                return
+        elif id(state) in target._nested_reads:
+            # A body traced before this write closed over the old value; make
+            # JAX's trace caches miss so that a later use retraces it.
+            target._epoch.renew()
+            target._nested_reads.clear()
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
@@ -1208,34 +1365,89 @@ def _reject_states(tree, what: str) -> None:
                 'return or pass its value instead (state.value)')
 
 
+class _TraceHints:
+    """What earlier traces of one function taught its later ones."""
+    __slots__ = ('ref_states', 'isolate')
+
+    def __init__(self):
+        self.ref_states = weakref.WeakSet()   # States written inside nested transformations
+        self.isolate = False                  # trace under a fresh _TraceEpoch
+
+
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
                     lift_aval: Callable | None = None,
-                    trace_with: Callable | None = None) -> _Traced:
+                    trace_with: Callable | None = None,
+                    hints: _TraceHints | None = None) -> _Traced:
     """Traces ``fun(*rebuild(flat_leaves))`` with a fresh isolating frame.
 
     ``rebuild(flat)`` returns ``(args, kwargs)``; ``lift_aval(state, aval)``
     may change the abstract value a state leaf is lifted with (StatefulMapping
     lifts batched states at their per-lane shape).  ``trace_with(flat_fun,
     avals, name)`` replaces the default tracer (used for ``abstracted_axes``).
+
+    ``hints`` (kept by the caller across traces) holds the States known to be
+    written inside nested transformations, which are lifted as Refs, and
+    whether to isolate the trace from JAX's trace caches.  A trace is redone
+    when it finds such a State (the first time, aborted at that write; then
+    run to the end to find the rest), or when JAX handed it a body cached by
+    an earlier trace with that trace's tracer inside.  So a function is traced
+    at most three times for one signature, and the extra traces happen once
+    in its lifetime.
     """
+    if hints is None:
+        hints = _TraceHints()
+    while True:
+        pending = set()
+        try:
+            traced = _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env,
+                                 lift_aval, trace_with, hints, pending)
+        except Exception as err:
+            # A write dropped in an isolated trace may also have derailed the
+            # rest of it: the retrace with Refs shows whether an error is real.
+            new = pending.difference(hints.ref_states)
+            stale = isinstance(err, jax.errors.UnexpectedTracerError) and not hints.isolate
+            if not (new or stale):
+                raise
+            hints.ref_states.update(new)
+            hints.isolate = True
+            continue
+        if traced.cacheable or hints.isolate:
+            return traced
+        # Tracer constants: either the caller's enclosing trace (legitimate)
+        # or a body JAX reused from a finished trace.  Isolate and look again.
+        hints.isolate = True
+
+
+def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lift_aval,
+                trace_with, hints, pending) -> _Traced:
+    ref_states, isolate = hints.ref_states, hints.isolate
     frame = StateTraceStack(name=name)
-    box = {}
+    box = {'cells': []}
 
     def lift(state, current):
-        leaves, treedef = jax.tree_util.tree_flatten(current)
-        avals = []
-        for leaf in leaves:
-            try:
-                avals.append(_aval_of(leaf))
-            except TypeError:
-                raise TypeError(f'{state._describe()} holds a leaf of type '
-                                f'{type(leaf).__name__}, which is not a JAX array type') from None
+        if type(current) is _RefCell:    # an enclosing trace holds it as Refs
+            treedef, avals = current.treedef, list(current.avals)
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten(current)
+            avals = []
+            for leaf in leaves:
+                try:
+                    avals.append(_aval_of(leaf))
+                except TypeError:
+                    raise TypeError(f'{state._describe()} holds a leaf of type '
+                                    f'{type(leaf).__name__}, which is not a JAX array '
+                                    'type') from None
         box.setdefault('lifted', []).append((state, treedef, avals))
         if lift_aval is not None:
             avals = [lift_aval(state, a) for a in avals]
-        return jax.tree_util.tree_unflatten(
-            treedef, [_new_arg(box['trace'], a) for a in avals])
+        trace = box['trace']
+        if state in ref_states:
+            cell = _RefCell(state, [_new_arg(trace, _ref_aval(a)) for a in avals],
+                            treedef, avals)
+            box['cells'].append(cell)
+            return cell
+        return jax.tree_util.tree_unflatten(treedef, [_new_arg(trace, a) for a in avals])
 
     frame.set_new_arg(lift)
 
@@ -1243,20 +1455,30 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         trace = _find_top_trace(())
         box['trace'] = trace
         frame._jax_trace = _trace_id(trace)
-        with frame:
-            args, kwargs = rebuild(list(flat))
-            out = fun(*args, **kwargs)
-            _reject_states(out, 'the function returned ')
-            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-            if return_only_write:
-                returned = [i for i, w in enumerate(frame.been_writen) if w]
-            else:
-                returned = list(range(len(frame.states)))
-            values = [frame._values[id(frame.states[i])] for i in returned]
-            state_leaves, state_tree = jax.tree_util.tree_flatten(values)
-            box.update(out_tree=out_tree, n_out=len(out_leaves), returned=returned,
-                       state_tree=state_tree)
-            return out_leaves + state_leaves
+        frame._pending = pending if _HAS_REFS else None
+        frame._nested_reads = set()
+        frame._epoch = epoch = _TraceEpoch()
+        frame._isolated = isolate
+        if isolate:
+            epoch.renew()
+        try:
+            with frame:
+                args, kwargs = rebuild(list(flat))
+                out = fun(*args, **kwargs)
+                _reject_states(out, 'the function returned ')
+                out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+                if return_only_write:
+                    returned = [i for i, w in enumerate(frame.been_writen) if w]
+                else:
+                    returned = list(range(len(frame.states)))
+                values = [frame._values[id(frame.states[i])] for i in returned]
+                values = [v.read() if type(v) is _RefCell else v for v in values]
+                state_leaves, state_tree = jax.tree_util.tree_flatten(values)
+                box.update(out_tree=out_tree, n_out=len(out_leaves), returned=returned,
+                           state_tree=state_tree)
+                return out_leaves + state_leaves
+        finally:
+            epoch.close()
 
     _ctx.ntraces += 1
     with _axis_env(axis_env), _gc_paused():
@@ -1264,19 +1486,55 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
         else:
             jaxpr, out_avals, consts = trace_with(flat_fun, flat_avals)
+    closed = ClosedJaxpr(jaxpr, consts)
+    if pending:
+        raise _Retrace
+    if box['cells']:
+        closed = _discharge_cells(closed, box['cells'])
     states = tuple(frame.states)
     sigs = {}
     for state, treedef, avals in box.get('lifted', ()):
         sigs[id(state)] = (treedef, tuple((a.shape, a.dtype) for a in avals))
     return _Traced(
-        closed_jaxpr=ClosedJaxpr(jaxpr, consts),
+        closed_jaxpr=closed,
         out_tree=box['out_tree'], n_out=box['n_out'], out_avals=list(out_avals),
         states=states, returned=tuple(box['returned']),
         state_tree=box['state_tree'],
         state_sigs=tuple(sigs[id(s)] for s in states),
         trace_stack=frame,
-        cacheable=not any(isinstance(c, Tracer) for c in consts),
+        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
     )
+
+
+class _Retrace(Exception):
+    """A trace dropped writes made inside nested transformations."""
+
+
+def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
+    """Turns a jaxpr with Ref inputs into the pure one with value inputs and
+    the same outputs (the discharge's extra final-Ref outputs are dropped: the
+    function already returns the written states)."""
+    described = ', '.join(c.state._describe() for c in cells)
+    try:
+        pure = _discharge(closed)
+    except NotImplementedError as err:
+        raise TraceContextError(
+            f'{described} is written inside a nested transformation that JAX '
+            f'{jax.__version__} cannot thread state out of ({err}); return the value from '
+            'that transformation and assign it outside') from err
+    n = len(closed.jaxpr.outvars)
+    outvars = pure.jaxpr.outvars[:n]
+    for before, after in zip(closed.jaxpr.outvars, outvars):
+        if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
+            raise TraceContextError(
+                f'a State among {described} changed shape inside a nested transformation '
+                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
+                'writing a per-lane value inside jax.vmap; map the function with '
+                'StatefulMapping instead')
+    changes = {'outvars': outvars}
+    if getattr(closed.jaxpr, 'debug_info', None) is not None:
+        changes['debug_info'] = closed.jaxpr.debug_info   # same inputs and outputs
+    return ClosedJaxpr(pure.jaxpr.replace(**changes), pure.consts)
 
 
 # =============================================================================
@@ -1422,6 +1680,7 @@ class _StatefulBase:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self._cache = BoundedCache(cache_size)
+        self._hints = _TraceHints()
         self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
         self._reset_dispatch()
@@ -1796,7 +2055,8 @@ class StatefulFunction(_StatefulBase):
             trace_with = _abstracted_tracer(self.abstracted_axes, split)
         return _trace_stateful(self.fun, avals, rebuild, name=self.name,
                                return_only_write=self.return_only_write,
-                               axis_env=self.axis_env, trace_with=trace_with)
+                               axis_env=self.axis_env, trace_with=trace_with,
+                               hints=self._hints)
 
     # -- public API --------------------------------------------------------------
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
@@ -2524,7 +2784,8 @@ class StatefulMapping(_StatefulBase):
         try:
             traced = _trace_stateful(self.fun, lane_avals, self._rebuilder(split),
                                      name=self.name, return_only_write=True,
-                                     axis_env=axis_env, lift_aval=lift_aval)
+                                     axis_env=axis_env, lift_aval=lift_aval,
+                                     hints=self._hints)
         except NameError as err:
             if 'axis' not in str(err) or self.axis_name is not None:
                 raise

@@ -554,19 +554,6 @@ class TracingTest(unittest.TestCase):
         s.value = jnp.ones(7)          # not baked in: the new value is used
         np.testing.assert_allclose(sf(2.0), 2 * np.ones(7))
 
-    def test_write_inside_nested_transform_is_rejected(self):
-        s = State(jnp.zeros(()), name='inner_write')
-
-        def f(xs):
-            def body(c, x):
-                s.value = s.value + x
-                return c, None
-            return lax.scan(body, 0.0, xs)[0]
-        with self.assertRaisesRegex(TraceContextError, "'inner_write'.*transformation"):
-            StatefulFunction(f)(jnp.ones(3))
-        self.assertEqual(float(s.value), 0.0)
-        self.assertFalse(_tracer_in(s))
-
     def test_kwargs_follow_positional_args(self):
         s = State(1.0)
         closed = StatefulFunction(lambda x, *, k: x + k + s.value).get_jaxpr(
@@ -584,6 +571,242 @@ class TracingTest(unittest.TestCase):
         self.assertEqual(float(sf(1.0)), 4.0)
         self.assertEqual(_invar_count(sf.get_jaxpr(1.0)), 1 + 3)
         np.testing.assert_array_equal(s.value['b'][1], np.ones(3))
+
+
+# ---------------------------------------------------------------------------
+# Writes inside plain JAX transformations nested in a stateful function
+# ---------------------------------------------------------------------------
+
+def _no_refs(tc, closed):
+    """The jaxpr handed out is pure: no Ref-typed input, output or constant."""
+    for v in list(closed.jaxpr.invars) + list(closed.jaxpr.outvars):
+        tc.assertIsInstance(v.aval, jax.core.ShapedArray, f'{v} has aval {v.aval}')
+    tc.assertFalse(closed.jaxpr.effects, closed.jaxpr.effects)
+
+
+class NestedWriteTest(unittest.TestCase):
+    """A write inside a lax.scan / cond / while body, an inner jax.jit or
+    jax.grad propagates to the enclosing stateful trace."""
+
+    def test_scan_body_read_then_write_threads_per_iteration(self):
+        s = State(jnp.zeros(3), name='nw_scan')
+        k = State(jnp.float32(2.0), name='nw_scale')
+
+        def f(xs):
+            def body(c, x):
+                s.value = s.value + x * k.value     # read before the write
+                return c + 1, s.value.sum()
+            return lax.scan(body, 0, xs)[1]
+        sf = StatefulFunction(f)
+        xs = jnp.arange(12.0).reshape(4, 3)
+        closed = sf.get_jaxpr(xs)
+        _no_refs(self, closed)
+        # invars: xs, s, k (first-touch order); outvars: ys, then s (written)
+        self.assertEqual([v.aval.shape for v in closed.jaxpr.invars], [(4, 3), (3,), ()])
+        self.assertEqual([v.aval.shape for v in closed.jaxpr.outvars], [(4,), (3,)])
+        self.assertEqual(sf.get_write_states(xs), (s,))
+        self.assertEqual(sf.get_read_states(xs), (k,))
+        ys = sf(xs)
+        ref = np.cumsum(2 * np.arange(12.0).reshape(4, 3), axis=0)
+        np.testing.assert_allclose(ys, ref.sum(axis=1))
+        np.testing.assert_allclose(s.value, ref[-1])
+        self.assertEqual(float(k.value), 2.0)
+        sf(xs)     # the new state value feeds the next call
+        np.testing.assert_allclose(s.value, 2 * ref[-1])
+        # pure use of the jaxpr: the state is an ordinary input and output
+        out = _eval_closed(closed, xs, jnp.ones(3), jnp.float32(1.0))
+        np.testing.assert_allclose(out[1], 1 + np.arange(12.0).reshape(4, 3).sum(axis=0))
+
+    def test_cond_branch_write_is_conditional(self):
+        s = State(jnp.float32(1.0), name='nw_cond')
+
+        def f(p):
+            def yes(_):
+                s.value = 5.0            # a Python constant, only on this branch
+                return 1
+            lax.cond(p, yes, lambda _: 0, 0)
+            return s.value * 2
+        sf = StatefulFunction(f)
+        self.assertEqual(float(sf(False)), 2.0)
+        self.assertEqual(float(s.value), 1.0)
+        self.assertEqual(float(sf(True)), 10.0)
+        self.assertEqual(float(s.value), 5.0)
+        self.assertEqual(s.value.dtype, jnp.float32)
+
+    def test_while_and_fori_bodies(self):
+        s = State(jnp.int32(0), name='nw_while')
+
+        def f(n):
+            def body(i):
+                s.value = s.value + i
+                return i + 1
+            lax.while_loop(lambda i: i < n, body, 0)
+            lax.fori_loop(0, 3, lambda i, c: (setattr(s, 'value', s.value * 2), c)[1], 0)
+            return s.value
+        sf = StatefulFunction(f)
+        self.assertEqual(int(sf(4)), (0 + 1 + 2 + 3) * 8)
+        self.assertEqual(int(s.value), 48)
+
+    def test_inner_jit_write_and_read_after_it(self):
+        s = State(jnp.ones(2), name='nw_jit')
+
+        @jax.jit
+        def bump(y):                      # module-style: JAX caches its trace
+            s.value = s.value + y
+            return y * 2
+
+        def f(x):
+            a = bump(x)
+            b = s.value                   # sees the first bump
+            bump(x)                       # a cached jaxpr: the write is in it
+            return a, b, s.value
+        sf = StatefulFunction(f)
+        a, b, c = sf(jnp.float32(1.0))
+        np.testing.assert_allclose(b, [2.0, 2.0])
+        np.testing.assert_allclose(c, [3.0, 3.0])
+        np.testing.assert_allclose(s.value, [3.0, 3.0])
+        sf(jnp.float32(1.0))
+        np.testing.assert_allclose(s.value, [5.0, 5.0])
+        sf(jnp.ones(2))                   # a new signature traces again
+        np.testing.assert_allclose(s.value, [7.0, 7.0])
+
+    def test_nested_stateful_call_inside_scan_cond_and_jit(self):
+        s = State(jnp.zeros(()), name='nw_nested')
+        inner = StatefulFunction(lambda x: s.__setattr__('value', s.value + x) or s.value)
+
+        def f(xs):
+            lax.scan(lambda c, x: (c, inner(x)), 0.0, xs)
+            lax.cond(xs[0] > -1, lambda: inner(100.0), lambda: 0.0)
+            jax.jit(inner)(1000.0)
+            return s.value
+        sf = StatefulFunction(f)
+        self.assertEqual(float(sf(jnp.arange(4.0))), 1106.0)
+        self.assertEqual(float(s.value), 1106.0)
+        self.assertEqual(sf.get_write_states(jnp.arange(4.0)), (s,))
+        _no_refs(self, sf.get_jaxpr(jnp.arange(4.0)))
+
+    def test_write_inside_grad_keeps_the_primal(self):
+        s = State(jnp.zeros(3), name='nw_grad')
+
+        def f(w):
+            def loss(w):
+                s.value = w * 3
+                return (w ** 2).sum()
+            return jax.grad(loss)(w)
+        sf = StatefulFunction(f)
+        np.testing.assert_allclose(sf(jnp.ones(3)), [2.0, 2.0, 2.0])
+        np.testing.assert_allclose(s.value, [3.0, 3.0, 3.0])
+        self.assertFalse(_tracer_in(s))
+
+    def test_gradient_flows_through_scan_written_state(self):
+        s = State(jnp.zeros(2), name='nw_bptt')
+
+        def step(w, xs):
+            def body(c, x):
+                s.value = jnp.tanh(s.value * w + x)
+                return c, None
+            lax.scan(body, 0.0, xs)
+            return s.value.sum()
+        sf = StatefulFunction(step)
+        xs = jnp.linspace(-1, 1, 10).reshape(5, 2)
+
+        def via_sf(w):
+            new, out = sf.jaxpr_call([jnp.full(2, 0.5)], w, xs)
+            return out + new[0].sum()
+
+        def pure(w):
+            h = jnp.full(2, 0.5)
+            for x in xs:
+                h = jnp.tanh(h * w + x)
+            return h.sum() * 2
+        np.testing.assert_allclose(jax.grad(via_sf)(0.7), jax.grad(pure)(0.7), rtol=1e-5)
+        self.assertEqual(float(s.value.sum()), 0.0)
+
+    def test_traced_again_only_once_per_state(self):
+        calls = []
+        s = State(jnp.zeros(()), name='nw_count')
+
+        def f(xs):
+            calls.append(1)
+            lax.scan(lambda c, x: (s.__setattr__('value', s.value + x), (c, None))[1], 0.0, xs)
+            return s.value
+        sf = StatefulFunction(f)
+        sf(jnp.ones(3))
+        self.assertEqual(len(calls), 2)     # a first trace finds the nested write
+        sf(jnp.ones(3))
+        self.assertEqual(len(calls), 2)     # cache hit
+        sf(jnp.ones(5))
+        self.assertEqual(len(calls), 3)     # the state is known: one trace
+        self.assertEqual(float(s.value), 11.0)
+
+    def test_several_nested_written_states_take_at_most_three_traces(self):
+        calls = []
+        states = [State(jnp.zeros(()), name=f'nw_many{i}') for i in range(6)]
+
+        def f(xs):
+            calls.append(1)
+
+            def body(c, x):
+                for i, s in enumerate(states):
+                    s.value = s.value + x * i
+                return c, None
+            lax.scan(body, 0.0, xs)
+            return states[-1].value
+        sf = StatefulFunction(f)
+        self.assertEqual(float(sf(jnp.ones(2))), 10.0)
+        self.assertEqual(len(calls), 3)     # abort at the first; find the rest; final
+        self.assertEqual([float(s.value) for s in states], [0.0, 2.0, 4.0, 6.0, 8.0, 10.0])
+        sf(jnp.ones(4))
+        self.assertEqual(len(calls), 4)
+
+    def test_stateful_mapping_with_scan_written_state(self):
+        s = State(jnp.zeros(4), name='nw_map')
+
+        def f(x):
+            lax.scan(lambda c, _: (s.__setattr__('value', s.value + x), (c, None))[1],
+                     0.0, None, length=3)
+            return s.value
+        m = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.OfType(State)},
+                               state_out_axes={0: sj.OfType(State)})
+        out = m(jnp.arange(4.0))
+        np.testing.assert_allclose(out, 3 * np.arange(4.0))
+        np.testing.assert_allclose(s.value, 3 * np.arange(4.0))
+
+    def test_scan_body_defined_once_is_traced_per_trace(self):
+        # JAX caches a body's trace by function object; a State read there must
+        # still come from the current trace (not a dead one, not a stale value).
+        s = State(jnp.ones(3), name='nw_global_body')
+        sf1 = StatefulFunction(lambda xs: lax.scan(_nw_body(s), jnp.zeros(3), xs)[0])
+        sf2 = StatefulFunction(lambda xs: lax.scan(_nw_body(s), jnp.zeros(3), xs)[0])
+        np.testing.assert_allclose(sf1(jnp.ones((2, 3))), [2.0] * 3)
+        np.testing.assert_allclose(sf2(jnp.ones((2, 3))), [2.0] * 3)
+        s.value = jnp.full(3, 5.0)
+        np.testing.assert_allclose(sf2(jnp.ones((4, 3))), [20.0] * 3)
+        self.assertEqual(len(sf2.get_jaxpr(jnp.ones((4, 3))).jaxpr.constvars), 0)
+
+    def test_read_in_cached_body_after_top_level_write(self):
+        s = State(jnp.float32(1.0), name='nw_stale')
+        read = jax.jit(lambda x: x * s.value)
+
+        def f(x):
+            a = read(x)
+            s.value = s.value + 1       # a later use of ``read`` must see this
+            return a, read(x)
+        a, b = StatefulFunction(f)(jnp.float32(3.0))
+        self.assertEqual((float(a), float(b)), (3.0, 6.0))
+
+
+_NW_BODIES = {}
+
+
+def _nw_body(state):
+    """One body function per State, reused across traces (as a module-level one is)."""
+    body = _NW_BODIES.get(id(state))
+    if body is None:
+        def body(c, x):
+            return c + state.value * x, None
+        _NW_BODIES[id(state)] = body
+    return body
 
 
 # ---------------------------------------------------------------------------
@@ -1691,20 +1914,38 @@ class ErrorsTracing(ErrorsBase):
                    culprit=self.site('er_jit_write'),
                    fix=['StatefulFunction', 'jaxpr_call'])
 
-    def test_tracer_written_inside_grad_in_stateful_function(self):
-        s = sj.State(jnp.zeros(2), name='er_grad_write')
-        other = sj.State(jnp.zeros(()), name='er_grad_other')
+    def test_per_lane_write_inside_vmap_in_stateful_function(self):
+        s = sj.State(jnp.zeros(2), name='er_vmap_write')
+        other = sj.State(jnp.zeros(()), name='er_vmap_other')
 
-        def f(x):
+        def f(xs):
             other.value = other.value + 1
 
-            def loss(y):
-                s.value = y * 2
-                return (y * 2).sum()
-            return jax.grad(loss)(x)
+            def lane(x):
+                s.value = s.value + x       # differs per lane: cannot stay unbatched
+                return x
+            return jax.vmap(lane)(xs)
         sf = sj.StatefulFunction(f)
-        self.check(sj.TraceContextError, lambda: sf(jnp.ones(2)), [s, other],
-                   culprit=self.site('er_grad_write'), fix=['Return it', 'jaxpr_call'])
+        self.check(sj.TraceContextError, lambda: sf(jnp.ones((3, 2))), [s, other],
+                   culprit=self.site('er_vmap_write'), fix=['StatefulMapping'])
+        self.assertFalse(_tracer_in(s) or _tracer_in(other))
+
+    def test_shape_change_inside_scan_in_stateful_function(self):
+        s = sj.State(jnp.zeros(2), name='er_scan_shape')
+
+        def f(xs):
+            def body(c, x):
+                s.value = jnp.zeros(3)      # a scan carry cannot change shape
+                return c, None
+            return lax.scan(body, 0.0, xs)[0]
+        sf = sj.StatefulFunction(f)
+        self.check(sj.TraceContextError, lambda: sf(jnp.ones(3)), [s],
+                   culprit=self.site('er_scan_shape') + ['float32[2]', 'float32[3]'],
+                   fix=['keep its structure, shapes and dtypes'])
+        sf2 = sj.StatefulFunction(lambda xs: lax.scan(
+            lambda c, x: (s.__setattr__('value', s.value + x), (c, None))[1], 0.0, xs)[0])
+        sf2(jnp.ones((2, 2)))               # the same State, written correctly, still works
+        np.testing.assert_allclose(s.value, [2.0, 2.0])
 
     def _check_writer_under_jit(self, name, warm):
         cnt = sj.State(jnp.zeros(()), name=f'er_cnt_{name}')
