@@ -266,9 +266,9 @@ if _HAS_REFS:
 class TraceContextError(RuntimeError):
     """A traced value would escape the JAX trace it belongs to.
 
-    Raised when a JAX tracer is written into a :class:`State` where no
-    enclosing stateful trace can thread it out (for example inside a plain
-    ``jax.jit`` or inside ``jax.grad`` nested in a stateful function), and when
+    Raised when a value is written into a :class:`State` where no enclosing
+    stateful trace can thread it out (for example inside a plain ``jax.jit``,
+    or per-lane inside a ``jax.vmap`` nested in a stateful function), and when
     a State that kept a tracer from a finished trace is read.
 
     Example
@@ -1065,11 +1065,11 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
             if allowed_traces:
                 raise TraceContextError(
                     f'{state._describe()} was assigned a traced value inside a JAX '
-                    'transformation (jax.grad / jax.vmap / lax.scan / lax.cond / an inner '
-                    'jax.jit ...) nested in a stateful function; that value cannot leave '
-                    'the transformation through a State.  Return it from the '
-                    'transformation and assign it outside, or call a StatefulFunction\'s '
-                    'jaxpr_call() inside it and thread the state values explicitly.')
+                    'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
+                    'nested in a stateful function, and no enclosing trace can thread it '
+                    'out: the State was created inside the stateful function (or this JAX '
+                    'has no mutable references).  Create the State outside the function, '
+                    'or return the value from the transformation and assign it outside.')
             raise TraceContextError(
                 f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
                 'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
@@ -1389,30 +1389,34 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     ``hints`` (kept by the caller across traces) holds the States known to be
     written inside nested transformations, which are lifted as Refs, and
     whether to isolate the trace from JAX's trace caches.  A trace is redone
-    when it finds such a State (the first time, aborted at that write; then
-    run to the end to find the rest), or when JAX handed it a body cached by
-    an earlier trace with that trace's tracer inside.  So a function is traced
-    at most three times for one signature, and the extra traces happen once
-    in its lifetime.
+    when it finds such a State (the first time, aborted at that write; then,
+    isolated, run to the end to find the rest), or when JAX handed it a body
+    cached by an earlier trace with that trace's tracer inside.  So a function
+    is traced at most three times for one signature, and the extra traces
+    happen once in its lifetime.  An error the function raises propagates
+    as is (what the trace learned is kept for the next one).
     """
     if hints is None:
         hints = _TraceHints()
     while True:
         pending = set()
+        isolated = hints.isolate
         try:
             traced = _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env,
                                  lift_aval, trace_with, hints, pending)
-        except Exception as err:
-            # A write dropped in an isolated trace may also have derailed the
-            # rest of it: the retrace with Refs shows whether an error is real.
-            new = pending.difference(hints.ref_states)
-            stale = isinstance(err, jax.errors.UnexpectedTracerError) and not hints.isolate
-            if not (new or stale):
+        except _Retrace:
+            continue   # (the finally clause records what it found)
+        except jax.errors.UnexpectedTracerError:
+            if isolated:
                 raise
-            hints.ref_states.update(new)
             hints.isolate = True
             continue
-        if traced.cacheable or hints.isolate:
+        finally:
+            # Also when the function raised: the next trace starts informed.
+            if pending:
+                hints.ref_states.update(pending)
+                hints.isolate = True
+        if traced.cacheable or isolated:
             return traced
         # Tracer constants: either the caller's enclosing trace (legitimate)
         # or a body JAX reused from a finished trace.  Isolate and look again.
