@@ -123,6 +123,9 @@ if _STACKLESS:  # 0.4.36 ..
 
     def _tracer_trace_id(tracer):
         return tracer._trace
+
+    def _under_jax_trace() -> bool:
+        return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
 else:  # 0.4.30 .. 0.4.35
     def _current_trace_id():
         return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
@@ -132,6 +135,9 @@ else:  # 0.4.30 .. 0.4.35
 
     def _tracer_trace_id(tracer):
         return tracer._trace.main
+
+    def _under_jax_trace() -> bool:
+        return len(_src_core.thread_local_state.trace_state.trace_stack.stack) > 1
 
 # ``DynamicJaxprTrace.new_arg(aval)`` gained a required ``source_info`` in
 # 0.6.1.  Probe the signature once per trace type instead of the version.
@@ -210,8 +216,8 @@ _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call'})
 # first trace's (dead) tracer baked in, or after a write with the old value.
 # The axis environment is part of that context on every release (0.4.30 ..
 # 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
-# caches miss; no jaxpr refers to the axis.  It is bound only where needed:
-# it also makes jax.numpy's own jitted helpers retrace.
+# caches miss; no jaxpr refers to the axis.  It is bound only where needed
+# (it also makes jax.numpy's own jitted helpers retrace): see _TraceHints.
 _EPOCH_AXES = itertools.count()
 
 
@@ -382,6 +388,10 @@ class _Context(threading.local):
 
 _ctx = _Context()
 _MISSING = object()
+# States read under a plain JAX trace (outside stateful traces) while alive:
+# JAX may have cached a body or jitted function with such a value baked in,
+# so stateful traces keep clear of JAX's caches meanwhile (see _TraceHints).
+_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
 
 
 class State:
@@ -444,6 +454,9 @@ class State:
             return _traced_read(self, frames)
         if self._leak is not None:
             self._raise_leak()
+        if _under_jax_trace():
+            # Read by a plain JAX trace: a jaxpr JAX may cache holds this value.
+            _BAKED_STATES.add(self)
         return self._value
 
     @value.setter
@@ -935,9 +948,10 @@ class _RefCell:
                 pass
         if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
                               for g, a in zip(got, self.avals)):
-            expected = jax.tree_util.tree_unflatten(self.treedef, [a.str_short() for a in self.avals])
-            shown = (jax.tree_util.tree_unflatten(treedef, [g.str_short() for g in got])
-                     if got is not None else f'a value of structure {treedef}')
+            unflatten = jax.tree_util.tree_unflatten
+            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
+            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
+                     else f'a value of structure {treedef}')
             raise TraceContextError(
                 f'{self.state._describe()} is written inside a nested JAX transformation '
                 '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
@@ -1366,7 +1380,16 @@ def _reject_states(tree, what: str) -> None:
 
 
 class _TraceHints:
-    """What earlier traces of one function taught its later ones."""
+    """What earlier traces of one function taught its later ones.
+
+    A trace is *isolated* (runs under a fresh _TraceEpoch, so that JAX's trace
+    caches can neither hand it a body traced elsewhere nor keep what it traces
+    for others) once it is known to need it: the function writes States inside
+    nested transformations, or JAX handed one of its traces a body with a
+    finished trace's tracer inside, or any live State was read by a plain JAX
+    trace.  Isolation costs about a millisecond per trace (jax.numpy's jitted
+    helpers retrace too), so it is not the default.
+    """
     __slots__ = ('ref_states', 'isolate')
 
     def __init__(self):
@@ -1425,7 +1448,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
 def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lift_aval,
                 trace_with, hints, pending) -> _Traced:
-    ref_states, isolate = hints.ref_states, hints.isolate
+    ref_states, isolate = hints.ref_states, hints.isolate or len(_BAKED_STATES) > 0
     frame = StateTraceStack(name=name)
     box = {'cells': []}
 
