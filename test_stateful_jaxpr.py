@@ -698,6 +698,21 @@ class NestedWriteTest(unittest.TestCase):
         np.testing.assert_allclose(s.value, [3.0, 3.0, 3.0])
         self.assertFalse(_tracer_in(s))
 
+    def test_checkpoint_write(self):
+        s = State(jnp.zeros(2), name='nw_remat')
+
+        def f(x):
+            return jax.checkpoint(lambda v: (s.__setattr__('value', s.value + v), v * 2)[1])(x)
+        sf = StatefulFunction(f)
+        if tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 7):
+            np.testing.assert_allclose(sf(jnp.ones(2)), [2.0, 2.0])
+            np.testing.assert_allclose(s.value, [1.0, 1.0])
+        else:   # JAX < 0.7 cannot discharge state out of remat
+            with self.assertRaisesRegex(TraceContextError, "'nw_remat'.*cannot thread"):
+                sf(jnp.ones(2))
+            np.testing.assert_allclose(s.value, [0.0, 0.0])
+        self.assertFalse(_tracer_in(s))
+
     def test_gradient_flows_through_scan_written_state(self):
         s = State(jnp.zeros(2), name='nw_bptt')
 
@@ -803,6 +818,31 @@ class NestedWriteTest(unittest.TestCase):
         fail[0] = False
         self.assertEqual(float(sf(jnp.ones(2))), 2.0)
         self.assertEqual(float(t.value), 2.0)
+
+    def test_threads_tracing_nested_writes(self):
+        # 8 threads make first calls with different shapes (so traces, retraces
+        # and Ref lifting overlap), then cached calls; each thread's states are
+        # its own, the function is shared.
+        sf_states = [State(jnp.zeros(()), name=f'nw_th{i}') for i in range(8)]
+        shared = State(jnp.float32(1.0), name='nw_th_scale')
+
+        def f(xs, i):
+            def body(c, x):
+                sf_states[i].value = sf_states[i].value + x.sum() * shared.value
+                return c, None
+            lax.scan(body, 0.0, xs)
+            return sf_states[i].value
+        sf = StatefulFunction(f, static_argnums=1)
+
+        def work(i):
+            xs = jnp.ones((i + 1, i + 2))
+            for _ in range(5):
+                sf(xs, i)
+        errors = _th_run_threads([work] * 8)
+        self.assertFalse(errors, _th_format_errors(errors))
+        for i, s in enumerate(sf_states):
+            self.assertEqual(float(s.value), 5.0 * (i + 1) * (i + 2), s.name)
+        self.assertEqual(float(shared.value), 1.0)
 
     def test_stateful_mapping_with_scan_written_state(self):
         s = State(jnp.zeros(4), name='nw_map')

@@ -29,6 +29,10 @@ alternating blocks of calls, so that drift hits both alike.
   the pure per-lane function with explicit per-lane keys, split from one key
   inside the same jit (the work our call does: split n+1, keep key 0).
 * big argument -- a dict of 200 float32[8] arrays as the input, 10 states.
+* scan write -- N float32[16] states written inside a plain ``lax.scan`` body
+  (100 steps).  Baseline: ``jax.jit`` of the same scan with the states as an
+  explicit carry.  Also the first ``make_jaxpr`` of a fresh function (which
+  includes our extra trace that finds the written states).
 * memory -- 100,000 cached calls at N=100: growth of VmRSS (/proc/self/status),
   measured with tracemalloc off; then a shorter run under tracemalloc that
   reports the Python-heap growth and where it was allocated.
@@ -398,6 +402,44 @@ class Bench:
         self.row('big arg (dict of 200)', n, res['ours'], res['jax'])
         self.target('big argument', res['ours'] / res['jax'], 1.25)
 
+    # -- writes inside a scan body ---------------------------------------------------
+    def scan_write(self):
+        """N states written inside a plain ``lax.scan`` body (100 steps): the
+        states become scan carries.  Baseline: the same scan with an explicit
+        carry list.  Also the first trace (make_jaxpr) of a fresh function,
+        which here includes the extra trace that finds the written States."""
+        xs = jnp.ones((100, 16), F32)
+        for n in (1, 10, 100):
+            states = make_states(n)
+
+            def f(xs, states=states):
+                def body(c, x):
+                    for s in states:
+                        s.value = 0.9 * s.value + x
+                    return c + jnp.sum(states[0].value), None
+                return jax.lax.scan(body, 0.0, xs)[0]
+
+            def pure(vals, xs):
+                def body(carry, x):
+                    c, vals = carry
+                    vals = [0.9 * v + x for v in vals]
+                    return (c + jnp.sum(vals[0]), vals), None
+                (c, vals), _ = jax.lax.scan(body, (0.0, vals), xs)
+                return vals, c
+
+            sf = sj.StatefulFunction(f)
+            base = Baseline(jax.jit(pure), [jnp.zeros(16, F32) for _ in range(n)], xs)
+            res = interleaved({'ours': lambda sf=sf: sf(xs), 'jax': base},
+                              self.budget, self.min_calls, self.max_calls)
+            self.row('scan write: call', n, res['ours'], res['jax'])
+            reps = 3 if self.quick else 7
+            ours = [once_us(lambda: sj.StatefulFunction(lambda xs, f=f: f(xs)).make_jaxpr(xs))
+                    for _ in range(reps)]
+            base_t = [once_us(lambda: jax.make_jaxpr(lambda v, xs: pure(v, xs))(
+                [jnp.zeros(16, F32)] * n, xs)) for _ in range(reps)]
+            self.row('scan write: make_jaxpr', n, statistics.median(ours),
+                     statistics.median(base_t))
+
     # -- memory -------------------------------------------------------------------
     def memory(self):
         n, calls = 100, (25_000 if self.quick else 100_000)
@@ -531,7 +573,7 @@ class Bench:
         return '\n'.join(out)
 
 
-SECTIONS = ('dispatch', 'trace', 'vmap', 'big_arg', 'memory')
+SECTIONS = ('dispatch', 'trace', 'vmap', 'big_arg', 'scan_write', 'memory')
 
 
 def main(argv=None):
