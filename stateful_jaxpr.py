@@ -976,6 +976,10 @@ class _RefCell:
                         'from the transformation and assign it outside') from err
 
 
+class _Retrace(Exception):
+    """Redo this trace: it met writes made inside nested transformations."""
+
+
 class _TraceEpoch:
     """The unique dummy axis bound while a stateful trace runs (see
     ``_epoch_axis``).  Renewing it makes JAX retrace, rather than reuse from
@@ -1332,7 +1336,10 @@ _BoundedCache = BoundedCache
 # returned states.  A State is lifted into a new jaxpr input the first time
 # the function touches it, on the trace captured when tracing starts, so a
 # first read deep inside ``lax.scan``, ``grad`` or an inner ``jit`` still
-# becomes an input instead of a baked-in constant.
+# becomes an input instead of a baked-in constant.  A State the function
+# *writes* inside such a nested transformation is lifted as Refs instead
+# (``_RefCell``), and the finished jaxpr is discharged into a pure one, so
+# the write is threaded out as a scan carry, a cond output and so on.
 # =============================================================================
 
 class _Traced:
@@ -1450,7 +1457,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
                 trace_with, hints, pending) -> _Traced:
     ref_states, isolate = hints.ref_states, hints.isolate or len(_BAKED_STATES) > 0
     frame = StateTraceStack(name=name)
-    box = {'cells': []}
+    box = {'cells': [], 'lifted': []}
 
     def lift(state, current):
         if type(current) is _RefCell:    # an enclosing trace holds it as Refs
@@ -1465,7 +1472,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
                     raise TypeError(f'{state._describe()} holds a leaf of type '
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
-        box.setdefault('lifted', []).append((state, treedef, avals))
+        box['lifted'].append((state, treedef, avals))
         if lift_aval is not None:
             avals = [lift_aval(state, a) for a in avals]
         trace = box['trace']
@@ -1520,7 +1527,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
         closed = _discharge_cells(closed, box['cells'])
     states = tuple(frame.states)
     sigs = {}
-    for state, treedef, avals in box.get('lifted', ()):
+    for state, treedef, avals in box['lifted']:
         sigs[id(state)] = (treedef, tuple((a.shape, a.dtype) for a in avals))
     return _Traced(
         closed_jaxpr=closed,
@@ -1531,10 +1538,6 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
         trace_stack=frame,
         cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
     )
-
-
-class _Retrace(Exception):
-    """A trace dropped writes made inside nested transformations."""
 
 
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
