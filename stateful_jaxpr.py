@@ -83,9 +83,11 @@ __all__ = [
 #
 # Every use of a JAX internal (``jax._src``, ``jax.interpreters``,
 # ``jax.extend``, private attributes) is in this section, chosen by feature
-# probes rather than version numbers.  Facts were measured on jax 0.4.30 ..
-# 0.10.2 (see JAX_COMPAT.md); each probe names the releases it serves.  The
-# rest of the module uses only the names defined here and public JAX.
+# probes rather than version numbers; each probe names the releases it serves
+# (measured on every release from 0.4.30 to 0.12.0.1).  The rest of the module
+# uses only the names defined here and public JAX.  A probed internal that a
+# future JAX lacks disables only the feature that needs it: the module still
+# imports, and that feature raises an error naming itself and the JAX version.
 # =============================================================================
 
 import jax.extend.core as _jex_core          # public-ish IR types, all releases
@@ -94,7 +96,14 @@ import jax.extend.source_info_util as _siu   # current(), all releases
 from jax.interpreters import partial_eval as _pe  # trace_to_jaxpr_dynamic, never moved
 import jax._src.core as _src_core            # trace_ctx / extend_axis_env_nd
 
-ClosedJaxpr = _jex_core.ClosedJaxpr
+
+def _unsupported(feature: str, needs: str) -> str:
+    """The message for a feature whose JAX internal this release lacks."""
+    return (f'{feature} needs {needs}, which JAX {jax.__version__} does not provide '
+            '(every release from 0.4.30 to 0.12 does)')
+
+
+ClosedJaxpr = _jex_core.ClosedJaxpr       # the same class as Jaxpr from 0.11
 Jaxpr = _jex_core.Jaxpr
 Literal = _jex_core.Literal
 Var = _jex_core.Var
@@ -102,11 +111,31 @@ _jaxpr_as_fun = _jex_core.jaxpr_as_fun
 Tracer = jax.core.Tracer
 ShapedArray = jax.core.ShapedArray
 
+# 0.11 merged ClosedJaxpr into Jaxpr: a Jaxpr carries its consts (attached
+# to its leading inputs by ``with_consts``).  Every closed jaxpr this module
+# builds goes through these two helpers, so users get the release's own type.
+if hasattr(Jaxpr, 'with_consts'):  # 0.11 ..
+    def _close(jaxpr, consts):
+        return jaxpr.with_consts(list(consts))
+
+    def _rebuild(jaxpr, consts, **fields):
+        """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (a list)."""
+        return jaxpr.replace(consts=list(consts), **fields)
+else:  # .. 0.10
+    def _close(jaxpr, consts):
+        return ClosedJaxpr(jaxpr, list(consts))
+
+    def _rebuild(jaxpr, consts, **fields):
+        """``jaxpr`` with ``fields`` replaced; closed over ``consts`` unless None."""
+        new = jaxpr.replace(**fields)
+        return new if consts is None else ClosedJaxpr(new, list(consts))
+
 # ``find_top_trace(())`` returns the trace that new jaxpr inputs must be added
 # to.  jax.extend.core has it from 0.10 (the jax.core alias warns there);
 # before that the (identical) jax._src.core function is used.
+# (0.11 removed the jax.core alias; it is never used.)
 try:
-    from jax.extend.core import find_top_trace as _find_top_trace  # >= 0.10
+    from jax.extend.core import find_top_trace as _find_top_trace  # 0.10 ..
 except ImportError:  # 0.4.30 .. 0.9.x
     _find_top_trace = _src_core.find_top_trace
 
@@ -188,15 +217,19 @@ def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name:
     return res[0], res[1], res[2]
 
 
-def _axis_env(axis_env):
-    """Context binding named axes ``[(name, size), ...]`` while tracing.
+# ``jax._src.core.extend_axis_env_nd`` binds named axes while tracing; it
+# exists on 0.4.30 .. 0.12 (its second argument went in 0.4.36; only the
+# pairs are passed).
+_extend_axis_env = getattr(_src_core, 'extend_axis_env_nd', None)
 
-    ``jax._src.core.extend_axis_env_nd`` exists on every release (its second
-    argument disappeared in 0.4.36; we pass only the pairs).
-    """
+
+def _axis_env(axis_env, feature: str = 'axis_env'):
+    """Context binding named axes ``[(name, size), ...]`` while tracing."""
     if not axis_env:
         return contextlib.nullcontext()
-    return _src_core.extend_axis_env_nd(list(axis_env))
+    if _extend_axis_env is None:
+        raise NotImplementedError(_unsupported(feature, 'jax._src.core.extend_axis_env_nd'))
+    return _extend_axis_env(list(axis_env))
 
 
 # ``jax.typeof`` was added in 0.5.3; ``shaped_abstractify`` is the stable
@@ -207,8 +240,11 @@ _typeof = getattr(jax, 'typeof', None) or jax.api_util.shaped_abstractify
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = (
     'abstracted_axes' in inspect.signature(jax.make_jaxpr).parameters)
 
-# Primitive names for the constant folder; 'pjit' became 'jit' in 0.7.
-_CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call'})
+# Call primitives the constant folder looks into: 'pjit' became 'jit' in 0.7,
+# and 'closed_call'/'core_call' became 'eval_jaxpr' in 0.11.  Their body is
+# the ``jaxpr`` or ``call_jaxpr`` parameter.
+_CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
+_CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
 
 # JAX caches the traces of lax control-flow bodies and of jitted functions,
 # keyed on the Python function and ``config.trace_context()``.  A module-level
@@ -222,7 +258,8 @@ _EPOCH_AXES = itertools.count()
 
 
 def _epoch_axis():
-    return _src_core.extend_axis_env_nd([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)])
+    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                     'keeping stateful traces clear of JAX\'s trace caches')
 
 
 # Mutable references carry a State written inside a nested transformation
@@ -230,9 +267,9 @@ def _epoch_axis():
 # state is lifted as a Ref input, accessed with get/set at whatever trace is
 # current, and the finished jaxpr is discharged into a pure one whose Ref
 # inputs became value inputs.  ``jax._src.state`` has AbstractRef, ref_get /
-# ref_set and discharge_state on 0.4.30 .. 0.10; discharge_state takes
-# ``(jaxpr, consts)`` up to 0.9 and a ClosedJaxpr from 0.10.  Without it,
-# such writes raise TraceContextError.
+# ref_set and discharge_state on 0.4.30 .. 0.12; discharge_state takes
+# ``(jaxpr, consts)`` up to 0.9 and a closed jaxpr from 0.10.  Without it,
+# such writes raise TraceContextError (``_NO_REFS``).
 try:
     from jax._src.state import discharge as _st_discharge
     from jax._src.state import primitives as _st_prims
@@ -242,6 +279,7 @@ try:
         (_st_discharge, 'discharge_state')))
 except ImportError:  # a future JAX that moved them
     _HAS_REFS = False
+_NO_REFS = _unsupported('that', 'mutable references (jax._src.state)')
 
 if _HAS_REFS:
     _DISCHARGE_TAKES_CLOSED = (
@@ -262,7 +300,7 @@ if _HAS_REFS:
         if _DISCHARGE_TAKES_CLOSED:  # 0.10 ..
             return _st_discharge.discharge_state(closed)
         jaxpr, consts = _st_discharge.discharge_state(closed.jaxpr, closed.consts)
-        return ClosedJaxpr(jaxpr, consts)
+        return _close(jaxpr, consts)
 
 
 # =============================================================================
@@ -1059,6 +1097,11 @@ def _traced_write(state, value, frames, written: bool):
                 if not target._isolated:
                     raise _Retrace   # abort, so JAX caches no body without the write
                 return
+            if not _HAS_REFS:
+                raise TraceContextError(
+                    f'{state._describe()} is written inside a nested JAX transformation '
+                    f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
+                    'Return the value from the transformation and assign it outside')
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value; make
             # JAX's trace caches miss so that a later use retraces it.
@@ -1085,8 +1128,8 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                     f'{state._describe()} was assigned a traced value inside a JAX '
                     'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
                     'nested in a stateful function, and no enclosing trace can thread it '
-                    'out: the State was created inside the stateful function (or this JAX '
-                    'has no mutable references).  Create the State outside the function, '
+                    'out: the State was created inside the stateful function.  Create the '
+                    'State outside the function, '
                     'or return the value from the transformation and assign it outside.')
             raise TraceContextError(
                 f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
@@ -1229,14 +1272,16 @@ class BoundedCache:
         self._reset_counters()
 
     def _reset_counters(self):
-        # itertools.count is advanced atomically by the GIL, so lock-free
+        # ``next()`` on an itertools.count is one atomic C call, so lock-free
         # callers (the compiled fast path) can count hits cheaply.
         self._hits = itertools.count()
         self._misses = itertools.count()
 
     @staticmethod
     def _read(counter) -> int:
-        return counter.__reduce__()[1][0]
+        # ``repr`` is count's only public view of its position (``__reduce__``
+        # is deprecated in Python 3.12 and gone in 3.14).
+        return int(repr(counter)[len('count('):-1])
 
     def _record(self, hit: bool) -> None:
         next(self._hits if hit else self._misses)
@@ -1520,7 +1565,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
             jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
         else:
             jaxpr, out_avals, consts = trace_with(flat_fun, flat_avals)
-    closed = ClosedJaxpr(jaxpr, consts)
+    closed = _close(jaxpr, consts)
     if pending:
         raise _Retrace
     if box['cells']:
@@ -1564,7 +1609,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     changes = {'outvars': outvars}
     if getattr(closed.jaxpr, 'debug_info', None) is not None:
         changes['debug_info'] = closed.jaxpr.debug_info   # same inputs and outputs
-    return ClosedJaxpr(pure.jaxpr.replace(**changes), pure.consts)
+    return _rebuild(pure.jaxpr, pure.consts, **changes)
 
 
 # =============================================================================
@@ -2942,8 +2987,8 @@ def _foldable(eqn, values) -> bool:
 def _fold(jaxpr, consts, in_values=None):
     """Folds ``jaxpr``.
 
-    Returns ``(new_jaxpr, new_consts, out_values)``: ``new_consts`` is ``None``
-    for a bare Jaxpr, and ``out_values[i]`` is the known value of output ``i``
+    Returns ``(new_jaxpr, out_values)``: ``new_jaxpr`` is closed over the
+    new consts unless ``consts`` is ``None`` (a bare Jaxpr), and ``out_values[i]`` is the known value of output ``i``
     (or ``_MISSING``).  ``in_values`` gives known values for the inputs, used
     to evaluate a call whose arguments are all known.
     """
@@ -3010,13 +3055,13 @@ def _fold(jaxpr, consts, in_values=None):
         new_consts = [new_consts[i] for i in keep]
     # Same inputs and output types: the original debug info stays valid
     # (``replace`` would otherwise drop the names when outvars change).
-    new = jaxpr.replace(constvars=new_constvars, eqns=eqns, outvars=outvars,
-                        debug_info=jaxpr.debug_info)
-    return new, new_consts, out_values
+    new = _rebuild(jaxpr, new_consts, constvars=new_constvars, eqns=eqns, outvars=outvars,
+                   debug_info=jaxpr.debug_info)
+    return new, out_values
 
 
 def _call_body(eqn):
-    for name in ('jaxpr', 'call_jaxpr'):
+    for name in _CALL_BODY_PARAMS:
         body = eqn.params.get(name)
         if isinstance(body, (ClosedJaxpr, Jaxpr)):
             return name, body
@@ -3030,9 +3075,9 @@ def _fold_call(eqn, values):
                                           for v in values):
         return None
     if isinstance(body, ClosedJaxpr):
-        *_, outs = _fold(body.jaxpr, list(body.consts), values)
+        _, outs = _fold(body.jaxpr, list(body.consts), values)
     else:
-        *_, outs = _fold(body, None, values)
+        _, outs = _fold(body, None, values)
     if any(v is _MISSING for v in outs):
         return None
     return outs
@@ -3066,9 +3111,8 @@ def constant_fold_jaxpr(jaxpr):
     >>> len(folded.eqns) < len(cj.eqns)
     True
     """
-    if isinstance(jaxpr, ClosedJaxpr):
-        new, consts, _ = _fold(jaxpr.jaxpr, list(jaxpr.consts))
-        return ClosedJaxpr(new, consts)
+    if isinstance(jaxpr, ClosedJaxpr):   # every Jaxpr from 0.11 on
+        return _fold(jaxpr.jaxpr, list(jaxpr.consts))[0]
     if isinstance(jaxpr, Jaxpr):
         return _fold(jaxpr, None)[0]
     raise TypeError(f'constant_fold_jaxpr needs a Jaxpr or ClosedJaxpr, got '

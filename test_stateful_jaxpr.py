@@ -18,6 +18,7 @@ import random
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -853,7 +854,16 @@ class NestedWriteTest(unittest.TestCase):
             return s.value
         m = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.OfType(State)},
                                state_out_axes={0: sj.OfType(State)})
-        out = m(jnp.arange(4.0))
+        try:
+            out = m(jnp.arange(4.0))
+        except TypeError as err:
+            # JAX 0.10's jax_enable_checks type checker rejects the closed_call
+            # that JAX's own state discharge emits for the scan (its checker
+            # takes no 'name' parameter); without the checks this runs.
+            if not (jax.config.jax_enable_checks and
+                    "_check_closed_call() got an unexpected keyword argument 'name'" in str(err)):
+                raise
+            self.skipTest(f'JAX {jax.__version__} under jax_enable_checks: {err}')
         np.testing.assert_allclose(out, 3 * np.arange(4.0))
         np.testing.assert_allclose(s.value, 3 * np.arange(4.0))
 
@@ -1454,6 +1464,29 @@ class MakeJaxprTest(unittest.TestCase):
 # The module itself
 # ---------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------
+# The tracing tests again, with JAX's internal consistency checks on
+# ---------------------------------------------------------------------------
+
+class _WithEnableChecks:
+    """Runs a test class's tests with ``jax_enable_checks`` on: JAX then type
+    checks every jaxpr it builds, including the extra state inputs and outputs
+    and the discharged Ref programs."""
+
+    def setUp(self):
+        self._checks_were = jax.config.jax_enable_checks
+        jax.config.update('jax_enable_checks', True)
+        self.addCleanup(jax.config.update, 'jax_enable_checks', self._checks_were)
+        super().setUp()
+
+
+for _base in (TracingTest, NestedWriteTest, CachingTest, CallingTest, FailureSafetyTest,
+              MakeJaxprTest):
+    _name = _base.__name__ + 'WithChecks'
+    globals()[_name] = type(_name, (_WithEnableChecks, _base), {'__module__': __name__})
+del _base, _name
+
+
 class ModuleTest(unittest.TestCase):
 
     def test_all_names_exported(self):
@@ -1491,6 +1524,54 @@ class ModuleTest(unittest.TestCase):
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
                               cwd=HERE, capture_output=True, text=True, timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stderr)
+
+    def test_missing_internals_disable_only_their_feature(self):
+        # A future JAX without the mutable references (jax._src.state) or the
+        # axis-environment binder: the module imports, plain stateful calls
+        # work, and each feature that needs the missing piece names itself and
+        # the JAX version.
+        code = textwrap.dedent("""
+            import jax, jax.numpy as jnp
+            from jax import lax
+            import jax._src.core, jax._src.state.discharge as discharge
+            del discharge.discharge_state
+            del jax._src.core.extend_axis_env_nd
+            import stateful_jaxpr as sj
+
+            s = sj.State(jnp.zeros(3), name='acc')
+            sf = sj.StatefulFunction(lambda x: (s.__setattr__('value', s.value + x), s.value.sum())[1])
+            assert float(sf(jnp.ones(3))) == 3.0 and float(sf(jnp.ones(3))) == 6.0
+            assert float(s.value[0]) == 2.0
+            closed, states = sj.make_jaxpr(lambda x: s.value * x)(jnp.ones(3))
+            assert states == (s,), states
+
+            def scan_write(x):
+                def body(c, _):
+                    s.value = s.value + x
+                    return c, None
+                return lax.scan(body, 0.0, None, length=2)[0]
+            for what, fn, err in [
+                    ('nested write', lambda: sj.StatefulFunction(scan_write)(jnp.ones(3)),
+                     sj.TraceContextError),
+                    ('axis_env', lambda: sj.StatefulFunction(lambda x: x * s.value,
+                                                             axis_env=[('i', 2)])(jnp.ones(3)),
+                     NotImplementedError)]:
+                try:
+                    fn()
+                except err as e:
+                    msg = str(e)
+                    assert f'JAX {jax.__version__}' in msg, (what, msg)
+                    print(what, 'OK:', msg)
+                else:
+                    raise AssertionError(what + ' did not raise')
+            assert float(s.value[0]) == 2.0, s.value
+            """)
+        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
+                              cwd=HERE, capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertIn("nested write OK: State 'acc'", proc.stdout)
+        self.assertIn('mutable references', proc.stdout)
+        self.assertIn('axis_env OK: axis_env needs jax._src.core.extend_axis_env_nd', proc.stdout)
 
     def test_demo_runs(self):
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning',
@@ -2098,6 +2179,13 @@ _mp_jaxpr_as_fun = jax.extend.core.jaxpr_as_fun
 _mp_ClosedJaxpr = jax.extend.core.ClosedJaxpr
 _mp_Jaxpr = jax.extend.core.Jaxpr
 _mp_Literal = jax.extend.core.Literal
+# From JAX 0.11 a Jaxpr carries its consts (ClosedJaxpr is the same class), so
+# a jaxpr folded "bare" is already closed; before, it is closed by hand.
+_mp_JAXPR_CARRIES_CONSTS = _mp_ClosedJaxpr is _mp_Jaxpr
+
+
+def _mp_reclose(bare, consts):
+    return bare if _mp_JAXPR_CARRIES_CONSTS else _mp_ClosedJaxpr(bare, consts)
 _mp_JAX_VERSION = tuple(int(p) for p in jax.__version__.split('.')[:3] if p.isdigit())
 
 
@@ -3218,8 +3306,9 @@ class FoldInterfaceTest(unittest.TestCase):
             self._check_interface(cj.jaxpr, folded)
             self.assertIsInstance(folded, _mp_Jaxpr)
             self.assertLess(len(folded.eqns), len(cj.jaxpr.eqns))
-            self.assertEqual(list(folded.constvars), list(cj.jaxpr.constvars))
-            got = _eval_closed(_mp_ClosedJaxpr(folded, cj.consts), x)
+            if not _mp_JAXPR_CARRIES_CONSTS:    # bare: folded values become literals
+                self.assertEqual(list(folded.constvars), list(cj.jaxpr.constvars))
+            got = _eval_closed(_mp_reclose(folded, cj.consts), x)
         np.testing.assert_array_equal(got[0], _eval_closed(cj, x)[0])
         self.assertNotIn('cos', _mp_prims(folded))
 
@@ -3263,7 +3352,7 @@ class FoldInterfaceTest(unittest.TestCase):
         # Bare jaxpr too.
         bare = sj.constant_fold_jaxpr(cj.jaxpr)
         self._check_interface(cj.jaxpr, bare)
-        for a, b in zip(_eval_closed(cj, *args), _eval_closed(_mp_ClosedJaxpr(bare, cj.consts), *args)):
+        for a, b in zip(_eval_closed(cj, *args), _eval_closed(_mp_reclose(bare, cj.consts), *args)):
             np.testing.assert_array_equal(a, b)
 
     def test_nested_jit_body_folded(self):
@@ -3286,7 +3375,9 @@ class FoldInterfaceTest(unittest.TestCase):
         inner = jax.make_jaxpr(lambda a: a * lax.cos(np.float32(2.0)) + lax.exp(np.float32(1.0)))(
             jnp.ones(3))
         cj = jax.make_jaxpr(lambda x: _mp_bind_closed_call(inner, x))(jnp.ones(3))
-        self.assertIn('closed_call', _mp_prims(cj))
+        # The primitive is 'closed_call' up to JAX 0.10 and 'eval_jaxpr' from 0.11.
+        self.assertIn(jax.extend.core.primitives.closed_call_p.name, ('closed_call', 'eval_jaxpr'))
+        self.assertIn(jax.extend.core.primitives.closed_call_p.name, _mp_prims(cj))
         folded = sj.constant_fold_jaxpr(cj)
         self._check_interface(cj, folded)
         self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
@@ -3532,7 +3623,7 @@ class FoldGeneratedTest(unittest.TestCase):
                         self.assertEqual(f.debug_info, cj.jaxpr.debug_info)
                 expected = _eval_closed(cj, *args)
                 for got in (_eval_closed(folded, *args),
-                            _eval_closed(_mp_ClosedJaxpr(bare, cj.consts), *args)):
+                            _eval_closed(_mp_reclose(bare, cj.consts), *args)):
                     self.assertEqual(len(got), len(expected))
                     for e, g in zip(expected, got):
                         self.assertEqual(e.dtype, g.dtype)

@@ -9,11 +9,18 @@ Usage::
     python benchmarks/bench.py --quick    # smoke run (well under 2 minutes)
     python benchmarks/bench.py --only dispatch,vmap --json results.json
 
-Workloads (issue 4).  Every figure is a median over many calls after warm-up;
-each call is blocked on (``jax.block_until_ready`` of the value the function
-returns; the new state values come out of the same executable, so they are
-ready too).  Our implementation and the baseline run in the same process, in
-alternating blocks of calls, so that drift hits both alike.
+Workloads.  Every figure is a median over many calls after warm-up; each call
+is blocked on (``jax.block_until_ready`` of the value the function returns; the
+new state values come out of the same executable, so they are ready too).
+Every row is interleaved: our implementation and the baseline run in the same
+process, warm calls in alternating blocks and first calls (fresh function
+objects) one of ours, one of JAX's, in turn, so that drift hits both alike.
+
+Every workload is checked before it is timed: one call of ours and one of the
+baseline, from the same start values, must give the same result and the same
+new state values (``numpy.testing.assert_allclose`` with rtol 1e-5 / atol 1e-6,
+exact for integers and PRNG keys), or the run stops with a message naming the
+workload.  The States are then reset to their start values.
 
 * dispatch -- N float32[16] states, each ``s = 0.9*s + x``, returning the sum of
   one state.  Ours: ``StatefulFunction(f)(x)`` on a cache hit.  Baseline:
@@ -23,19 +30,25 @@ alternating blocks of calls, so that drift hits both alike.
   vs ``jax.make_jaxpr(pure)``, and the first compiled call
   ``StatefulFunction(f)(x)`` vs the first ``jax.jit(pure)(...)`` call.  Fresh
   function objects each repetition, so no trace or compile cache is reused.
+  Checked under ``jax.disable_jit()`` (the traced program, evaluated without
+  compiling it: a compile at N=5000 takes seconds); the compiled path of the
+  same program is checked by dispatch.
 * vmap -- batch 64, N states of float32[64, 16] batched on axis 0 plus one
   ``RandomState`` normal draw per lane.  Ours: ``StatefulMapping(f, in_axes=0,
   state_in_axes={0: HiddenState})``.  Baseline: ``jax.jit`` of ``jax.vmap`` of
   the pure per-lane function with explicit per-lane keys, split from one key
-  inside the same jit (the work our call does: split n+1, keep key 0).
+  inside the same jit (the work our call does: split n+1, keep key 0).  The
+  same keys, so the check compares the noisy state and the new key exactly.
 * big argument -- a dict of 200 float32[8] arrays as the input, 10 states.
 * scan write -- N float32[16] states written inside a plain ``lax.scan`` body
   (100 steps).  Baseline: ``jax.jit`` of the same scan with the states as an
   explicit carry.  Also the first ``make_jaxpr`` of a fresh function (which
-  includes our extra trace that finds the written states).
-* memory -- 100,000 cached calls at N=100: growth of VmRSS (/proc/self/status),
-  measured with tracemalloc off; then a shorter run under tracemalloc that
-  reports the Python-heap growth and where it was allocated.
+  includes our extra trace that finds the written states) against
+  ``jax.make_jaxpr`` of the explicit-carry scan.
+* memory -- the dispatch program, 100,000 cached calls at N=100: growth of
+  VmRSS (/proc/self/status), measured with tracemalloc off; then a shorter run
+  under tracemalloc that reports the Python-heap growth and where it was
+  allocated.
 
 Standard library and JAX only.  brainstate / Flax NNX / Equinox columns are
 added to the dispatch table when those packages are importable.
@@ -60,6 +73,7 @@ sys.path.insert(0, _ROOT)
 
 import jax                      # noqa: E402
 import jax.numpy as jnp         # noqa: E402
+import numpy as np              # noqa: E402
 
 import stateful_jaxpr as sj     # noqa: E402
 
@@ -120,6 +134,25 @@ def once_us(fn) -> float:
     return (_pc() - t0) / 1e3
 
 
+def alternating_once(pairs, reps: int, allot_s: float = float('inf')):
+    """``once_us`` of each ``(name, fn)`` in turn, ``reps`` times, order flipped
+    every repetition; stops early (after at least one) once ``allot_s`` seconds
+    are spent.  Returns ``({name: [µs, ...]}, seconds per repetition)``.  Each
+    ``fn`` must build fresh function objects, so no cache is reused."""
+    t = {name: [] for name, _ in pairs}
+    t0 = time.perf_counter()
+    for i in range(reps):
+        if i and time.perf_counter() - t0 > allot_s:
+            break
+        for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
+            t[name].append(once_us(fn))
+    return t, (time.perf_counter() - t0) / len(t[pairs[0][0]])
+
+
+def _medians(samples: dict) -> dict:
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def _few(samples: dict) -> str:
     n = len(next(iter(samples.values())))
     return f' [{n} rep{"s" if n > 1 else ""}: indicative only]' if n < 3 else ''
@@ -139,6 +172,67 @@ def rss_mb() -> float:
             if line.startswith('VmRSS:'):
                 return int(line.split()[1]) / 1024.0
     return float('nan')
+
+
+# -----------------------------------------------------------------------------
+# correctness check (before timing)
+# -----------------------------------------------------------------------------
+
+def _is_state(x) -> bool:
+    return isinstance(x, sj.State)
+
+
+def values_of(states):
+    """The tree of ``states`` (a pytree of States) with each State's value."""
+    return jax.tree_util.tree_map(lambda s: s.value, states, is_leaf=_is_state)
+
+
+def set_values(states, values) -> None:
+    treedef = jax.tree_util.tree_structure(states, is_leaf=_is_state)
+    for s, v in zip(treedef.flatten_up_to(states), treedef.flatten_up_to(values)):
+        s.value = v
+
+
+def differ(what: str, ours, base):
+    """Why the trees ``ours`` and ``base`` differ, or None if they match
+    (rtol 1e-5 / atol 1e-6 for floats, exact for integers and PRNG keys)."""
+    a, tree_a = jax.tree_util.tree_flatten_with_path(ours)
+    b, tree_b = jax.tree_util.tree_flatten(base)
+    if tree_a != tree_b:
+        return f'{what}: tree {tree_a} vs {tree_b}'
+    for (path, x), y in zip(a, b):
+        x, y = np.asarray(x), np.asarray(y)
+        try:
+            if (x.dtype, x.shape) != (y.dtype, y.shape):
+                raise AssertionError(f'{x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}')
+            if np.issubdtype(x.dtype, np.inexact):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(x, y)
+        except AssertionError as e:
+            return f'{what}{jax.tree_util.keystr(path)} (ours vs plain JAX): {e}'
+    return None
+
+
+def check_same(workload: str, states, ours, pure, *args):
+    """Aborts the run unless ``ours(*args)`` and the plain-JAX
+    ``pure(start, *args) -> (new_values, result)`` agree, both from the
+    current values ``start`` of ``states`` (a pytree of States shaped like
+    ``pure``'s explicit state): same result, same new state values.  The
+    States are reset to ``start`` afterwards; returns ``start``."""
+    start = values_of(states)
+    try:
+        result = ours(*args)
+        new = values_of(states)
+    finally:
+        set_values(states, start)
+    base_new, base_result = pure(start, *args)
+    problem = (differ('result', result, base_result)
+               or differ('new state values', new, base_new))
+    if problem:
+        raise SystemExit(f'bench.py: {workload}: ours and plain JAX differ, not timing it.\n'
+                         f'{problem}')
+    return start
 
 
 # -----------------------------------------------------------------------------
@@ -254,20 +348,25 @@ class Bench:
         self.targets.append(dict(name=name, value=value, limit=limit, unit=unit,
                                  met=value <= limit))
 
+    def _note_drift(self, workload, states, base_vals):
+        """After timing: a note if the states no longer match the baseline's."""
+        problem = differ('new state values', values_of(states), base_vals)
+        if problem:
+            self.notes.append(f'{workload}: after timing, ours and plain JAX differ: {problem}')
+
     # -- dispatch ---------------------------------------------------------------
     def dispatch(self):
         x = jnp.ones(16, F32)
         for n in (1, 10, 100, 1000):
             states = make_states(n)
             sf = sj.StatefulFunction(stateful_step(states))
-            base = Baseline(jax.jit(pure_step()), [jnp.zeros(16, F32) for _ in range(n)], x)
+            jitted = jax.jit(pure_step())
+            base = Baseline(jitted, check_same(f'dispatch N={n}', states, sf, jitted, x), x)
             sides = {'ours': lambda sf=sf: sf(x), 'jax': base}
             sides.update(_optional_dispatch_columns(n, x))
             res = interleaved(sides, self.budget, self.min_calls, self.max_calls)
             # Same number of calls on both sides from the same start: same values.
-            ok = all(bool(jnp.allclose(s.value, v)) for s, v in zip(states, base.vals))
-            if not ok:
-                self.notes.append(f'dispatch N={n}: our states differ from the baseline!')
+            self._note_drift(f'dispatch N={n}', states, base.vals)
             extra = {k: v for k, v in res.items() if k not in ('ours', 'jax', '_calls')}
             self.row('dispatch', n, res['ours'], res['jax'], extra)
             self.target(f'dispatch N={n}', res['ours'] / res['jax'], 1.3 if n <= 10 else 1.2)
@@ -299,22 +398,14 @@ class Bench:
         prev = None   # (n, seconds of one first-call repetition, both sides)
         for n, frac in share.items():
             states = make_states(n)
-            vals = [s.value for s in states]
+            with jax.disable_jit():   # the traced program, without a compile
+                vals = check_same(f'trace N={n}', states,
+                                  sj.StatefulFunction(stateful_step(states)), pure_step(), x)
             allot = budget * frac
 
-            def measure(pairs, reps, allot):
-                t = {name: [] for name, _ in pairs}
-                t0 = time.perf_counter()
-                for i in range(reps):
-                    if i and time.perf_counter() - t0 > allot:
-                        break
-                    for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
-                        t[name].append(once_us(fn))
-                return t, (time.perf_counter() - t0) / len(t[pairs[0][0]])
-
-            t, _ = measure([('ours', ours_mk(states)), ('jax', jax_mk(vals))],
-                           max_reps[n], 0.3 * allot)
-            med = {k: statistics.median(v) for k, v in t.items()}
+            t, _ = alternating_once([('ours', ours_mk(states)), ('jax', jax_mk(vals))],
+                                    max_reps[n], 0.3 * allot)
+            med = _medians(t)
             mk[n], mk_jax[n] = med['ours'], med['jax']
             self.row('trace: make_jaxpr', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
             self.target(f'trace make_jaxpr N={n}{_few(t)}', med['ours'] / med['jax'], 1.2)
@@ -327,10 +418,10 @@ class Bench:
                     f'{prev[1]:.1f} s); budget {allot:.0f} s')
                 prev = (n, projected)
                 continue
-            t, per_rep = measure([('ours', ours_call(states)), ('jax', jax_call(vals))],
-                                 max_reps[n], 0.7 * allot)
+            t, per_rep = alternating_once([('ours', ours_call(states)), ('jax', jax_call(vals))],
+                                          max_reps[n], 0.7 * allot)
             prev = (n, per_rep)
-            med = {k: statistics.median(v) for k, v in t.items()}
+            med = _medians(t)
             self.row('trace: first call', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
             self.target(f'trace first call N={n}{_few(t)}', med['ours'] / med['jax'], 1.15)
         self.target(f'trace linear: make_jaxpr(5000)/make_jaxpr(1000) '
@@ -365,15 +456,13 @@ class Bench:
                 new, out = jax.vmap(lane)(vals, x, keys[1:])
                 return (new, keys[0]), out
 
-            base = Baseline(jax.jit(pure),
-                            ([jnp.zeros((batch, 16), F32) for _ in range(n)],
-                             jax.random.PRNGKey(0)), x)
+            jitted = jax.jit(pure)
+            # The baseline's explicit state is (state values, key): same tree here.
+            start = check_same(f'vmap N={n}', (states, rng), sm, jitted, x)
+            base = Baseline(jitted, start, x)
             res = interleaved({'ours': lambda sm=sm: sm(x), 'jax': base},
                               self.budget, self.min_calls, self.max_calls)
-            ok = (all(bool(jnp.allclose(s.value, v)) for s, v in zip(states, base.vals[0]))
-                  and bool(jnp.array_equal(rng.value, base.vals[1])))
-            if not ok:
-                self.notes.append(f'vmap N={n}: our states / key differ from the baseline!')
+            self._note_drift(f'vmap N={n}', (states, rng), base.vals)
             self.row('vmap (batch 64)', n, res['ours'], res['jax'])
             self.target(f'vmap N={n}', res['ours'] / res['jax'], 1.2)
 
@@ -396,7 +485,8 @@ class Bench:
             return new, jnp.sum(new[0])
 
         sf = sj.StatefulFunction(f)
-        base = Baseline(jax.jit(pure), [jnp.zeros(16, F32) for _ in range(n)], d)
+        jitted = jax.jit(pure)
+        base = Baseline(jitted, check_same('big arg', states, sf, jitted, d), d)
         res = interleaved({'ours': lambda: sf(d), 'jax': base},
                           self.budget, self.min_calls, self.max_calls)
         self.row('big arg (dict of 200)', n, res['ours'], res['jax'])
@@ -428,17 +518,21 @@ class Bench:
                 return vals, c
 
             sf = sj.StatefulFunction(f)
-            base = Baseline(jax.jit(pure), [jnp.zeros(16, F32) for _ in range(n)], xs)
+            jitted = jax.jit(pure)
+            vals = check_same(f'scan write N={n}', states, sf, jitted, xs)
+            base = Baseline(jitted, vals, xs)
             res = interleaved({'ours': lambda sf=sf: sf(xs), 'jax': base},
                               self.budget, self.min_calls, self.max_calls)
             self.row('scan write: call', n, res['ours'], res['jax'])
-            reps = 3 if self.quick else 7
-            ours = [once_us(lambda: sj.StatefulFunction(lambda xs, f=f: f(xs)).make_jaxpr(xs))
-                    for _ in range(reps)]
-            base_t = [once_us(lambda: jax.make_jaxpr(lambda v, xs: pure(v, xs))(
-                [jnp.zeros(16, F32)] * n, xs)) for _ in range(reps)]
-            self.row('scan write: make_jaxpr', n, statistics.median(ours),
-                     statistics.median(base_t))
+            # First trace: fresh wrappers each repetition (f's scan body is
+            # rebuilt on every call of f, and of pure).
+            t, _ = alternating_once(
+                [('ours', lambda f=f: sj.StatefulFunction(lambda xs: f(xs)).make_jaxpr(xs)),
+                 ('jax', lambda vals=vals: jax.make_jaxpr(lambda v, xs: pure(v, xs))(vals, xs))],
+                3 if self.quick else 7)
+            med = _medians(t)
+            self.row('scan write: make_jaxpr', n, med['ours'], med['jax'],
+                     {'reps': len(t['ours'])})
 
     # -- memory -------------------------------------------------------------------
     def memory(self):
@@ -446,7 +540,8 @@ class Bench:
         x = jnp.ones(16, F32)
         states = make_states(n)
         sf = sj.StatefulFunction(stateful_step(states))
-        base = Baseline(jax.jit(pure_step()), [jnp.zeros(16, F32) for _ in range(n)], x)
+        jitted = jax.jit(pure_step())
+        base = Baseline(jitted, check_same(f'memory N={n}', states, sf, jitted, x), x)
 
         def grow(call, count):
             for _ in range(2000):
@@ -543,7 +638,7 @@ class Bench:
                 fr = st.traceback[0]
                 p(f'    {st.size_diff / 1024:+.1f} KiB  {fr.filename}:{fr.lineno}')
         p('')
-        p('Targets (issue 4):')
+        p('Targets:')
         for t in self.targets:
             if t['unit'] == 'MB':
                 val, lim = f'{t["value"]:+.2f} MB', f'< {t["limit"]:g} MB'
