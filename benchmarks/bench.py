@@ -210,7 +210,7 @@ def differ(what: str, ours, base):
             else:
                 np.testing.assert_array_equal(x, y)
         except AssertionError as e:
-            return f'{what}{jax.tree_util.keystr(path)} (ours vs plain JAX): {e}'
+            return f'{what}{jax.tree_util.keystr(path)} (ours vs plain JAX): {str(e).strip()}'
     return None
 
 
@@ -637,8 +637,9 @@ class Bench:
             for st in top:
                 fr = st.traceback[0]
                 p(f'    {st.size_diff / 1024:+.1f} KiB  {fr.filename}:{fr.lineno}')
-        p('')
-        p('Targets:')
+        if self.targets:
+            p('')
+            p('Targets:')
         for t in self.targets:
             if t['unit'] == 'MB':
                 val, lim = f'{t["value"]:+.2f} MB', f'< {t["limit"]:g} MB'
