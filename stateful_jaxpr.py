@@ -761,7 +761,8 @@ class RandomState(State):
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key`."""
         if self._backup is None:
-            raise ValueError(f'{self._describe()}: restore_key() without a backup_key()')
+            raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
+                             'call backup_key() first')
         self.value = self._backup
 
     def clone(self) -> 'RandomState':
@@ -1221,7 +1222,7 @@ class hashabledict(dict):
     def _readonly(self, *args, **kwargs):
         raise TypeError('hashabledict is immutable (it is used as a cache key)')
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _readonly
 
     def __repr__(self):
         return f'hashabledict({dict.__repr__(self)})'
@@ -1426,8 +1427,9 @@ def _gc_paused():
 def _reject_states(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, State):
+            where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
             raise ValueError(
-                f'{what}{jax.tree_util.keystr(path)} is a State ({leaf._describe()}); '
+                f'{where} a State ({leaf._describe()}); '
                 'return or pass its value instead (state.value)')
 
 

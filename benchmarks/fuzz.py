@@ -1,4 +1,4 @@
-"""Long differential-fuzzing run for stateful_jaxpr (issue 5, item 2).
+"""Long differential-fuzzing run for stateful_jaxpr.
 
 Random stateful programs are generated from consecutive seeds and run eagerly
 (the reference), through ``StatefulFunction``, ``jax.jit`` over ``jaxpr_call``,
