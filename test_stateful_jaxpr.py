@@ -6329,7 +6329,7 @@ class FuzzDifferentialTest(unittest.TestCase):
     # module's main paths in at least these shares of its programs.
     N = int(os.environ.get('SJ_FUZZ_PROGRAMS', '300'))
     SEED = int(os.environ.get('SJ_FUZZ_SEED', '20260500'))
-    MIN_PROGRAMS = 80
+    MIN_PROGRAMS = 60
     MIN_SHARES = {'nested_write': 0.25, 'batched': 0.10, 'mapping_in_sf': 0.05}
 
     def test_differential_fuzz(self):
