@@ -52,6 +52,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import MutableSet
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -61,7 +62,7 @@ import numpy as np
 __all__ = [
     # states
     'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
-    'HiddenState', 'RandomState', 'catch_new_states', 'check_state_value_tree',
+    'HiddenState', 'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree',
     # trace stack
     'StateTraceStack',
     # cache
@@ -69,7 +70,7 @@ __all__ = [
     # tracing
     'StatefulFunction', 'make_jaxpr',
     # mapping and filters
-    'StatefulMapping', 'to_predicate', 'OfType', 'Any', 'All', 'Not',
+    'StatefulMapping', 'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not',
     'Everything', 'Nothing',
     # jaxpr passes
     'constant_fold_jaxpr', 'IdentitySet',
@@ -420,7 +421,7 @@ class _Context(threading.local):
     def __init__(self):
         self.frames: list = []         # active StateTraceStacks, outermost first
         self.catchers: list = []       # active catch_new_states collectors
-        self.check_tree: int = 0       # depth of check_state_value_tree()
+        self.check_tree = False        # inside check_state_value_tree(True)
         self.ntraces: int = 0          # user-function traces run by this thread
 
 
@@ -481,7 +482,7 @@ class State:
                 frame._owned.append(self)
                 break
         for catcher in _ctx.catchers:
-            catcher._add(self)
+            catcher.append(self)
 
     # -- value ---------------------------------------------------------------
     @property
@@ -581,6 +582,18 @@ class State:
         """Depth of the state trace stack when this State was created."""
         return self._stack_level
 
+    @stack_level.setter
+    def stack_level(self, level: int):
+        self._stack_level = level
+
+    def increase_stack_level(self) -> None:
+        """Adds one to :attr:`stack_level`."""
+        self._stack_level += 1
+
+    def decrease_stack_level(self) -> None:
+        """Subtracts one from :attr:`stack_level` (not below 0)."""
+        self._stack_level = max(self._stack_level - 1, 0)
+
     @property
     def source_info(self) -> str:
         """Where this State was created, as ``file:line (in function)``."""
@@ -611,12 +624,44 @@ class State:
         """A new State of the same class with the same value and metadata."""
         return self.replace(self._value)
 
-    def replace(self, value) -> 'State':
-        """A new State of the same class and metadata holding ``value``."""
-        new = type(self).__new__(type(self))
-        State.__init__(new, value, self._name, **dict(self._metadata))
-        new._source = _user_site()
-        return new
+    def replace(self, value=_MISSING, **metadata) -> 'State':
+        """A new State of the same class holding ``value`` (default: the
+        current one), with this State's metadata updated by ``metadata``.
+        Given a State of the same class as ``value``, returns that State
+        (``replace``-d with ``metadata`` if any).
+        """
+        if isinstance(value, State):
+            if type(value) is not type(self):
+                raise ValueError(
+                    f'{self._describe()}.replace() got a {type(value).__name__} as the value; '
+                    f'pass a {type(self).__name__} or a plain value')
+            return value.replace(**metadata) if metadata else value
+        return _new_state(type(self), self._value if value is _MISSING else value,
+                          self._name, {**self._metadata, **metadata})
+
+    def to_state_ref(self) -> 'TreefyState':
+        """A pytree snapshot of this State: its class, value and metadata."""
+        return TreefyState(type(self), self._value, _name=self._name, **self._metadata)
+
+    def update_from_ref(self, state_ref: 'TreefyState') -> None:
+        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
+        value is assigned as a write."""
+        metadata = state_ref.get_metadata()
+        self._name = metadata.pop('_name', self._name)
+        self._metadata.update(metadata)
+        self.value = state_ref.value
+
+    def value_call(self, func: Callable):
+        """``jax.tree.map(func, self.value)``."""
+        return jax.tree_util.tree_map(func, self.value)
+
+    def check_if_deleted(self) -> None:
+        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
+        for leaf in _leaves(self._value):
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
+                raise ValueError(
+                    f'{self._describe()} holds an array whose buffer was deleted (donated to '
+                    'a computation or deleted by hand); assign it a new value')
 
     def numel(self) -> int:
         """Total number of elements over all leaves of the value."""
@@ -638,6 +683,62 @@ class State:
         if '\n' in shown:
             shown = '\n  ' + shown.replace('\n', '\n  ')
         return f'{type(self).__name__}({name}value={shown})'
+
+
+def _new_state(cls, value, name, metadata) -> State:
+    """A ``cls`` built without its constructor, whose parameters vary by class."""
+    new = cls.__new__(cls)
+    State.__init__(new, value, name, **metadata)
+    return new
+
+
+class TreefyState:
+    """A State's class, value and metadata as a pytree whose only child is
+    the value (what :meth:`State.to_state_ref` returns).
+
+    Example
+    -------
+    >>> ref = State(jnp.ones(2), name='w').to_state_ref()
+    >>> jax.tree_util.tree_leaves(ref)
+    [Array([1., 1.], dtype=float32)]
+    >>> ref.to_state().name
+    'w'
+    """
+
+    def __init__(self, type: type, value, **metadata):
+        self.type = type
+        self.value = value
+        vars(self).update(metadata)
+
+    @property
+    def name(self) -> str | None:
+        """The State's name."""
+        return vars(self).get('_name')
+
+    def get_metadata(self) -> dict:
+        """Everything but ``type`` and ``value``."""
+        return {k: v for k, v in vars(self).items() if k not in ('type', 'value')}
+
+    def replace(self, value) -> 'TreefyState':
+        """The same snapshot holding ``value``."""
+        return TreefyState(self.type, value, **self.get_metadata())
+
+    def copy(self) -> 'TreefyState':
+        """A shallow copy."""
+        return self.replace(self.value)
+
+    def to_state(self) -> State:
+        """A new State of the recorded class, value and metadata."""
+        metadata = self.get_metadata()
+        return _new_state(self.type, self.value, metadata.pop('_name', None), metadata)
+
+
+jax.tree_util.register_pytree_with_keys(
+    TreefyState,
+    lambda r: (((jax.tree_util.GetAttrKey('value'), r.value),),
+               (r.type, tuple(r.get_metadata().items()))),
+    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])),
+    flatten_func=lambda r: ((r.value,), (r.type, tuple(r.get_metadata().items()))))
 
 
 class ShortTermState(State):
@@ -696,6 +797,8 @@ def _make_key(seed_or_key, owner: str):
     if isinstance(seed_or_key, Tracer) or isinstance(seed_or_key, (jax.Array, np.ndarray)):
         if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
             return seed_or_key
+        if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
+            return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))   # an integer array seed
     kind = type(seed_or_key).__name__
     if hasattr(seed_or_key, 'shape'):
         kind += f' {getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key))}'
@@ -718,12 +821,12 @@ class RandomState(State):
     >>> rng = RandomState(0)
     >>> noise = jax.random.normal(rng.split_key(), (3,))
     """
-    __slots__ = ('_backup',)
+    __slots__ = ()
+    _backup = None   # the key saved by backup_key()
 
     def __init__(self, seed_or_key=None, name: str | None = None, **metadata):
         owner = f'{type(self).__name__}(name={name!r}) created at {_format_site(_user_site())}'
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
-        self._backup = None
 
     def _check_value(self, v):
         if not (_is_raw_key(v) or _is_typed_key(v)):
@@ -735,35 +838,54 @@ class RandomState(State):
         """Resets the key: ``PRNGKey(int)``, a given key, or a fresh random one."""
         self.value = _make_key(seed_or_key, f'{self._describe()}.seed')
 
-    def split_key(self, n: int | None = None):
+    def set_key(self, key) -> None:
+        """Assigns ``key`` as the new key."""
+        self.value = key
+
+    def split_key(self, n: int | None = None, backup: bool = False):
         """Advances the state; returns one new key, or ``n`` keys stacked.
+        With ``backup=True`` the advanced key is also saved (:meth:`backup_key`).
 
         Example
         -------
         >>> rng = RandomState(0)
         >>> keys = rng.split_key(4)    # 4 independent keys
         """
-        if n is None:
-            keys = jax.random.split(self.value)
-            self.value = keys[0]
-            return keys[1]
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                              or n < 1):
             raise ValueError(f'{self._describe()}: split_key(n) needs an int n >= 1, '
                              f'got {n!r}; call split_key() for a single key')
-        keys = jax.random.split(self.value, int(n) + 1)
+        keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
         self.value = keys[0]
-        return keys[1:]
+        if backup:
+            self.backup_key()
+        return keys[1] if n is None else keys[1:]
+
+    def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
+        """Replaces the key by ``n`` keys split from it (a ``[n, ...]`` key
+        array, e.g. one per lane).  With ``backup`` the state first advances
+        and saves its key, so :meth:`restore_key` returns to a single key."""
+        if backup:
+            keys = jax.random.split(self.value, n + 1)
+            self.value = keys[0]
+            self.backup_key()
+            self.value = keys[1:]
+        else:
+            self.value = jax.random.split(self.value, n)
 
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
+        if self._backup is not None:
+            raise ValueError(f'{self._describe()}: backup_key() called twice without '
+                             'restore_key(); restore the saved key first')
         self._backup = self.value
 
     def restore_key(self) -> None:
-        """Sets the key saved by :meth:`backup_key`."""
+        """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
         if self._backup is None:
             raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                              'call backup_key() first')
-        self.value = self._backup
+        self.value, self._backup = self._backup, None
 
     def clone(self) -> 'RandomState':
         """A new, independent RandomState seeded from a key split off this one."""
@@ -774,35 +896,36 @@ class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
     Used as a context manager; stacks nest LIFO and are thread-local.  A read
-    inside a nested stack is also recorded by every enclosing stack.
+    inside a nested stack is also recorded by every enclosing stack.  Query
+    results are tuples (``state_subset`` gives a list), as in brainstate.
 
     Parameters
     ----------
+    new_arg : callable, optional
+        ``new_arg(state) -> value``: called on a state's first touch; its
+        result is what the code inside the stack sees for that state.  A stack
+        with ``new_arg`` keeps the values assigned to states inside it (an
+        overlay) instead of writing them into the States.
     name : str, optional
         A label for error messages.
-    new_arg : callable, optional
-        ``new_arg(state, value) -> value``: called on a state's first touch;
-        its result is what the traced code sees for that state.  A stack with
-        ``new_arg`` keeps the values assigned to states inside it (an overlay)
-        instead of writing them into the States.
 
     Example
     -------
     >>> a, b = State(1.0), State(2.0)
     >>> with StateTraceStack() as st:
     ...     b.value = a.value + 1
-    >>> st.states == [a, b], st.been_writen
-    (True, [False, True])
+    >>> st.states == [a, b], st.been_writen, st.original_state_values
+    (True, [False, True], (1.0, 2.0))
     """
 
-    def __init__(self, name: str | None = None, new_arg: Callable | None = None):
+    def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
         self.states: list = []
         self.been_writen: list = []
         self._index: dict = {}
         self._originals: list = []
         self._owned: list = []
-        self._new_arg = None
+        self._lift = None
         self._values = None
         self._jax_trace = None      # the JAX trace a stateful trace runs at
         self._pending = None        # states written inside nested transformations
@@ -810,12 +933,31 @@ class StateTraceStack:
         self._epoch = None          # its _TraceEpoch
         self._isolated = False      # whether it runs under its own epoch from the start
         if new_arg is not None:
+            if not callable(new_arg):
+                raise TypeError(
+                    f'StateTraceStack(new_arg=None, name=None) got new_arg={new_arg!r}, which '
+                    f'is not callable; to name the stack pass name={new_arg!r} by keyword')
             self.set_new_arg(new_arg)
 
-    def set_new_arg(self, fn: Callable) -> None:
-        """Makes this stack lift states through ``fn(state, value)`` (see class doc)."""
-        self._new_arg = fn
+    def set_new_arg(self, new_arg: Callable) -> None:
+        """Makes this stack lift states through ``new_arg(state)`` (see class doc)."""
+        self._lift_with(lambda state, current: new_arg(state))
+
+    def _lift_with(self, lift: Callable) -> None:
+        # ``lift(state, current)`` also sees the enclosing stack's view of the
+        # state (a tracer or a ``_RefCell``), which the tracing core needs.
+        self._lift = lift
         self._values = {}
+
+    def new_arg(self, state: State) -> None:
+        """Lifts ``state`` through the ``new_arg`` function now (no-op without one)."""
+        if self._lift is not None:
+            self._values[id(state)] = self._lift(state, state._value)
+
+    @property
+    def original_state_values(self) -> tuple:
+        """Each recorded state's value when this stack first saw it."""
+        return tuple(self._originals)
 
     # -- recording -----------------------------------------------------------
     def _touch(self, state, current, write: bool):
@@ -826,7 +968,7 @@ class StateTraceStack:
             self.been_writen.append(write)
             self._originals.append(current)
             if self._values is not None:
-                current = self._new_arg(state, current)
+                current = self._lift(state, current)
                 self._values[id(state)] = current
             return current
         if write:
@@ -872,43 +1014,40 @@ class StateTraceStack:
                     'function (or create the State outside it) instead of reading it afterwards')
         self._owned = []
         self._values = {}
-        self._originals = [None] * len(self.states)
+        if self._jax_trace is not None:   # a finished trace's tracers
+            self._originals = [None] * len(self.states)
 
     # -- queries -------------------------------------------------------------
-    def get_state_values(self, separate: bool = False, replace: bool = False):
+    def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states.
 
-        With ``separate=True`` returns ``(read_values, write_values)``; with
+        With ``separate=True`` returns ``(write_values, read_values)``; with
         ``replace=True`` as well, excluded entries are ``None`` so that
         positions line up with :attr:`states`.
         """
         if not separate:
-            return [s.value for s in self.states]
-        if replace:
-            reads = [None if w else s.value for s, w in zip(self.states, self.been_writen)]
-            writes = [s.value if w else None for s, w in zip(self.states, self.been_writen)]
-            return reads, writes
-        return self.get_read_state_values(), self.get_write_state_values()
+            return tuple(s.value for s in self.states)
+        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
 
-    def get_read_states(self, replace_writen: bool = False) -> list:
+    def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
         if replace_writen:
-            return [None if w else s for s, w in zip(self.states, self.been_writen)]
-        return [s for s, w in zip(self.states, self.been_writen) if not w]
+            return tuple(None if w else s for s, w in zip(self.states, self.been_writen))
+        return tuple(s for s, w in zip(self.states, self.been_writen) if not w)
 
-    def get_read_state_values(self, replace_writen: bool = False) -> list:
+    def get_read_state_values(self, replace_writen: bool = False) -> tuple:
         """Values of :meth:`get_read_states`."""
-        return [None if s is None else s.value for s in self.get_read_states(replace_writen)]
+        return tuple(None if s is None else s.value for s in self.get_read_states(replace_writen))
 
-    def get_write_states(self, replace_read: bool = False) -> list:
+    def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
         if replace_read:
-            return [s if w else None for s, w in zip(self.states, self.been_writen)]
-        return [s for s, w in zip(self.states, self.been_writen) if w]
+            return tuple(s if w else None for s, w in zip(self.states, self.been_writen))
+        return tuple(s for s, w in zip(self.states, self.been_writen) if w)
 
-    def get_write_state_values(self, replace_read: bool = False) -> list:
+    def get_write_state_values(self, replace_read: bool = False) -> tuple:
         """Values of :meth:`get_write_states`."""
-        return [None if s is None else s.value for s in self.get_write_states(replace_read)]
+        return tuple(None if s is None else s.value for s in self.get_write_states(replace_read))
 
     def recovery_original_values(self) -> None:
         """Gives every recorded state back the value it had when first touched."""
@@ -944,15 +1083,16 @@ class StateTraceStack:
                 state.restore_value(rv)
 
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
-        """A new stack with the states of ``self`` and ``others`` (writes OR-ed)."""
-        merged = StateTraceStack(self.name)
-        for stack in (self,) + others:
+        """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
+        for stack in others:
             for state, written, original in zip(stack.states, stack.been_writen,
                                                 stack._originals):
-                merged._touch(state, original, written)
-        return merged
+                self._touch(state, original, written)
+        return self
 
-    __add__ = merge
+    def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
+        """A new stack holding the states of both."""
+        return StateTraceStack().merge(self, other)
 
     def state_subset(self, state_type: type) -> list:
         """The recorded states that are instances of ``state_type``."""
@@ -1140,30 +1280,65 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                 'thread the values explicitly with StatefulFunction.jaxpr_call().')
 
 
-class _NewStates(list):
-    """The States created inside a :func:`catch_new_states` block."""
+class _StateCatcher:
+    """The States created inside a :func:`catch_new_states` block, in
+    creation order (iterable, indexable, ``in`` by identity)."""
 
-    def __init__(self, tag):
-        super().__init__()
-        self.tag = tag
+    def __init__(self, state_tag, state_to_exclude):
+        self.state_tag = state_tag
+        self.state_to_exclude = to_predicate(state_to_exclude)
+        self.state_ids: set = set()
+        self.states: list = []
 
-    def _add(self, state):
-        if self.tag is not None:
-            state.tag = self.tag
-        self.append(state)
+    def append(self, state: State) -> None:
+        """Adds ``state`` (tagging it) unless excluded or already caught."""
+        if id(state) in self.state_ids or self.state_to_exclude((), state):
+            return
+        if self.state_tag is not None:
+            state.tag = self.state_tag
+        self.state_ids.add(id(state))
+        self.states.append(state)
+
+    def remove(self, state: State) -> None:
+        """Forgets ``state`` if caught."""
+        if id(state) in self.state_ids:
+            self.state_ids.discard(id(state))
+            self.states.remove(state)
+
+    def clear(self) -> None:
+        """Forgets every caught State."""
+        self.state_ids.clear()
+        self.states.clear()
 
     def get_states(self) -> list:
-        """The caught States, in creation order."""
-        return list(self)
+        """The caught States."""
+        return self.states
 
     def get_state_values(self) -> list:
         """Their current values."""
-        return [s.value for s in self]
+        return [s.value for s in self.states]
+
+    def get_by_tag(self, tag: str) -> list:
+        """The caught States whose tag is ``tag``."""
+        return [s for s in self.states if s.tag == tag]
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index):
+        return self.states[index]
+
+    def __contains__(self, state) -> bool:
+        return id(state) in self.state_ids
 
 
 @contextlib.contextmanager
-def catch_new_states(tag: str | None = None):
-    """Collects the States created inside the block (and tags them with ``tag``).
+def catch_new_states(state_tag: str | None = None, state_to_exclude=None):
+    """Collects the States created inside the block, except those matching
+    the filter ``state_to_exclude``, and tags them with ``state_tag``.
 
     Example
     -------
@@ -1172,7 +1347,7 @@ def catch_new_states(tag: str | None = None):
     >>> new.get_states() == [w], w.tag
     (True, 'layer1')
     """
-    catcher = _NewStates(tag)
+    catcher = _StateCatcher(state_tag, state_to_exclude)
     _ctx.catchers.append(catcher)
     try:
         yield catcher
@@ -1181,9 +1356,10 @@ def catch_new_states(tag: str | None = None):
 
 
 @contextlib.contextmanager
-def check_state_value_tree():
+def check_state_value_tree(val: bool = True):
     """Inside this block, assigning a value whose pytree structure differs
-    from a State's current one raises ``ValueError``.
+    from a State's current one raises ``ValueError`` (``val=False`` turns the
+    check off inside an enclosing block).
 
     Example
     -------
@@ -1191,11 +1367,11 @@ def check_state_value_tree():
     >>> with check_state_value_tree():
     ...     s.value = {'a': 2.0}      # fine; {'b': 2.0} would raise
     """
-    _ctx.check_tree += 1
+    outer, _ctx.check_tree = _ctx.check_tree, bool(val)
     try:
         yield
     finally:
-        _ctx.check_tree -= 1
+        _ctx.check_tree = outer
 
 
 # =============================================================================
@@ -1391,7 +1567,7 @@ _BoundedCache = BoundedCache
 class _Traced:
     """Everything one trace produced; immutable once built."""
     __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
-                 'state_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out')
+                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out')
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -1530,7 +1706,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
             return cell
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(trace, a) for a in avals])
 
-    frame.set_new_arg(lift)
+    frame._lift_with(lift)
 
     def flat_fun(*flat):
         trace = _find_top_trace(())
@@ -1555,8 +1731,14 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
                 values = [frame._values[id(frame.states[i])] for i in returned]
                 values = [v.read() if type(v) is _RefCell else v for v in values]
                 state_leaves, state_tree = jax.tree_util.tree_flatten(values)
+                # (out, one entry per state, None where not returned): the
+                # structure brainstate's jaxpr_call and out_treedef expose.
+                part = [None] * len(frame.states)
+                for i, v in zip(returned, values):
+                    part[i] = v
+                full_tree = jax.tree_util.tree_structure((out, tuple(part)))
                 box.update(out_tree=out_tree, n_out=len(out_leaves), returned=returned,
-                           state_tree=state_tree)
+                           state_tree=state_tree, full_tree=full_tree)
                 return out_leaves + state_leaves
         finally:
             epoch.close()
@@ -1580,7 +1762,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
         closed_jaxpr=closed,
         out_tree=box['out_tree'], n_out=box['n_out'], out_avals=list(out_avals),
         states=states, returned=tuple(box['returned']),
-        state_tree=box['state_tree'],
+        state_tree=box['state_tree'], full_tree=box['full_tree'],
         state_sigs=tuple(sigs[id(s)] for s in states),
         trace_stack=frame,
         cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
@@ -1684,11 +1866,13 @@ class _StaticArg:
 
 
 class _Entry:
-    """One cache entry: the trace, its plan and how to apply it."""
-    __slots__ = ('traced', 'plan', 'apply', 'key')
+    """One cache entry: the trace, its plan and how to apply it.  ``view`` is
+    the trace the accessors describe (``get_jaxpr`` ...): ``traced`` itself,
+    or for StatefulMapping a function that traces the whole mapped call."""
+    __slots__ = ('traced', 'plan', 'apply', 'view')
 
-    def __init__(self, traced, plan, apply, key):
-        self.traced, self.plan, self.apply, self.key = traced, plan, apply, key
+    def __init__(self, traced, plan, apply, view):
+        self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
 
 
 def _normalize_argnums(argnums, what: str) -> tuple:
@@ -2122,7 +2306,7 @@ class StatefulFunction(_StatefulBase):
             outs = run(*flat_args, *_leaves(state_values))
             return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
                     jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
-        return _Entry(traced, plan, apply, key)
+        return _Entry(traced, plan, apply, traced)
 
     def _run_trace(self, leaves, split) -> _Traced:
         avals = [_aval_of(x) for x in leaves]
@@ -2149,65 +2333,72 @@ class StatefulFunction(_StatefulBase):
         self._entry_for(key, leaves, split, count=True)
         return self
 
-    def _entry_by_key(self, cache_key, context: str) -> _Entry:
-        return self._cache.get(cache_key, raise_on_miss=True, error_context=context)
+    @staticmethod
+    def _view(entry) -> _Traced:
+        view = entry.view
+        if type(view) is not _Traced:    # built on first use (StatefulMapping)
+            view = entry.view = view()
+        return view
 
-    def _entry_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Entry:
+    def _view_by_key(self, cache_key, context: str) -> _Traced:
+        return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
+
+    def _view_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
         key, leaves, split = self._cache_key(args, kwargs)
         if compile_if_miss:
-            return self._entry_for(key, leaves, split, count=True)
-        return self._entry_by_key(key, context)
+            return self._view(self._entry_for(key, leaves, split, count=True))
+        return self._view_by_key(key, context)
 
     def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs) -> ClosedJaxpr:
         """The ClosedJaxpr for these arguments."""
-        return self._entry_by_args(args, kwargs, compile_if_miss,
-                                   'JAX expression').traced.closed_jaxpr
+        return self._view_by_args(args, kwargs, compile_if_miss,
+                                   'JAX expression').closed_jaxpr
 
     def get_jaxpr_by_cache(self, cache_key) -> ClosedJaxpr:
         """The ClosedJaxpr stored under ``cache_key``."""
-        return self._entry_by_key(cache_key, 'JAX expression').traced.closed_jaxpr
+        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
 
     @staticmethod
-    def _out_shapes(entry):
-        t = entry.traced
-        structs = [_shape_struct(a) for a in t.out_avals]
-        out = jax.tree_util.tree_unflatten(t.out_tree, structs[:t.n_out])
-        states = jax.tree_util.tree_unflatten(t.state_tree, structs[t.n_out:])
-        return out, states
+    def _out_shapes(view):
+        return view.full_tree.unflatten([_shape_struct(a) for a in view.out_avals])
 
     def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
-        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees."""
-        return self._out_shapes(self._entry_by_args(args, kwargs, compile_if_miss,
+        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees;
+        ``state_shapes`` is a tuple with one entry per state (``get_states()``
+        order), ``None`` for a state the jaxpr does not return."""
+        return self._out_shapes(self._view_by_args(args, kwargs, compile_if_miss,
                                                     'Output shapes'))
 
     def get_out_shapes_by_cache(self, cache_key):
         """:meth:`get_out_shapes` for a cache key."""
-        return self._out_shapes(self._entry_by_key(cache_key, 'Output shapes'))
+        return self._out_shapes(self._view_by_key(cache_key, 'Output shapes'))
 
     def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The output pytree structure (without the states)."""
-        return self._entry_by_args(args, kwargs, compile_if_miss, 'Output tree').traced.out_tree
+        """The structure of ``(out, state_part)`` (see :meth:`get_out_shapes`):
+        ``treedef.unflatten(jaxpr_outputs)`` gives ``(out, new_state_vals)``."""
+        return self._view_by_args(args, kwargs, compile_if_miss,
+                                   'Output tree').full_tree
 
     def get_out_treedef_by_cache(self, cache_key):
         """:meth:`get_out_treedef` for a cache key."""
-        return self._entry_by_key(cache_key, 'Output tree').traced.out_tree
+        return self._view_by_key(cache_key, 'Output tree').full_tree
 
     def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs) -> StateTraceStack:
         """The :class:`StateTraceStack` recorded while tracing."""
-        return self._entry_by_args(args, kwargs, compile_if_miss,
-                                   'State trace').traced.trace_stack
+        return self._view_by_args(args, kwargs, compile_if_miss,
+                                   'State trace').trace_stack
 
     def get_state_trace_by_cache(self, cache_key) -> StateTraceStack:
         """:meth:`get_state_trace` for a cache key."""
-        return self._entry_by_key(cache_key, 'State trace').traced.trace_stack
+        return self._view_by_key(cache_key, 'State trace').trace_stack
 
     def get_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
         """Every touched State, in jaxpr-input order."""
-        return self._entry_by_args(args, kwargs, compile_if_miss, 'State trace').traced.states
+        return self._view_by_args(args, kwargs, compile_if_miss, 'State trace').states
 
     def get_states_by_cache(self, cache_key) -> tuple:
         """:meth:`get_states` for a cache key."""
-        return self._entry_by_key(cache_key, 'State trace').traced.states
+        return self._view_by_key(cache_key, 'State trace').states
 
     def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
         """The touched States that are only read."""
@@ -2230,8 +2421,10 @@ class StatefulFunction(_StatefulBase):
     def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
         """Pure call: ``(new_state_vals, out)`` from explicit state values.
 
-        ``state_vals`` holds one value per touched state (``get_states`` order);
-        the result has the written ones replaced.  Works under every JAX
+        ``state_vals`` holds one value per touched state (``get_states`` order).
+        ``new_state_vals`` is a tuple in the same order holding each returned
+        state's new value and ``None`` for the others (the read-only states,
+        unless ``return_only_write=False``).  Works under every JAX
         transformation.
 
         Example
@@ -2247,15 +2440,15 @@ class StatefulFunction(_StatefulBase):
         """
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=True)
-        states = entry.plan.states
-        state_vals = list(state_vals)
+        view = self._view(entry)
+        states, state_vals = view.states, list(state_vals)
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {type(self).__name__}({self.name!r}) touches '
                 f'{len(states)} state(s) ({", ".join(_label(s) for s in states)}) '
                 f'but jaxpr_call got {len(state_vals)} value(s); pass one value per state in '
                 'get_states() order')
-        for state, value, sig in zip(states, state_vals, entry.traced.state_sigs):
+        for state, value, sig in zip(states, state_vals, view.state_sigs):
             try:
                 got = _value_sig(value)
             except TypeError:
@@ -2265,10 +2458,18 @@ class StatefulFunction(_StatefulBase):
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}, but the function was traced with {sig}; pass a value of the '
                     'traced shape and dtype')
-        out, new = self._run(entry, state_vals, args, kwargs, leaves)
-        for i, value in zip(entry.plan.write_index, new):
-            state_vals[i] = value
-        return state_vals, out
+        # The compiled call takes and gives values in plan order (which a
+        # StatefulMapping's view may permute); returned states not written
+        # come back as given.
+        where = {id(st): i for i, st in enumerate(states)}
+        at = [where[id(st)] for st in entry.plan.states]
+        out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves)
+        new_vals = [None] * len(states)
+        for i in view.returned:
+            new_vals[i] = state_vals[i]
+        for j, value in zip(entry.plan.write_index, new):
+            new_vals[at[j]] = value
+        return tuple(new_vals), out
 
     def jaxpr_call_auto(self, *args, **kwargs):
         """Reads the states, runs, writes the written ones back; returns the output."""
@@ -2276,8 +2477,8 @@ class StatefulFunction(_StatefulBase):
 
     def validate_states(self, cache_key) -> bool:
         """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
-        entry = self._entry_by_key(cache_key, 'State trace')
-        for state, sig in zip(entry.traced.states, entry.traced.state_sigs):
+        view = self._view_by_key(cache_key, 'State trace')
+        for state, sig in zip(view.states, view.state_sigs):
             got = _value_sig(state._value)
             if got != sig:
                 raise ValueError(
@@ -2416,7 +2617,7 @@ class _Filter:
 
 
 class OfType(_Filter):
-    """Matches instances of ``type_``.
+    """Matches instances of ``type``.
 
     Example
     -------
@@ -2424,8 +2625,8 @@ class OfType(_Filter):
     True
     """
 
-    def __init__(self, type_: type):
-        self.type = type_
+    def __init__(self, type: type):
+        self.type = type
 
     def __call__(self, path, x):
         return isinstance(x, self.type)
@@ -2434,7 +2635,15 @@ class OfType(_Filter):
         return f'OfType({self.type.__name__})'
 
 
-class _WithTag(_Filter):
+class WithTag(_Filter):
+    """Matches states whose ``tag`` is ``tag`` (what a string filter means).
+
+    Example
+    -------
+    >>> WithTag('hidden')((), State(0.0, tag='hidden'))
+    True
+    """
+
     def __init__(self, tag: str):
         self.tag = tag
 
@@ -2532,7 +2741,7 @@ class Nothing(_Filter):
         return 'Nothing()'
 
 
-def to_predicate(filter) -> Callable:
+def to_predicate(the_filter) -> Callable:
     """Turns any filter into a predicate ``f(path, state) -> bool``.
 
     Example
@@ -2541,24 +2750,24 @@ def to_predicate(filter) -> Callable:
     >>> pred((), ParamState(1.0)), pred((), State(1.0))
     (True, False)
     """
-    if isinstance(filter, _Filter):
-        return filter
-    if filter is Everything or filter is Nothing:
-        return filter()
-    if filter is True or filter is Ellipsis:
+    if isinstance(the_filter, _Filter):
+        return the_filter
+    if the_filter is Everything or the_filter is Nothing:
+        return the_filter()
+    if the_filter is True or the_filter is Ellipsis:
         return Everything()
-    if filter is False or filter is None:
+    if the_filter is False or the_filter is None:
         return Nothing()
-    if isinstance(filter, type):
-        return OfType(filter)
-    if isinstance(filter, str):
-        return _WithTag(filter)
-    if isinstance(filter, (tuple, list)):
-        return Any(*filter)
-    if callable(filter):
-        return filter
+    if isinstance(the_filter, type):
+        return OfType(the_filter)
+    if isinstance(the_filter, str):
+        return WithTag(the_filter)
+    if isinstance(the_filter, (tuple, list)):
+        return Any(*the_filter)
+    if callable(the_filter):
+        return the_filter
     raise TypeError(
-        f'unsupported state filter {filter!r} of type {type(filter).__name__}; use a State '
+        f'unsupported state filter {the_filter!r} of type {type(the_filter).__name__}; use a State '
         'subclass, a tag string, a predicate f(path, state), True/..., False/None, a '
         'tuple/list of filters, or OfType/Any/All/Not/Everything/Nothing')
 
@@ -2642,13 +2851,35 @@ def _batched_outputs(jaxpr, in_batched: Sequence[bool], axis_name) -> list:
     return [isinstance(v, Var) and v in batched for v in jaxpr.outvars]
 
 
-class StatefulMapping(_StatefulBase):
+def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
+    """The order brainstate's StatefulMapping touches states in: batched-in
+    states grouped by axis, then the rest grouped by the axis they leave
+    with, then the RandomStates split per lane."""
+    def grouped(pairs):
+        groups = {}
+        for state, axis in pairs:
+            groups.setdefault(axis, []).append(state)
+        return [s for group in groups.values() for s in group]
+    rng = [states[i] for i in rng_index]
+    plain = [(i, s) for i, s in enumerate(states) if i not in rng_index]
+    first = grouped((s, in_axes[i]) for i, s in plain if in_axes[i] is not None)
+    rest = grouped((s, out_axes.get(i, in_axes[i])) for i, s in plain)
+    return first + [s for s in rest if s not in first] + rng
+
+
+class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
     States matched by ``state_in_axes`` are split along their axis on the way
     in and stacked on the way out; other states are broadcast.  Every touched
     :class:`RandomState` is split into one key per lane (as ``split_key(n)``
     would) and afterwards holds the advanced key.
+
+    It is a :class:`StatefulFunction`: the accessors (``get_jaxpr``,
+    ``get_states``, ``jaxpr_call`` ...) describe the whole mapped call, with
+    full-size arguments and states, every touched state returned, and the
+    states ordered as in brainstate: batched-in states by axis, then the
+    others by the axis they leave with, then the RandomStates.
 
     Parameters
     ----------
@@ -2659,10 +2890,6 @@ class StatefulMapping(_StatefulBase):
         ``{axis: filter}`` or a bare filter (axis 0).  A state batched on the
         way in leaves batched on the same axis unless ``state_out_axes`` says
         otherwise.
-    unexpected_out_state_mapping : {'auto', 'warn', 'raise', 'ignore'}
-        What to do when an unbatched state is written with a batched value:
-        leave it batched along axis 0 silently ('auto', 'ignore'), with a
-        warning ('warn'), or raise :class:`BatchAxisError` ('raise').
     static_argnums, static_argnames, axis_env, name
         As for :class:`StatefulFunction`.
     axis_size : int, optional
@@ -2672,6 +2899,10 @@ class StatefulMapping(_StatefulBase):
     mapping_fn : callable
         ``jax.vmap`` (default), ``jax.pmap``, or a shard_map-based mapper with
         the same signature.
+    unexpected_out_state_mapping : {'auto', 'warn', 'raise', 'ignore'}
+        What to do when an unbatched state is written with a batched value:
+        leave it batched along axis 0 silently ('auto', 'ignore'), with a
+        warning ('warn'), or raise :class:`BatchAxisError` ('raise').
 
     Example
     -------
@@ -2686,14 +2917,16 @@ class StatefulMapping(_StatefulBase):
     """
 
     def __init__(self, fun: Callable, in_axes=0, out_axes=0, state_in_axes=None,
-                 state_out_axes=None, unexpected_out_state_mapping: str = 'auto',
-                 static_argnums=(), static_argnames=(), axis_env=None, abstracted_axes=None,
-                 axis_size: int | None = None, axis_name=None, name: str | None = None,
-                 mapping_fn: Callable = jax.vmap):
+                 state_out_axes=None, static_argnums=(), static_argnames=(), axis_env=None,
+                 abstracted_axes=None, axis_size: int | None = None, axis_name=None,
+                 name: str | None = None, mapping_fn: Callable = jax.vmap,
+                 unexpected_out_state_mapping: str = 'auto'):
         if abstracted_axes is not None:
             raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
                                       'map over concrete shapes instead')
-        super().__init__(fun, static_argnums, static_argnames, axis_env, None, name, True)
+        _StatefulBase.__init__(self, fun, static_argnums, static_argnames, axis_env, None, name,
+                               False)
+        self.origin_fun = fun
         if unexpected_out_state_mapping not in _UNEXPECTED_POLICIES:
             raise ValueError(
                 f'unexpected_out_state_mapping must be one of {_UNEXPECTED_POLICIES}, got '
@@ -2751,7 +2984,7 @@ class StatefulMapping(_StatefulBase):
         return axes
 
     def _build_entry(self, key, leaves, split) -> _Entry:
-        lane_avals, arg_axes, sizes = self._lane_args(leaves, split)
+        lane_avals, arg_axes, sizes, avals = self._lane_args(leaves, split)
         guess = sizes[0][1] if sizes else (self.axis_size or 1)
         traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
         if (self.axis_name is not None and state_sizes and not sizes
@@ -2785,17 +3018,32 @@ class StatefulMapping(_StatefulBase):
         plan = self._plan_for(states, tuple(i for _, i in mapped_write) + tuple(rng_index))
         apply = self._make_apply(traced, n, arg_axes, in_state_axes, [r for r, _ in mapped_write],
                                  write_axes, rng_index, not any(in_batched))
-        return _Entry(traced, plan, apply, key)
+        out_axes = dict(zip((i for _, i in mapped_write), write_axes))
+        order = _brainstate_order(states, state_axes, out_axes, rng_index)
+        entry = _Entry(traced, plan, apply, None)
+        entry.view = functools.partial(self._trace_whole, order, avals, self._rebuilder(split))
+        return entry
+
+    def _trace_whole(self, order, avals, rebuild) -> _Traced:
+        """The accessors' view: the whole mapped call traced as one function."""
+        def whole(*args, **kwargs):
+            for state in order:
+                state.value          # the first touch fixes the jaxpr input order
+            return self(*args, **kwargs)
+        return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
+                               axis_env=self.axis_env)
 
     def _lane_args(self, leaves, split):
-        """Per-lane avals and axes of the flat arguments, and the sizes they imply."""
+        """Per-lane avals and axes of the flat arguments, the sizes they imply,
+        and their full avals."""
         paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(split[1])[0]]
         paths += [f'keyword {jax.tree_util.keystr(p)}' for p, _ in
                   jax.tree_util.tree_flatten_with_path(split[3])[0]]
-        lane_avals, arg_axes, sizes = [], [], []
+        lane_avals, arg_axes, sizes, avals = [], [], [], []
         for path, leaf, ax in zip(paths, leaves, self._leaf_axes(split)):
             aval = _aval_of(leaf)
+            avals.append(aval)
             if ax is None:
                 lane_avals.append(aval)
                 arg_axes.append(None)
@@ -2809,7 +3057,7 @@ class StatefulMapping(_StatefulBase):
             sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
             lane_avals.append(_lane_aval(aval, a))
             arg_axes.append(a)
-        return lane_avals, arg_axes, sizes
+        return lane_avals, arg_axes, sizes, avals
 
     def _batch_size(self, sizes) -> int:
         """The one batch size all mapped arguments and states agree on."""
@@ -2921,8 +3169,9 @@ class StatefulMapping(_StatefulBase):
 # 9. Jaxpr passes: constant folding
 # =============================================================================
 
-class IdentitySet:
-    """A set of objects compared by identity (for unhashable values such as arrays).
+class IdentitySet(MutableSet):
+    """A mutable set of objects compared by identity (for unhashable values
+    such as arrays).
 
     Example
     -------
@@ -2932,28 +3181,28 @@ class IdentitySet:
     (1, True, False)
     """
 
-    def __init__(self, items: Iterable = ()):
-        self._items: dict = {}
-        for item in items:
-            self.add(item)
+    def __init__(self, iterable: Iterable | None = None):
+        self._data: dict = {}
+        for value in iterable or ():
+            self.add(value)
 
-    def add(self, item) -> None:
-        self._items[id(item)] = item
+    def add(self, value) -> None:
+        self._data[id(value)] = value
 
-    def discard(self, item) -> None:
-        self._items.pop(id(item), None)
+    def discard(self, value) -> None:
+        self._data.pop(id(value), None)
 
-    def __contains__(self, item) -> bool:
-        return id(item) in self._items
+    def __contains__(self, value) -> bool:
+        return id(value) in self._data
 
     def __iter__(self):
-        return iter(list(self._items.values()))
+        return iter(list(self._data.values()))
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._data)
 
     def __repr__(self):
-        return f'IdentitySet({list(self._items.values())!r})'
+        return f'IdentitySet({list(self._data.values())!r})'
 
 
 # Never evaluated at fold time: their value must come from running the program.
@@ -2990,8 +3239,8 @@ def _fold(jaxpr, consts, in_values=None):
     """Folds ``jaxpr``.
 
     Returns ``(new_jaxpr, out_values)``: ``new_jaxpr`` is closed over the
-    new consts unless ``consts`` is ``None`` (a bare Jaxpr), and ``out_values[i]`` is the known value of output ``i``
-    (or ``_MISSING``).  ``in_values`` gives known values for the inputs, used
+    new consts unless ``consts`` is ``None`` (a bare Jaxpr), and
+    ``out_values[i]`` is the known value of output ``i`` (or ``_MISSING``).  ``in_values`` gives known values for the inputs, used
     to evaluate a call whose arguments are all known.
     """
     known = {}        # Var -> value known at fold time
@@ -3159,7 +3408,7 @@ def main() -> None:
 
     sf = StatefulFunction(step)
     x = jnp.ones(3)
-    traced = sf._entry_by_args((x,), {}, True, 'JAX expression').traced
+    traced = sf._view_by_args((x,), {}, True, 'JAX expression')
     print('1. step(x) traced to a jaxpr; the states it touches become inputs, the ones it')
     print('   writes become outputs:\n')
     print(_label_jaxpr(traced.closed_jaxpr, 1, traced.states, traced.returned, traced.n_out))

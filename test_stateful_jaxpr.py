@@ -23,6 +23,7 @@ import textwrap
 import threading
 import time
 import traceback
+import types
 import unittest
 import warnings
 import weakref
@@ -335,7 +336,7 @@ class StateTraceStackTest(unittest.TestCase):
         self.assertEqual(b.value, 4.0)
 
     def test_exits_must_be_lifo(self):
-        s1, s2 = StateTraceStack('one'), StateTraceStack('two')
+        s1, s2 = StateTraceStack(name='one'), StateTraceStack(None, 'two')
         s1.__enter__()
         s2.__enter__()
         with self.assertRaisesRegex(RuntimeError, 'out of order'):
@@ -370,16 +371,19 @@ class StateTraceStackTest(unittest.TestCase):
         a, b = State(1.0), State(2.0)
         with StateTraceStack() as st:
             b.value = a.value + 1
-        self.assertEqual(st.get_state_values(), [1.0, 2.0])
-        self.assertEqual(st.get_state_values(separate=True), ([1.0], [2.0]))
+        # Tuples, and (writes, reads) when separated, as in brainstate 0.2.1.
+        self.assertEqual(st.get_state_values(), (1.0, 2.0))
+        self.assertEqual(st.get_state_values(separate=True), ((2.0,), (1.0,)))
         self.assertEqual(st.get_state_values(separate=True, replace=True),
-                         ([1.0, None], [None, 2.0]))
-        self.assertEqual(st.get_read_states(), [a])
-        self.assertEqual(st.get_read_states(replace_writen=True), [a, None])
-        self.assertEqual(st.get_read_state_values(), [1.0])
-        self.assertEqual(st.get_write_states(), [b])
-        self.assertEqual(st.get_write_states(replace_read=True), [None, b])
-        self.assertEqual(st.get_write_state_values(replace_read=True), [None, 2.0])
+                         ((None, 2.0), (1.0, None)))
+        self.assertEqual(st.get_read_states(), (a,))
+        self.assertEqual(st.get_read_states(replace_writen=True), (a, None))
+        self.assertEqual(st.get_read_state_values(), (1.0,))
+        self.assertEqual(st.get_write_states(), (b,))
+        self.assertEqual(st.get_write_states(replace_read=True), (None, b))
+        self.assertEqual(st.get_write_state_values(replace_read=True), (None, 2.0))
+        self.assertEqual(st.original_state_values, (1.0, 2.0))
+        self.assertEqual(st.state_subset(State), [a, b])
 
     def test_recovery_and_assign(self):
         a, b = State(1.0), State(2.0)
@@ -400,20 +404,32 @@ class StateTraceStackTest(unittest.TestCase):
             _ = a.value
         with StateTraceStack() as s2:
             a.value = p.value
-        merged = s1 + s2
+        merged = s1 + s2                       # a new stack
         self.assertEqual(merged.states, [a, p])
         self.assertEqual(merged.been_writen, [True, False])
-        self.assertEqual(s1.merge(s2).states, [a, p])
+        self.assertEqual(s1.states, [a])
+        self.assertIs(s1.merge(s2), s1)          # merge() grows the stack itself
+        self.assertEqual((s1.states, s1.been_writen), ([a, p], [True, False]))
+        self.assertEqual(s1.original_state_values, (1.0, 2.0))
         self.assertEqual(merged.state_subset(sj.ParamState), [p])
 
     def test_new_arg_keeps_values_in_the_trace(self):
         a = State(1.0)
-        with StateTraceStack(new_arg=lambda state, v: v + 100) as st:
+        with StateTraceStack(lambda state: state._value + 100) as st:
             self.assertEqual(a.value, 101.0)
             a.value = 5.0
             self.assertEqual(a.value, 5.0)
         self.assertEqual(a.value, 1.0)           # the State itself never changed
         self.assertEqual(st.been_writen, [True])
+        self.assertEqual(st.original_state_values, (1.0,))
+        b = State(2.0)
+        st.new_arg(b)                            # lifts b now, without recording it
+        with st:
+            self.assertEqual(b.value, 102.0)
+
+    def test_new_arg_must_be_callable(self):
+        with self.assertRaisesRegex(TypeError, "new_arg.*name='one'"):
+            StateTraceStack('one')
 
 
 # ---------------------------------------------------------------------------
@@ -1192,8 +1208,14 @@ class CachingTest(unittest.TestCase):
         out_shapes, state_shapes = sf.get_out_shapes_by_cache(key)
         self.assertEqual(out_shapes['out'].shape, (2,))
         self.assertEqual(state_shapes[0].shape, (2,))
-        self.assertEqual(sf.get_out_treedef_by_cache(key),
-                         jax.tree_util.tree_structure({'out': 0}))
+        # The structure of (out, one entry per state), so the raw jaxpr
+        # outputs unflatten into (out, new_state_vals).
+        treedef = sf.get_out_treedef_by_cache(key)
+        self.assertEqual(treedef, jax.tree_util.tree_structure(({'out': 0}, (0,))))
+        cj = sf.get_jaxpr_by_cache(key)
+        out, new_vals = treedef.unflatten(jax.core.eval_jaxpr(cj.jaxpr, cj.consts, x, s.value))
+        np.testing.assert_allclose(out['out'], 2 * x)
+        np.testing.assert_allclose(new_vals[0], s.value + x)
         self.assertEqual(sf.get_states_by_cache(key), (s,))
         self.assertEqual(sf.get_write_states_by_cache(key), (s,))
         self.assertEqual(sf.get_read_states_by_cache(key), ())
@@ -1308,7 +1330,14 @@ class CallingTest(unittest.TestCase):
             return x
         sf = StatefulFunction(f)
         new, out = sf.jaxpr_call([jnp.ones(()), jnp.zeros(())], 3.0)
-        self.assertEqual([float(v) for v in new], [3.0, 0.0])
+        # One entry per state; None for t, which the jaxpr does not return.
+        self.assertIsInstance(new, tuple)
+        self.assertEqual(float(new[0]), 3.0)
+        self.assertIsNone(new[1])
+        self.assertEqual(sf.get_out_shapes(3.0)[1][1], None)
+        new_all, _ = StatefulFunction(f, return_only_write=False).jaxpr_call(
+            [jnp.ones(()), jnp.zeros(())], 3.0)
+        self.assertEqual([float(v) for v in new_all], [3.0, 0.0])
         self.assertEqual(float(s.value), 1.0)
         with self.assertRaisesRegex(ValueError, 'State length mismatch'):
             sf.jaxpr_call([jnp.ones(())], 3.0)
@@ -1864,7 +1893,10 @@ class ModuleTest(unittest.TestCase):
                           ((3,), jnp.float32)])
         self.assertEqual([(a.shape, a.dtype) for a in closed.out_avals],
                          [((), jnp.float32), ((2,), jnp.uint32), ((3,), jnp.float32)])
-        self.assertEqual([np.shape(v) for v in g['new_states']], [(2,), (3, 3), (3,)])
+        # one entry per state, None for w (read only)
+        self.assertIsInstance(g['new_states'], tuple)
+        self.assertIsNone(g['new_states'][1])
+        self.assertEqual([np.shape(v) for v in g['new_states'] if v is not None], [(2,), (3,)])
 
     def _readme_check_scan(self, g):
         ref = np.zeros(4, np.float32)               # h is updated after three steps
@@ -6129,21 +6161,21 @@ def _fz_check_program(seed, extras=True):
         {'xla_backend_optimization_level': 0})
     (new_vals, got), outs, made_outs = compiled(vals, dyn_pos, dyn_kw)
     _fz_assert_close(out1, got, '(c) jit(jaxpr_call) output')
-    _fz_assert_close([fin1[index[id(s)]] for s in touched], list(new_vals),
-                     '(c) jit(jaxpr_call) state values')
+    returned = (sf.get_write_states(*pos, **kw) if prog['return_only_write'] else touched)
+    _fz_assert_close([fin1[index[id(s)]] if s in returned else None for s in touched],
+                     list(new_vals), '(c) jit(jaxpr_call) state values')
     for s, v in zip(every, inits):
         if s._value is not v:
             raise AssertionError(f'(c) jaxpr_call changed {s.name}')
+    # The out treedef covers (out, one entry per state, None where not returned).
     out_tree = sf.get_out_treedef(*pos, **kw)
-    n_out = out_tree.num_leaves
-    _fz_assert_close(out1, jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
-                     '(d) folded jaxpr output')
-    returned = (sf.get_write_states(*pos, **kw) if prog['return_only_write'] else touched)
-    expected = [fin1[index[id(s)]] for s in returned]
-    state_tree = jax.tree_util.tree_structure(expected)
-    _fz_assert_close(expected, jax.tree_util.tree_unflatten(state_tree, list(outs[n_out:])),
-                     '(d) folded jaxpr state values')
-    _fz_assert_close(out1, jax.tree_util.tree_unflatten(out_tree, made_outs[:n_out]),
+    n_out = out_tree.children()[0].num_leaves
+    got_out, got_states = out_tree.unflatten(outs)
+    _fz_assert_close(out1, got_out, '(d) folded jaxpr output')
+    expected = tuple(fin1[index[id(s)]] if s in returned else None for s in touched)
+    _fz_assert_close(expected, got_states, '(d) folded jaxpr state values')
+    _fz_assert_close(out1, jax.tree_util.tree_unflatten(out_tree.children()[0],
+                                                        made_outs[:n_out]),
                      "(d') make_jaxpr output")
     expected = [fin1[index[id(s)]] for s in touched]
     _fz_assert_close(expected, jax.tree_util.tree_unflatten(
@@ -6173,8 +6205,7 @@ def _fz_check_program(seed, extras=True):
         raise AssertionError('validate_states() does not accept the current state values')
     out_shapes, state_shapes = sf.get_out_shapes(*pos, **kw)
     _fz_check_shapes(out_shapes, got, 'get_out_shapes() outputs')
-    _fz_check_shapes(state_shapes, jax.tree_util.tree_unflatten(state_tree, list(outs[n_out:])),
-                     'get_out_shapes() states')
+    _fz_check_shapes(state_shapes, got_states, 'get_out_shapes() states')
     return prog
 
 
@@ -6465,6 +6496,1175 @@ def fuzz_main(argv=None):
         more = ' ...' if len(seeds) > 20 else ''
         print(f'  {len(seeds)} x {kind}\n      seeds {seeds[:20]}{more}', flush=True)
     return 1 if failures else 0
+
+
+# =============================================================================
+# Fidelity to brainstate 0.2.1
+#
+# The same programs run on brainstate 0.2.1 and on this module; outputs,
+# state values, accessor results (down to tuple / list / None placeholders),
+# cache statistics and error types must agree, except for the differences
+# listed in _BRAINSTATE_DIFFERENCES (each one a row of README's "Differences
+# from brainstate").  Runs where brainstate 0.2.1 is importable (a Python
+# 3.11 venv with jax 0.7.2, as CI builds); skipped elsewhere.
+# =============================================================================
+
+try:
+    with warnings.catch_warnings():
+        # brainstate touches JAX names that JAX deprecates; the suite runs
+        # with DeprecationWarning as an error, which is about our module.
+        warnings.simplefilter('ignore', DeprecationWarning)
+        import brainstate as bst
+        import brainstate.transform as bst_t
+        import brainstate.util.filter as bst_filter
+        from brainstate import _state as bst_state
+        from brainstate.transform import _make_jaxpr as bst_mj
+except Exception:   # not installed, or an install that does not import here
+    bst = bst_t = bst_filter = bst_state = bst_mj = None
+
+_BS_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
+# CI's brainstate venv sets this, so that a broken install fails instead of skipping.
+_BS_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
+_BS_SKIP_REASON = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
+                   'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
+
+
+# ---------------------------------------------------------------------------
+# Every accepted difference from brainstate 0.2.1, with its reason.  A
+# comparison whose key is listed here may differ; any other difference fails.
+# (Keys are the names the checks below record under, without program seeds.)
+# ---------------------------------------------------------------------------
+_BRAINSTATE_DIFFERENCES = {
+    # -- design choices (README "Differences from brainstate") --
+    'cache_stats.counts': 'one cache entry per key: the four get_cache_stats() names report the '
+                          'same hits/misses and a hit counts once per call (brainstate counts '
+                          'every internal lookup of each of its four caches)',
+    'hashabledict.setitem': 'hashabledict keys are read-only (brainstate lets a cache key change '
+                            'after it was hashed)',
+    'State(State)': 'State(other_state) raises ValueError (brainstate silently unwraps)',
+    'RandomState.assign_non_key': 'a RandomState only holds PRNG keys: assigning anything else '
+                                  'raises ValueError (brainstate stores it and fails later)',
+    'StateTraceStack.new_arg.after_exit': 'a traced function never swaps values into States: '
+                                          'the new_arg overlay ends with the stack (brainstate '
+                                          'leaves the lifted value in the State)',
+    'StatefulMapping.axis_size_in_axes_None': 'brainstate 0.2.1 refuses in_axes=None even with '
+                                              'axis_size given (ValueError "Cannot infer batch '
+                                              'size when in_axes is None")',
+    # -- brainstate 0.2.1 bugs --
+    'RandomState.split_key(0)': 'brainstate asserts (AssertionError, gone under python -O); we '
+                                'raise ValueError',
+    'RandomState.seed(str)': 'brainstate fails with AttributeError (str has no dtype); we raise '
+                             'ValueError naming the RandomState',
+    'RandomState(str)': 'same as RandomState.seed(str)',
+    'static_argnums_negative': 'brainstate 0.2.1 compares argument positions with a negative '
+                               'static_argnums literally, so the argument stays dynamic (traced)',
+    'static_list_argument': 'brainstate 0.2.1 hands a list / dict static argument to JAX, which '
+                            'refuses it as unhashable (ours hashes it by value)',
+    'state_arg': 'brainstate means to raise ValueError for a State argument but fails earlier '
+                 'with a TypeError while abstracting it',
+    'StatefulMapping.tuple_in_axes': 'brainstate 0.2.1 applies a tuple in_axes to the '
+                                     '(args, kwargs) pair, so (0, None) fails with a vmap '
+                                     'rank error',
+    'StatefulMapping.state_out_axes_moved': 'brainstate 0.2.1 stores state_out_axes but never '
+                                            'uses it (a state leaves on its input axis)',
+    'constant_fold_jaxpr.interface': 'brainstate drops the unused input variables and the debug '
+                                     'info (the jaxpr no longer takes the original arguments)',
+    'make_hashable.dict': 'make_hashable is idempotent and keeps scalars, strings and None as '
+                          'they are; brainstate wraps every leaf as (PyTreeDef(*), (leaf,)), so '
+                          'applying it twice gives another value',
+    'make_hashable.set': 'same as make_hashable.dict (a set of scalars becomes the same frozenset)',
+    'make_hashable.nested': 'same as make_hashable.dict',
+    'catch_new_states.untagged_clobbers_tag': 'catch_new_states() without a tag sets the tag of '
+                                              'every new State to None in brainstate, erasing '
+                                              'State(..., tag=...)',
+}
+
+
+# ---------------------------------------------------------------------------
+# _bs_ helpers
+# ---------------------------------------------------------------------------
+
+_BS_RANDOM_SAMPLERS = (
+    'rand', 'randint', 'random_integers', 'randn', 'random', 'random_sample', 'ranf', 'sample',
+    'choice', 'permutation', 'shuffle', 'beta', 'exponential', 'gamma', 'gumbel', 'laplace',
+    'logistic', 'normal', 'pareto', 'poisson', 'standard_cauchy', 'standard_exponential',
+    'standard_gamma', 'standard_normal', 'standard_t', 'uniform', 'truncated_normal',
+    'bernoulli', 'lognormal', 'binomial', 'chisquare', 'dirichlet', 'geometric', 'multinomial',
+    'multivariate_normal', 'rayleigh', 'triangular', 'vonmises', 'weibull', 'weibull_min',
+    'maxwell', 'negative_binomial', 'wald', 't', 'orthogonal', 'noncentral_chisquare',
+    'loggamma', 'categorical', 'zipf', 'power', 'f', 'hypergeometric', 'logseries',
+    'noncentral_f', 'rand_like', 'randn_like', 'randint_like')
+
+_SURFACE_EXCEPTIONS = {
+    ('RandomState', name): 'sampling methods are out of scope: use '
+                           f'jax.random.<sampler>(rng.split_key(), shape) instead of rng.{name}()'
+    for name in _BS_RANDOM_SAMPLERS
+}
+
+
+def _bs_random_state(seed_or_key=None, name=None, **metadata):
+    """brainstate's RandomState takes no name; set it afterwards (for comparisons)."""
+    rng = bst.random.RandomState(seed_or_key)
+    rng.name = name
+    for k, v in metadata.items():
+        setattr(rng, k, v)
+    return rng
+
+
+def _bs_namespace(impl):
+    """The counterparts, by their shared public names, of 'bs' (brainstate) or 'sj'."""
+    if impl == 'bs':
+        return types.SimpleNamespace(
+            impl='bs', State=bst.State, ShortTermState=bst.ShortTermState,
+            LongTermState=bst.LongTermState, ParamState=bst.ParamState,
+            BatchState=bst.BatchState, HiddenState=bst.HiddenState,
+            RandomState=_bs_random_state, RandomStateClass=bst.random.RandomState,
+            StateTraceStack=bst.StateTraceStack, StatefulFunction=bst_t.StatefulFunction,
+            StatefulMapping=bst_t.StatefulMapping, make_jaxpr=bst_t.make_jaxpr,
+            catch_new_states=bst.catch_new_states,
+            check_state_value_tree=bst.check_state_value_tree,
+            OfType=bst_filter.OfType, Any=bst_filter.Any, All=bst_filter.All,
+            Not=bst_filter.Not, Everything=bst_filter.Everything, Nothing=bst_filter.Nothing,
+            to_predicate=bst_filter.to_predicate, BoundedCache=bst_mj._BoundedCache,
+            make_hashable=bst_mj.make_hashable, hashabledict=bst_mj.hashabledict,
+            constant_fold_jaxpr=bst_mj.constant_fold_jaxpr)
+    return types.SimpleNamespace(
+        impl='sj', State=sj.State, ShortTermState=sj.ShortTermState,
+        LongTermState=sj.LongTermState, ParamState=sj.ParamState, BatchState=sj.BatchState,
+        HiddenState=sj.HiddenState, RandomState=sj.RandomState, RandomStateClass=sj.RandomState,
+        StateTraceStack=sj.StateTraceStack, StatefulFunction=sj.StatefulFunction,
+        StatefulMapping=sj.StatefulMapping, make_jaxpr=sj.make_jaxpr,
+        catch_new_states=sj.catch_new_states, check_state_value_tree=sj.check_state_value_tree,
+        OfType=sj.OfType, Any=sj.Any, All=sj.All, Not=sj.Not, Everything=sj.Everything,
+        Nothing=sj.Nothing, to_predicate=sj.to_predicate, BoundedCache=sj.BoundedCache,
+        make_hashable=sj.make_hashable, hashabledict=sj.hashabledict,
+        constant_fold_jaxpr=sj.constant_fold_jaxpr)
+
+
+def _bs_accepted(name):
+    """Whether the comparison ``name`` (``prefix.key[path]``) is an accepted difference."""
+    name = re.sub(r'(\[[^\]]*\])+$', '', name)
+    return any(name == n or name.endswith('.' + n) for n in _BRAINSTATE_DIFFERENCES)
+
+
+def _bs_is_state(x):
+    return isinstance(x, sj.State) or (bst is not None and isinstance(x, bst.State))
+
+
+class _bs_Raised:
+    """What a call raised: its type and message (compared by type)."""
+
+    def __init__(self, err):
+        self.type, self.message = type(err), str(err)
+
+    def __repr__(self):
+        first = self.message.splitlines()[0] if self.message else ''
+        return f'raises {self.type.__name__}: {first[:160]}'
+
+
+def _bs_canon(x):
+    """A comparable form of ``x``: containers keep their kind (tuple / list / dict / None),
+    States become (class, name), arrays stay arrays (PRNG keys as their key data)."""
+    if isinstance(x, _bs_Raised):
+        return x
+    if _bs_is_state(x):
+        return ('<State>', type(x).__name__, x.name)
+    if x is None:
+        return None
+    if isinstance(x, jax.tree_util.PyTreeDef):
+        return ('<treedef>', str(x))
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return ('<sds>', tuple(x.shape), str(x.dtype))
+    if isinstance(x, jax.core.AbstractValue):
+        return ('<aval>', str(x))
+    if isinstance(x, dict):
+        return ('<dict>', tuple((k, _bs_canon(v)) for k, v in sorted(x.items(), key=repr)))
+    if isinstance(x, tuple):
+        return ('<tuple>', tuple(_bs_canon(v) for v in x))
+    if isinstance(x, list):
+        return ('<list>', tuple(_bs_canon(v) for v in x))
+    if isinstance(x, (str, type)):
+        return ('<const>', x)
+    if isinstance(x, (bool, int, float, complex, np.generic, np.ndarray, jax.Array)):
+        if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return ('<key>', np.asarray(jax.random.key_data(x)))
+        if isinstance(x, (bool, int, float, complex)):
+            x = jnp.asarray(x)
+        return ('<arr>', np.asarray(x))
+    return ('<obj>', type(x).__name__)
+
+
+def _bs_diff(a, b, path):
+    """The first difference between two canonical forms (``None`` if they agree)."""
+    if isinstance(a, _bs_Raised) or isinstance(b, _bs_Raised):
+        if isinstance(a, _bs_Raised) and isinstance(b, _bs_Raised) and issubclass(b.type, a.type):
+            return None
+        return f'{path}: brainstate {a!r}; ours {b!r}'
+    if a is None or b is None:
+        return None if a is b else f'{path}: brainstate {a!r}; ours {b!r}'
+    if a[0] != b[0]:
+        return f'{path}: brainstate {_bs_show(a)}; ours {_bs_show(b)}'
+    tag = a[0]
+    if tag in ('<arr>', '<key>'):
+        x, y = a[1], b[1]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f'{path}: brainstate {x.dtype}{list(x.shape)}; ours {y.dtype}{list(y.shape)}'
+        if np.issubdtype(x.dtype, np.inexact):
+            ok = np.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True)
+        else:
+            ok = np.array_equal(x, y)
+        return None if ok else f'{path}: brainstate {x!r}; ours {y!r}'
+    if tag == '<dict>':
+        ka, kb = [k for k, _ in a[1]], [k for k, _ in b[1]]
+        if ka != kb:
+            return f'{path}: brainstate keys {ka}; ours keys {kb}'
+        for (k, va), (_, vb) in zip(a[1], b[1]):
+            d = _bs_diff(va, vb, f'{path}[{k!r}]')
+            if d:
+                return d
+        return None
+    if tag in ('<tuple>', '<list>'):
+        if len(a[1]) != len(b[1]):
+            return f'{path}: brainstate {_bs_show(a)}; ours {_bs_show(b)}'
+        for i, (va, vb) in enumerate(zip(a[1], b[1])):
+            d = _bs_diff(va, vb, f'{path}[{i}]')
+            if d:
+                return d
+        return None
+    return None if a == b else f'{path}: brainstate {_bs_show(a)}; ours {_bs_show(b)}'
+
+
+def _bs_show(c):
+    """A short readable form of a canonical value."""
+    if c is None or isinstance(c, _bs_Raised):
+        return repr(c)
+    tag = c[0]
+    if tag in ('<arr>', '<key>'):
+        return f'{tag[1:-1]} {c[1].dtype}{list(c[1].shape)}'
+    if tag in ('<tuple>', '<list>'):
+        inner = ', '.join(_bs_show(v) for v in c[1])
+        return f'({inner},)' if tag == '<tuple>' else f'[{inner}]'
+    if tag == '<dict>':
+        return '{' + ', '.join(f'{k!r}: {_bs_show(v)}' for k, v in c[1]) + '}'
+    if tag == '<State>':
+        return f'{c[1]}({c[2]!r})'
+    return ' '.join(str(v) for v in c[1:])
+
+
+class _bs_Recorder:
+    """Observations of one implementation, by key, in recording order."""
+
+    def __init__(self):
+        self.items = {}
+        self.words = {}
+
+    def __call__(self, key, fn, words=()):
+        """Records ``fn()`` (or what it raised); returns the value or ``None``."""
+        try:
+            value = fn()
+        except Exception as err:   # a difference to report, not a test error
+            self.items[key] = _bs_Raised(err)
+            self.words[key] = words
+            return None
+        self.items[key] = _bs_canon(value)
+        return value
+
+    def value(self, key, value):
+        self.items[key] = _bs_canon(value)
+
+
+class _bs_Checks:
+    """Runs one program against both implementations and compares what they record."""
+
+    _bs_last = None
+
+    def _bs_compare(self, prefix, program):
+        """``program(ns, rec)`` runs once per implementation; every recorded key must
+        agree, unless ``prefix.key`` ends with an accepted difference's name.  Returns the list of unaccepted differences."""
+        recs = {}
+        for impl in ('bs', 'sj'):
+            rec = _bs_Recorder()
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                try:
+                    program(_bs_namespace(impl), rec)
+                except Exception as err:
+                    rec.items['<program raised>'] = _bs_Raised(err)
+            recs[impl] = rec
+        a, b = recs['bs'], recs['sj']
+        self._bs_last = recs
+        problems = []
+        for key in list(dict.fromkeys(list(a.items) + list(b.items))):
+            if _bs_accepted(f'{prefix}.{key}'):
+                continue
+            if key not in a.items or key not in b.items:
+                problems.append(f'{prefix}.{key}: recorded only by '
+                                f'{"brainstate" if key in a.items else "ours"} '
+                                f'({_bs_show(a.items.get(key, b.items.get(key)))})')
+                continue
+            d = _bs_diff(a.items[key], b.items[key], f'{prefix}.{key}')
+            if d:
+                problems.append(d)
+                continue
+            ours = b.items[key]
+            for w in a.words.get(key, ()):
+                if isinstance(ours, _bs_Raised) and w.lower() not in ours.message.lower():
+                    problems.append(f'{prefix}.{key}: our message lacks {w!r}: {ours!r}')
+        return problems
+
+    def _bs_assert(self, problems):
+        if problems:
+            self.fail(f'{len(problems)} difference(s) from brainstate 0.2.1:\n  '
+                      + '\n  '.join(problems))
+
+
+def _bs_stats(rec, key, sf):
+    """Cache statistics: names, sizes and maxsize compared; hit/miss counts separately."""
+    stats = rec(f'{key}.cache_stats.shape',
+                lambda: {k: (v['size'], v['maxsize'], sorted(v)) for k, v in
+                         sf.get_cache_stats().items()})
+    if stats is not None:
+        rec(f'{key}.cache_stats.counts', lambda: {k: (v['hits'], v['misses']) for k, v in
+                                                  sf.get_cache_stats().items()})
+
+
+def _bs_accessors(rec, key, sf, args, kwargs=None):
+    """Every StatefulFunction accessor, by arguments and by cache key."""
+    kwargs = kwargs or {}
+    rec(f'{key}.make_jaxpr_returns_self', lambda: sf.make_jaxpr(*args, **kwargs) is sf)
+    ck = rec(f'{key}.cache_key_type',
+             lambda: type(sf.get_arg_cache_key(*args, **kwargs)).__name__)
+    ck = sf.get_arg_cache_key(*args, **kwargs) if ck else None
+    rec(f'{key}.cache_key_fields', lambda: sorted(sf.get_arg_cache_key(*args, **kwargs)))
+    cj = rec(f'{key}.jaxpr_type', lambda: type(sf.get_jaxpr(*args, **kwargs)).__name__)
+    rec(f'{key}.in_avals', lambda: list(sf.get_jaxpr(*args, **kwargs).in_avals))
+    rec(f'{key}.out_avals', lambda: list(sf.get_jaxpr(*args, **kwargs).out_avals))
+    rec(f'{key}.get_states', lambda: sf.get_states(*args, **kwargs))
+    rec(f'{key}.get_read_states', lambda: sf.get_read_states(*args, **kwargs))
+    rec(f'{key}.get_write_states', lambda: sf.get_write_states(*args, **kwargs))
+    rec(f'{key}.get_out_shapes', lambda: sf.get_out_shapes(*args, **kwargs))
+    rec(f'{key}.get_out_treedef', lambda: sf.get_out_treedef(*args, **kwargs))
+    rec(f'{key}.state_trace.states', lambda: sf.get_state_trace(*args, **kwargs).states)
+    rec(f'{key}.state_trace.been_writen',
+        lambda: sf.get_state_trace(*args, **kwargs).been_writen)
+    rec(f'{key}.state_trace.get_state_values',
+        lambda: sf.get_state_trace(*args, **kwargs).get_state_values())
+    rec(f'{key}.state_trace.get_state_values(True, True)',
+        lambda: sf.get_state_trace(*args, **kwargs).get_state_values(True, True))
+    rec(f'{key}.state_trace.get_write_state_values(True)',
+        lambda: sf.get_state_trace(*args, **kwargs).get_write_state_values(True))
+    if ck is not None:
+        rec(f'{key}.by_cache.jaxpr_avals', lambda: list(sf.get_jaxpr_by_cache(ck).in_avals))
+        rec(f'{key}.by_cache.states', lambda: sf.get_states_by_cache(ck))
+        rec(f'{key}.by_cache.read', lambda: sf.get_read_states_by_cache(ck))
+        rec(f'{key}.by_cache.write', lambda: sf.get_write_states_by_cache(ck))
+        rec(f'{key}.by_cache.out_shapes', lambda: sf.get_out_shapes_by_cache(ck))
+        rec(f'{key}.by_cache.treedef', lambda: sf.get_out_treedef_by_cache(ck))
+        rec(f'{key}.by_cache.trace_type',
+            lambda: type(sf.get_state_trace_by_cache(ck)).__name__)
+        rec(f'{key}.validate_states', lambda: sf.validate_states(ck))
+        rec(f'{key}.validate_all_states', lambda: list(sf.validate_all_states().values()))
+        vals = [s.value for s in sf.get_states_by_cache(ck)]
+        rec(f'{key}.jaxpr_call', lambda: sf.jaxpr_call(vals, *args, **kwargs))
+        rec(f'{key}.jaxpr_call_wrong_count', lambda: sf.jaxpr_call(vals + [vals[0]], *args,
+                                                                   **kwargs))
+    rec(f'{key}.unknown_key', lambda: sf.get_jaxpr_by_cache(sf.get_arg_cache_key(
+        jnp.zeros((7, 7, 7)))), words=('not compiled for the requested cache key',))
+    for acc in ('get_out_shapes_by_cache', 'get_out_treedef_by_cache',
+                'get_state_trace_by_cache', 'get_states_by_cache', 'validate_states'):
+        rec(f'{key}.unknown_key.{acc}', lambda acc=acc: getattr(sf, acc)(
+            sf.get_arg_cache_key(jnp.zeros((7, 7, 7)))))
+
+
+# -- fuzz programs ------------------------------------------------------------------
+
+def _bs_fuzz_module():
+    """The module holding the fuzz generator (this one, once pasted into the test file)."""
+    here = sys.modules[__name__]
+    if hasattr(here, '_fz_generate'):
+        return here
+    import test_stateful_jaxpr
+    return test_stateful_jaxpr
+
+
+_BS_FUZZ_UNSUPPORTED = frozenset((
+    # brainstate cannot thread state through plain JAX transformations, nor lift a
+    # State first read inside one (its tracer escapes): no lax bodies, inner jit,
+    # grad or vmap in the programs compared.
+    'scan', 'fori', 'cond', 'jit', 'grad', 'vmapsf'))
+
+
+def _bs_fuzz_ops(node, found):
+    if isinstance(node, dict):
+        node = list(node.values())
+    if isinstance(node, (list, tuple)):
+        if node and isinstance(node[0], str):
+            found.add(node[0])
+        for x in node:
+            _bs_fuzz_ops(x, found)
+    return found
+
+
+def _bs_fuzz_supported(prog):
+    if prog['lanes']:       # StatefulMapping programs: see the hand-written cases
+        return False
+    # brainstate 0.2.1 treats a negative static_argnums as dynamic, and JAX refuses its
+    # list / dict static arguments (see test_static_arguments)
+    if prog['call']['style'] == 'neg' or isinstance(prog['static'], (list, dict)):
+        return False
+    ops = _bs_fuzz_ops([prog['body'], prog['outs'], [s['body'] for s in prog['subs']],
+                        [s['ret'] for s in prog['subs']]], set())
+    return not (ops & _BS_FUZZ_UNSUPPORTED)
+
+
+@contextlib.contextmanager
+def _bs_fuzz_with(T, ns):
+    """The fuzz helpers build States through the module's ``sj``: point it at ``ns``."""
+    saved = T.sj
+    if ns.impl == 'bs':
+        T.sj = types.SimpleNamespace(**{k: getattr(ns, k) for k in vars(ns)})
+    try:
+        yield
+    finally:
+        T.sj = saved
+
+
+def _bs_fuzz_program(T, prog):
+    """``program(ns, rec)`` running a fuzz program through StatefulFunction and friends."""
+
+    def program(ns, rec):
+        with _bs_fuzz_with(T, ns):
+            states, rngs, inits, dyn = T._fz_build(prog)
+            every = states + rngs
+            pos, kw, argnums, argnames = T._fz_pack(prog, dyn, prog['static'])
+            main = T._fz_make_main(prog, states, rngs, nested=False)
+            sf = ns.StatefulFunction(main, static_argnums=argnums, static_argnames=argnames,
+                                     return_only_write=prog['return_only_write'])
+            rec('out1', lambda: sf(*pos, **kw))
+            rec('states1', lambda: [s.value for s in every])
+            rec('out2', lambda: sf(*pos, **kw))
+            rec('states2', lambda: [s.value for s in every])
+            _bs_stats(rec, 'sf', sf)
+            rec('get_states', lambda: sf.get_states(*pos, **kw))
+            rec('get_read_states', lambda: sf.get_read_states(*pos, **kw))
+            rec('get_write_states', lambda: sf.get_write_states(*pos, **kw))
+            rec('in_avals', lambda: list(sf.get_jaxpr(*pos, **kw).in_avals))
+            rec('out_avals', lambda: list(sf.get_jaxpr(*pos, **kw).out_avals))
+            rec('get_out_shapes', lambda: sf.get_out_shapes(*pos, **kw))
+            rec('get_out_treedef', lambda: sf.get_out_treedef(*pos, **kw))
+            rec('trace_values(True, True)',
+                lambda: sf.get_state_trace(*pos, **kw).get_state_values(True, True))
+            index = {id(s): i for i, s in enumerate(every)}
+            touched = sf.get_states(*pos, **kw)
+            vals = [inits[index[id(s)]] for s in touched]
+            rec('jaxpr_call', lambda: sf.jaxpr_call(vals, *pos, **kw))
+            rec('make_jaxpr', lambda: (lambda r: (list(r[0].in_avals), list(r[0].out_avals),
+                                                  r[1], r[2]))(
+                ns.make_jaxpr(main, static_argnums=argnums, static_argnames=argnames,
+                              return_shape=True)(*pos, **kw)))
+            T._fz_reset(every, inits)
+    return program
+
+
+# ---------------------------------------------------------------------------
+# 1. Surface
+# ---------------------------------------------------------------------------
+
+def _bs_counterparts():
+    """``(name, brainstate object, our object)`` for every counterpart."""
+    names = ['State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
+             'HiddenState', 'StateTraceStack', 'catch_new_states', 'check_state_value_tree']
+    out = [(n, getattr(bst, n), getattr(sj, n, None)) for n in names]
+    out.append(('RandomState', bst.random.RandomState, getattr(sj, 'RandomState', None)))
+    for n in ('StatefulFunction', 'make_jaxpr', 'StatefulMapping'):
+        out.append((n, getattr(bst_t, n), getattr(sj, n, None)))
+    for n in ('OfType', 'Any', 'All', 'Not', 'Everything', 'Nothing', 'to_predicate'):
+        out.append((n, getattr(bst_filter, n), getattr(sj, n, None)))
+    out.append(('BoundedCache', bst_mj._BoundedCache, getattr(sj, 'BoundedCache', None)))
+    out.append(('_BoundedCache', bst_mj._BoundedCache, getattr(sj, '_BoundedCache', None)))
+    for n in ('make_hashable', 'hashabledict', 'constant_fold_jaxpr', 'IdentitySet'):
+        out.append((n, getattr(bst_mj, n), getattr(sj, n, None)))
+    return out
+
+
+_BS_SIMPLE = (type(None), bool, int, float, str, tuple)
+
+
+def _bs_signature_problems(label, bs_fn, our_fn):
+    try:
+        a = inspect.signature(bs_fn)
+    except (TypeError, ValueError):
+        return []
+    try:
+        b = inspect.signature(our_fn)
+    except (TypeError, ValueError) as err:
+        return [f'{label}: no signature on ours ({err})']
+    problems = []
+    pos = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    # (a positional-only parameter's name is not part of the interface)
+    pa = [p.name if p.kind != inspect.Parameter.POSITIONAL_ONLY else '/'
+          for p in a.parameters.values() if p.kind in pos]
+    pb = [p.name if pa[i:i + 1] != ['/'] else '/'
+          for i, p in enumerate(q for q in b.parameters.values() if q.kind in pos)]
+    if pb[:len(pa)] != pa:
+        problems.append(f'{label}: positional parameters brainstate {pa}, ours {pb}')
+    kinds_b = {p.kind for p in b.parameters.values()}
+    for p in a.parameters.values():
+        if p.kind == inspect.Parameter.VAR_POSITIONAL:
+            if inspect.Parameter.VAR_POSITIONAL not in kinds_b:
+                problems.append(f'{label}: brainstate takes *{p.name}, ours does not')
+            continue
+        if p.kind == inspect.Parameter.VAR_KEYWORD:
+            if inspect.Parameter.VAR_KEYWORD not in kinds_b:
+                problems.append(f'{label}: brainstate takes **{p.name}, ours does not')
+            continue
+        q = b.parameters.get(p.name)
+        if q is None:
+            if p.kind != inspect.Parameter.POSITIONAL_ONLY and \
+                    inspect.Parameter.VAR_KEYWORD not in kinds_b:
+                problems.append(f'{label}: brainstate parameter {p.name!r} not accepted by ours')
+            continue
+        if p.kind == inspect.Parameter.KEYWORD_ONLY and q.kind == inspect.Parameter.POSITIONAL_ONLY:
+            problems.append(f'{label}: {p.name!r} is keyword-only in brainstate, '
+                            'positional-only in ours')
+        if p.default is not inspect.Parameter.empty:
+            if q.default is inspect.Parameter.empty:
+                problems.append(f'{label}: {p.name!r} has default {p.default!r} in brainstate, '
+                                'none in ours')
+            elif isinstance(p.default, _BS_SIMPLE) and (
+                    type(p.default) is not type(q.default) or p.default != q.default):
+                problems.append(f'{label}: default of {p.name!r}: brainstate {p.default!r}, '
+                                f'ours {q.default!r}')
+    return problems
+
+
+def _bs_surface_problems():
+    problems = []
+    for name, theirs, ours in _bs_counterparts():
+        if ours is None:
+            problems.append(f'{name}: missing from stateful_jaxpr')
+            continue
+        problems += _bs_signature_problems(name, theirs, ours)
+        if not isinstance(theirs, type):
+            continue
+        if isinstance(ours, type) and theirs.__bases__ != (object,):
+            # the counterpart's base class (StatefulMapping is a StatefulFunction ...)
+            for base in theirs.__mro__[1:]:
+                mine = getattr(sj, base.__name__, None) if base.__module__.startswith(
+                    'brainstate') else None
+                if mine is not None and isinstance(mine, type) and not issubclass(ours, mine):
+                    problems.append(f'{name}: brainstate subclasses {base.__name__}, ours not')
+        inherited = set(dir(dict)) if issubclass(theirs, dict) else set()
+        for attr in sorted(dir(theirs)):
+            if attr.startswith('_') or attr in inherited:
+                continue
+            if (name, attr) in _SURFACE_EXCEPTIONS:
+                continue
+            t = inspect.getattr_static(theirs, attr)
+            try:
+                o = inspect.getattr_static(ours, attr)
+            except AttributeError:
+                problems.append(f'{name}.{attr}: missing')
+                continue
+            if isinstance(t, property) and not isinstance(o, property):
+                problems.append(f'{name}.{attr}: a property in brainstate, '
+                                f'{type(o).__name__} in ours')
+            elif not isinstance(t, property) and isinstance(o, property):
+                problems.append(f'{name}.{attr}: a {type(t).__name__} in brainstate, a property '
+                                'in ours')
+            for kind in (staticmethod, classmethod):
+                if isinstance(t, kind) != isinstance(o, kind):
+                    problems.append(f'{name}.{attr}: {kind.__name__} mismatch')
+            if callable(getattr(theirs, attr)) and not isinstance(t, property):
+                problems += _bs_signature_problems(f'{name}.{attr}', getattr(theirs, attr),
+                                                   getattr(ours, attr))
+    return problems
+
+
+def _bs_instance_attrs():
+    """``(label, brainstate instance, our instance)`` pairs: public instance attributes
+    (set in ``__init__``, so invisible to ``dir(cls)``) must exist on ours too."""
+    def f(x):
+        return x
+    bs_rng = bst.random.RandomState(0)
+    pairs = [
+        ('State()', bst.State(1.0, name='a', tag='t'), sj.State(1.0, name='a', tag='t')),
+        ('RandomState()', bs_rng, sj.RandomState(0)),
+        ('StateTraceStack()', bst.StateTraceStack(), sj.StateTraceStack()),
+        ('StatefulFunction()', bst_t.StatefulFunction(f), sj.StatefulFunction(f)),
+        ('StatefulMapping()', bst_t.StatefulMapping(f), sj.StatefulMapping(f)),
+        ('OfType()', bst_filter.OfType(bst.State), sj.OfType(sj.State)),
+        ('Any()', bst_filter.Any('a'), sj.Any('a')),
+        ('All()', bst_filter.All('a'), sj.All('a')),
+        ('Not()', bst_filter.Not('a'), sj.Not('a')),
+    ]
+    with bst.catch_new_states('x') as c1, sj.catch_new_states('x') as c2:
+        pass
+    pairs.append(('catch_new_states() catcher', c1, c2))
+    problems = []
+    for label, theirs, ours in pairs:
+        for attr in sorted(vars(theirs)):
+            if attr.startswith('_'):
+                continue
+            if not hasattr(ours, attr):
+                problems.append(f'{label}.{attr}: instance attribute missing')
+        for attr in sorted(dir(type(theirs))):
+            if not attr.startswith('_') and (type(theirs).__name__, attr) not in \
+                    _SURFACE_EXCEPTIONS and not hasattr(ours, attr):
+                problems.append(f'{label}.{attr}: missing on the instance')
+    return problems
+
+
+class BrainstateDifferencesDocumentedTest(unittest.TestCase):
+    """Each accepted difference is a row of README's "Differences from brainstate"."""
+
+    def test_every_accepted_difference_has_a_readme_row(self):
+        readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                   'README.md')).read()
+        section = readme.split('## Differences from brainstate', 1)[1]
+        rows = [line for line in section.splitlines() if line.startswith('| ')]
+        for key, reason in _BRAINSTATE_DIFFERENCES.items():
+            self.assertTrue(reason)
+            self.assertEqual(sum(f'`{key}`' in row.rsplit('|', 2)[1] for row in rows), 1,
+                             f'{key!r} needs exactly one README row naming it')
+        named = re.findall(r'`([^`]+)`', ' '.join(row.rsplit('|', 2)[1] for row in rows))
+        self.assertEqual(sorted(set(named)), sorted(_BRAINSTATE_DIFFERENCES))
+
+
+class _bs_Case(unittest.TestCase):
+    """Runs only beside brainstate 0.2.1, whose own deprecation warnings it mutes."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not _BS_AVAILABLE:
+            raise AssertionError(f'STATEFUL_JAXPR_REQUIRE_BRAINSTATE=1 but {_BS_SKIP_REASON}')
+
+    def setUp(self):
+        guard = warnings.catch_warnings()
+        guard.__enter__()
+        self.addCleanup(guard.__exit__, None, None, None)
+        warnings.filterwarnings('ignore', category=DeprecationWarning, module=r'brainstate\b')
+
+
+@unittest.skipUnless(_BS_AVAILABLE or _BS_REQUIRED, _BS_SKIP_REASON)
+class BrainstateSurfaceTest(_bs_Case):
+    """Every public name of a brainstate 0.2.1 counterpart exists on ours, compatibly."""
+
+    def test_surface_exceptions_name_real_brainstate_attributes(self):
+        for (cls, attr), reason in _SURFACE_EXCEPTIONS.items():
+            self.assertTrue(hasattr(bst.random.RandomState, attr), (cls, attr))
+            self.assertTrue(reason)
+
+    def test_public_names_signatures_and_properties(self):
+        problems = _bs_surface_problems()
+        self.assertFalse(problems, f'{len(problems)} surface difference(s):\n  '
+                         + '\n  '.join(problems))
+
+    def test_public_instance_attributes(self):
+        problems = _bs_instance_attrs()
+        self.assertFalse(problems, f'{len(problems)} surface difference(s):\n  '
+                         + '\n  '.join(problems))
+
+
+# ---------------------------------------------------------------------------
+# 2. Differential behaviour
+# ---------------------------------------------------------------------------
+
+@unittest.skipUnless(_BS_AVAILABLE or _BS_REQUIRED, _BS_SKIP_REASON)
+class BrainstateFidelityTest(_bs_Checks, _bs_Case):
+    """The same programs on brainstate 0.2.1 and on ours agree."""
+
+    FUZZ_PROGRAMS = 24
+
+    # a + h: the jaxpr by hand, every accessor, both return_only_write variants
+    def test_stateful_function_accessors_and_hand_evaluation(self):
+        def program(ns, rec):
+            a = ns.State(jnp.arange(3.0), name='a')
+            b = ns.ParamState(jnp.ones(3), name='b')
+            c = ns.State({'p': jnp.zeros(2), 'q': (jnp.int32(1),)}, name='c')
+
+            def f(x, y, scale=1.0):
+                b.value = b.value * x + a.value
+                c.value = {'p': c.value['p'] + scale, 'q': c.value['q']}
+                return {'s': (b.value * y).sum(), 'l': [x * 2, None, y], 't': (scale,)}
+
+            args = (jnp.float32(2.0), jnp.ones(3))
+            for row in (True, False):
+                sf = ns.StatefulFunction(f, return_only_write=row)
+                key = f'row={row}'
+                k = sf.get_arg_cache_key(*args, compile_if_miss=True)
+                cj = sf.get_jaxpr_by_cache(k)
+                state_vals = [s.value for s in sf.get_states_by_cache(k)]
+                flat_args = jax.tree_util.tree_leaves(args)
+                rec(f'{key}.hand', lambda: sf.get_out_treedef_by_cache(k).unflatten(
+                    jax.core.eval_jaxpr(cj.jaxpr, cj.consts, *flat_args,
+                                        *jax.tree_util.tree_leaves(state_vals))))
+                _bs_accessors(rec, key, sf, args)
+                rec(f'{key}.call', lambda: sf(*args))
+                rec(f'{key}.values', lambda: [a.value, b.value, c.value])
+                rec(f'{key}.call_kw', lambda: sf(*args, scale=jnp.float32(0.5)))
+                rec(f'{key}.kw.in_avals', lambda: list(sf.get_jaxpr(
+                    *args, scale=jnp.float32(0.5)).in_avals))
+                _bs_stats(rec, key, sf)
+                rec(f'{key}.clear_cache', lambda: (sf.clear_cache(), {
+                    k2: v['size'] for k2, v in sf.get_cache_stats().items()})[1])
+                rec(f'{key}.state_arg', lambda: sf(a, args[1]))
+            made = ns.make_jaxpr(f)
+            rec('make_jaxpr', lambda: (lambda r: (type(r).__name__, len(r), r[1]))(made(*args)))
+            rec('make_jaxpr.avals', lambda: list(made(*args)[0].out_avals))
+            rec('make_jaxpr.return_shape', lambda: ns.make_jaxpr(f, return_shape=True)(*args)[2])
+            rec('make_jaxpr.return_only_write', lambda: list(ns.make_jaxpr(
+                f, return_only_write=True)(*args)[0].out_avals))
+            rec('static_argnums', lambda: ns.StatefulFunction(
+                lambda x, n: x * n + a.value, static_argnums=1)(jnp.ones(3), 3))
+            rec('static_argnames', lambda: ns.StatefulFunction(
+                lambda x, n=1: x * n + a.value, static_argnames='n')(jnp.ones(3), n=3))
+            rec('not_callable', lambda: ns.StatefulFunction(3)(1.0))
+            rec('returns_state', lambda: ns.StatefulFunction(lambda: a)())
+        self._bs_assert(self._bs_compare('sf', program))
+
+    # b: jaxpr_call inside lax.scan, carries from get_state_trace().get_state_values()
+    def test_jaxpr_call_in_scan(self):
+        def program(ns, rec):
+            w = ns.ParamState(jnp.full(3, 0.5), name='w')
+            h = ns.State(jnp.zeros(3), name='h')
+            rng = ns.RandomState(3, name='rng')
+
+            def step(x):
+                h.value = jnp.tanh(w.value * h.value + x
+                                   + 0.01 * jax.random.normal(rng.split_key(), (3,)))
+                return h.value.sum()
+
+            for row in (True, False):
+                sf = ns.StatefulFunction(step, return_only_write=row)
+                x0 = jnp.ones(3)
+                sf.make_jaxpr(x0)
+                init = sf.get_state_trace(x0).get_state_values()
+                rec(f'row={row}.init', lambda: init)
+                rec(f'row={row}.one', lambda: sf.jaxpr_call(init, x0))
+
+                def body(carry, x):
+                    new, out = sf.jaxpr_call(carry, x)
+                    return tuple(c if n is None else n for c, n in zip(carry, new)), out
+                rec(f'row={row}.scan', lambda: lax.scan(body, tuple(init), jnp.ones((4, 3))))
+                rec(f'row={row}.jit', lambda: jax.jit(sf.jaxpr_call)(init, x0))
+                rec(f'row={row}.states_untouched', lambda: [w.value, h.value, rng.value])
+        self._bs_assert(self._bs_compare('scan', program))
+
+    # c: jax.grad / jax.jvp / jax.linearize over jaxpr_call
+    def test_autodiff_over_jaxpr_call(self):
+        def program(ns, rec):
+            w = ns.ParamState(jnp.array([0.5, -1.0, 2.0]), name='w')
+            h = ns.State(jnp.array([0.1, 0.2, 0.3]), name='h')
+
+            def f(x):
+                h.value = jnp.sin(w.value * h.value) + x
+                return (h.value * w.value).sum()
+
+            sf = ns.StatefulFunction(f)
+            x = jnp.float32(0.3)
+            vals = [s.value for s in sf.get_states(x)]
+
+            def loss(v, x):
+                new, out = sf.jaxpr_call(v, x)
+                return out + sum(jnp.sum(n) for n in new if n is not None)
+            rec('grad', lambda: jax.grad(loss)(vals, x))
+            rec('grad_x', lambda: jax.grad(loss, argnums=1)(vals, x))
+            tang = [jnp.ones_like(v) for v in vals]
+            rec('jvp', lambda: jax.jvp(lambda v: sf.jaxpr_call(v, x), (vals,), (tang,)))
+            rec('linearize', lambda: (lambda r: (r[0], r[1](tang)))(
+                jax.linearize(lambda v: sf.jaxpr_call(v, x)[1], vals)))
+            rec('vmap', lambda: jax.vmap(lambda xx: sf.jaxpr_call(vals, xx))(jnp.arange(3.0)))
+        self._bs_assert(self._bs_compare('autodiff', program))
+
+    # d: a plain StateTraceStack recorder, inside a trace and outside
+    def test_state_trace_stack(self):
+        def program(ns, rec):
+            a = ns.State(jnp.ones(2), name='a')
+            b = ns.State(jnp.zeros(2), name='b')
+            p = ns.ParamState(jnp.ones(2), name='p')
+            seen = {}
+
+            def f(x):
+                with ns.StateTraceStack() as tr:
+                    b.value = a.value * x
+                    seen['vals'] = tr.get_state_values()
+                    seen['sep'] = tr.get_state_values(True)
+                    seen['seprep'] = tr.get_state_values(True, True)
+                    seen['reads'] = tr.get_read_states()
+                    seen['reads_r'] = tr.get_read_states(True)
+                    seen['writes'] = tr.get_write_states()
+                    seen['writes_r'] = tr.get_write_states(True)
+                    seen['rv'] = tr.get_read_state_values()
+                    seen['rv_r'] = tr.get_read_state_values(True)
+                    seen['wv'] = tr.get_write_state_values()
+                    seen['wv_r'] = tr.get_write_state_values(True)
+                    seen['orig'] = tr.original_state_values
+                    seen['states'] = tr.states
+                    seen['bw'] = tr.been_writen
+                    seen['new_arg'] = tr.new_arg(a)
+                return b.value.sum()
+            rec('call', lambda: ns.StatefulFunction(f)(2.0))
+
+            def kinds(v):   # tracers: only the container structure is compared
+                return jax.tree_util.tree_map(
+                    lambda x: type(x).__name__ if isinstance(x, jax.core.Tracer) else x, v,
+                    is_leaf=_bs_is_state)
+            for k, v in seen.items():
+                rec(f'in_trace.{k}', lambda v=v: kinds(v))
+            with ns.StateTraceStack(name='outer') as tr:
+                b.value = a.value + 1
+                p.value
+            rec('plain.states', lambda: tr.states)
+            rec('plain.been_writen', lambda: tr.been_writen)
+            rec('plain.get_state_values', lambda: tr.get_state_values())
+            rec('plain.original_state_values', lambda: tr.original_state_values)
+            rec('plain.state_subset', lambda: tr.state_subset(ns.ParamState))
+            rec('plain.merge_self', lambda: (lambda m: (m is tr, m.states))(
+                tr.merge(ns.StateTraceStack())))
+            rec('plain.add', lambda: (tr + tr).states)
+            rec('plain.assign_state_vals', lambda: (tr.assign_state_vals(
+                [jnp.full(2, 5.0), jnp.full(2, 6.0), jnp.full(2, 7.0)]),
+                [a.value, b.value, p.value]))
+            rec('plain.assign_state_vals_v2', lambda: (tr.assign_state_vals_v2(
+                [jnp.full(2, 1.0), None, jnp.full(2, 3.0)], [None, jnp.full(2, 4.0), None]),
+                [a.value, b.value, p.value]))
+            rec('plain.assign_wrong_len', lambda: tr.assign_state_vals([1.0]))
+            rec('plain.assign_v2_wrong_len', lambda: tr.assign_state_vals_v2([1.0], [1.0]))
+            rec('plain.recovery', lambda: (tr.recovery_original_values(), [a.value, b.value]))
+            with ns.StateTraceStack(name='n1') as t1:
+                with ns.StateTraceStack(name='n2') as t2:
+                    a.value
+                b.value = b.value
+            rec('nested', lambda: (t1.states, t2.states, t1.been_writen))
+            c = ns.State(jnp.ones(2), name='c')
+            with ns.StateTraceStack(new_arg=lambda st: st._value * 0 + 7) as t3:
+                rec('new_arg.inside', lambda: c.value)
+            rec('new_arg.after_exit', lambda: c.value)
+            rec('new_arg.recovery', lambda: (t3.recovery_original_values(), c.value)[1])
+        self._bs_assert(self._bs_compare('StateTraceStack', program))
+
+    # e: catch_new_states
+    def test_catch_new_states(self):
+        def program(ns, rec):
+            with ns.catch_new_states('tg') as c:
+                s1 = ns.State(1.0, name='s1')
+                s2 = ns.ParamState(2.0, name='s2')
+            rec('get_states', lambda: c.get_states())
+            rec('get_state_values', lambda: c.get_state_values())
+            rec('tags', lambda: (s1.tag, s2.tag))
+            rec('len_iter_index_in', lambda: (len(c), list(c), c[0], s1 in c))
+            rec('get_by_tag', lambda: c.get_by_tag('tg'))
+            rec('remove', lambda: (c.remove(s1), c.get_states())[1])
+            rec('clear', lambda: (c.clear(), len(c))[1])
+            with ns.catch_new_states() as c2:
+                s3 = ns.State(1.0, name='s3')
+                s4 = ns.State(1.0, name='s4', tag='own')
+            rec('untagged', lambda: (c2.get_states(), s3.tag))
+            rec('untagged_clobbers_tag', lambda: s4.tag)
+            with ns.catch_new_states('x') as c3:
+                s5 = ns.State(1.0, name='s5', tag='own')
+            rec('tag_overrides', lambda: s5.tag)
+            rec('state_to_exclude', lambda: (lambda cm: (
+                cm.__enter__(), ns.State(1.0, name='e1'), ns.ParamState(1.0, name='e2'),
+                cm.__exit__(None, None, None))[0].get_states())(
+                ns.catch_new_states('y', state_to_exclude=ns.OfType(ns.ParamState))))
+            with ns.catch_new_states('z') as c4:
+                def f(x):
+                    ns.State(x, name='inner')
+                    return x
+                ns.StatefulFunction(f).make_jaxpr(1.0)
+            rec('inside_trace', lambda: len(c4.get_states()))
+        self._bs_assert(self._bs_compare('catch_new_states', program))
+
+    # f + g: StatefulMapping with filters, tuple in_axes, axis_size; its accessors
+    def test_stateful_mapping(self):
+        def program(ns, rec):
+            w = ns.ParamState(jnp.ones(3), name='w')
+            v = ns.HiddenState(jnp.zeros((4, 3)), name='v')
+            rng = ns.RandomState(0, name='rng')
+
+            def neuron(x):
+                v.value = 0.9 * v.value + w.value * x + jax.random.normal(rng.split_key(), (3,))
+                return v.value.sum()
+            sm = ns.StatefulMapping(neuron, in_axes=0,
+                                    state_in_axes={0: ns.OfType(ns.HiddenState)})
+            x = jnp.ones((4, 3))
+            rec('call1', lambda: sm(x))
+            rec('values1', lambda: [w.value, v.value, rng.value])
+            rec('call2', lambda: sm(x))
+            rec('values2', lambda: [w.value, v.value, rng.value])
+            rec('is_stateful_function', lambda: isinstance(sm, ns.StatefulFunction))
+            _bs_accessors(rec, 'accessors', sm, (x,))
+            _bs_stats(rec, 'mapping', sm)
+
+            for label, filt in (('tag', 'lane'), ('any', ns.Any('lane', ns.BatchState)),
+                                ('all_not', ns.All('lane', ns.Not(ns.OfType(
+                                    ns.RandomStateClass)))),
+                                ('predicate', lambda path, st: st.tag == 'lane'),
+                                ('dict', {0: 'lane'})):
+                c = ns.State(jnp.arange(4.0), name=f'c_{label}', tag='lane')
+                g = ns.State(jnp.zeros(()), name=f'g_{label}')
+
+                def fn(x, c=c, g=g):
+                    c.value = c.value * x + g.value
+                    return c.value + 1
+                m = ns.StatefulMapping(fn, in_axes=0, state_in_axes=filt,
+                                       state_out_axes=filt if label == 'dict' else None)
+                rec(f'filter.{label}', lambda: (m(jnp.arange(4.0)), c.value, g.value))
+
+            d = ns.State(jnp.zeros((4, 2)), name='d', tag='lane')
+            m = ns.StatefulMapping(lambda x: (d.__setattr__('value', d.value + x), x)[1],
+                                   in_axes=0, state_in_axes={0: 'lane'},
+                                   state_out_axes={1: 'lane'})
+            rec('state_out_axes_moved', lambda: (m(jnp.ones(4)), d.value.shape))
+
+            t = ns.State(jnp.zeros(4), name='t')
+
+            def two(x, y):
+                t.value = t.value + x * y
+                return x - y
+            rec('tuple_in_axes', lambda: (ns.StatefulMapping(
+                two, in_axes=(0, None), state_in_axes={0: ns.Everything()})(
+                jnp.arange(4.0), 2.0), t.value))
+            t2 = ns.State(jnp.zeros(4), name='t2')
+            rec('tuple_in_axes_00', lambda: (ns.StatefulMapping(
+                lambda x, y: (t2.__setattr__('value', t2.value + x), x * y)[1],
+                in_axes=(0, 0), state_in_axes=ns.Everything())(
+                jnp.arange(4.0), jnp.ones(4)), t2.value))
+
+            rng2 = ns.RandomState(1, name='rng2')
+            acc = ns.State(jnp.zeros(()), name='acc')
+
+            def h():
+                acc.value = acc.value + 1.0
+                return jax.random.uniform(rng2.split_key())
+            rec('axis_size', lambda: (ns.StatefulMapping(h, in_axes=0, axis_size=3)(),
+                                      acc.value, rng2.value))
+            rng3 = ns.RandomState(1, name='rng3')
+            rec('axis_size_in_axes_None', lambda: ns.StatefulMapping(
+                lambda: jax.random.uniform(rng3.split_key()), in_axes=None, axis_size=3)())
+            rng4 = ns.RandomState(2, name='rng4')
+            rec('per_lane_keys', lambda: (ns.StatefulMapping(
+                lambda: rng4.split_key(), in_axes=0, axis_size=3)(), rng4.value))
+        self._bs_assert(self._bs_compare('StatefulMapping', program))
+
+    # l: inconsistent batch sizes
+    def test_stateful_mapping_batch_size_errors(self):
+        def program(ns, rec):
+            sc = ns.State(jnp.float32(0.0), name='sc')
+            m = ns.StatefulMapping(lambda x, y: x + y + sc.value, in_axes=0)
+            rec('inconsistent_args', lambda: m(jnp.ones(3), jnp.ones(4)),
+                words=('inconsistent batch sizes',))
+            rec('after', lambda: sc.value)
+            bs = ns.State(jnp.zeros(5), name='bs', tag='lane')
+            m2 = ns.StatefulMapping(lambda x: bs.value * x, in_axes=0, state_in_axes='lane')
+            rec('state_vs_arg', lambda: m2(jnp.ones(3)))
+            m3 = ns.StatefulMapping(lambda: sc.value * 2, in_axes=0)
+            rec('nothing_batched', lambda: m3())
+            rec('bad_filter', lambda: ns.StatefulMapping(lambda x: x, state_in_axes=42))
+        self._bs_assert(self._bs_compare('StatefulMapping.errors', program))
+
+    # i: State methods
+    def test_state_methods(self):
+        def program(ns, rec):
+            s = ns.State(jnp.arange(3.0), name='s', tag='t')
+            rec('tag', lambda: s.tag)
+            rec('check_if_deleted', lambda: s.check_if_deleted())
+            rec('stack_level', lambda: s.stack_level)
+            rec('increase', lambda: (s.increase_stack_level(), s.stack_level)[1])
+            rec('decrease', lambda: (s.decrease_stack_level(), s.decrease_stack_level(),
+                                     s.stack_level)[2])
+            rec('stack_level_setter', lambda: (setattr(s, 'stack_level', 2), s.stack_level,
+                                               setattr(s, 'stack_level', 0))[1])
+            rec('value_call', lambda: s.value_call(lambda x: x * 2))
+            rec('to_state_ref', lambda: (lambda r: (type(r).__name__, r.value, r.name))(
+                s.to_state_ref()))
+            rec('update_from_ref', lambda: (s.update_from_ref(
+                s.replace(value=jnp.ones(3)).to_state_ref()), s.value, s.name, s.tag)[1:])
+            rec('replace', lambda: (lambda r: (type(r).__name__, r.value, r.name, r.tag,
+                                               r is s))(s.replace(value=jnp.zeros(3), tag='u')))
+            rec('replace_positional', lambda: (lambda r: (r.value, r.name, r.tag))(
+                s.replace(jnp.zeros(2))))
+            rec('replace_no_args', lambda: (lambda r: (r.value, r is s))(s.replace()))
+            rec('copy', lambda: (lambda r: (type(r).__name__, r.value, r.name, r.tag, r is s))(
+                s.copy()))
+            p = ns.ParamState(jnp.ones(2), name='p', tag='pt')
+            rec('copy_subclass', lambda: (lambda r: (type(r).__name__, r.tag))(p.copy()))
+            rec('numel', lambda: ns.State({'a': jnp.ones((2, 3)), 'b': 1.0}).numel())
+            rec('restore_value', lambda: (s.restore_value(jnp.ones(3) * 5), s.value)[1])
+            rec('name_setter', lambda: (setattr(s, 'name', 'renamed'), s.name)[1])
+            rec('eq_hash', lambda: (s == s.copy(), hash(s) == hash(s)))
+            rec('State(State)', lambda: ns.State(s).value)
+            rec('assign_state', lambda: setattr(s, 'value', p))
+            rec('metadata_kw', lambda: ns.State(1.0, name='m', tag='x', foo=1).tag)
+            with ns.check_state_value_tree():
+                rec('tree_check', lambda: setattr(ns.State({'a': 1.0}), 'value', {'b': 1.0}))
+            rec('raise_with_source', lambda: s.raise_error_with_source_info(KeyError('k')))
+            for cls in ('ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
+                        'HiddenState'):
+                rec(f'{cls}.mro', lambda cls=cls: [c.__name__ for c in
+                                                   type(getattr(ns, cls)(1.0)).__mro__
+                                                   if c.__name__ in ('State', 'ShortTermState',
+                                                                     'LongTermState')])
+        self._bs_assert(self._bs_compare('State', program))
+
+    # j: RandomState key management
+    def test_random_state_keys(self):
+        def program(ns, rec):
+            r = ns.RandomState(0, name='r')
+            rec('value', lambda: r.value)
+            rec('split', lambda: (r.split_key(), r.value))
+            rec('split_n', lambda: (r.split_key(3), r.value))
+            rec('split_n_backup_false', lambda: (r.split_key(2, backup=False), r.value))
+            rec('split_key(0)', lambda: r.split_key(0))
+            rec('split_backup', lambda: (r.split_key(backup=True), r.value))
+            rec('second_backup_raises', lambda: r.backup_key())
+            rec('restore', lambda: (r.restore_key(), r.value)[1])
+            rec('restore_again_raises', lambda: r.restore_key())
+            rec('backup_twice', lambda: (r.backup_key(), r.backup_key()))
+            r2 = ns.RandomState(1, name='r2')
+            rec('set_key', lambda: (r2.set_key(jax.random.PRNGKey(5)), r2.value)[1])
+            rec('self_assign_multi_keys', lambda: (r2.self_assign_multi_keys(3), r2.value,
+                                                   r2.restore_key(), r2.value))
+            r3 = ns.RandomState(1, name='r3')
+            rec('self_assign_multi_keys_no_backup', lambda: (
+                r3.self_assign_multi_keys(3, backup=False), r3.value, r3.restore_key()))
+            r4 = ns.RandomState(1, name='r4')
+            rec('seed_int', lambda: (r4.seed(3), r4.value)[1])
+            rec('seed_int_array', lambda: (r4.seed(jnp.int32(7)), r4.value)[1])
+            rec('seed_key', lambda: (r4.seed(jax.random.PRNGKey(9)), r4.value)[1])
+            rec('seed_none', lambda: (r4.seed(), r4.value.shape, r4.value.dtype)[1:])
+            rec('seed(str)', lambda: r4.seed('abc'))
+            r5 = ns.RandomState(11, name='r5')
+            rec('clone', lambda: (lambda c: (type(c).__name__, c.value, r5.value, c is r5))(
+                r5.clone()))
+            rec('RandomState(str)', lambda: ns.RandomState('abc'))
+            rec('RandomState(f32)', lambda: ns.RandomState(jnp.zeros(3)))
+            rec('typed', lambda: ns.RandomState(jax.random.key(4)).split_key(2))
+            rec('none', lambda: (lambda x: (x.value.shape, x.value.dtype))(ns.RandomState()))
+            rec('assign_non_key', lambda: setattr(ns.RandomState(0), 'value', jnp.zeros(3)))
+            rec('in_trace', lambda: (lambda rr: (ns.StatefulFunction(
+                lambda: jax.random.uniform(rr.split_key(), (2,)))(), rr.value))(
+                ns.RandomState(5, name='rt')))
+        self._bs_assert(self._bs_compare('RandomState', program))
+
+    # k: filters, BoundedCache, make_hashable, hashabledict, constant_fold_jaxpr
+    def test_filters(self):
+        def program(ns, rec):
+            a = ns.State(1.0, name='a', tag='lane')
+            p = ns.ParamState(1.0, name='p')
+            rr = ns.RandomStateClass(0)
+            samples = (a, p, rr)
+            filters = {
+                'type': ns.ParamState, 'tag': 'lane', 'true': True, 'false': False,
+                'ellipsis': ..., 'none': None, 'tuple': ('lane', ns.ParamState),
+                'list': ['lane'], 'OfType': ns.OfType(ns.State),
+                'Any': ns.Any('lane', ns.ParamState), 'All': ns.All(ns.State, 'lane'),
+                'Not': ns.Not(ns.ParamState), 'Everything': ns.Everything(),
+                'Nothing': ns.Nothing(), 'callable': lambda path, x: x is p}
+            for k, flt in filters.items():
+                rec(f'to_predicate.{k}', lambda flt=flt: [
+                    bool(ns.to_predicate(flt)((), s)) for s in samples])
+                rec(f'to_predicate.{k}.type', lambda flt=flt: type(ns.to_predicate(flt)).__name__
+                    if k != 'callable' else 'function')
+            rec('to_predicate(42)', lambda: ns.to_predicate(42))
+            rec('eq', lambda: (ns.Any('a') == ns.Any('a'), ns.All('a') == ns.All('b'),
+                               ns.Not('a') == ns.Not('a'), ns.Everything() == ns.Everything(),
+                               ns.Nothing() == ns.Nothing(), ns.OfType(int) == ns.OfType(int)))
+            rec('hash', lambda: (hash(ns.Any('a')) == hash(ns.Any('a')),
+                                 hash(ns.Everything()) == hash(ns.Everything())))
+            rec('OfType.type', lambda: ns.OfType(ns.ParamState).type.__name__)
+            rec('Any.predicates', lambda: len(ns.Any('a', 'b').predicates))
+            rec('Not.predicate', lambda: type(ns.Not('a').predicate).__name__)
+        self._bs_assert(self._bs_compare('filters', program))
+
+    def test_cache_helpers_and_constant_folding(self):
+        def program(ns, rec):
+            c = ns.BoundedCache(maxsize=2)
+            rec('set', lambda: (c.set('a', 1), c.set('b', 2), c.get('a'), c.set('c', 3),
+                                c.keys()))
+            rec('set_existing', lambda: c.set('a', 9))
+            rec('replace', lambda: (c.replace('a', 5), c.get('a'), c.keys()))
+            rec('replace_missing', lambda: c.replace('zz', 1))
+            rec('get_default', lambda: c.get('zz', 'dflt'))
+            rec('get_raise', lambda: c.get('zz', raise_on_miss=True, error_context='Thing'),
+                words=('Thing not compiled for the requested cache key',))
+            rec('pop', lambda: (c.pop('a'), c.pop('zz', 'd'), c.keys()))
+            rec('contains_len', lambda: ('c' in c, 'a' in c, len(c)))
+            rec('stats', lambda: c.get_stats())
+            rec('clear', lambda: (c.clear(), c.get_stats())[1])
+            rec('default_maxsize', lambda: ns.BoundedCache().get_stats()['maxsize'])
+            rec('make_hashable.dict', lambda: ns.make_hashable({'b': [1, 2], 'a': 0}))
+            rec('make_hashable.set', lambda: ns.make_hashable({1, 2}) == frozenset({1, 2}))
+            rec('make_hashable.nested', lambda: ns.make_hashable(
+                [{'x': (1, [2])}, 'x', None]))
+            rec('make_hashable.hashable', lambda: hash(ns.make_hashable(
+                {'k': [jnp.float32, 3, 'z']})) is not None)
+            rec('make_hashable.equal_by_value', lambda: ns.make_hashable(
+                {'a': [1, 2]}) == ns.make_hashable({'a': [1, 2]}))
+            h1 = ns.hashabledict(b=1, a=(2, 3))
+            rec('hashabledict.hash', lambda: (hash(h1) == hash(ns.hashabledict(a=(2, 3), b=1)),
+                                              hash(h1) == hash(tuple(sorted(h1.items())))))
+            rec('hashabledict.eq', lambda: (h1 == {'a': (2, 3), 'b': 1}, isinstance(h1, dict)))
+            rec('hashabledict.setitem', lambda: h1.__setitem__('c', 1))
+
+            consts = jnp.array([0.0, 0.5, 1.0])
+
+            def f(x, unused):
+                table = jnp.cos(consts) * 2 + 1
+                return x * table + jnp.sin(jnp.float32(2.0))
+            closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(2))
+            folded = ns.constant_fold_jaxpr(closed.jaxpr)
+            rec('constant_fold_jaxpr.type', lambda: type(folded).__name__)
+            rec('constant_fold_jaxpr.interface', lambda: [v.aval for v in folded.invars])
+            rec('constant_fold_jaxpr.value', lambda: jax.core.eval_jaxpr(
+                folded, closed.consts if folded.constvars else [], jnp.full(3, 2.0),
+                *([jnp.ones(2)] if len(folded.invars) == 2 else [])))
+            rec('constant_fold_jaxpr.outvars', lambda: [v.aval for v in folded.outvars])
+        self._bs_assert(self._bs_compare('helpers', program))
+
+    def test_static_arguments(self):
+        def program(ns, rec):
+            def make(name):
+                a = ns.State(jnp.ones(2), name=name)
+
+                def f(x, n):
+                    a.value = a.value + x * n[0]
+                    return a.value
+                return a, f
+            a, f = make('neg')
+            sf = ns.StatefulFunction(f, static_argnums=-1)
+            rec('static_argnums_negative', lambda: list(sf.get_jaxpr(
+                jnp.ones(2), (2, 3)).in_avals))
+            a, f = make('list')
+            rec('static_list_argument', lambda: ns.StatefulFunction(f, static_argnums=1)(
+                jnp.ones(2), [2, 3]))
+            a, f = make('tuple')
+            sf2 = ns.StatefulFunction(f, static_argnums=1)
+            rec('static_tuple_argument', lambda: (sf2(jnp.ones(2), (2, 3)), a.value))
+            rec('static_tuple.in_avals', lambda: list(sf2.get_jaxpr(jnp.ones(2), (2, 3)).in_avals))
+            sf3 = ns.StatefulFunction(lambda x, k=1: x * k + a.value, static_argnames=('k',))
+            rec('static_argnames', lambda: (sf3(jnp.ones(2), k=3), list(sf3.get_jaxpr(
+                jnp.ones(2), k=3).in_avals)))
+        self._bs_assert(self._bs_compare('static', program))
+
+    # the fuzz generator's programs (those brainstate can run)
+    def test_generated_programs(self):
+        T = _bs_fuzz_module()
+        start = time.perf_counter()
+        problems, seeds, seed, ran = [], [], 0, 0
+        while len(seeds) < self.FUZZ_PROGRAMS and seed < 2000:
+            prog = T._fz_generate(seed)
+            if _bs_fuzz_supported(prog):
+                seeds.append(seed)
+                problems += self._bs_compare(f'fuzz[{seed}]', _bs_fuzz_program(T, prog))
+                ran += not isinstance(self._bs_last['bs'].items.get('out2'), _bs_Raised)
+            seed += 1
+        self.assertGreaterEqual(ran, 20, f'brainstate ran only {ran} of {len(seeds)} programs')
+        elapsed = time.perf_counter() - start
+        self._bs_assert(problems)
+        self.assertLess(elapsed, 120, f'{len(seeds)} programs took {elapsed:.0f} s')
 
 
 if __name__ == '__main__':
