@@ -304,6 +304,29 @@ if _HAS_REFS:
         return _close(jaxpr, consts)
 
 
+
+# A written State keeps its layout through a constraint on the new value.
+# Under JAX's explicit sharding mode (mesh axes of type Explicit, 0.5+) that
+# constraint is ``reshard``: public as jax.sharding.reshard from 0.7,
+# jax.experimental.shard.reshard on 0.5 and 0.6.
+_AXIS_EXPLICIT = getattr(getattr(jax.sharding, 'AxisType', None), 'Explicit', None)
+try:
+    _reshard = jax.sharding.reshard                              # 0.7 ..
+except AttributeError:
+    try:
+        from jax.experimental.shard import reshard as _reshard   # 0.5, 0.6
+    except ImportError:                                           # .. 0.4.38: no explicit mode
+        _reshard = None
+
+
+def _constrain(value, sharding):
+    """``value`` laid out as ``sharding`` inside a jit trace."""
+    axis_types = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
+    if _AXIS_EXPLICIT is not None and _AXIS_EXPLICIT in axis_types and _reshard is not None:
+        return _reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
 # =============================================================================
 # 2. Errors and small helpers
 # =============================================================================
@@ -400,6 +423,32 @@ def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
 
+# Bumped when a State is given, outside any trace, a value spanning several
+# devices or in place of one.  A compiled call keeps each written state's
+# layout through a constraint traced into its dispatcher, and jax.jit retraces
+# on new shapes but not on new shardings; so a changed layout must reach the
+# dispatcher's static key (see ``_layout_token``).  Unsharded code never
+# bumps it, and the warm path only compares it.
+_layout_epoch = 0
+
+
+def _new_layout() -> None:
+    global _layout_epoch
+    _layout_epoch += 1
+
+
+def _spans_devices(value) -> bool:
+    return any(_multi_device(leaf) for leaf in _leaves(value))
+
+
+def _multi_device(leaf):
+    """``leaf``'s sharding if it spans several devices, else ``None``."""
+    sharding = getattr(leaf, 'sharding', None)
+    if sharding is None or isinstance(leaf, Tracer) or len(sharding.device_set) < 2:
+        return None
+    return sharding
+
+
 def _shape_struct(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
@@ -459,7 +508,7 @@ class State:
     """
 
     __slots__ = ('_value', '_name', '_metadata', '_source', '_stack_level',
-                 '_owner', '_creation_trace', '_leak', '__weakref__', '__dict__')
+                 '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
         if isinstance(value, State):
@@ -471,7 +520,7 @@ class State:
         self._source = _user_site()
         self._check_value(value)
         self._value = value
-        self._leak = None
+        self._broken = None
         frames = _ctx.frames
         self._stack_level = len(frames)
         self._owner = None
@@ -491,8 +540,8 @@ class State:
         frames = _ctx.frames
         if frames:
             return _traced_read(self, frames)
-        if self._leak is not None:
-            self._raise_leak()
+        if self._broken is not None:
+            self._raise_broken()
         if _under_jax_trace():
             # Read by a plain JAX trace: a jaxpr JAX may cache holds this value.
             _BAKED_STATES.add(self)
@@ -500,25 +549,23 @@ class State:
 
     @value.setter
     def value(self, v):
-        self._check_assignment(v)
-        frames = _ctx.frames
-        if frames:
-            _traced_write(self, v, frames, written=True)
-        else:
-            _check_tracers_may_enter(self, v, ())
-            self._value = v
-            self._leak = None
+        self._assign(v, written=True)
 
     def restore_value(self, v) -> None:
         """Sets the value without recording a write (a read is recorded)."""
+        self._assign(v, written=False)
+
+    def _assign(self, v, written: bool) -> None:
         self._check_assignment(v)
         frames = _ctx.frames
         if frames:
-            _traced_write(self, v, frames, written=False)
-        else:
-            _check_tracers_may_enter(self, v, ())
-            self._value = v
-            self._leak = None
+            _traced_write(self, v, frames, written=written)
+            return
+        _check_tracers_may_enter(self, v, ())
+        if _spans_devices(v) or _spans_devices(self._value):
+            _new_layout()
+        self._value = v
+        self._broken = None
 
     def _check_value(self, v) -> None:
         """Hook for subclasses that restrict what a value may be."""
@@ -550,8 +597,12 @@ class State:
                         return v
         return self._value
 
-    def _raise_leak(self):
-        raise TraceContextError(self._leak)
+    def _raise_broken(self):
+        # ``_broken``: (exception type, message, short description) when the
+        # State holds nothing readable (a finished trace's tracer, a buffer
+        # deleted by a failed donating call) until it is assigned again.
+        kind, message, _ = self._broken
+        raise kind(message)
 
     # -- metadata --------------------------------------------------------------
     @property
@@ -657,6 +708,8 @@ class State:
 
     def check_if_deleted(self) -> None:
         """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
+        if self._broken is not None:
+            self._raise_broken()
         for leaf in _leaves(self._value):
             if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
                 raise ValueError(
@@ -675,8 +728,8 @@ class State:
         return self is other
 
     def __repr__(self):
-        if self._leak is not None:
-            shown = '<tracer from a finished trace>'
+        if self._broken is not None:
+            shown = f'<{self._broken[2]}>'
         else:
             shown = repr(self._value)
         name = f'name={self._name!r}, ' if self._name else ''
@@ -1008,10 +1061,12 @@ class StateTraceStack:
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
-                state._leak = (
+                state._broken = (
+                    TraceContextError,
                     f'{state._describe()} was created inside a traced function and still '
                     'holds a tracer from that finished trace; return its value from the '
-                    'function (or create the State outside it) instead of reading it afterwards')
+                    'function (or create the State outside it) instead of reading it afterwards',
+                    'tracer from a finished trace')
         self._owned = []
         self._values = {}
         if self._jax_trace is not None:   # a finished trace's tracers
@@ -1203,8 +1258,8 @@ def _touch_all(state, frames, write: bool):
     """Records ``state`` in every frame that sees it; returns the innermost
     isolating frame's entry for it (a value or a ``_RefCell``) and that frame."""
     start = _owner_start(state, frames)
-    if start == 0 and state._leak is not None:
-        state._raise_leak()
+    if start == 0 and state._broken is not None:
+        state._raise_broken()
     current, source = state._value, None
     for frame in frames[start:]:
         current = frame._touch(state, current, write)
@@ -1252,7 +1307,7 @@ def _traced_write(state, value, frames, written: bool):
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
         state._value = value
-        state._leak = None
+        state._broken = None
     else:
         target._values[id(state)] = value
 
@@ -1825,14 +1880,18 @@ _MAX_PLAN_SWITCHES = 3
 
 
 class _Plan:
-    """Which states a compiled call reads and writes; shared by entries that agree."""
-    __slots__ = ('token', 'states', 'write_states', 'write_index')
+    """Which states a compiled call reads, writes and donates (positions in
+    ``states``); shared by entries that agree."""
+    __slots__ = ('token', 'states', 'write_states', 'write_index', 'donated', 'kept')
 
-    def __init__(self, states, write_index):
+    def __init__(self, states, write_index, donate):
         self.token = next(_plan_tokens)
         self.states = states
         self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
+        self.donated = tuple(i for i in write_index if donate is not None
+                             and donate((), states[i]))
+        self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
 
 
 class _KeyLock:
@@ -1920,13 +1979,30 @@ def _check_callable(fun, who: str):
         raise TypeError(f'{who} cannot trace coroutine function {fun!r}; make it synchronous')
 
 
+def _kept_layout(state, new):
+    """``new`` laid out like ``state``'s current value, leaf by leaf, where
+    that spans several devices (inside the dispatcher's trace).  Without it
+    XLA may gather a state it infers no sharding for onto one device."""
+    old, tree = jax.tree_util.tree_flatten(state._value)
+    leaves, new_tree = jax.tree_util.tree_flatten(new)
+    if new_tree != tree:
+        return new
+    out = []
+    for o, n in zip(old, leaves):
+        sharding = _multi_device(o)
+        if sharding is not None and np.shape(o) == np.shape(n):
+            n = _constrain(n, sharding)
+        out.append(n)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
 class _StatefulBase:
     """Machinery shared by StatefulFunction and StatefulMapping."""
 
     _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
-                 name, return_only_write, cache_size=128):
+                 name, return_only_write, donate_states, keep_sharding, cache_size=128):
         _check_callable(fun, type(self).__name__)
         self.fun = fun
         self.static_argnums = _normalize_argnums(static_argnums, 'static_argnums')
@@ -1935,6 +2011,10 @@ class _StatefulBase:
         self.abstracted_axes = abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
         self.return_only_write = return_only_write
+        self.donate_states = donate_states
+        self.keep_sharding = keep_sharding
+        self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
+        self._keep = to_predicate(keep_sharding)
         if abstracted_axes is not None and not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
             raise NotImplementedError(
                 f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
@@ -1950,6 +2030,7 @@ class _StatefulBase:
         self._wrap_statics = False
         self._plans: dict = {}
         self._plans_by_token: dict = {}
+        self._layout_tokens: dict = {}    # (plan token, layout) -> dispatcher key
         self._fast = None          # (plan, dispatcher, nargs) of the last slow call
         self._plan_switches = 0
         self._dispatchers: dict = {}
@@ -2092,7 +2173,7 @@ class _StatefulBase:
         plan_key = (tuple(map(id, states)), write_index)
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = _Plan(states, write_index)
+            plan = _Plan(states, write_index, self._donate)
             self._plans[plan_key] = plan
             self._plans_by_token[plan.token] = plan
         return plan
@@ -2101,19 +2182,24 @@ class _StatefulBase:
         raise NotImplementedError
 
     # -- calls -----------------------------------------------------------------
-    def _dispatcher(self, nargs: int):
-        jitted = self._dispatchers.get(nargs)
+    def _dispatcher(self, nargs: int, donating: bool = False):
+        jitted = self._dispatchers.get((nargs, donating))
         if jitted is None:
             statics = self._static_positions(nargs) if self.static_argnums else ()
-            jitted = jax.jit(self._dispatch_body,
-                             static_argnums=(0,) + tuple(i + 2 for i in statics),
-                             static_argnames=self.static_argnames or None)
-            self._dispatchers[nargs] = jitted
+            first = 3 if donating else 2          # where *args start
+            jitted = jax.jit(self._dispatch_donated if donating else self._dispatch_body,
+                             static_argnums=(0,) + tuple(i + first for i in statics),
+                             static_argnames=self.static_argnames or None,
+                             donate_argnums=(1,) if donating else ())
+            if donating:
+                jitted = self._donating(jitted)
+            self._dispatchers[(nargs, donating)] = jitted
         return jitted
 
     def _dispatch_body(self, token, state_values, *args, **kwargs):
-        """Runs only when the dispatcher's cache misses: traced by jax.jit."""
-        plan = self._plans_by_token[token]
+        """Runs only when the dispatcher's cache misses: traced by jax.jit.
+        A negative ``token`` (``jaxpr_call``) leaves the layout to XLA."""
+        plan = self._plans_by_token[abs(token)]
         if self._wrap_statics:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
@@ -2123,15 +2209,79 @@ class _StatefulBase:
             entry = self._entry_for(key, leaves, split, count=False)
             if entry.plan is not plan:
                 raise _PlanMismatch
-        return entry.apply(list(state_values), leaves)
+        out, new = entry.apply(list(state_values), leaves)
+        if token > 0:
+            new = [_kept_layout(state, value) if self._keep((), state) else value
+                   for state, value in zip(plan.write_states, new)]
+        return out, new
 
-    def _run(self, entry, state_values, args, kwargs, leaves):
-        """Runs ``entry`` on concrete values: compiled unless mapping with pmap."""
+    def _dispatch_donated(self, token, donated, kept, *args, **kwargs):
+        """The donating dispatcher's body: the donated values come apart."""
+        plan = self._plans_by_token[token]
+        values = [None] * len(plan.states)
+        for i, value in zip(plan.donated, donated):
+            values[i] = value
+        for i, value in zip(plan.kept, kept):
+            values[i] = value
+        return self._dispatch_body(token, values, *args, **kwargs)
+
+    def _donating(self, jitted):
+        """Calls the donating ``jitted`` like the plain dispatcher is called."""
+        def call(token, values, *args, **kwargs):
+            plan = self._plans_by_token[token]
+            try:
+                return jitted(token, [values[i] for i in plan.donated],
+                              [values[i] for i in plan.kept], *args, **kwargs)
+            except BaseException as err:
+                self._donation_failed(plan, values, err)
+                raise
+        return call
+
+    def _donation_failed(self, plan, values, err):
+        """After a failed donating call: explain a donated array that another
+        state holds too, and leave no State holding a deleted buffer."""
+        owner = {}
+        for i in plan.donated + plan.kept:
+            for leaf in _leaves(values[i]):
+                j = owner.setdefault(id(leaf), i)
+                if j != i and (i in plan.donated or j in plan.donated):
+                    raise ValueError(
+                        f'{type(self).__name__}({self.name!r}) would donate the array that '
+                        f'{plan.states[j]._describe()} and {plan.states[i]._describe()} both '
+                        'hold; give one of them a copy (jnp.copy) or leave it out of '
+                        'donate_states') from err
+        for i in plan.donated:
+            state = plan.states[i]
+            if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
+                state._broken = (
+                    RuntimeError,
+                    f'{state._describe()} has no value: its buffer was donated to a call of '
+                    f'{type(self).__name__}({self.name!r}) that then failed '
+                    f'({type(err).__name__}: {err}); assign it a new value',
+                    'buffer deleted by a failed donating call')
+
+    def _run(self, entry, state_values, args, kwargs, leaves, token):
+        """Runs ``entry`` on concrete values: compiled unless mapping with pmap.
+        ``token`` is the dispatcher's static key: a negative one (``jaxpr_call``:
+        the caller's values) donates nothing and leaves the layout to XLA."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
         if self._wrap_statics:
             args, kwargs = self._wrapped_statics(args, kwargs)
-        return self._dispatcher(len(args))(entry.plan.token, state_values, *args, **kwargs)
+        donating = token > 0 and bool(entry.plan.donated)
+        return self._dispatcher(len(args), donating)(token, state_values, *args, **kwargs)
+
+    def _layout_token(self, plan) -> int:
+        """``plan``'s dispatcher key for the layout its written states have now."""
+        layout = tuple(_multi_device(leaf) for state in plan.write_states
+                       for leaf in _leaves(state._value))
+        if not any(layout):
+            return plan.token
+        token = self._layout_tokens.get((plan.token, layout))
+        if token is None:
+            token = self._layout_tokens[(plan.token, layout)] = next(_plan_tokens)
+            self._plans_by_token[token] = plan
+        return token
 
     def _wrapped_statics(self, args, kwargs):
         """Static arguments hashable by ``make_hashable`` value, for jax.jit."""
@@ -2147,15 +2297,15 @@ class _StatefulBase:
         if ctx.frames:
             return self._call_in_trace(args, kwargs)
         fast = self._fast
-        if fast is None or fast[2] != len(args):
+        if fast is None or fast[2] != len(args) or fast[4] != _layout_epoch:
             return self._call_slow(args, kwargs)
         # Fast path (see the section comment): a handful of attribute reads
         # around one jax.jit call.  ``ntraces`` tells a cache hit from a call
         # during which the dispatcher had to trace afresh.
-        plan, dispatch, _ = fast
+        plan, dispatch, _, token, _ = fast
         ntraces = ctx.ntraces
         try:
-            out, new = dispatch(plan.token, [s._value for s in plan.states], *args, **kwargs)
+            out, new = dispatch(token, [s._value for s in plan.states], *args, **kwargs)
         except _PlanMismatch:
             # These arguments use other states.  Switching plans costs an
             # aborted trace, so a function that keeps switching gives up the
@@ -2182,11 +2332,13 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
-        out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves)
+        epoch, token = _layout_epoch, self._layout_token(plan)
+        out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves, token)
         self._write_back(plan, new)
         if (self._compiled_dispatch and entry.traced.cacheable and not self._wrap_statics
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            self._fast = (plan, self._dispatcher(len(args)), len(args))
+            self._fast = (plan, self._dispatcher(len(args), bool(plan.donated)), len(args),
+                          token, epoch)
         else:
             self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
@@ -2270,6 +2422,16 @@ class StatefulFunction(_StatefulBase):
         Label for jaxprs and error messages (defaults to ``fun.__name__``).
     return_only_write : bool
         Return only written states from the jaxpr (default) or all touched ones.
+    donate_states : filter, optional
+        Written states matching it (``True``: every written state) have their
+        old buffers donated to the compiled call, so XLA updates them in place
+        (see README, "Many devices, many hosts").  Read-only states are never
+        donated.  Off by default: an old value someone still holds becomes a
+        deleted array.
+    keep_sharding : filter
+        Written states matching it (default: all) keep the sharding their
+        value had, also where XLA would infer another; ``False`` (or a filter
+        excluding a state) lets XLA choose.
 
     Example
     -------
@@ -2285,9 +2447,10 @@ class StatefulFunction(_StatefulBase):
     """
 
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
-                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True):
+                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
+                 *, donate_states=None, keep_sharding=True):
         super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
-                         name, return_only_write)
+                         name, return_only_write, donate_states, keep_sharding)
         functools.update_wrapper(self, fun, updated=())
 
     def _build_entry(self, key, leaves, split) -> _Entry:
@@ -2463,7 +2626,8 @@ class StatefulFunction(_StatefulBase):
         # come back as given.
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
-        out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves)
+        out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
+                             -entry.plan.token)
         new_vals = [None] * len(states)
         for i in view.returned:
             new_vals[i] = state_vals[i]
@@ -2903,6 +3067,8 @@ class StatefulMapping(StatefulFunction):
         What to do when an unbatched state is written with a batched value:
         leave it batched along axis 0 silently ('auto', 'ignore'), with a
         warning ('warn'), or raise :class:`BatchAxisError` ('raise').
+    donate_states, keep_sharding
+        As for :class:`StatefulFunction`.
 
     Example
     -------
@@ -2920,12 +3086,13 @@ class StatefulMapping(StatefulFunction):
                  state_out_axes=None, static_argnums=(), static_argnames=(), axis_env=None,
                  abstracted_axes=None, axis_size: int | None = None, axis_name=None,
                  name: str | None = None, mapping_fn: Callable = jax.vmap,
-                 unexpected_out_state_mapping: str = 'auto'):
+                 unexpected_out_state_mapping: str = 'auto', *, donate_states=None,
+                 keep_sharding=True):
         if abstracted_axes is not None:
             raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
                                       'map over concrete shapes instead')
         _StatefulBase.__init__(self, fun, static_argnums, static_argnames, axis_env, None, name,
-                               False)
+                               False, donate_states, keep_sharding)
         self.origin_fun = fun
         if unexpected_out_state_mapping not in _UNEXPECTED_POLICIES:
             raise ValueError(

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import gc
 import inspect
+import json
 import pprint
 import random
 import re
@@ -1860,7 +1861,8 @@ class ModuleTest(unittest.TestCase):
                   'def run(xs):': self._readme_check_scan,
                   'def neuron(i_ext):': self._readme_check_mapping,
                   'def local_step(x):': self._readme_check_devices,
-                  'constant_fold_jaxpr(closed)': self._readme_check_folding}
+                  'constant_fold_jaxpr(closed)': self._readme_check_folding,
+                  'def train_step(x):': self._readme_check_sharding}
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
@@ -1868,6 +1870,14 @@ class ModuleTest(unittest.TestCase):
                 g = {}
                 exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
                 check(g)
+
+    def _readme_check_sharding(self, g):
+        # 8 devices; w keeps P('d', None) and holds the last step's value
+        w, mesh = g['w'], g['mesh']
+        self.assertEqual(len(w.value.sharding.device_set), 8)
+        np.testing.assert_allclose(_host(w.value), np.full((8, 1024), 8.0))
+        self.assertEqual(float(g['loss']), 8.0)
+        self.assertTrue(g['step'].donate_states)
 
     def _readme_check_example(self, g):
         f, rng, w, h = g['f'], g['rng'], g['w'], g['h']
@@ -5064,7 +5074,7 @@ class FaultInjectionTest(unittest.TestCase):
             self.assertIs(s._value, v0, f'{where}: {s.name} does not hold its old value object')
             self.assertEqual(_fz_tracer_leaves(s), [], f'{where}: {s.name} holds a tracer')
             self.assertNotIn('Trace', repr(s), f'{where}: repr of {s.name} shows a tracer')
-            self.assertIsNone(getattr(s, '_leak', None), f'{where}: {s.name} flagged as leaking')
+            self.assertIsNone(getattr(s, '_broken', None), f'{where}: {s.name} flagged as leaking')
             self.assertIs(sj.State.value.fget(s), v0,
                           f'{where}: {s.name}.value is not the old value')
         self.assertEqual(call.get_cache_stats(), stats_before, f'{where}: cache statistics changed')
@@ -6497,6 +6507,418 @@ def fuzz_main(argv=None):
         print(f'  {len(seeds)} x {kind}\n      seeds {seeds[:20]}{more}', flush=True)
     return 1 if failures else 0
 
+
+# =============================================================================
+# Many devices, many hosts: sharding kept, buffers donated
+# =============================================================================
+
+def _sd_mesh(shape, names, axis_types=None):
+    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    if axis_types is None:
+        return jax.sharding.Mesh(devices, names)
+    return jax.sharding.Mesh(devices, names, axis_types=axis_types)
+
+
+def _sd_put(value, mesh, spec):
+    return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _sd_same_layout(tc, value, expected, what):
+    """``value`` (a pytree of arrays) is laid out like ``expected``, leaf by leaf,
+    where ``expected`` spans several devices (a single-device leaf follows JAX's
+    rules for uncommitted arrays)."""
+    for got, want in zip(jax.tree_util.tree_leaves(value), jax.tree_util.tree_leaves(expected)):
+        if len(want.sharding.device_set) < 2:
+            continue
+        tc.assertTrue(got.sharding.is_equivalent_to(want.sharding, got.ndim),
+                      f'{what}: {got.sharding} is not laid out like {want.sharding}')
+
+
+def _sd_filler(state, extra=None):
+    """A function writing ``state`` with a value XLA infers no sharding for
+    (a broadcast of a reduction), so plain jax.jit would gather it."""
+    def f(x):
+        total = x.sum() if extra is None else x.sum() + extra.value.sum()
+        state.value = jax.tree_util.tree_map(lambda v: jnp.full(v.shape, total, v.dtype),
+                                             state.value)
+        return total
+    return f
+
+
+class ShardingTest(unittest.TestCase):
+    P = jax.sharding.PartitionSpec
+
+    def setUp(self):
+        _mp_need_8_devices(self)
+
+    def _check_kept(self, value, calls=3, **sf_kwargs):
+        """A state starting at ``value`` keeps its layout over several calls,
+        where plain jax.jit of the same function would not (for sharded leaves)."""
+        s = State(value, name='s_sharded')
+        f = _sd_filler(s)
+        sf = StatefulFunction(f, **sf_kwargs)
+        x = jnp.arange(3.0)
+        for i in range(calls):
+            out = sf(x + i)
+            _sd_same_layout(self, s.value, value, f'call {i}')
+            for leaf in jax.tree_util.tree_leaves(s.value):
+                np.testing.assert_allclose(_host(leaf), np.full(leaf.shape, float(out)))
+        return s
+
+    def _plain_jit_loses(self, value):
+        def pure(v, x):
+            return jax.tree_util.tree_map(lambda a: jnp.full(a.shape, x.sum(), a.dtype), v)
+        out = jax.jit(pure)(value, jnp.arange(3.0))
+        return any(not o.sharding.is_equivalent_to(v.sharding, o.ndim)
+                   for o, v in zip(jax.tree_util.tree_leaves(out),
+                                   jax.tree_util.tree_leaves(value)))
+
+    def test_1d_mesh_replicated_and_sharded(self):
+        mesh = _sd_mesh((8,), ('d',))
+        for spec, shape in [(self.P('d'), (16,)), (self.P(), (16,)),
+                            (self.P(None, 'd'), (4, 8)), (self.P('d', None), (8, 3))]:
+            with self.subTest(spec=spec):
+                value = _sd_put(jnp.zeros(shape), mesh, spec)
+                self._check_kept(value)
+        # The check means something: plain jax.jit gathers the sharded one.
+        self.assertTrue(self._plain_jit_loses(_sd_put(jnp.zeros(16), mesh, self.P('d'))))
+
+    def test_2d_mesh_full_partial_and_replicated(self):
+        mesh = _sd_mesh((2, 4), ('a', 'b'))
+        for spec in [self.P('a', 'b'), self.P('a', None), self.P(None, 'b'), self.P(),
+                     self.P(('a', 'b'), None)]:
+            with self.subTest(spec=spec):
+                self._check_kept(_sd_put(jnp.zeros((8, 4)), mesh, spec))
+
+    def test_pytree_state_with_differently_sharded_leaves(self):
+        mesh = _sd_mesh((2, 4), ('a', 'b'))
+        value = {'w': _sd_put(jnp.zeros((8, 4)), mesh, self.P('a', 'b')),
+                 'b': _sd_put(jnp.zeros(4), mesh, self.P()),
+                 'h': (_sd_put(jnp.zeros((2, 8)), mesh, self.P(None, ('a', 'b'))),
+                       jnp.zeros(3))}      # an unsharded leaf stays where XLA puts it
+        self._check_kept(value)
+
+    def test_opt_out_lets_xla_choose(self):
+        mesh = _sd_mesh((8,), ('d',))
+        value = _sd_put(jnp.zeros(16), mesh, self.P('d'))
+        s = State(value, name='free')
+        StatefulFunction(_sd_filler(s), keep_sharding=False)(jnp.arange(3.0))
+        self.assertFalse(s.value.sharding.is_equivalent_to(value.sharding, 1))
+        # Per state: only the matching one keeps its layout.
+        kept = State(value, name='kept', tag='layout')
+        free = State(value, name='free2')
+
+        def f(x):
+            kept.value = jnp.full(kept.value.shape, x.sum())
+            free.value = jnp.full(free.value.shape, x.sum())
+            return x
+        StatefulFunction(f, keep_sharding='layout')(jnp.arange(3.0))
+        _sd_same_layout(self, kept.value, value, 'kept')
+        self.assertFalse(free.value.sharding.is_equivalent_to(value.sharding, 1))
+
+    def test_new_layout_assigned_outside_is_kept(self):
+        mesh = _sd_mesh((8,), ('d',))
+        s = State(_sd_put(jnp.zeros((8, 8)), mesh, self.P('d', None)), name='relaid')
+        sf = StatefulFunction(_sd_filler(s))
+        sf(jnp.arange(3.0))
+        new = _sd_put(s.value, mesh, self.P(None, 'd'))
+        s.value = new                                   # the user's new layout
+        sf(jnp.arange(3.0))
+        _sd_same_layout(self, s.value, new, 'after re-layout')
+
+    def test_in_trace_path_and_mapping(self):
+        mesh = _sd_mesh((8,), ('d',))
+        value = _sd_put(jnp.zeros(16), mesh, self.P('d'))
+        s = State(value, name='inner_written')
+        inner = StatefulFunction(_sd_filler(s))
+        outer = StatefulFunction(lambda x: inner(x) * 2)
+        outer(jnp.arange(3.0))
+        _sd_same_layout(self, s.value, value, 'written by a nested call')
+        # StatefulMapping: a per-lane state sharded along its batch axis.
+        h = sj.HiddenState(_sd_put(jnp.zeros((8, 4)), mesh, self.P('d', None)), name='lanes')
+        g = sj.StatefulMapping(lambda x: _sd_filler(h)(x), in_axes=0,
+                               state_in_axes={0: sj.HiddenState})
+        g(jnp.ones((8, 3)))
+        _sd_same_layout(self, h.value, _sd_put(jnp.zeros((8, 4)), mesh, self.P('d', None)),
+                        'written by a StatefulMapping')
+        np.testing.assert_allclose(_host(h.value), np.full((8, 4), 3.0))
+
+    def test_explicit_sharding_mode(self):
+        axis_type = getattr(getattr(jax.sharding, 'AxisType', None), 'Explicit', None)
+        use = getattr(jax, 'set_mesh', None) or getattr(jax.sharding, 'use_mesh', None)
+        if axis_type is None or use is None or sj._reshard is None:
+            self.skipTest(f'JAX {jax.__version__} has no explicit sharding mode '
+                          '(AxisType.Explicit with jax.set_mesh / jax.sharding.use_mesh)')
+        mesh = _sd_mesh((8,), ('d',), axis_types=(axis_type,))
+        with use(mesh):
+            value = _sd_put(jnp.zeros(16), mesh, self.P('d'))
+            self._check_kept(value)
+
+    def test_unsharded_states_get_no_constraint(self):
+        s = State(jnp.zeros(4), name='single')
+        sf = StatefulFunction(_sd_filler(s))
+        sf(jnp.arange(3.0))
+        traced = sf._dispatcher(1).trace(sf._fast[0].token, [s.value], jnp.arange(3.0)) \
+            if hasattr(sf._dispatcher(1), 'trace') else None
+        if traced is None:
+            self.skipTest(f'jax.jit(...).trace is missing on JAX {jax.__version__}')
+        self.assertNotIn('sharding_constraint', str(traced.jaxpr))
+
+
+class DonationTest(unittest.TestCase):
+
+    def _states(self):
+        w = State(jnp.arange(4.0), name='w_written')
+        r = State(jnp.ones(4), name='r_read')
+        p = sj.ParamState(jnp.zeros(4), name='p_written')
+
+        def f(x):
+            w.value = w.value + x + r.value
+            p.value = p.value - x
+            return w.value.sum()
+        return w, r, p, f
+
+    def test_default_off(self):
+        w, r, p, f = self._states()
+        old = w.value
+        StatefulFunction(f)(1.0)
+        self.assertFalse(old.is_deleted())
+
+    def test_written_states_donated_read_only_never(self):
+        w, r, p, f = self._states()
+        sf = StatefulFunction(f, donate_states=True)
+        for i in range(3):
+            olds = [w.value, r.value, p.value]
+            sf(1.0)
+            self.assertEqual([o.is_deleted() for o in olds], [True, False, True], f'call {i}')
+            for s in (w, r, p):
+                s.check_if_deleted()
+        np.testing.assert_allclose(w.value, np.arange(4.0) + 6)
+        with self.assertRaisesRegex(RuntimeError, 'deleted'):
+            olds[0] + 1                       # JAX's error for a donated array
+
+    def test_filter_picks_states(self):
+        w, r, p, f = self._states()
+        sf = StatefulFunction(f, donate_states=sj.ParamState)
+        olds = [w.value, r.value, p.value]
+        sf(1.0)
+        self.assertEqual([o.is_deleted() for o in olds], [False, False, True])
+
+    def test_mapping_donates(self):
+        h = sj.HiddenState(jnp.zeros((4, 3)), name='h_donated')
+        shared = State(jnp.ones(3), name='shared_read')
+
+        def f(x):
+            h.value = h.value * 0.5 + x + shared.value   # reads h: its buffer can be reused
+            return x.sum()
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState},
+                                donate_states=True)
+        old, old_shared = h.value, shared.value
+        sm(jnp.ones((4, 3)))
+        self.assertTrue(old.is_deleted())
+        self.assertFalse(old_shared.is_deleted())
+
+    def test_jaxpr_call_never_donates(self):
+        w, r, p, f = self._states()
+        sf = StatefulFunction(f, donate_states=True)
+        vals = [s.value for s in sf.get_states(1.0)]
+        sf.jaxpr_call(vals, 1.0)
+        self.assertFalse(any(v.is_deleted() for v in vals))
+
+    def test_failed_call_leaves_no_deleted_buffer(self):
+        w = State(jnp.arange(4.0), name='w_fails')
+        r = State(jnp.ones(4), name='r_kept')
+
+        def boom(v):
+            raise _Boom('callback failed')
+
+        def f(x):
+            jax.debug.callback(boom, x)
+            w.value = w.value + r.value
+            return x
+        sf = StatefulFunction(f, donate_states=True)
+        with self.assertRaises(Exception):
+            sf(1.0)
+            jax.effects_barrier()
+        np.testing.assert_allclose(r.value, np.ones(4))        # read-only: untouched
+        # The written state either kept a readable value or says why it has none.
+        try:
+            value = w.value
+        except RuntimeError as err:
+            self.assertIn("'w_fails'", str(err))
+            self.assertIn('donated', str(err))
+            with self.assertRaisesRegex(RuntimeError, 'w_fails'):
+                w.check_if_deleted()
+            self.assertIn('deleted', repr(w))
+        else:
+            self.assertFalse(any(x.is_deleted() for x in jax.tree_util.tree_leaves(value)))
+        w.value = jnp.zeros(4)                                  # assigning repairs it
+        np.testing.assert_allclose(w.value, np.zeros(4))
+
+    def test_donating_an_array_two_states_share(self):
+        a = State(jnp.ones(4), name='a_shared')
+        b = State(a.value, name='b_shared')
+
+        def f(x):
+            a.value = a.value + b.value + x
+            return x
+        with self.assertRaisesRegex(ValueError, "'a_shared'.*'b_shared'|'b_shared'.*'a_shared'"):
+            StatefulFunction(f, donate_states=True)(1.0)
+        self.assertFalse(a.value.is_deleted())
+        np.testing.assert_allclose(b.value, np.ones(4))
+
+
+# -- many hosts -------------------------------------------------------------------
+
+# One program, run either as process ``pid`` of ``nproc`` (jax.distributed over
+# localhost, gloo collectives, 2 CPU devices each) or alone on 4 devices (the
+# reference).  It prints PROBE_OK once plain JAX has run a cross-process
+# jax.jit, then one JSON line with outputs, final states and their layouts.
+_MH_PROGRAM = r'''
+import json, os, sys
+pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=%d' % (4 // nproc)
+import jax
+if nproc > 1:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(coordinator_address='127.0.0.1:%d' % port,
+                               num_processes=nproc, process_id=pid)
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import stateful_jaxpr as sj
+
+mesh = Mesh(np.array(jax.devices()), ('d',))
+def put(host, spec):
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
+                                        lambda index: host[index])
+def gather(x):
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True)).tolist()
+
+probe = jax.jit(lambda x: x.sum())(put(np.arange(4.0, dtype=np.float32), P('d')))
+assert float(probe) == 6.0
+print('PROBE_OK', flush=True)
+
+try:
+    shard_map = jax.shard_map
+    extra = dict(check_vma=False)
+except AttributeError:
+    from jax.experimental.shard_map import shard_map
+    extra = dict(check_rep=False)
+
+def lanes(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
+    """A jax.vmap-like mapper: one lane per global device, through shard_map."""
+    def mapped(args, states):
+        flat, tree = jax.tree_util.tree_flatten((args, states))
+        axes = [0 if a is not None else None for a in jax.tree_util.tree_leaves(
+            (in_axes[0], in_axes[1]), is_leaf=lambda v: v is None)]
+        box = {}
+        def body(*local):
+            lane = [x if a is None else x[0] for x, a in zip(local, axes)]
+            out = f(*jax.tree_util.tree_unflatten(tree, lane))
+            leaves, box['tree'] = jax.tree_util.tree_flatten(out)
+            return [o[None] for o in leaves]
+        specs = tuple(P() if a is None else P('d') for a in axes)
+        out = shard_map(body, mesh=mesh, in_specs=specs, out_specs=P('d'), **extra)(*flat)
+        return jax.tree_util.tree_unflatten(box['tree'], out)
+    return mapped
+
+w = sj.State(put(np.arange(8.0, dtype=np.float32), P('d')), name='w')
+h = sj.HiddenState(put(np.arange(12.0, dtype=np.float32).reshape(4, 3), P('d', None)), name='h')
+c = sj.State(put(np.zeros((), np.float32), P()), name='count')
+
+def step(x):
+    w.value = jnp.full(w.value.shape, x) + w.value.sum() / 8   # a scalar and a reduction
+    c.value = c.value + 1
+    return w.value.sum()
+
+def lane(x):
+    h.value = h.value * 0.5 + x + w.value.sum()
+    return h.value.sum()
+
+sf = sj.StatefulFunction(step)
+sm = sj.StatefulMapping(lane, in_axes=0, state_in_axes={0: sj.HiddenState}, mapping_fn=lanes)
+outs = []
+for i in range(3):
+    outs.append(gather(sf(jnp.float32(i))))
+    outs.append(gather(sm(put(np.full((4, 3), i, np.float32), P('d', None)))))
+layout = {s.name: [type(s.value.sharding).__name__, str(tuple(s.value.sharding.spec)),
+                   s.value.is_fully_addressable]
+          for s in (w, h, c)}
+print(json.dumps({'outs': outs, 'states': {s.name: gather(s.value) for s in (w, h, c)},
+                  'layout': layout}), flush=True)
+'''
+
+
+def _mh_free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+class MultiProcessTest(unittest.TestCase):
+    """Two processes on localhost (jax.distributed, gloo, 2 CPU devices each)
+    run one program over globally sharded States; it must match one process
+    on 4 devices, and the States must stay global NamedSharding arrays."""
+    TIMEOUT = 240
+
+    def _launch(self, nproc, port):
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+        env['PYTHONPATH'] = here + os.pathsep + env.get('PYTHONPATH', '')
+        return [subprocess.Popen(
+            [sys.executable, '-W', 'ignore::DeprecationWarning', '-c', _MH_PROGRAM,
+             str(pid), str(nproc), str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=here)
+            for pid in range(nproc)]
+
+    def _collect(self, procs):
+        """Each process's (stdout, stderr, returncode); always ends them all."""
+        results, deadline = [], time.monotonic() + self.TIMEOUT
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                results.append((out, err, p.returncode))
+        except subprocess.TimeoutExpired:
+            self.fail(f'the multi-process run took over {self.TIMEOUT} s')
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return results
+
+    @staticmethod
+    def _result(out):
+        lines = [l for l in out.splitlines() if l.startswith('{')]
+        return json.loads(lines[-1]) if lines else None
+
+    def test_two_processes_match_one(self):
+        if 'jax_cpu_collectives_implementation' not in jax.config.values:
+            self.skipTest(f'JAX {jax.__version__} has no CPU collectives across processes '
+                          '(jax_cpu_collectives_implementation)')
+        runs = self._collect(self._launch(2, _mh_free_port()))
+        if not all('PROBE_OK' in out for out, _, _ in runs):
+            self.skipTest(f'JAX {jax.__version__} cannot run a plain jax.jit across two '
+                          'processes here: ' + ' | '.join(err.strip().splitlines()[-1]
+                                                          for _, err, _ in runs if err.strip()))
+        results = [self._result(out) for out, _, _ in runs]
+        for (out, err, code), res in zip(runs, results):
+            self.assertIsNotNone(res, f'a process died after the probe (exit {code}):\n{err}')
+        ref_out, ref_err, _ = self._collect(self._launch(1, 0))[0]
+        ref = self._result(ref_out)
+        self.assertIsNotNone(ref, ref_err)
+        for res in results:
+            for got, want in zip(res['outs'], ref['outs']):
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+            for name, value in ref['states'].items():
+                np.testing.assert_allclose(res['states'][name], value, rtol=1e-6, err_msg=name)
+            for name, (kind, spec, addressable) in res['layout'].items():
+                self.assertEqual(kind, 'NamedSharding', name)
+                self.assertEqual(spec, ref['layout'][name][1], name)
+                self.assertFalse(addressable, f'{name} is no longer one global array')
 
 # =============================================================================
 # Fidelity to brainstate 0.2.1
