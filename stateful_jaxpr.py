@@ -368,12 +368,14 @@ def _user_site(depth: int = 2):
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
 
+_JAX_DIR = os.path.dirname(jax.__file__)
+
+
 def _user_stacklevel() -> int:
     """``warnings.warn`` stacklevel pointing past this module and JAX."""
-    jax_dir = os.path.dirname(jax.__file__)
     frame, level = sys._getframe(1), 1
     while frame is not None and (frame.f_code.co_filename == __file__
-                                 or frame.f_code.co_filename.startswith(jax_dir)):
+                                 or frame.f_code.co_filename.startswith(_JAX_DIR)):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -464,6 +466,18 @@ def _shape_struct(aval):
 # restore.
 # =============================================================================
 
+# How many StateTraceStacks are open in all threads: while none is, a call
+# skips reading the thread-local stack (the warm path's most common case).
+_frames_open = 0
+_frames_lock = threading.Lock()
+
+
+def _open_frames(delta: int) -> None:
+    global _frames_open
+    with _frames_lock:
+        _frames_open += delta
+
+
 class _Context(threading.local):
     """Per-thread tracing context."""
 
@@ -472,6 +486,7 @@ class _Context(threading.local):
         self.catchers: list = []       # active catch_new_states collectors
         self.check_tree = False        # inside check_state_value_tree(True)
         self.ntraces: int = 0          # user-function traces run by this thread
+        self.trace_error = None        # what the last failed trace raised
 
 
 _ctx = _Context()
@@ -1040,11 +1055,14 @@ class StateTraceStack:
 
     # -- context -------------------------------------------------------------
     def __enter__(self):
+        _open_frames(+1)
         _ctx.frames.append(self)
         return self
 
     def __exit__(self, *exc):
         frames = _ctx.frames
+        if self in frames:
+            _open_frames(-1)
         if not frames or frames[-1] is not self:
             if self in frames:
                 frames.remove(self)
@@ -1508,6 +1526,7 @@ class BoundedCache:
         # callers (the compiled fast path) can count hits cheaply.
         self._hits = itertools.count()
         self._misses = itertools.count()
+        self._retracted = itertools.count()   # hits taken back (see _record_retraced)
 
     @staticmethod
     def _read(counter) -> int:
@@ -1517,6 +1536,11 @@ class BoundedCache:
 
     def _record(self, hit: bool) -> None:
         next(self._hits if hit else self._misses)
+
+    def _record_retraced(self) -> None:
+        """Turns a hit the warm path counts, before it knows, into a miss."""
+        next(self._retracted)
+        next(self._misses)
 
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
@@ -1595,7 +1619,8 @@ class BoundedCache:
     def get_stats(self) -> dict:
         """``{size, maxsize, hits, misses, hit_rate}``; ``hit_rate`` in percent."""
         with self._lock:
-            hits, misses = self._read(self._hits), self._read(self._misses)
+            misses = self._read(self._misses)
+            hits = max(0, self._read(self._hits) - self._read(self._retracted))
             total = hits + misses
             return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
                     'misses': misses, 'hit_rate': 100.0 * hits / total if total else 0.0}
@@ -1674,12 +1699,32 @@ class _TraceHints:
     finished trace's tracer inside, or any live State was read by a plain JAX
     trace.  Isolation costs about a millisecond per trace (jax.numpy's jitted
     helpers retrace too), so it is not the default.
+
+    A State first touched inside a nested transformation is lifted as Refs
+    straight away (*speculatively*): it is usually written there too (a scan
+    carry kept in a State), and so the trace needs neither the abort nor the
+    isolated retrace.  Where JAX cannot take a Ref (a transformation without
+    a discharge rule, e.g. jax.checkpoint before 0.7), the trace fails inside
+    JAX and is redone without speculation, for good.
     """
-    __slots__ = ('ref_states', 'isolate')
+    __slots__ = ('ref_states', 'isolate', 'speculate')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = False                  # trace under a fresh _TraceEpoch
+        self.speculate = _HAS_REFS            # lift first touches in nested traces as Refs
+
+
+class _CannotDischarge(TraceContextError):
+    """JAX has no discharge rule for a transformation a Ref went through."""
+
+
+def _refused_ref(err: BaseException) -> bool:
+    """Whether ``err`` is how JAX refuses a Ref somewhere (rather than an
+    error of the traced function): a closure it cannot convert (custom_jvp
+    before 0.4.36), an attribute Refs lack (shard_map), no discharge rule."""
+    return (isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge))
+            or (isinstance(err, (AttributeError, TypeError)) and 'Ref' in str(err)))
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -1707,18 +1752,21 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     if hints is None:
         hints = _TraceHints()
     while True:
-        pending = set()
+        pending, speculated = set(), []
         isolated = hints.isolate
         try:
             traced = _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env,
-                                 lift_aval, trace_with, hints, pending)
+                                 lift_aval, trace_with, hints, pending, speculated)
         except _Retrace:
             continue   # (the finally clause records what it found)
-        except jax.errors.UnexpectedTracerError:
-            if isolated:
-                raise
-            hints.isolate = True
-            continue
+        except Exception as err:
+            if speculated and _refused_ref(err):
+                hints.speculate = False   # trace as before: abort at nested writes
+                continue
+            if isinstance(err, jax.errors.UnexpectedTracerError) and not isolated:
+                hints.isolate = True
+                continue
+            raise
         finally:
             # Also when the function raised: the next trace starts informed.
             if pending:
@@ -1732,7 +1780,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
 
 def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lift_aval,
-                trace_with, hints, pending) -> _Traced:
+                trace_with, hints, pending, speculated) -> _Traced:
     ref_states, isolate = hints.ref_states, hints.isolate or len(_BAKED_STATES) > 0
     frame = StateTraceStack(name=name)
     box = {'cells': [], 'lifted': []}
@@ -1754,7 +1802,10 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
         if lift_aval is not None:
             avals = [lift_aval(state, a) for a in avals]
         trace = box['trace']
-        if state in ref_states:
+        nested = hints.speculate and _current_trace_id() is not frame._jax_trace
+        if state in ref_states or nested:
+            if state not in ref_states:
+                speculated.append(state)
             cell = _RefCell(state, [_new_arg(trace, _ref_aval(a)) for a in avals],
                             treedef, avals)
             box['cells'].append(cell)
@@ -1800,10 +1851,14 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
 
     _ctx.ntraces += 1
     with _axis_env(axis_env), _gc_paused():
-        if trace_with is None:
-            jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
-        else:
-            jaxpr, out_avals, consts = trace_with(flat_fun, flat_avals)
+        try:
+            if trace_with is None:
+                jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
+            else:
+                jaxpr, out_avals, consts = trace_with(flat_fun, flat_avals)
+        except Exception as err:
+            _ctx.trace_error = err    # tells the warm path the function raised it
+            raise
     closed = _close(jaxpr, consts)
     if pending:
         raise _Retrace
@@ -1832,7 +1887,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
-        raise TraceContextError(
+        raise _CannotDischarge(
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
@@ -1977,6 +2032,25 @@ def _check_callable(fun, who: str):
             'a generator only runs when iterated; return a value (e.g. a list) instead')
     if inspect.iscoroutinefunction(fun):
         raise TypeError(f'{who} cannot trace coroutine function {fun!r}; make it synchronous')
+
+
+def _write_back(fun, plan, new) -> None:
+    """Gives ``plan``'s written states the values a compiled call returned."""
+    if not new:
+        return
+    first = new[0]
+    # An array value has an ``aval``; only a pytree value needs a walk.
+    if isinstance(first, Tracer) or (getattr(first, 'aval', None) is None
+                                     and _contains_tracer(first)):
+        # Called under a plain JAX transformation: the new values are tracers.
+        raise TraceContextError(
+            f'{type(fun).__name__}({fun.name!r}) writes {plan.write_states[0]._describe()} '
+            'but was called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) '
+            'with no enclosing stateful trace, so the new state values would be tracers that '
+            'outlive it.  Wrap the outer function in StatefulFunction, or call '
+            'jaxpr_call(state_values, ...) and thread the values explicitly.')
+    for state, value in zip(plan.write_states, new):
+        state._value = value
 
 
 def _kept_layout(state, new):
@@ -2182,18 +2256,22 @@ class _StatefulBase:
         raise NotImplementedError
 
     # -- calls -----------------------------------------------------------------
-    def _dispatcher(self, nargs: int, donating: bool = False):
-        jitted = self._dispatchers.get((nargs, donating))
+    def _dispatcher(self, token: int, nargs: int, donating: bool = False):
+        """The jitted call for one plan (and layout): ``dispatch(state_values,
+        *args, **kwargs)``.  One jax.jit object per plan, rather than the plan
+        as a static argument, saves hashing that argument on every call."""
+        jitted = self._dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = self._static_positions(nargs) if self.static_argnums else ()
-            first = 3 if donating else 2          # where *args start
-            jitted = jax.jit(self._dispatch_donated if donating else self._dispatch_body,
-                             static_argnums=(0,) + tuple(i + first for i in statics),
+            first = 2 if donating else 1          # where *args start
+            body = self._dispatch_donated if donating else self._dispatch_body
+            jitted = jax.jit(functools.partial(body, token),
+                             static_argnums=tuple(i + first for i in statics),
                              static_argnames=self.static_argnames or None,
-                             donate_argnums=(1,) if donating else ())
+                             donate_argnums=(0,) if donating else ())
             if donating:
-                jitted = self._donating(jitted)
-            self._dispatchers[(nargs, donating)] = jitted
+                jitted = self._donating(jitted, self._plans_by_token[token])
+            self._dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
     def _dispatch_body(self, token, state_values, *args, **kwargs):
@@ -2206,7 +2284,10 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._cache._peek(key)
         if entry is None or entry.plan is not plan or not self._is_fresh(entry, state_values):
+            ntraces = _ctx.ntraces
             entry = self._entry_for(key, leaves, split, count=False)
+            if _ctx.ntraces != ntraces and token > 0:
+                self._cache._record_retraced()   # the warm path counted a hit
             if entry.plan is not plan:
                 raise _PlanMismatch
         out, new = entry.apply(list(state_values), leaves)
@@ -2225,12 +2306,11 @@ class _StatefulBase:
             values[i] = value
         return self._dispatch_body(token, values, *args, **kwargs)
 
-    def _donating(self, jitted):
+    def _donating(self, jitted, plan):
         """Calls the donating ``jitted`` like the plain dispatcher is called."""
-        def call(token, values, *args, **kwargs):
-            plan = self._plans_by_token[token]
+        def call(values, *args, **kwargs):
             try:
-                return jitted(token, [values[i] for i in plan.donated],
+                return jitted([values[i] for i in plan.donated],
                               [values[i] for i in plan.kept], *args, **kwargs)
             except BaseException as err:
                 self._donation_failed(plan, values, err)
@@ -2269,7 +2349,7 @@ class _StatefulBase:
         if self._wrap_statics:
             args, kwargs = self._wrapped_statics(args, kwargs)
         donating = token > 0 and bool(entry.plan.donated)
-        return self._dispatcher(len(args), donating)(token, state_values, *args, **kwargs)
+        return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
     def _layout_token(self, plan) -> int:
         """``plan``'s dispatcher key for the layout its written states have now."""
@@ -2293,74 +2373,50 @@ class _StatefulBase:
         return tuple(args), kwargs
 
     def __call__(self, *args, **kwargs):
-        ctx = _ctx
-        if ctx.frames:
+        if _frames_open and _ctx.frames:
             return self._call_in_trace(args, kwargs)
         fast = self._fast
-        if fast is None or fast[2] != len(args) or fast[4] != _layout_epoch:
+        if fast is None or fast[2] != len(args) or fast[3] != _layout_epoch:
             return self._call_slow(args, kwargs)
         # Fast path (see the section comment): a handful of attribute reads
-        # around one jax.jit call.  ``ntraces`` tells a cache hit from a call
-        # during which the dispatcher had to trace afresh.
-        plan, dispatch, _, token, _ = fast
-        ntraces = ctx.ntraces
+        # around one jax.jit call, about a microsecond of Python in all.  A
+        # call during which the dispatcher traced counts itself a miss in
+        # _dispatch_body.
+        plan = fast[0]
         try:
-            out, new = dispatch(token, [s._value for s in plan.states], *args, **kwargs)
+            out, new = fast[1]([s._value for s in plan.states], *args, **kwargs)
         except _PlanMismatch:
             # These arguments use other states.  Switching plans costs an
             # aborted trace, so a function that keeps switching gives up the
             # fast path and pays only the slow path's key computation.
             self._plan_switches += 1
-            return self._call_slow(args, kwargs, ntraces)
-        except (TypeError, ValueError):
-            if ctx.ntraces != ntraces:   # raised by the traced function itself
+            return self._call_slow(args, kwargs)
+        except (TypeError, ValueError) as err:
+            if _ctx.trace_error is err:   # raised by the traced function itself
                 raise
             # Raised by jax.jit's argument handling: the slow path gives a
             # clearer error, or copes (e.g. static args hashable only by value).
-            return self._call_slow(args, kwargs, ntraces)
-        if new:
-            self._write_back(plan, new)
-        if ctx.ntraces == ntraces:
-            next(self._cache._hits)
-        else:
-            next(self._cache._misses)
+            return self._call_slow(args, kwargs)
+        _write_back(self, plan, new)
+        next(self._cache._hits)
         return out
 
-    def _call_slow(self, args, kwargs, ntraces=None):
-        if ntraces is None:
-            ntraces = _ctx.ntraces
+    def _call_slow(self, args, kwargs):
+        ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
         epoch, token = _layout_epoch, self._layout_token(plan)
         out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves, token)
-        self._write_back(plan, new)
+        _write_back(self, plan, new)
         if (self._compiled_dispatch and entry.traced.cacheable and not self._wrap_statics
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            self._fast = (plan, self._dispatcher(len(args), bool(plan.donated)), len(args),
-                          token, epoch)
+            self._fast = (plan, self._dispatcher(token, len(args), bool(plan.donated)),
+                          len(args), epoch)
         else:
             self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
         return out
-
-    def _write_back(self, plan, new):
-        if not new:
-            return
-        first = new[0]
-        # An array value has an ``aval``; only a pytree value needs a walk.
-        if isinstance(first, Tracer) or (getattr(first, 'aval', None) is None
-                                         and _contains_tracer(first)):
-            # Called under a plain JAX transformation: the new values are tracers.
-            state = plan.write_states[0]
-            raise TraceContextError(
-                f'{type(self).__name__}({self.name!r}) writes {state._describe()} but was '
-                'called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) with '
-                'no enclosing stateful trace, so the new state values would be tracers that '
-                'outlive it.  Wrap the outer function in StatefulFunction, or call '
-                'jaxpr_call(state_values, ...) and thread the values explicitly.')
-        for state, value in zip(plan.write_states, new):
-            state._value = value
 
     def _call_in_trace(self, args, kwargs):
         """A call inside an enclosing stateful trace: compose with it."""

@@ -936,34 +936,55 @@ class NestedWriteTest(unittest.TestCase):
             return s.value
         sf = StatefulFunction(f)
         sf(jnp.ones(3))
-        self.assertEqual(len(calls), 2)     # a first trace finds the nested write
+        self.assertEqual(len(calls), 1)     # first touched in the body: a Ref at once
         sf(jnp.ones(3))
-        self.assertEqual(len(calls), 2)     # cache hit
+        self.assertEqual(len(calls), 1)     # cache hit
         sf(jnp.ones(5))
-        self.assertEqual(len(calls), 3)     # the state is known: one trace
+        self.assertEqual(len(calls), 2)     # new shapes: one trace
         self.assertEqual(float(s.value), 11.0)
+        # Read outside the body first: the first trace finds the nested write.
+        calls.clear()
+        t = State(jnp.zeros(()), name='nw_count_outer')
+
+        def g(xs):
+            calls.append(1)
+            before = t.value
+            lax.scan(lambda c, x: (t.__setattr__('value', t.value + x), (c, None))[1], 0.0, xs)
+            return t.value - before
+        sg = StatefulFunction(g)
+        self.assertEqual(float(sg(jnp.ones(3))), 3.0)
+        self.assertEqual(len(calls), 2)
+        sg(jnp.ones(5))
+        self.assertEqual(len(calls), 3)     # the state is known: one trace
+        self.assertEqual(float(t.value), 8.0)
 
     def test_several_nested_written_states_take_at_most_three_traces(self):
         calls = []
         states = [State(jnp.zeros(()), name=f'nw_many{i}') for i in range(6)]
 
-        def f(xs):
+        def f(xs, read_first):
             calls.append(1)
-
+            if read_first:                  # touched outside the body first
+                for s in states:
+                    s.value
             def body(c, x):
                 for i, s in enumerate(states):
                     s.value = s.value + x * i
                 return c, None
             lax.scan(body, 0.0, xs)
             return states[-1].value
-        sf = StatefulFunction(f)
-        self.assertEqual(float(sf(jnp.ones(2))), 10.0)
+        sf = StatefulFunction(f, static_argnums=1)
+        self.assertEqual(float(sf(jnp.ones(2), False)), 10.0)
+        self.assertEqual(len(calls), 1)     # all first touched in the body
+        calls.clear()
+        sf2 = StatefulFunction(f, static_argnums=1)
+        self.assertEqual(float(sf2(jnp.ones(2), True)), 20.0)
         # Abort at the first; find the rest; final (the first trace is already
         # isolated, hence one fewer, while a State read by plain jit is alive).
         self.assertIn(len(calls), (2, 3))
         calls.clear()
-        self.assertEqual([float(s.value) for s in states], [0.0, 2.0, 4.0, 6.0, 8.0, 10.0])
-        sf(jnp.ones(4))
+        self.assertEqual([float(s.value) for s in states], [0.0, 4.0, 8.0, 12.0, 16.0, 20.0])
+        sf2(jnp.ones(4), True)
         self.assertEqual(len(calls), 1)
 
     def test_random_draws_inside_scan_body(self):
@@ -5156,6 +5177,13 @@ class FaultInjectionTest(unittest.TestCase):
                     raised = None
                 finally:
                     _fz_FAULTS.disarm()
+                if raised is None and _fz_FAULTS.counts[kind] < k:
+                    # This run had fewer events than the counted one (how often a
+                    # trace is redone depends on what earlier traces left, e.g. a
+                    # State a plain JAX trace read): the fault was never reached.
+                    _fz_assert_close(expected_states, [s._value for s in S.all],
+                                     f'{where}: states after a run the fault missed')
+                    continue
                 self.assertIsNotNone(raised, f'{where}: the injected fault did not propagate')
                 self.assertIs(type(raised), exc,
                               f'{where}: expected {exc.__name__}, got {type(raised).__name__}: '
@@ -6658,11 +6686,12 @@ class ShardingTest(unittest.TestCase):
         s = State(jnp.zeros(4), name='single')
         sf = StatefulFunction(_sd_filler(s))
         sf(jnp.arange(3.0))
-        traced = sf._dispatcher(1).trace(sf._fast[0].token, [s.value], jnp.arange(3.0)) \
-            if hasattr(sf._dispatcher(1), 'trace') else None
-        if traced is None:
+        dispatch = sf._fast[1]                      # the compiled call's jax.jit
+        if not hasattr(dispatch, 'trace'):
             self.skipTest(f'jax.jit(...).trace is missing on JAX {jax.__version__}')
-        self.assertNotIn('sharding_constraint', str(traced.jaxpr))
+        jaxpr = str(dispatch.trace([s.value], jnp.arange(3.0)).jaxpr)
+        self.assertNotIn('sharding_constraint', jaxpr)
+        self.assertIn('broadcast_in_dim', jaxpr)    # it is the traced call
 
 
 class DonationTest(unittest.TestCase):
