@@ -3605,14 +3605,16 @@ class Exported:
         missing = [n for n in needed if n not in states]
         unknown = [n for n in states if n not in specs]
         if missing or unknown:
+            problems = ([f'lacks {missing}'] if missing else []) + (
+                [f'has names it does not know: {unknown}'] if unknown else [])
             listing = ', '.join(f"{n!r} ({s['role']})" for n, s in specs.items()) or 'none'
-            raise ValueError(f'{name}: states= lacks {missing} and has unknown names {unknown}; '
-                             f'its states are: {listing}.  Pass states={{name: value}} for '
-                             'every state it reads')
-        given = jax.tree_util.tree_flatten(args)[0] + jax.tree_util.tree_flatten(kwargs)[0]
-        _check_leaves(name, 'arguments', given, self.manifest['arguments'])
+            raise ValueError(f'{name}: states= {" and ".join(problems)}; its states are: '
+                             f'{listing}.  Pass states={{name: value}} for every state it reads')
+        _check_leaves(name, 'the arguments', '', _leaves((args, kwargs)),
+                      self.manifest['arguments'])
         for n, value in states.items():
-            _check_leaves(name, f'state {n!r}', _leaves(value), specs[n]['leaves'])
+            _check_leaves(name, f'state {n!r}', f'state {n!r}', _leaves(value),
+                          specs[n]['leaves'])
         values = {n: states[n] for n in needed}
         return self.exported.call(args, kwargs, values)
 
@@ -3635,20 +3637,21 @@ def _leaf_specs(labels, values) -> list:
     return rows
 
 
-def _check_leaves(name: str, what: str, leaves, specs) -> None:
-    """Clear errors for leaves that do not match the manifest's ``specs``."""
+def _check_leaves(name: str, what: str, prefix: str, leaves, specs) -> None:
+    """Clear errors for leaves (of ``what``) that do not match the manifest's
+    ``specs``; a leaf is named ``prefix`` + its manifest path."""
     if len(leaves) != len(specs):
+        expected = ', '.join(f"{prefix}{s['path']}" for s in specs) or 'none'
         raise ValueError(f'{name}: {what} have {len(leaves)} array leaves, but it was exported '
-                         f'for {len(specs)} ({", ".join(s["path"] or "the value" for s in specs)})')
+                         f'for {len(specs)} ({expected})')
     for leaf, spec in zip(leaves, specs):
         try:
-            shape, dtype, _ = _leaf_sig(leaf)
+            got = _sig_text(*_leaf_sig(leaf)[:2])
         except TypeError:
-            shape, dtype = None, type(leaf).__name__
-        if (list(shape or ()), str(dtype)) != (spec['shape'], spec['dtype']) or shape is None:
+            got = f'a {type(leaf).__name__}'
+        if got != _sig_text(spec['shape'], spec['dtype']):
             raise ValueError(
-                f"{name}: {what}{spec['path'] and ' ' + spec['path']} is "
-                f'{dtype}{list(shape) if shape is not None else ""}, but it was exported for '
+                f"{name}: {prefix}{spec['path']} is {got}, but it was exported for "
                 f"{_sig_text(spec['shape'], spec['dtype'])}; pass a value of that shape and dtype")
 
 
