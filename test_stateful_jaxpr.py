@@ -1862,7 +1862,10 @@ class ModuleTest(unittest.TestCase):
                   'def run(xs):': self._readme_check_scan,
                   'def neuron(i_ext):': self._readme_check_mapping,
                   'def local_step(x):': self._readme_check_devices,
-                  'constant_fold_jaxpr(closed)': self._readme_check_folding}
+                  'constant_fold_jaxpr(closed)': self._readme_check_folding,
+                  'def cell(x, *, scale):': self._readme_check_pretty,
+                  'explain_cache_misses=True)': self._readme_check_explain,
+                  'def serve(x):': self._readme_check_export}
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
@@ -1922,6 +1925,24 @@ class ModuleTest(unittest.TestCase):
 
     def _readme_check_folding(self, g):
         self.assertEqual((len(g['closed'].eqns), len(g['folded'].eqns)), (4, 1))   # 4 -> 1
+
+    def _readme_check_pretty(self, g):
+        legend = _legend(g['sf'].pretty_jaxpr({'input': jnp.ones(3)}, scale=0.5))
+        self.assertEqual([(a, r.split(', created')[0]) for _, a, r in legend['inputs']], [
+            ('float32[3]', "argument 0['input']"), ('float32[]', "keyword 'scale'"),
+            ('float32[3]', "state 'w' (ParamState), read"),
+            ('float32[3]', "state 'h' (State), read and written")])
+        self.assertEqual([(a, r) for _, a, r in legend['outputs']], [
+            ('float32[]', "result['out']"), ('float32[3]', "state 'h': new value")])
+
+    def _readme_check_explain(self, g):
+        self.assertEqual(g['causes'], {'first trace': 1, 'argument shape/dtype': 1,
+                                       'state shape/dtype': 1})
+
+    def _readme_check_export(self, g):
+        np.testing.assert_array_equal(g['y'], np.full(3, 2.0))     # y == [2, 2, 2]
+        self.assertEqual(list(g['new_states']), ['total'])        # only written states
+        self.assertEqual(float(g['new_states']['total']), 13.0)
 
     def test_readme_commands(self):
         with open(os.path.join(HERE, 'README.md')) as fh:
@@ -6976,6 +6997,8 @@ _BRAINSTATE_DIFFERENCES = {
     'cache_stats.counts': 'one cache entry per key: the four get_cache_stats() names report the '
                           'same hits/misses and a hit counts once per call (brainstate counts '
                           'every internal lookup of each of its four caches)',
+    'cache_stats.names': "get_cache_stats() adds 'miss_causes' (traces per cause) to "
+                         "brainstate's four cache names",
     'hashabledict.setitem': 'hashabledict keys are read-only (brainstate lets a cache key change '
                             'after it was hashed)',
     'State(State)': 'State(other_state) raises ValueError (brainstate silently unwraps)',
@@ -7256,13 +7279,17 @@ class _bs_Checks:
 
 
 def _bs_stats(rec, key, sf):
-    """Cache statistics: names, sizes and maxsize compared; hit/miss counts separately."""
+    """Cache statistics: the names; sizes and maxsize of brainstate's four caches;
+    hit/miss counts separately."""
+    rec(f'{key}.cache_stats.names', lambda: sorted(sf.get_cache_stats()))
+
+    def caches():
+        return {k: v for k, v in sf.get_cache_stats().items() if k != 'miss_causes'}
     stats = rec(f'{key}.cache_stats.shape',
-                lambda: {k: (v['size'], v['maxsize'], sorted(v)) for k, v in
-                         sf.get_cache_stats().items()})
+                lambda: {k: (v['size'], v['maxsize'], sorted(v)) for k, v in caches().items()})
     if stats is not None:
         rec(f'{key}.cache_stats.counts', lambda: {k: (v['hits'], v['misses']) for k, v in
-                                                  sf.get_cache_stats().items()})
+                                                  caches().items()})
 
 
 def _bs_accessors(rec, key, sf, args, kwargs=None):
