@@ -1244,6 +1244,7 @@ class CachingTest(unittest.TestCase):
         sf(jnp.ones(2))
         sf.get_jaxpr(jnp.ones(3))
         stats = sf.get_cache_stats()
+        self.assertEqual(stats.pop('miss_causes'), {'first trace': 1, 'argument shape/dtype': 2})
         self.assertEqual(set(stats), {'jaxpr_cache', 'out_shapes_cache',
                                       'jaxpr_out_tree_cache', 'state_trace_cache'})
         self.assertEqual(stats['jaxpr_cache']['size'], 3)
@@ -1251,7 +1252,9 @@ class CachingTest(unittest.TestCase):
         for name, v in stats.items():           # the four names report the same figures
             self.assertEqual(v, stats['jaxpr_cache'], name)
         sf.clear_cache()
-        for v in sf.get_cache_stats().values():
+        stats = sf.get_cache_stats()
+        self.assertEqual(stats.pop('miss_causes'), {})
+        for v in stats.values():
             self.assertEqual(v['size'], 0)
         self.assertEqual(float(sf(3.0)), 3.0)
 
