@@ -21,8 +21,9 @@ into your project.  It reads top to bottom as data flows:
 6. ``StatefulFunction`` and ``make_jaxpr``,
 7. state filters,
 8. ``StatefulMapping``,
-9. jaxpr passes (constant folding),
-10. a demo ``main()`` (``python stateful_jaxpr.py``).
+9. inspecting and shipping: labelled jaxprs, cache-miss explanations, export,
+10. jaxpr passes (constant folding),
+11. a demo ``main()`` (``python stateful_jaxpr.py``).
 
 Example
 -------
@@ -41,12 +42,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import importlib.util
 import inspect
 import itertools
+import json
+import logging
 import math
 import operator
 import os
 import random as _pyrandom
+import re
 import sys
 import threading
 import warnings
@@ -69,6 +74,8 @@ __all__ = [
     'BoundedCache', 'make_hashable', 'hashabledict',
     # tracing
     'StatefulFunction', 'make_jaxpr',
+    # inspecting and shipping
+    'explain_cache_misses', 'export', 'deserialize', 'Exported',
     # mapping and filters
     'StatefulMapping', 'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not',
     'Everything', 'Nothing',
@@ -325,6 +332,31 @@ def _constrain(value, sharding):
     if _AXIS_EXPLICIT is not None and _AXIS_EXPLICIT in axis_types and _reshard is not None:
         return _reshard(value, sharding)
     return jax.lax.with_sharding_constraint(value, sharding)
+
+
+# ``jax.export`` (public on 0.4.30 .. 0.12) serialises with the ``flatbuffers``
+# package and, on 0.4.x, imports ``absl`` when loaded; ``pip install jax``
+# installs neither.  It is therefore imported on first use, and a missing
+# package is named (the rest of the module needs neither).
+_EXPORT_PACKAGES = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}
+
+
+def _jax_export():
+    """The ``jax.export`` module, or an ImportError naming the package to install."""
+    missing = None
+    try:
+        from jax import export as module          # 0.4.30 ..
+    except ImportError as err:
+        missing = _EXPORT_PACKAGES.get((err.name or '').split('.')[0])
+        if missing is None:
+            raise
+    if missing is None and importlib.util.find_spec('flatbuffers') is None:
+        missing = 'flatbuffers'
+    if missing is not None:
+        raise ImportError(
+            f'exporting needs the {missing!r} package, which jax.export uses on JAX '
+            f'{jax.__version__} and `pip install jax` does not install: pip install {missing}')
+    return module
 
 
 # =============================================================================
@@ -1859,11 +1891,11 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
         except Exception as err:
             _ctx.trace_error = err    # tells the warm path the function raised it
             raise
-    closed = _close(jaxpr, consts)
-    if pending:
-        raise _Retrace
-    if box['cells']:
-        closed = _discharge_cells(closed, box['cells'])
+        closed = _close(jaxpr, consts)
+        if pending:
+            raise _Retrace
+        if box['cells']:   # (collectives in the jaxpr need the axis names still bound)
+            closed = _discharge_cells(closed, box['cells'])
     states = tuple(frame.states)
     sigs = {}
     for state, treedef, avals in box['lifted']:
@@ -2095,6 +2127,7 @@ class _StatefulBase:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self._cache = BoundedCache(cache_size)
+        self._miss_causes: dict = {}   # why traces happened: cause -> count (_note_miss)
         self._hints = _TraceHints()
         self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
@@ -2236,7 +2269,8 @@ class _StatefulBase:
                 if count:
                     self._cache._record(True)
                 return entry
-            entry = self._build_entry(key, leaves, split)
+            stale, entry = entry, self._build_entry(key, leaves, split)
+            _note_miss(self, key, stale, entry)
             if entry.traced.cacheable:
                 self._cache._store(key, entry)
             if count:
@@ -2441,15 +2475,50 @@ class _StatefulBase:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
+        self._miss_causes = {}
         with self._key_locks_guard:
             self._key_locks.clear()
         self._reset_dispatch()
 
     def get_cache_stats(self) -> dict:
-        """Statistics of the (single) entry cache, under brainstate's four names."""
+        """Statistics of the (single) entry cache, under brainstate's four names,
+        and under ``'miss_causes'`` how many traces each cause triggered (see
+        :func:`explain_cache_misses`)."""
         stats = self._cache.get_stats()
-        return {name: dict(stats) for name in
-                ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
+        out = {name: dict(stats) for name in
+               ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
+        out['miss_causes'] = dict(self._miss_causes)
+        return out
+
+    def pretty_jaxpr(self, *args, **kwargs) -> str:
+        """The jaxpr for these arguments (traced on a cache miss), followed by a
+        legend: each input and output in order with the jaxpr's name for it,
+        its aval and its role: an argument by position or keyword and pytree
+        path (``argument 0['w'][1]``, ``keyword 'scale'``); a State by name
+        (an unnamed one as ``Type@file.py:line``), type, whether the function
+        reads it, writes it or both, and its creation site; a result by its
+        path in the output; a state output as the State's new value.
+        ``str(sf)`` shows the same for the most recently traced entry.
+
+        Example
+        -------
+        >>> w = State(jnp.ones(2), name='w')
+        >>> def f(x):
+        ...     w.value = w.value * x['scale']
+        ...     return w.value.sum()
+        >>> text = StatefulFunction(f).pretty_jaxpr({'scale': 2.0})
+        >>> print(text[text.index('inputs:'):])
+        inputs:
+          a  float32[]   argument 0['scale']
+          b  float32[2]  state 'w' (State), read and written, created at ...
+        outputs:
+          ... float32[]   result
+          ... float32[2]  state 'w': new value
+        """
+        return _pretty_for_call(self, args, kwargs)
+
+    def __str__(self):
+        return _str_with_jaxpr(self)
 
 
 class StatefulFunction(_StatefulBase):
@@ -2488,6 +2557,9 @@ class StatefulFunction(_StatefulBase):
         Written states matching it (default: all) keep the sharding their
         value had, also where XLA would infer another; ``False`` (or a filter
         excluding a state) lets XLA choose.
+    explain_cache_misses : bool, optional
+        Log why each trace after the first happened (default: the module-wide
+        setting, see :func:`explain_cache_misses`).
 
     Example
     -------
@@ -2504,9 +2576,11 @@ class StatefulFunction(_StatefulBase):
 
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
                  abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
-                 *, donate_states=None, keep_sharding=True):
+                 *, donate_states=None, keep_sharding=True,
+                 explain_cache_misses: bool | None = None):
         super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                          name, return_only_write, donate_states, keep_sharding)
+        self.explain_cache_misses = _explain_flag(explain_cache_misses)
         functools.update_wrapper(self, fun, updated=())
 
     def _build_entry(self, key, leaves, split) -> _Entry:
@@ -2780,13 +2854,15 @@ def _dynamic_shapes_problem():
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
                return_shape: bool = False, abstracted_axes=None,
-               return_only_write: bool = False) -> Callable:
+               return_only_write: bool = False, pretty: bool = False) -> Callable:
     """Like ``jax.make_jaxpr``, but States the function touches become inputs
     and outputs.
 
     Returns a function that returns ``(closed_jaxpr, states)``, or
-    ``(closed_jaxpr, states, out_shapes)`` with ``return_shape=True``.  For a
-    function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
+    ``(closed_jaxpr, states, out_shapes)`` with ``return_shape=True``, or
+    with ``pretty=True`` the jaxpr text followed by a legend of its inputs
+    and outputs (see :func:`pretty_jaxpr`).  For a function that touches no
+    State the jaxpr equals ``jax.make_jaxpr``'s.
 
     Example
     -------
@@ -2801,9 +2877,14 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     sf = StatefulFunction(fun, static_argnums=static_argnums, static_argnames=static_argnames,
                           axis_env=axis_env, abstracted_axes=abstracted_axes,
                           return_only_write=return_only_write)
+    if pretty and return_shape:
+        raise ValueError('make_jaxpr(pretty=True) returns the labelled jaxpr text, which has '
+                         'no place for out_shapes; pass return_shape=True or pretty=True')
 
     @functools.wraps(fun)
     def make(*args, **kwargs):
+        if pretty:
+            return sf.pretty_jaxpr(*args, **kwargs)
         key, leaves, split = sf._cache_key(args, kwargs)
         entry = sf._entry_for(key, leaves, split, count=True)
         result = (entry.traced.closed_jaxpr, entry.traced.states)
@@ -3123,7 +3204,7 @@ class StatefulMapping(StatefulFunction):
         What to do when an unbatched state is written with a batched value:
         leave it batched along axis 0 silently ('auto', 'ignore'), with a
         warning ('warn'), or raise :class:`BatchAxisError` ('raise').
-    donate_states, keep_sharding
+    donate_states, keep_sharding, explain_cache_misses
         As for :class:`StatefulFunction`.
 
     Example
@@ -3143,12 +3224,13 @@ class StatefulMapping(StatefulFunction):
                  abstracted_axes=None, axis_size: int | None = None, axis_name=None,
                  name: str | None = None, mapping_fn: Callable = jax.vmap,
                  unexpected_out_state_mapping: str = 'auto', *, donate_states=None,
-                 keep_sharding=True):
+                 keep_sharding=True, explain_cache_misses: bool | None = None):
         if abstracted_axes is not None:
             raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
                                       'map over concrete shapes instead')
         _StatefulBase.__init__(self, fun, static_argnums, static_argnames, axis_env, None, name,
                                False, donate_states, keep_sharding)
+        self.explain_cache_misses = _explain_flag(explain_cache_misses)
         self.origin_fun = fun
         if unexpected_out_state_mapping not in _UNEXPECTED_POLICIES:
             raise ValueError(
@@ -3389,7 +3471,513 @@ class StatefulMapping(StatefulFunction):
 
 
 # =============================================================================
-# 9. Jaxpr passes: constant folding
+# 9. Inspecting and shipping
+#
+# Seeing what a stateful function became, and handing it on: jaxprs with a
+# legend naming every input and output (``pretty_jaxpr``), explanations of
+# why a function traced again (``explain_cache_misses``), and an export whose
+# state inputs and outputs are named, loadable without the user's code
+# (``export`` / ``deserialize``).  All of it runs on request or on the miss
+# path; the warm call path is untouched.
+# =============================================================================
+
+def _sig_text(shape, dtype, weak_type: bool = False) -> str:
+    """``float32[3,4]`` (``weak`` appended for a weakly typed value)."""
+    return f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
+
+
+def _value_text(sig) -> str:
+    """A state value signature from ``_value_sig`` in words."""
+    treedef, leaves = sig
+    texts = [_sig_text(*leaf) for leaf in leaves]
+    if treedef.num_nodes == 1 and len(texts) == 1:
+        return texts[0]
+    paths = _leaf_paths(treedef)
+    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}' for p, t in zip(paths, texts)) + '}'
+
+
+def _leaf_paths(treedef) -> list:
+    """The key path of each leaf of ``treedef`` (rebuilt with placeholder leaves)."""
+    try:
+        tree = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+        return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    except Exception:  # a pytree class whose unflatten checks its leaves
+        return [(jax.tree_util.FlattenedIndexKey(i),) for i in range(treedef.num_leaves)]
+
+
+def _arg_labels(key) -> list:
+    """``argument 0['w'][1]`` / ``keyword 'scale'`` for each flat dynamic leaf of
+    the call a cache key describes (positions count the static arguments too)."""
+    static = {i for i, _ in key['static_args']}
+    tree_a, tree_k = key['dyn_args'][0], key['dyn_kwargs'][0]
+    positions = [i for i in range(len(tree_a.children()) + len(static)) if i not in static]
+    labels = []
+    for path in _leaf_paths(tree_a) + _leaf_paths(tree_k):
+        head, rest = path[0], jax.tree_util.keystr(tuple(path[1:]))
+        if isinstance(head, jax.tree_util.SequenceKey):
+            labels.append(f'argument {positions[head.idx]}{rest}')
+        elif isinstance(head, jax.tree_util.DictKey):
+            labels.append(f'keyword {head.key!r}{rest}')
+        else:
+            labels.append(f'argument leaf {head.key}')
+    return labels
+
+
+def _static_items(key) -> list:
+    """``(label, value)`` of each static argument in a cache key (values as hashed)."""
+    return ([(f'static argument {i}', v) for i, v in key['static_args']]
+            + [(f'static argument {k!r}', v) for k, v in key['static_kwargs']])
+
+
+def _key_summary(key, limit: int = 6) -> str:
+    """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
+    sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
+    items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
+    items += [f'{label}={value!r}' for label, value in _static_items(key)]
+    more = f', ... ({len(items) - limit} more)' if len(items) > limit else ''
+    return ', '.join(items[:limit]) + more or 'no arguments'
+
+
+def _state_labels(states) -> list:
+    """A readable label per state: its name or, for an unnamed one, its type and
+    creation line (``RandomState@model.py:12``), the same from run to run.  A
+    label used again gets ``#2``, ``#3`` ... in order."""
+    labels, seen = [], {}
+    for s in states:
+        base = s._name
+        if not base:
+            site = s._source
+            base = type(s).__name__ + (f'@{os.path.basename(site[0])}:{site[1]}' if site else '')
+        seen[base] = n = seen.get(base, 0) + 1
+        labels.append(base if n == 1 else f'{base}#{n}')
+    return labels
+
+
+def _state_roles(traced) -> list:
+    """``'read'``, ``'written'`` or ``'read and written'`` per state of a trace.
+    A written state counts as read when the jaxpr uses its incoming value."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
+    used.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
+    roles = []
+    for sig, written in zip(traced.state_sigs, traced.trace_stack.been_writen):
+        read = any([next(invars) in used for _ in sig[1]]) or not written
+        roles.append('read and written' if read and written else 'written' if written else 'read')
+    return roles
+
+
+def _jaxpr_names(text: str, n_in: int, n_out: int):
+    """The names JAX printed for the jaxpr's inputs and outputs (it numbers
+    variables while printing), or ``#i`` if the text has another layout."""
+    # The main jaxpr's ``{ lambda`` starts a line; newer JAX prints shared
+    # sub-jaxprs (``let _uniform = { lambda ...``) before it.
+    head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
+    tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
+    if head and tail:
+        ins = [w.split(':')[0] for w in head.group(1).split()]
+        outs = [w.strip().split(':')[0] for w in tail.group(1).split(',') if w.strip()]
+        if (len(ins), len(outs)) == (n_in, n_out):
+            return ins, outs
+    return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
+
+
+def _pretty(traced: _Traced, key) -> str:
+    """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
+    jaxpr, text = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr)
+    keystr = jax.tree_util.keystr
+    labels, roles = _state_labels(traced.states), _state_roles(traced)
+    args = _arg_labels(key)
+    state_of, in_roles = [], []
+    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
+        for path in _leaf_paths(sig[0]):
+            state_of.append(i)
+            in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
+                            f'{roles[i]}, created at {_format_site(state._source)}')
+    extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
+    in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
+    state_invars = {}
+    for i, var in zip(state_of, jaxpr.invars[extra + len(args):]):
+        state_invars.setdefault(i, set()).add(var)
+    out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
+    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
+        i = traced.returned[path[0].idx]
+        unchanged = isinstance(var, Var) and var in state_invars.get(i, ())
+        out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
+                         + ('returned unchanged' if unchanged else 'new value'))
+    names_in, names_out = _jaxpr_names(text, len(jaxpr.invars), len(jaxpr.outvars))
+    sections = [('inputs', names_in, jaxpr.invars, in_roles),
+                ('outputs', names_out, jaxpr.outvars, out_roles)]
+    width = max([len(n) for n in names_in + names_out] + [1])
+    awidth = max([len(v.aval.str_short()) for v in jaxpr.invars + jaxpr.outvars] + [1])
+    lines = [text, '']
+    for title, names, vars_, roles_ in sections:
+        lines.append(f'{title}:')
+        lines += [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
+                  for n, v, r in zip(names, vars_, roles_)]
+    return '\n'.join(lines)
+
+
+def _str_with_jaxpr(sf) -> str:
+    """``repr(sf)``, then the labelled jaxpr of its most recently traced entry."""
+    keys = sf._cache.keys()
+    entry = sf._cache._peek(keys[-1]) if keys else None
+    if entry is None:
+        return f'{sf!r}, not traced yet'
+    return (f'{sf!r}, last traced for ({_key_summary(keys[-1])}):\n'
+            + _pretty(sf._view(entry), keys[-1]))
+
+
+def _pretty_for_call(sf, args, kwargs) -> str:
+    key, leaves, split = sf._cache_key(args, kwargs)
+    return _pretty(sf._view(sf._entry_for(key, leaves, split, count=True)), key)
+
+
+# -- why a function traced again ----------------------------------------------
+
+_logger = logging.getLogger(__name__)
+_EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
+_explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')]
+
+
+def explain_cache_misses(enabled: bool = True) -> bool:
+    """Turns explanations of cache misses on or off for every function built
+    without its own ``explain_cache_misses=`` argument; returns the previous
+    setting.  The environment variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``
+    turns them on at import (named after JAX's ``jax_explain_cache_misses``).
+
+    With explanations on, every trace of a function after its first logs a
+    warning on the ``stateful_jaxpr`` logger naming the function, the nearest
+    cached entry and what differs: argument paths with old and new
+    shape/dtype/weak type, static arguments with old and new value, States
+    (name and creation site) whose shape or dtype changed, and States the new
+    trace touches that the entry did not, or no longer touches.  Whether on
+    or off, ``get_cache_stats()['miss_causes']`` counts traces per cause; a
+    warm call does no extra work either way.
+
+    Example
+    -------
+    >>> previous = explain_cache_misses(True)
+    >>> sf = StatefulFunction(lambda x: x * 2)
+    >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3))     # logs: argument 0: float32[2] -> float32[3]
+    >>> sf.get_cache_stats()['miss_causes']
+    {'first trace': 1, 'argument shape/dtype': 1}
+    >>> _ = explain_cache_misses(previous)
+    """
+    _explain_flag(enabled)
+    if enabled is None:
+        raise TypeError('explain_cache_misses(enabled) needs True or False, got None')
+    previous, _explain_default[0] = _explain_default[0], bool(enabled)
+    return previous
+
+
+def _explain_flag(value):
+    """A constructor's ``explain_cache_misses`` argument, checked."""
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f'explain_cache_misses must be True, False or None (None follows '
+                        f'stateful_jaxpr.explain_cache_misses()), got {value!r}')
+    return None if value is None else bool(value)
+
+
+def _key_differences(old, new, labels) -> list:
+    """``(cause, line)`` for each way cache key ``new`` differs from ``old``;
+    ``labels`` are ``new``'s argument labels."""
+    found = []
+    olds, news = dict(_static_items(old)), dict(_static_items(new))
+    for label in dict.fromkeys(list(olds) + list(news)):
+        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
+        if a != b:
+            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
+            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
+    offset = 0
+    for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
+        (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
+        if tree_a != tree_b:
+            found.append(('argument structure',
+                          f'{what} argument structure: {tree_a} -> {tree_b}'))
+        else:
+            found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
+                       f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
+                      if a != b]
+        offset += len(sigs_b)
+    return found
+
+
+def _state_differences(old_traced, new_traced) -> list:
+    """``(cause, line)`` for States whose shape or dtype changed since
+    ``old_traced``, and for States only one of the two traces touches."""
+    found = []
+    for state, sig in zip(old_traced.states, old_traced.state_sigs):
+        now = _value_sig(state._value)
+        if now != sig:
+            found.append(('state shape/dtype', f'{state._describe()}: {_value_text(sig)} -> '
+                                               f'{_value_text(now)}'))
+    old_ids = {id(s) for s in old_traced.states}
+    new_ids = {id(s) for s in new_traced.states}
+    found += [('new state', f'newly touched: {s._describe()}')
+              for s in new_traced.states if id(s) not in old_ids]
+    found += [('vanished state', f'no longer touched: {s._describe()}')
+              for s in old_traced.states if id(s) not in new_ids]
+    return found
+
+
+def _note_miss(sf, key, stale, entry) -> None:
+    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces)
+    and, if asked, logs the explanation.  Runs only when a trace happened."""
+    with sf._cache._lock:
+        cached = list(sf._cache._data.items())   # least recently used first
+        first = not sf._miss_causes
+    if first:
+        found, near = [('first trace', '')], None
+    elif stale is not None:
+        near = key
+        found = _state_differences(stale.traced, entry.traced)
+    else:
+        labels, best = _arg_labels(key), None
+        for old_key, old in cached:   # the fewest differences; ties: most recently used
+            diff = _key_differences(old_key, key, labels)
+            if best is None or len(diff) <= len(best[2]):
+                best = (old_key, old, diff)
+        if best is None:
+            found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                               f'cacheable; cache_size={sf._cache.maxsize})')], None
+        else:
+            near, old, found = best
+            found = found + _state_differences(old.traced, entry.traced)
+    causes = list(dict.fromkeys(cause for cause, _ in found)) or ['unknown']
+    with sf._cache._lock:
+        for cause in causes:
+            sf._miss_causes[cause] = sf._miss_causes.get(cause, 0) + 1
+    enabled = sf.explain_cache_misses
+    if first or not (_explain_default[0] if enabled is None else enabled):
+        return
+    nearest = 'none' if near is None else f'({_key_summary(near)})'
+    lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
+        '  - nothing the cache key or the States show (the entry was not cacheable)'
+    _logger.warning('%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
+                    type(sf).__name__, sf.name, _key_summary(key), nearest,
+                    ' (the same arguments; its States changed)' if stale is not None else '',
+                    lines)
+
+
+# -- export --------------------------------------------------------------------
+
+_EXPORT_MAGIC = b'stateful_jaxpr.export\n'
+_EXPORT_FORMAT = 1
+
+
+class Exported:
+    """A stateful function exported for given argument shapes, with a manifest
+    naming its states: what :func:`export` returns and :func:`deserialize`
+    loads (in a process that needs ``jax`` and this module only).
+
+    Calling it as ``exported(*args, states={name: value, ...}, **kwargs)``
+    (the dynamic arguments only: static ones were fixed at export) returns
+    ``(outputs, new_states)``, where ``new_states`` maps each written state's
+    name to its new value.  ``states`` must give every state the function
+    reads (a written-only state may be given, and is ignored).
+
+    Attributes
+    ----------
+    manifest : dict
+        JSON-ready description: ``function``, ``jax_version``, ``platforms``,
+        ``static_arguments``, ``arguments`` and ``results`` (path and aval per
+        leaf), and ``states``: per State its ``name``, ``type``, ``role``
+        (``'read'``, ``'written'`` or ``'read and written'``), ``created_at``
+        and ``leaves`` (path, ``shape``, ``dtype``, and ``sharding`` where the
+        state is sharded over several devices).
+    exported : jax.export.Exported
+        The underlying JAX export.
+
+    Example
+    -------
+    >>> acc = State(jnp.zeros(3), name='acc')
+    >>> def add(x):
+    ...     acc.value = acc.value + x
+    ...     return acc.value.sum()
+    >>> ex = export(StatefulFunction(add), jnp.ones(3))
+    >>> loaded = deserialize(ex.serialize())
+    >>> out, new = loaded(jnp.ones(3), states={'acc': jnp.ones(3)})
+    >>> float(out), new['acc'].tolist()
+    (6.0, [2.0, 2.0, 2.0])
+    """
+
+    def __init__(self, exported, manifest: dict):
+        self.exported = exported
+        self.manifest = manifest
+
+    def serialize(self, vjp_order: int = 0) -> bytes:
+        """Bytes for :func:`deserialize`; ``vjp_order=n`` also stores ``n``
+        orders of derivatives, so the loaded function can be differentiated
+        (``jax.export``'s own argument)."""
+        header = json.dumps(self.manifest, sort_keys=True).encode()
+        return (_EXPORT_MAGIC + len(header).to_bytes(8, 'little') + header
+                + bytes(self.exported.serialize(vjp_order=vjp_order)))
+
+    def __call__(self, *args, states=None, **kwargs):
+        name = f"exported {self.manifest['function']!r}"
+        specs = {s['name']: s for s in self.manifest['states']}
+        states = {} if states is None else states
+        if not isinstance(states, dict):
+            raise TypeError(f'{name}: states= must be a dict {{state name: value}}, got '
+                            f'{type(states).__name__}')
+        needed = [n for n, s in specs.items() if s['role'] != 'written']
+        missing = [n for n in needed if n not in states]
+        unknown = [n for n in states if n not in specs]
+        if missing or unknown:
+            problems = ([f'lacks {missing}'] if missing else []) + (
+                [f'has names it does not know: {unknown}'] if unknown else [])
+            listing = ', '.join(f"{n!r} ({s['role']})" for n, s in specs.items()) or 'none'
+            raise ValueError(f'{name}: states= {" and ".join(problems)}; its states are: '
+                             f'{listing}.  Pass states={{name: value}} for every state it reads')
+        _check_leaves(name, 'the arguments', '', _leaves((args, kwargs)),
+                      self.manifest['arguments'])
+        for n, value in states.items():
+            _check_leaves(name, f'state {n!r}', f'state {n!r}', _leaves(value),
+                          specs[n]['leaves'])
+        values = {n: states[n] for n in needed}
+        return self.exported.call(args, kwargs, values)
+
+    def __repr__(self):
+        roles = ', '.join(f"{s['name']!r} {s['role']}" for s in self.manifest['states'])
+        return (f"Exported({self.manifest['function']!r}, platforms="
+                f"{tuple(self.manifest['platforms'])}, states: {roles or 'none'})")
+
+
+def _leaf_specs(labels, values) -> list:
+    """Manifest rows ``{path, shape, dtype[, sharding]}`` for array leaves."""
+    rows = []
+    for label, value in zip(labels, values):
+        shape, dtype, _ = _leaf_sig(value)
+        row = {'path': label, 'shape': list(shape), 'dtype': str(dtype)}
+        sharding = getattr(value, 'sharding', None)
+        if sharding is not None and len(sharding.device_set) > 1:
+            row['sharding'] = str(sharding)
+        rows.append(row)
+    return rows
+
+
+def _check_leaves(name: str, what: str, prefix: str, leaves, specs) -> None:
+    """Clear errors for leaves (of ``what``) that do not match the manifest's
+    ``specs``; a leaf is named ``prefix`` + its manifest path."""
+    if len(leaves) != len(specs):
+        expected = ', '.join(f"{prefix}{s['path']}" for s in specs) or 'none'
+        raise ValueError(f'{name}: {what} have {len(leaves)} array leaves, but it was exported '
+                         f'for {len(specs)} ({expected})')
+    for leaf, spec in zip(leaves, specs):
+        try:
+            got = _sig_text(*_leaf_sig(leaf)[:2])
+        except TypeError:
+            got = f'a {type(leaf).__name__}'
+        if got != _sig_text(spec['shape'], spec['dtype']):
+            raise ValueError(
+                f"{name}: {prefix}{spec['path']} is {got}, but it was exported for "
+                f"{_sig_text(spec['shape'], spec['dtype'])}; pass a value of that shape and dtype")
+
+
+def _export_names(sf, states) -> list:
+    """The states' names, which must exist and be unique (they key ``states=``)."""
+    names = [s._name for s in states]
+    bad = [s for s in states if not s._name or names.count(s._name) > 1]
+    if bad:
+        listing = '\n'.join(f'  - {s._describe()}' + ('' if s._name else ' (no name)')
+                            for s in bad)
+        raise ValueError(
+            f'export: the exported function takes and returns its states by name, but these '
+            f'States of {type(sf).__name__}({sf.name!r}) have no name or share one:\n{listing}\n'
+            "Give each a unique name (State(..., name='w') or state.name = 'w')")
+    return names
+
+
+def export(fun, *args, platforms: Sequence[str] | None = None, **kwargs) -> Exported:
+    """Exports ``fun(*args, **kwargs)`` with ``jax.export``, its States becoming
+    named inputs and outputs; returns an :class:`Exported`.
+
+    ``fun`` is a :class:`StatefulFunction`, a :class:`StatefulMapping` or a
+    plain function (wrapped in a StatefulFunction).  The arguments fix the
+    shapes (static arguments are fixed by value); every State the function
+    touches needs a unique name.  ``platforms`` is ``jax.export``'s (e.g.
+    ``['cpu', 'cuda']``; default: the current backend).  No State changes.
+    Serialising needs the ``flatbuffers`` package (and ``absl-py`` on JAX
+    0.4.x), which ``pip install jax`` does not install: an ImportError names
+    the missing one.
+
+    Example
+    -------
+    >>> w = State(jnp.full(2, 3.0), name='w')
+    >>> ex = export(lambda x: (x * w.value).sum(), jnp.ones(2))
+    >>> ex.manifest['states'][0]['name'], ex.manifest['states'][0]['role']
+    ('w', 'read')
+    """
+    module = _jax_export()
+    sf = fun if isinstance(fun, _StatefulBase) else StatefulFunction(fun)
+    key, leaves, split = sf._cache_key(args, kwargs)
+    traced = sf._view(sf._entry_for(key, leaves, split, count=True))
+    names, roles = _export_names(sf, traced.states), _state_roles(traced)
+    static_args, dyn_args, static_kwargs, dyn_kwargs = split
+    rebuild = sf._rebuilder(split)
+    read = [role != 'written' for role in roles]
+
+    def pure(dyn_args, dyn_kwargs, state_values):
+        values = [state_values[n] if r else jax.tree_util.tree_unflatten(
+                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype in sig[1]])
+                  for n, r, sig in zip(names, read, traced.state_sigs)]
+        full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
+        new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
+        return out, {n: v for n, v, role in zip(names, new, roles) if role != 'read'}
+
+    inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
+    exported = module.export(jax.jit(pure), platforms=platforms)(dyn_args, dyn_kwargs, inputs)
+    out_paths = [f'result{jax.tree_util.keystr(p)}' for p in _leaf_paths(traced.out_tree)]
+    manifest = {
+        'format': _EXPORT_FORMAT, 'function': sf.name, 'jax_version': jax.__version__,
+        'platforms': list(exported.platforms),
+        'static_arguments': {label: repr(v) for label, v in
+                             [(f'argument {i}', v) for i, v in static_args]
+                             + [(f'keyword {k!r}', v) for k, v in static_kwargs.items()]},
+        'arguments': _leaf_specs(_arg_labels(key), leaves),
+        'results': [{'path': p, 'shape': list(a.shape), 'dtype': str(a.dtype)}
+                    for p, a in zip(out_paths, traced.out_avals)],
+        'states': [{'name': n, 'type': type(s).__name__, 'role': role,
+                    'created_at': _format_site(s._source),
+                    'leaves': _leaf_specs([jax.tree_util.keystr(p) for p in _leaf_paths(sig[0])],
+                                          _leaves(s._value))}
+                   for n, s, role, sig in zip(names, traced.states, roles, traced.state_sigs)],
+    }
+    return Exported(exported, manifest)
+
+
+def deserialize(data) -> Exported:
+    """Loads bytes from :meth:`Exported.serialize` (no user code needed).
+
+    Example
+    -------
+    >>> n = State(jnp.zeros(()), name='n')
+    >>> def count(x):
+    ...     n.value = n.value + 1
+    ...     return x * n.value
+    >>> loaded = deserialize(export(count, 2.0).serialize())
+    >>> out, new = loaded(2.0, states={'n': jnp.float32(4.0)})
+    >>> float(out), float(new['n'])
+    (10.0, 5.0)
+    """
+    data = bytes(data)
+    if not data.startswith(_EXPORT_MAGIC):
+        raise ValueError('deserialize: these bytes were not made by stateful_jaxpr\'s '
+                         'Exported.serialize() (bytes from jax.export load with '
+                         'jax.export.deserialize)')
+    start = len(_EXPORT_MAGIC) + 8
+    end = start + int.from_bytes(data[len(_EXPORT_MAGIC):start], 'little')
+    manifest = json.loads(data[start:end])
+    if manifest.get('format') != _EXPORT_FORMAT:
+        raise ValueError(f"deserialize: export format {manifest.get('format')!r}, but this "
+                         f'stateful_jaxpr reads format {_EXPORT_FORMAT}; load it with the '
+                         'stateful_jaxpr that wrote it')
+    return Exported(_jax_export().deserialize(bytearray(data[end:])), manifest)
+
+
+# =============================================================================
+# 10. Jaxpr passes: constant folding
 # =============================================================================
 
 class IdentitySet(MutableSet):
@@ -3594,28 +4182,8 @@ def constant_fold_jaxpr(jaxpr):
 
 
 # =============================================================================
-# 10. Demo: ``python stateful_jaxpr.py``
+# 11. Demo: ``python stateful_jaxpr.py``
 # =============================================================================
-
-def _label_jaxpr(closed: ClosedJaxpr, n_args: int, states, returned, n_out: int) -> str:
-    """The jaxpr followed by the role of each input and output, by position."""
-    def roles(states_):
-        out = []
-        for s in states_:
-            out += [_label(s)] * len(_leaves(s.value))
-        return out
-    jaxpr = closed.jaxpr
-    in_states, out_states = roles(states), roles([states[i] for i in returned])
-    lines = [str(closed), '', '   inputs (in order):']
-    for i, v in enumerate(jaxpr.invars):
-        role = f'argument {i}' if i < n_args else f'state {in_states[i - n_args]!r} (read)'
-        lines.append(f'     #{i} {v.aval.str_short()} : {role}')
-    lines.append('   outputs (in order):')
-    for i, v in enumerate(jaxpr.outvars):
-        role = f'result {i}' if i < n_out else f'state {out_states[i - n_out]!r} (written)'
-        lines.append(f'     #{i} {v.aval.str_short()} : {role}')
-    return '\n'.join(lines)
-
 
 def main() -> None:
     """A short tour: trace a stateful function, show its jaxpr, call it."""
@@ -3631,10 +4199,9 @@ def main() -> None:
 
     sf = StatefulFunction(step)
     x = jnp.ones(3)
-    traced = sf._view_by_args((x,), {}, True, 'JAX expression')
     print('1. step(x) traced to a jaxpr; the states it touches become inputs, the ones it')
-    print('   writes become outputs:\n')
-    print(_label_jaxpr(traced.closed_jaxpr, 1, traced.states, traced.returned, traced.n_out))
+    print('   writes become outputs (sf.pretty_jaxpr(x)):\n')
+    print(sf.pretty_jaxpr(x))
     print('\n2. calling it runs a compiled executable and updates the states:')
     for i in range(3):
         y = sf(x)

@@ -20,6 +20,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -1265,6 +1266,7 @@ class CachingTest(unittest.TestCase):
         sf(jnp.ones(2))
         sf.get_jaxpr(jnp.ones(3))
         stats = sf.get_cache_stats()
+        self.assertEqual(stats.pop('miss_causes'), {'first trace': 1, 'argument shape/dtype': 2})
         self.assertEqual(set(stats), {'jaxpr_cache', 'out_shapes_cache',
                                       'jaxpr_out_tree_cache', 'state_trace_cache'})
         self.assertEqual(stats['jaxpr_cache']['size'], 3)
@@ -1272,7 +1274,9 @@ class CachingTest(unittest.TestCase):
         for name, v in stats.items():           # the four names report the same figures
             self.assertEqual(v, stats['jaxpr_cache'], name)
         sf.clear_cache()
-        for v in sf.get_cache_stats().values():
+        stats = sf.get_cache_stats()
+        self.assertEqual(stats.pop('miss_causes'), {})
+        for v in stats.values():
             self.assertEqual(v['size'], 0)
         self.assertEqual(float(sf(3.0)), 3.0)
 
@@ -1870,7 +1874,8 @@ class ModuleTest(unittest.TestCase):
                                'stateful_jaxpr.py'], cwd=HERE, capture_output=True, text=True,
                               timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
-        for part in ("state 'trace' (read)", "state 'count' (written)", 'argument 0',
+        for part in ("state 'trace' (LongTermState), read and written", "state 'count': new value",
+                     "state 'weight' (ParamState), read,", 'argument 0',
                      'cache statistics', 'hit_rate', 'StatefulMapping'):
             self.assertIn(part, proc.stdout)
 
@@ -1883,7 +1888,10 @@ class ModuleTest(unittest.TestCase):
                   'def neuron(i_ext):': self._readme_check_mapping,
                   'def local_step(x):': self._readme_check_devices,
                   'constant_fold_jaxpr(closed)': self._readme_check_folding,
-                  'def train_step(x):': self._readme_check_sharding}
+                  'def train_step(x):': self._readme_check_sharding,
+                  'def cell(x, *, scale):': self._readme_check_pretty,
+                  'explain_cache_misses=True)': self._readme_check_explain,
+                  'def serve(x):': self._readme_check_export}
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
@@ -1951,6 +1959,24 @@ class ModuleTest(unittest.TestCase):
 
     def _readme_check_folding(self, g):
         self.assertEqual((len(g['closed'].eqns), len(g['folded'].eqns)), (4, 1))   # 4 -> 1
+
+    def _readme_check_pretty(self, g):
+        legend = _legend(g['sf'].pretty_jaxpr({'input': jnp.ones(3)}, scale=0.5))
+        self.assertEqual([(a, r.split(', created')[0]) for _, a, r in legend['inputs']], [
+            ('float32[3]', "argument 0['input']"), ('float32[]', "keyword 'scale'"),
+            ('float32[3]', "state 'w' (ParamState), read"),
+            ('float32[3]', "state 'h' (State), read and written")])
+        self.assertEqual([(a, r) for _, a, r in legend['outputs']], [
+            ('float32[]', "result['out']"), ('float32[3]', "state 'h': new value")])
+
+    def _readme_check_explain(self, g):
+        self.assertEqual(g['causes'], {'first trace': 1, 'argument shape/dtype': 1,
+                                       'state shape/dtype': 1})
+
+    def _readme_check_export(self, g):
+        np.testing.assert_array_equal(g['y'], np.full(3, 2.0))     # y == [2, 2, 2]
+        self.assertEqual(list(g['new_states']), ['total'])        # only written states
+        self.assertEqual(float(g['new_states']['total']), 13.0)
 
     def test_readme_commands(self):
         with open(os.path.join(HERE, 'README.md')) as fh:
@@ -6538,7 +6564,8 @@ def fuzz_main(argv=None):
 
 # =============================================================================
 # Many devices, many hosts: sharding kept, buffers donated
-# =============================================================================
+# ======================================================================
+
 
 def _sd_mesh(shape, names, axis_types=None):
     devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
@@ -6949,6 +6976,442 @@ class MultiProcessTest(unittest.TestCase):
                 self.assertEqual(spec, ref['layout'][name][1], name)
                 self.assertFalse(addressable, f'{name} is no longer one global array')
 
+
+# =============================================================================
+# Inspecting and shipping: labelled jaxprs, cache-miss explanations, export
+# =============================================================================
+
+def _legend(text):
+    """``{'inputs': [(name, aval, role)], 'outputs': [...]}`` from a pretty_jaxpr text."""
+    rows, part = {'inputs': [], 'outputs': []}, None
+    for line in text[text.rindex('\ninputs:\n') + 1:].splitlines():
+        if line in ('inputs:', 'outputs:'):
+            part = line[:-1]
+        else:
+            name, aval, role = line.split(None, 2)
+            rows[part].append((name, aval, role))
+    return rows
+
+
+def _line_of(marker):
+    """The line number of ``marker`` in this file (for creation sites)."""
+    with open(__file__) as fh:
+        return next(i for i, line in enumerate(fh, 1) if marker in line)
+
+
+class PrettyJaxprTest(unittest.TestCase):
+
+    def test_legend_names_every_input_and_output(self):
+        opt = State({'mu': jnp.zeros(3), 'nu': jnp.zeros(3)}, name='opt')   # site: opt
+        w = sj.ParamState(jnp.ones(3), name='w')
+        last = State(jnp.zeros(()), name='last')
+
+        def f(x, mode, *, scale):
+            opt.value = {'mu': opt.value['mu'] + x['a'][1], 'nu': opt.value['nu']}
+            last.value = scale
+            return {'y': (w.value * scale).sum() * (2.0 if mode == 'train' else 1.0),
+                    'z': [x['a'][0]]}
+
+        sf = StatefulFunction(f, static_argnums=1)
+        args = ({'a': [jnp.ones(3), jnp.ones(3)]}, 'train')
+        text = sf.pretty_jaxpr(*args, scale=2.0)
+        closed = sf.get_jaxpr(*args, scale=2.0)
+        self.assertTrue(text.startswith(str(closed)))
+        legend = _legend(text)
+        self.assertEqual(len(legend['inputs']), len(closed.jaxpr.invars))
+        self.assertEqual(len(legend['outputs']), len(closed.jaxpr.outvars))
+        self.assertEqual([a for _, a, _ in legend['inputs']],
+                         [v.aval.str_short() for v in closed.jaxpr.invars])
+        site = f'{__file__}:{_line_of("# site: opt")}'
+        roles = [r for _, _, r in legend['inputs']]
+        self.assertEqual(roles[:3], ["argument 0['a'][0]", "argument 0['a'][1]",
+                                     "keyword 'scale'"])
+        self.assertEqual(roles[3], f"state 'opt'['mu'] (State), read and written, created at "
+                                   f'{site} (in test_legend_names_every_input_and_output)')
+        self.assertIn("state 'last' (State), written, created at", roles[5])
+        self.assertIn("state 'w' (ParamState), read, created at", roles[6])
+        self.assertEqual([r for _, _, r in legend['outputs']],
+                         ["result['y']", "result['z'][0]", "state 'opt'['mu']: new value",
+                          "state 'opt'['nu']: returned unchanged", "state 'last': new value"])
+        # the jaxpr's own variable names, as printed
+        header = str(closed).split('. let')[0]
+        for name, aval, _ in legend['inputs']:
+            self.assertIn(f' {name}:', header)
+
+    def test_unnamed_states_get_stable_labels(self):
+        keys = [sj.RandomState(i) for i in range(2)]   # site: keys
+        line = _line_of('# site: keys')
+
+        def f(x):
+            return x + sum(jax.random.uniform(k.split_key()) for k in keys)
+
+        texts = [StatefulFunction(f).pretty_jaxpr(1.0) for _ in range(2)]
+        self.assertEqual(texts[0], texts[1])
+        roles = [r for _, _, r in _legend(texts[0])['inputs']]
+        label = f'RandomState@{os.path.basename(__file__)}:{line}'
+        self.assertTrue(roles[1].startswith(f"state '{label}' (RandomState), read and written"))
+        self.assertTrue(roles[2].startswith(f"state '{label}#2' (RandomState)"))
+
+    def test_mapping_and_make_jaxpr(self):
+        h = sj.HiddenState(jnp.zeros((4, 3)), name='h')
+        w = sj.ParamState(jnp.ones(3), name='w')
+
+        def step(x):
+            h.value = h.value + x * w.value
+            return h.value.sum()
+
+        sm = sj.StatefulMapping(step, in_axes=0, state_in_axes={0: sj.HiddenState})
+        legend = _legend(sm.pretty_jaxpr(jnp.ones((4, 3))))
+        self.assertEqual([(a, r.split(',')[0]) for _, a, r in legend['inputs']],
+                         [('float32[4,3]', 'argument 0'), ('float32[4,3]', "state 'h' (HiddenState)"),
+                          ('float32[3]', "state 'w' (ParamState)")])
+        self.assertEqual([r for _, _, r in legend['outputs']],
+                         ['result', "state 'h': new value", "state 'w': returned unchanged"])
+        text = sj.make_jaxpr(step, pretty=True)(jnp.ones(3))
+        self.assertIsInstance(text, str)
+        self.assertIn("state 'h' (HiddenState), read and written", text)
+        with self.assertRaisesRegex(ValueError, 'pretty=True'):
+            sj.make_jaxpr(step, pretty=True, return_shape=True)
+
+    def test_str_shows_the_last_traced_entry(self):
+        s = State(jnp.zeros(2), name='acc')
+
+        def add(x):
+            s.value = s.value + x
+            return x
+
+        sf = StatefulFunction(add)
+        self.assertIn('not traced yet', str(sf))
+        sf(jnp.ones(2))
+        sf(jnp.ones(2))
+        text = str(sf)
+        self.assertTrue(text.startswith(repr(sf)))
+        self.assertIn('last traced for (argument 0: float32[2])', text)
+        self.assertIn("state 'acc': new value", text)
+        self.assertEqual(repr(sf), "StatefulFunction('add', entries=1)")
+
+
+class ExplainCacheMissesTest(unittest.TestCase):
+
+    def setUp(self):
+        self._previous = sj.explain_cache_misses(False)
+        self.addCleanup(sj.explain_cache_misses, self._previous)
+
+    def _messages(self, fn):
+        with self.assertLogs('stateful_jaxpr', 'WARNING') as logs:
+            fn()
+        return [r.getMessage() for r in logs.records]
+
+    def test_each_cause_in_user_terms(self):
+        w = State(jnp.ones(3), name='w')   # site: explained w
+        extra = State(jnp.zeros(()), name='extra')
+        site = f'{__file__}:{_line_of("# site: explained w")}'
+
+        def f(x, mode='a', *, scale):
+            if mode == 'b':
+                extra.value = extra.value + 1
+            return (x['p'].sum() * w.value * scale).sum()
+
+        sf = StatefulFunction(f, static_argnames='mode', explain_cache_misses=True)
+        with self.assertNoLogs('stateful_jaxpr'):
+            sf({'p': jnp.ones(3)}, scale=2.0)                   # the first trace
+            sf({'p': jnp.ones(3)}, scale=2.0)                   # a hit
+        msg, = self._messages(lambda: sf({'p': jnp.ones(3)}, scale=jnp.float32(2)))
+        self.assertIn("StatefulFunction('f') traced again", msg)
+        self.assertIn("Nearest cached entry: (argument 0['p']: float32[3], keyword 'scale': "
+                      'float32[] weak)', msg)
+        self.assertIn("  - keyword 'scale': float32[] weak -> float32[]", msg)
+        msg, = self._messages(lambda: sf({'p': jnp.ones(3)}, mode='b', scale=2.0))
+        self.assertIn("  - static argument 'mode': (not passed) -> 'b'", msg)
+        self.assertIn(f"  - newly touched: State 'extra' created at", msg)
+        msg, = self._messages(lambda: sf({'p': jnp.ones(4)}, scale=2.0))
+        self.assertIn("  - argument 0['p']: float32[3] -> float32[4]", msg)
+        w.value = jnp.ones(4)
+        msg, = self._messages(lambda: sf({'p': jnp.ones(4)}, scale=2.0))
+        self.assertIn('(the same arguments; its States changed)', msg)
+        self.assertIn(f"  - State 'w' created at {site} (in test_each_cause_in_user_terms): "
+                      'float32[3] -> float32[4]', msg)
+        msg, = self._messages(lambda: sf({'p': jnp.ones(4), 'q': 0.0}, scale=2.0))
+        self.assertIn('positional argument structure: ', msg)
+        self.assertEqual(sf.get_cache_stats()['miss_causes'], {
+            'first trace': 1, 'argument shape/dtype': 2, 'static argument': 1, 'new state': 1,
+            'state shape/dtype': 1, 'argument structure': 1})
+        sf.clear_cache()
+        self.assertEqual(sf.get_cache_stats()['miss_causes'], {})
+
+    def test_vanished_state(self):
+        a, b = State(jnp.zeros(()), name='a'), State(jnp.zeros(()), name='b')
+        sf = StatefulFunction(lambda x, use_b: x + (b.value if use_b else a.value),
+                              static_argnums=1, explain_cache_misses=True)
+        sf(1.0, True)
+        msg, = self._messages(lambda: sf(1.0, False))
+        self.assertIn("  - static argument 1: True -> False", msg)
+        self.assertIn("  - newly touched: State 'a'", msg)
+        self.assertIn("  - no longer touched: State 'b'", msg)
+
+    def test_switches(self):
+        sf_default = StatefulFunction(lambda x: x * 2)
+        sf_off = StatefulFunction(lambda x: x * 2, explain_cache_misses=False)
+        for sf in (sf_default, sf_off):
+            sf(jnp.ones(2))
+        with self.assertNoLogs('stateful_jaxpr'):          # off by default
+            sf_default(jnp.ones(3))
+        self.assertEqual(sf_default.get_cache_stats()['miss_causes'],
+                         {'first trace': 1, 'argument shape/dtype': 1})
+        self.assertFalse(sj.explain_cache_misses(True))
+        self.assertEqual(len(self._messages(lambda: sf_default(jnp.ones(4)))), 1)
+        with self.assertNoLogs('stateful_jaxpr'):          # the constructor wins
+            sf_off(jnp.ones(3))
+        self.assertTrue(sj.explain_cache_misses(False))
+        with self.assertRaisesRegex(TypeError, 'explain_cache_misses must be True, False or None'):
+            StatefulFunction(lambda x: x, explain_cache_misses='yes')
+        with self.assertRaisesRegex(TypeError, 'explain_cache_misses'):
+            sj.StatefulMapping(lambda x: x, explain_cache_misses=1)
+
+    def test_mapping_explains(self):
+        h = sj.HiddenState(jnp.zeros((4, 3)), name='h')
+
+        def step(x):
+            h.value = h.value + x
+            return x.sum()
+
+        sm = sj.StatefulMapping(step, in_axes=0, state_in_axes={0: sj.HiddenState},
+                                explain_cache_misses=True)
+        sm(jnp.ones((4, 3)))
+        h.value = jnp.zeros((5, 3))
+        msg, = self._messages(lambda: sm(jnp.ones((5, 3))))
+        self.assertIn("StatefulMapping('step') traced again", msg)
+        self.assertIn('  - argument 0: float32[4,3] -> float32[5,3]', msg)
+        self.assertIn("  - HiddenState 'h' created at", msg)
+
+    def test_environment_variable(self):
+        code = textwrap.dedent("""
+            import jax.numpy as jnp, stateful_jaxpr as sj
+            sf = sj.StatefulFunction(lambda x: x + 1)
+            sf(jnp.ones(2)); sf(jnp.ones(3))
+            """)
+        for value, expect in (('1', True), ('', False)):
+            env = dict(os.environ, STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=value)
+            proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, env=env,
+                                  capture_output=True, text=True, timeout=300)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            self.assertEqual('argument 0: float32[2] -> float32[3]' in proc.stderr, expect,
+                             proc.stderr)
+
+    def test_warm_calls_never_reach_the_miss_path(self):
+        s = State(jnp.zeros(2), name='s')
+
+        def f(x):
+            s.value = s.value + x
+            return x
+
+        sf = StatefulFunction(f, explain_cache_misses=True)
+        sf(jnp.ones(2))
+        original = sj._note_miss
+        sj._note_miss = None        # any use of the miss path would raise TypeError
+        try:
+            for _ in range(3):
+                sf(jnp.ones(2))
+        finally:
+            sj._note_miss = original
+        np.testing.assert_array_equal(s.value, np.full(2, 4.0))
+
+
+def _export_problem():
+    """Why export cannot run on this JAX (None if it can): a feature probe."""
+    try:
+        module = sj._jax_export()
+    except ImportError as err:
+        return str(err)
+    missing = [name for name in ('export', 'deserialize') if not hasattr(module, name)]
+    missing += [f'Exported.{name}' for name in ('call', 'serialize')
+                if not hasattr(module.Exported, name)]
+    if missing:
+        return f'jax.export of JAX {jax.__version__} lacks {", ".join(missing)}'
+    return None
+
+
+_EXPORT_PROBLEM = _export_problem()
+_VJP_EXPORT = _EXPORT_PROBLEM is None and 'vjp_order' in inspect.signature(
+    sj._jax_export().Exported.serialize).parameters
+
+
+@unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
+class ExportTest(unittest.TestCase):
+
+    def _scan_program(self):
+        h = State(jnp.zeros(3), name='h')
+        w = sj.ParamState(jnp.full(3, 0.5), name='w')
+        rng = sj.RandomState(0, name='rng')
+        last = State(jnp.zeros(()), name='last')
+
+        def step(xs, scale):
+            def body(c, x):
+                h.value = jnp.tanh(h.value * w.value + x * scale)   # written inside scan
+                return c, h.value.sum()
+            _, ys = lax.scan(body, 0.0, xs)
+            last.value = ys[-1]
+            return {'ys': ys, 'noise': jax.random.normal(rng.split_key(), (2,))}
+
+        return StatefulFunction(step, static_argnames='scale'), (h, w, rng, last)
+
+    def test_round_trip_in_a_fresh_process(self):
+        sf, (h, w, rng, last) = self._scan_program()
+        v = sj.HiddenState(jnp.arange(12.0).reshape(4, 3), name='v')
+        key = sj.RandomState(1, name='key')
+
+        def neuron(i):
+            v.value = 0.9 * v.value + i + jax.random.normal(key.split_key(), (3,))
+            return v.value.sum()
+
+        sm = sj.StatefulMapping(neuron, in_axes=0, state_in_axes={0: sj.HiddenState})
+        xs = jnp.arange(12.0).reshape(4, 3) / 10
+        before = {s.name: s.value for s in (h, w, rng, last, v, key)}
+        blobs = {'scan': sj.export(sf, xs, scale=0.5).serialize(vjp_order=int(_VJP_EXPORT)),
+                 'mapping': sj.export(sm, xs).serialize()}
+        for s in (h, w, rng, last, v, key):     # exporting changes no State
+            np.testing.assert_array_equal(s.value, before[s.name])
+        # expected: the same calls here
+        want_scan = sf(xs, scale=0.5)
+        want_map = sm(xs)
+        grad_want = jax.grad(lambda ww: sf.jaxpr_call(
+            [before['h'], ww, before['last'], before['rng']], xs, scale=0.5)[1]['ys'].sum())(
+            before['w'])
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, blob in blobs.items():
+                with open(os.path.join(tmp, name), 'wb') as fh:
+                    fh.write(blob)
+            np.savez(os.path.join(tmp, 'in.npz'), xs=xs, **{k: np.asarray(v_) for k, v_ in
+                                                           before.items()})
+            code = textwrap.dedent(f"""
+                import sys, numpy as np, jax
+                import stateful_jaxpr as sj
+                tmp, vjp = {tmp!r}, {_VJP_EXPORT!r}
+                d = dict(np.load(tmp + '/in.npz'))
+                scan = sj.deserialize(open(tmp + '/scan', 'rb').read())
+                out, new = scan(d['xs'], states={{'h': d['h'], 'w': d['w'], 'rng': d['rng']}})
+                res = {{'ys': out['ys'], 'noise': out['noise'], **{{'new_' + k: v for k, v in new.items()}}}}
+                if vjp:
+                    res['grad'] = jax.grad(lambda w: scan(d['xs'], states={{
+                        'h': d['h'], 'w': w, 'rng': d['rng']}})[0]['ys'].sum())(d['w'])
+                mapping = sj.deserialize(open(tmp + '/mapping', 'rb').read())
+                out, new = mapping(d['xs'], states={{'v': d['v'], 'key': d['key']}})
+                res.update(map_out=out, map_v=new['v'], map_key=new['key'])
+                np.savez(tmp + '/out.npz', **res)
+                user = [m for m in sys.modules if m.startswith(('test_', '__main__.'))]
+                assert not user, user
+                """)
+            proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
+                                  cwd=HERE, capture_output=True, text=True, timeout=300)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            got = dict(np.load(os.path.join(tmp, 'out.npz')))
+        np.testing.assert_allclose(got['ys'], want_scan['ys'], rtol=1e-6)
+        np.testing.assert_array_equal(got['noise'], want_scan['noise'])
+        self.assertEqual(sorted(k for k in got if k.startswith('new_')),
+                         ['new_h', 'new_last', 'new_rng'])      # w is only read
+        np.testing.assert_allclose(got['new_h'], h.value, rtol=1e-6)
+        np.testing.assert_allclose(got['new_last'], last.value, rtol=1e-6)
+        np.testing.assert_array_equal(got['new_rng'], rng.value)
+        np.testing.assert_allclose(got['map_out'], want_map, rtol=1e-6)
+        np.testing.assert_allclose(got['map_v'], v.value, rtol=1e-6)
+        np.testing.assert_array_equal(got['map_key'], key.value)
+        if _VJP_EXPORT:
+            np.testing.assert_allclose(got['grad'], grad_want, rtol=1e-5)
+
+    def test_manifest(self):
+        sf, (h, w, rng, last) = self._scan_program()
+        ex = sj.export(sf, jnp.ones((2, 3)), scale=0.5, platforms=['cpu'])
+        m = ex.manifest
+        self.assertEqual((m['function'], m['platforms'], m['static_arguments']),
+                         ('step', ['cpu'], {"keyword 'scale'": '0.5'}))
+        self.assertEqual(m['arguments'], [{'path': 'argument 0', 'shape': [2, 3],
+                                           'dtype': 'float32'}])
+        self.assertEqual([r['path'] for r in m['results']], ["result['noise']", "result['ys']"])
+        self.assertEqual([(s['name'], s['type'], s['role'], s['leaves']) for s in m['states']], [
+            ('h', 'State', 'read and written', [{'path': '', 'shape': [3], 'dtype': 'float32'}]),
+            ('w', 'ParamState', 'read', [{'path': '', 'shape': [3], 'dtype': 'float32'}]),
+            ('last', 'State', 'written', [{'path': '', 'shape': [], 'dtype': 'float32'}]),
+            ('rng', 'RandomState', 'read and written',
+             [{'path': '', 'shape': [2], 'dtype': 'uint32'}])])
+        self.assertIn(os.path.basename(__file__), m['states'][0]['created_at'])
+        self.assertEqual(sj.deserialize(ex.serialize()).manifest, m)
+        self.assertIn("'last' written", repr(ex))
+        two = sj.export(sf, jnp.ones((2, 3)), scale=0.5, platforms=['cpu', 'cuda'])
+        self.assertEqual(two.manifest['platforms'], ['cpu', 'cuda'])
+
+    def test_sharded_state_in_manifest(self):
+        from jax.sharding import NamedSharding, PartitionSpec
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('d',))
+        s = State(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec('d'))),
+                  name='s')
+        plain = State(jnp.ones(2), name='plain')
+
+        def f(x):
+            s.value = s.value * x
+            return s.value.sum() + plain.value.sum()
+
+        ex = sj.export(f, 2.0)
+        leaf, = ex.manifest['states'][0]['leaves']
+        self.assertEqual(leaf['sharding'], str(s.value.sharding))
+        self.assertNotIn('sharding', ex.manifest['states'][1]['leaves'][0])
+        out, new = sj.deserialize(ex.serialize())(2.0, states={'s': s.value, 'plain': plain.value})
+        self.assertEqual(float(out), 34.0)
+        np.testing.assert_array_equal(new['s'], np.full((8, 2), 2.0))
+
+    def test_bad_calls_raise_clear_errors(self):
+        sf, (h, w, rng, last) = self._scan_program()
+        loaded = sj.deserialize(sj.export(sf, jnp.ones((2, 3)), scale=0.5).serialize())
+        good = {'h': h.value, 'w': w.value, 'rng': rng.value}
+        with self.assertRaisesRegex(ValueError, r"states= lacks \['rng'\]; its states are: "
+                                                r"'h' \(read and written\), 'w' \(read\)"):
+            loaded(jnp.ones((2, 3)), states={'h': h.value, 'w': w.value})
+        with self.assertRaisesRegex(ValueError, r"has names it does not know: \['bias'\]"):
+            loaded(jnp.ones((2, 3)), states={**good, 'bias': 1.0})
+        with self.assertRaisesRegex(ValueError, r"state 'h' is float32\[4\], but it was "
+                                                r'exported for float32\[3\]'):
+            loaded(jnp.ones((2, 3)), states={**good, 'h': jnp.zeros(4)})
+        with self.assertRaisesRegex(ValueError, r'argument 0 is float32\[5,3\], but it was '
+                                                r'exported for float32\[2,3\]'):
+            loaded(jnp.ones((5, 3)), states=good)
+        with self.assertRaisesRegex(TypeError, 'states= must be a dict'):
+            loaded(jnp.ones((2, 3)), states=[h.value])
+        out, new = loaded(jnp.ones((2, 3)), states={**good, 'last': 0.0})   # ignored
+        self.assertEqual(sorted(new), ['h', 'last', 'rng'])
+        with self.assertRaisesRegex(ValueError, "not made by stateful_jaxpr"):
+            sj.deserialize(b'junk')
+
+    def test_states_need_unique_names(self):
+        a, b = State(jnp.zeros(()), name='dup'), State(jnp.zeros(()), name='dup')
+        anon = State(jnp.zeros(()))   # site: anonymous
+        before = [s.value for s in (a, b, anon)]
+        with self.assertRaises(ValueError) as cm:
+            sj.export(lambda x: x + a.value + b.value + anon.value, 1.0)
+        msg = str(cm.exception)
+        self.assertIn("have no name or share one:\n  - State 'dup' created at", msg)
+        self.assertEqual(msg.count("State 'dup' created at"), 2)
+        self.assertIn(f'{__file__}:{_line_of("# site: anonymous")}', msg)
+        self.assertIn('(no name)', msg)
+        self.assertIn("unique name (State(..., name='w')", msg)
+        self.assertEqual([s.value for s in (a, b, anon)], before)
+
+    def test_missing_flatbuffers_is_named(self):
+        code = textwrap.dedent("""
+            import importlib.util, jax.numpy as jnp
+            find = importlib.util.find_spec
+            importlib.util.find_spec = lambda name, *a: None if name == 'flatbuffers' else find(name, *a)
+            import stateful_jaxpr as sj
+            try:
+                sj.export(lambda x: x + 1, jnp.ones(2))
+            except ImportError as err:
+                print(err)
+            """)
+        proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True,
+                              text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertIn("needs the 'flatbuffers' package", proc.stdout)
+        self.assertIn('pip install flatbuffers', proc.stdout)
+
+
 # =============================================================================
 # Fidelity to brainstate 0.2.1
 #
@@ -6990,6 +7453,8 @@ _BRAINSTATE_DIFFERENCES = {
     'cache_stats.counts': 'one cache entry per key: the four get_cache_stats() names report the '
                           'same hits/misses and a hit counts once per call (brainstate counts '
                           'every internal lookup of each of its four caches)',
+    'cache_stats.names': "get_cache_stats() adds 'miss_causes' (traces per cause) to "
+                         "brainstate's four cache names",
     'hashabledict.setitem': 'hashabledict keys are read-only (brainstate lets a cache key change '
                             'after it was hashed)',
     'State(State)': 'State(other_state) raises ValueError (brainstate silently unwraps)',
@@ -7270,13 +7735,17 @@ class _bs_Checks:
 
 
 def _bs_stats(rec, key, sf):
-    """Cache statistics: names, sizes and maxsize compared; hit/miss counts separately."""
+    """Cache statistics: the names; sizes and maxsize of brainstate's four caches;
+    hit/miss counts separately."""
+    rec(f'{key}.cache_stats.names', lambda: sorted(sf.get_cache_stats()))
+
+    def caches():
+        return {k: v for k, v in sf.get_cache_stats().items() if k != 'miss_causes'}
     stats = rec(f'{key}.cache_stats.shape',
-                lambda: {k: (v['size'], v['maxsize'], sorted(v)) for k, v in
-                         sf.get_cache_stats().items()})
+                lambda: {k: (v['size'], v['maxsize'], sorted(v)) for k, v in caches().items()})
     if stats is not None:
         rec(f'{key}.cache_stats.counts', lambda: {k: (v['hits'], v['misses']) for k, v in
-                                                  sf.get_cache_stats().items()})
+                                                  caches().items()})
 
 
 def _bs_accessors(rec, key, sf, args, kwargs=None):
@@ -7657,8 +8126,9 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                 rec(f'{key}.kw.in_avals', lambda: list(sf.get_jaxpr(
                     *args, scale=jnp.float32(0.5)).in_avals))
                 _bs_stats(rec, key, sf)
-                rec(f'{key}.clear_cache', lambda: (sf.clear_cache(), {
-                    k2: v['size'] for k2, v in sf.get_cache_stats().items()})[1])
+                rec(f'{key}.clear_cache', lambda: (sf.clear_cache(), {   # (names: above)
+                    k2: v['size'] for k2, v in sf.get_cache_stats().items()
+                    if k2 != 'miss_causes'})[1])
                 rec(f'{key}.state_arg', lambda: sf(a, args[1]))
             made = ns.make_jaxpr(f)
             rec('make_jaxpr', lambda: (lambda r: (type(r).__name__, len(r), r[1]))(made(*args)))

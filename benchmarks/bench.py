@@ -374,6 +374,25 @@ class Bench:
             if stats['size'] != 1:
                 self.notes.append(f'dispatch N={n}: {stats["size"]} cache entries, expected 1')
 
+    # -- cache-miss explanations on the warm path -------------------------------
+    def explain(self):
+        """A warm call with explain_cache_misses off (ours), on (extra column),
+        and plain jax.jit, interleaved: explanations run only when a trace
+        happens, so the warm path costs the same either way."""
+        x = jnp.ones(16, F32)
+        n = 10
+        states, states_on = make_states(n), make_states(n)
+        sf = sj.StatefulFunction(stateful_step(states), explain_cache_misses=False)
+        sf_on = sj.StatefulFunction(stateful_step(states_on), explain_cache_misses=True)
+        jitted = jax.jit(pure_step())
+        base = Baseline(jitted, check_same('explain', states, sf, jitted, x), x)
+        check_same('explain (on)', states_on, sf_on, jitted, x)
+        res = interleaved({'ours': lambda: sf(x), 'explain on': lambda: sf_on(x), 'jax': base},
+                          self.budget, self.min_calls, self.max_calls)
+        self.row('warm call, explanations off / on', n, res['ours'], res['jax'],
+                 {'explain on': res['explain on']})
+        self.target('warm call, explanations on vs off', res['explain on'] / res['ours'], 1.1)
+
     # -- trace ------------------------------------------------------------------
     def trace(self):
         """First trace / first compiled call, fresh function objects every time.
@@ -669,7 +688,7 @@ class Bench:
         return '\n'.join(out)
 
 
-SECTIONS = ('dispatch', 'trace', 'vmap', 'big_arg', 'scan_write', 'memory')
+SECTIONS = ('dispatch', 'explain', 'trace', 'vmap', 'big_arg', 'scan_write', 'memory')
 
 
 def main(argv=None):
