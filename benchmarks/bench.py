@@ -5,60 +5,102 @@
 
 Usage::
 
-    python benchmarks/bench.py            # full run (a few minutes)
-    python benchmarks/bench.py --quick    # smoke run (well under 2 minutes)
+    python benchmarks/bench.py            # full run (about 10 minutes)
+    python benchmarks/bench.py --quick    # smoke run (about 3 minutes)
     python benchmarks/bench.py --only dispatch,vmap --json results.json
 
-Workloads.  Every figure is a median over many calls after warm-up; each call
-is blocked on (``jax.block_until_ready`` of the value the function returns; the
-new state values come out of the same executable, so they are ready too).
-Every row is interleaved: our implementation and the baseline run in the same
-process, warm calls in alternating blocks and first calls (fresh function
-objects) one of ours, one of JAX's, in turn, so that drift hits both alike.
+Method.  Every row is interleaved: our implementation and the baseline run in
+the same process and the same run, so that drift hits both alike.  Figures
+are medians; the table's last column says over what.
+
+* Warm calls, blocked per call (``interleaved``): alternating blocks of calls,
+  each call blocked on (``jax.block_until_ready`` of the value it returns; the
+  new state values come out of the same executable, so they are ready too);
+  median µs per call.
+* Warm calls in a tight loop (``interleaved_loop``): alternating blocks of 100
+  calls dispatched back to back and blocked once, on the last result (each
+  call's state feeds the next; the baseline threads its state list through
+  the block likewise); per-call time = block time / 100, median over blocks.
+* First calls (``alternating_once``): fresh function objects every
+  repetition, one of ours, one of JAX's, the order flipped each repetition,
+  after a full collection; median over repetitions (rows with fewer than 3
+  are marked indicative).  JAX keeps compiled executables and traces in
+  caches, so every timed program folds its own constant into the computation
+  (the decay 0.9 becomes 0.9 * (1 + k * 1e-6) with k never reused, on both
+  sides alike): no two programs lower to the same HLO, and every first call
+  really traces, lowers and compiles.  JAX's compile events are counted
+  during each timed first call; a note is printed if any compiled nothing.
 
 Every workload is checked before it is timed: one call of ours and one of the
 baseline, from the same start values, must give the same result and the same
 new state values (``numpy.testing.assert_allclose`` with rtol 1e-5 / atol 1e-6,
 exact for integers and PRNG keys), or the run stops with a message naming the
-workload.  The States are then reset to their start values.
+workload.  The States are then reset to their start values.  After warm
+timing, a note is printed if our states and the baseline's have drifted apart.
+The first-call programs differ from the checked one only in that constant.
+
+Workloads and targets (ratio ours / plain JAX, unless a unit is given):
 
 * dispatch -- N float32[16] states, each ``s = 0.9*s + x``, returning the sum of
   one state.  Ours: ``StatefulFunction(f)(x)`` on a cache hit.  Baseline:
   ``jax.jit`` of the pure function over a list of N arrays, returning the new
-  list and the sum (the caller keeps the list for the next call).
-* trace -- first ``StatefulFunction(f).make_jaxpr(x)`` of a fresh function
-  vs ``jax.make_jaxpr(pure)``, and the first compiled call
-  ``StatefulFunction(f)(x)`` vs the first ``jax.jit(pure)(...)`` call.  Fresh
-  function objects each repetition, so no trace or compile cache is reused.
-  Checked under ``jax.disable_jit()`` (the traced program, evaluated without
-  compiling it: a compile at N=5000 takes seconds); the compiled path of the
-  same program is checked by dispatch.
+  list and the sum (the caller keeps the list for the next call).  Blocked per
+  call at N = 1, 10, 100, 1000 and in a tight loop at N = 1, 10: all <= 1.1.
+* explain -- the dispatch program at N=10 with ``explain_cache_misses`` off,
+  on (extra column) and plain ``jax.jit``: on vs off <= 1.1.
+* trace -- first ``StatefulFunction(f).make_jaxpr(x)`` of a fresh function vs
+  ``jax.make_jaxpr(pure)`` at N = 10, 100, 1000, 5000 (<= 1.2; and
+  make_jaxpr(5000) / make_jaxpr(1000) <= 6), and the first call (trace +
+  compile + run) ``StatefulFunction(f)(x)`` vs the first ``jax.jit(pure)(...)``
+  call: <= 1.1 at N = 10, 100, 1000 (<= 1.15 at N = 5000; skipped, with a
+  note, if the smaller sizes project it far beyond its time share).  Checked
+  under ``jax.disable_jit()`` (the traced program, evaluated without compiling
+  it: a compile at N=5000 takes seconds); the compiled path of the same
+  program is checked by dispatch.
 * vmap -- batch 64, N states of float32[64, 16] batched on axis 0 plus one
   ``RandomState`` normal draw per lane.  Ours: ``StatefulMapping(f, in_axes=0,
   state_in_axes={0: HiddenState})``.  Baseline: ``jax.jit`` of ``jax.vmap`` of
   the pure per-lane function with explicit per-lane keys, split from one key
   inside the same jit (the work our call does: split n+1, keep key 0).  The
   same keys, so the check compares the noisy state and the new key exactly.
-* big argument -- a dict of 200 float32[8] arrays as the input, 10 states.
-* scan write -- N float32[16] states written inside a plain ``lax.scan`` body
-  (100 steps).  Baseline: ``jax.jit`` of the same scan with the states as an
-  explicit carry.  Also the first ``make_jaxpr`` of a fresh function (which
-  includes our extra trace that finds the written states) against
-  ``jax.make_jaxpr`` of the explicit-carry scan.
+  Warm calls (blocked) and first calls of a fresh StatefulMapping vs a fresh
+  ``jax.jit(pure)``, at N = 10, 100: all <= 1.1.
+* big_arg -- a dict of 200 float32[8] arrays as the input, 10 states; warm
+  calls <= 1.1.
+* scan_write -- xs float32[100, 16]; N float32[16] states written inside a
+  plain ``lax.scan`` body over xs (100 steps), at N = 1, 10, 100.  Baseline:
+  the same scan with the states as an explicit carry.  Rows: warm calls (no
+  target); the first ``make_jaxpr`` of a fresh function (ours includes the
+  work that finds the written States) vs ``jax.make_jaxpr`` of the
+  explicit-carry program, <= 1.5; and a later trace of the same function at
+  new shapes -- ``sf.make_jaxpr(xs)`` at 100 steps untimed, then
+  ``sf.make_jaxpr(xs2)`` at 50 steps timed -- vs ``jax.make_jaxpr`` of the
+  pure function at 50 steps (after one at 100 steps, for symmetry), <= 1.2.
+  Both traces are checked (compiled calls at 100 and at 50 steps).
+* nested_write -- the same two trace rows (first make_jaxpr <= 1.5, later
+  trace at new shapes <= 1.2) for N states written inside the taken branch of
+  a ``lax.cond`` (the other branch only reads them) and inside an inner
+  ``jax.jit``, each applied to the sum of xs; baselines pass the states as an
+  explicit cond operand / inner-jit argument.
 * memory -- the dispatch program, 100,000 cached calls at N=100: growth of
-  VmRSS (/proc/self/status), measured with tracemalloc off; then a shorter run
-  under tracemalloc that reports the Python-heap growth and where it was
-  allocated.
+  VmRSS (/proc/self/status), measured with tracemalloc off, < 5 MB (the quick
+  run makes 25,000 calls and extrapolates); then a shorter run under
+  tracemalloc that reports the Python-heap growth and where it was allocated.
+
+The report ends with a "Targets" list: every target, its ratio, its limit,
+and whether it was met (with the margin) or missed (by how much).
 
 Standard library and JAX only.  brainstate / Flax NNX / Equinox columns are
-added to the dispatch table when those packages are importable.
+added to the blocked dispatch rows when those packages are importable.
 """
+
 
 from __future__ import annotations
 
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -95,6 +137,21 @@ def _timed(call, n: int, samples: list) -> None:
         append(pc() - t0)
 
 
+def _calls_for(sides: dict, warmup: int, probe, budget_s: float, min_calls: int,
+               max_calls: int) -> int:
+    """Warms every side up; returns how many calls per side fit ``budget_s``
+    (between ``min_calls`` and ``max_calls``), from one ``probe(call, samples)``."""
+    per_round_ns = 0.0
+    for call in sides.values():
+        for _ in range(warmup):
+            _block(call())
+        samples: list = []
+        probe(call, samples)
+        per_round_ns += statistics.median(samples)
+    calls = int(budget_s * 1e9 / max(per_round_ns, 1))
+    return max(min_calls, min(max_calls, calls))
+
+
 def interleaved(sides: dict, budget_s: float, min_calls: int, max_calls: int,
                 warmup: int = 50) -> dict:
     """Median µs per call of each ``sides[name]()``, interleaving blocks of calls.
@@ -104,17 +161,8 @@ def interleaved(sides: dict, budget_s: float, min_calls: int, max_calls: int,
     ``max_calls`` calls per side).  Block order alternates each round.
     """
     names = list(sides)
-    est = {}
-    for name in names:
-        call = sides[name]
-        for _ in range(warmup):
-            _block(call())
-        probe: list = []
-        _timed(call, 10, probe)
-        est[name] = statistics.median(probe)
-    per_round_ns = sum(est.values())
-    calls = int(budget_s * 1e9 / max(per_round_ns, 1))
-    calls = max(min_calls, min(max_calls, calls))
+    calls = _calls_for(sides, warmup, lambda call, out: _timed(call, 10, out),
+                       budget_s, min_calls, max_calls)
     rounds = 20 if calls >= 200 else max(2, calls // 10)
     block = max(1, calls // rounds)
     samples = {name: [] for name in names}
@@ -126,6 +174,71 @@ def interleaved(sides: dict, budget_s: float, min_calls: int, max_calls: int,
         '_calls': block * rounds}
 
 
+def _timed_loop(call, k: int, samples: list) -> None:
+    """Appends the wall time (ns) of ``k`` calls of ``call()`` made back to
+    back, blocked once, on the last result, divided by ``k``."""
+    pc, block = _pc, _block
+    t0 = pc()
+    for _ in range(k - 1):
+        call()
+    block(call())
+    samples.append((pc() - t0) / k)
+
+
+def interleaved_loop(sides: dict, budget_s: float, min_calls: int, max_calls: int,
+                     k: int = 100, warmup: int = 50) -> dict:
+    """Median µs per call of each ``sides[name]()`` in a tight loop.
+
+    Like :func:`interleaved`, but nothing is blocked between calls: a block is
+    ``k`` calls dispatched back to back and blocked once, on the last result
+    (each call's state feeds the next, so the whole chain is done then); the
+    time per call is the block's time / ``k``, and the figure is the median
+    over blocks.  Blocks of the sides alternate, the order flipped each round.
+    """
+    names = list(sides)
+    calls = _calls_for(sides, warmup, lambda call, out: _timed_loop(call, k, out),
+                       budget_s, min_calls, max_calls)
+    rounds = max(6, calls // k)
+    samples = {name: [] for name in names}
+    gc.collect()
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            _timed_loop(sides[name], k, samples[name])
+    return {name: statistics.median(v) / 1e3 for name, v in samples.items()} | {
+        '_calls': k * rounds}
+
+
+# Every backend compile, minus the persistent-cache hits (JAX records the
+# compile event around its cache look-up too): how first calls prove that
+# they compiled.
+_COMPILES = [0]
+
+
+def _on_duration(event, duration, **kwargs):
+    if event == '/jax/core/compile/backend_compile_duration':
+        _COMPILES[0] += 1
+
+
+def _on_event(event, **kwargs):
+    if event == '/jax/compilation_cache/cache_hits':
+        _COMPILES[0] -= 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+# Per-program constants: each first call folds a constant that no other
+# program of the run uses into its computation, so that no two programs lower
+# to the same HLO and no compiled executable can be reused from a cache.
+_UNIQUE = itertools.count(1)
+
+
+def fresh_decay(base: float = 0.9) -> float:
+    """``base * (1 + k * 1e-6)`` with a ``k`` no other call returns (a step
+    of ~15 float32 ulps at 0.9: a different literal in every program)."""
+    return base * (1.0 + next(_UNIQUE) * 1e-6)
+
+
 def once_us(fn) -> float:
     """µs of one blocked call of ``fn()`` after a full collection."""
     gc.collect()
@@ -134,18 +247,31 @@ def once_us(fn) -> float:
     return (_pc() - t0) / 1e3
 
 
-def alternating_once(pairs, reps: int, allot_s: float = float('inf')):
-    """``once_us`` of each ``(name, fn)`` in turn, ``reps`` times, order flipped
-    every repetition; stops early (after at least one) once ``allot_s`` seconds
-    are spent.  Returns ``({name: [µs, ...]}, seconds per repetition)``.  Each
-    ``fn`` must build fresh function objects, so no cache is reused."""
-    t = {name: [] for name, _ in pairs}
+def alternating_once(pairs, reps: int, allot_s: float = float('inf'), compiles=None):
+    """``once_us`` of each ``(name, fn)`` or ``(name, fn, prepare)`` in turn,
+    ``reps`` times, order flipped every repetition; stops early (after at
+    least one) once ``allot_s`` seconds are spent.  Returns ``({name: [µs, ...]},
+    seconds per repetition)``.  Each ``fn`` must build fresh function objects,
+    so no cache is reused.  With a ``prepare``, ``prepare()`` runs untimed
+    first and ``fn(prepare())`` is timed.  ``compiles``, if a dict, receives
+    ``{name: [backend compiles during each timed call, ...]}``."""
+    t = {p[0]: [] for p in pairs}
+    if compiles is not None:
+        compiles.update({p[0]: [] for p in pairs})
     t0 = time.perf_counter()
     for i in range(reps):
         if i and time.perf_counter() - t0 > allot_s:
             break
-        for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
-            t[name].append(once_us(fn))
+        for name, fn, *prep in (pairs if i % 2 == 0 else pairs[::-1]):
+            if prep:
+                arg = prep[0]()
+                call = lambda fn=fn, arg=arg: fn(arg)  # noqa: E731
+            else:
+                call = fn
+            c0 = _COMPILES[0]
+            t[name].append(once_us(call))
+            if compiles is not None:
+                compiles[name].append(_COMPILES[0] - c0)
     return t, (time.perf_counter() - t0) / len(t[pairs[0][0]])
 
 
@@ -244,20 +370,121 @@ def make_states(n: int, shape=(16,), cls=None):
     return [cls(jnp.zeros(shape, F32), name=f's{i}') for i in range(n)]
 
 
-def stateful_step(states):
-    """f(x): every state ``s = 0.9*s + x``; returns the sum of the first."""
+def stateful_step(states, decay: float = 0.9):
+    """f(x): every state ``s = decay*s + x``; returns the sum of the first."""
     def f(x):
         for s in states:
-            s.value = 0.9 * s.value + x
+            s.value = decay * s.value + x
         return jnp.sum(states[0].value)
     return f
 
 
-def pure_step():
+def pure_step(decay: float = 0.9):
     """pure(vals, x) -> (new_vals, sum(new_vals[0]))."""
     def pure(vals, x):
-        new = [0.9 * v + x for v in vals]
+        new = [decay * v + x for v in vals]
         return new, jnp.sum(new[0])
+    return pure
+
+
+def vmap_step(states, rng, decay: float = 0.9):
+    """Per-lane f(x) for StatefulMapping: one normal draw from ``rng`` added to
+    the first state, ``s = decay*s + x`` for all; returns the first's sum."""
+    def f(x):
+        noise = jax.random.normal(rng.split_key(), (16,))
+        states[0].value = decay * states[0].value + x + noise
+        for s in states[1:]:
+            s.value = decay * s.value + x
+        return jnp.sum(states[0].value)
+    return f
+
+
+def vmap_mapping(states, rng, decay: float = 0.9):
+    return sj.StatefulMapping(vmap_step(states, rng, decay), in_axes=0,
+                              state_in_axes={0: sj.HiddenState})
+
+
+def vmap_pure(batch: int, decay: float = 0.9):
+    """pure((vals, key), x) -> ((new_vals, new_key), out): ``jax.vmap`` of the
+    per-lane function with explicit per-lane keys split from ``key``."""
+    def lane(vals, x, key):
+        # rng.split_key() inside a lane: split the lane's key, draw with [1].
+        noise = jax.random.normal(jax.random.split(key)[1], (16,))
+        new = [decay * vals[0] + x + noise] + [decay * v + x for v in vals[1:]]
+        return new, jnp.sum(new[0])
+
+    def pure(carry, x):
+        vals, key = carry
+        keys = jax.random.split(key, batch + 1)
+        new, out = jax.vmap(lane)(vals, x, keys[1:])
+        return (new, keys[0]), out
+    return pure
+
+
+NESTED = ('scan', 'cond', 'jit')
+
+
+def nested_step(kind: str, states, decay: float = 0.9):
+    """f(xs), xs float32[T, 16], writing every state ``s = decay*s + x`` inside
+    a ``lax.scan`` over xs ('scan'), the taken branch of a ``lax.cond``
+    ('cond', x = sum of xs; the other branch only reads) or an inner
+    ``jax.jit`` ('jit', x = sum of xs).  The nested function is rebuilt on
+    every call of f, so JAX caches nothing across calls."""
+    if kind == 'scan':
+        def f(xs):
+            def body(c, x):
+                for s in states:
+                    s.value = decay * s.value + x
+                return c + jnp.sum(states[0].value), None
+            return jax.lax.scan(body, 0.0, xs)[0]
+    elif kind == 'cond':
+        def f(xs):
+            def write(x):
+                for s in states:
+                    s.value = decay * s.value + x
+                return jnp.sum(states[0].value)
+
+            def keep(x):
+                return jnp.sum(states[0].value)
+            return jax.lax.cond(xs[0, 0] > 0, write, keep, jnp.sum(xs, 0))
+    else:
+        def f(xs):
+            @jax.jit
+            def inner(x):
+                for s in states:
+                    s.value = decay * s.value + x
+                return jnp.sum(states[0].value)
+            return inner(jnp.sum(xs, 0))
+    return f
+
+
+def nested_pure(kind: str, decay: float = 0.9):
+    """pure(vals, xs) -> (new_vals, out): :func:`nested_step` with the states
+    as an explicit scan carry / cond operand / inner-jit argument."""
+    if kind == 'scan':
+        def pure(vals, xs):
+            def body(carry, x):
+                c, vals = carry
+                vals = [decay * v + x for v in vals]
+                return (c + jnp.sum(vals[0]), vals), None
+            (c, vals), _ = jax.lax.scan(body, (0.0, vals), xs)
+            return vals, c
+    elif kind == 'cond':
+        def pure(vals, xs):
+            def write(vals, x):
+                new = [decay * v + x for v in vals]
+                return new, jnp.sum(new[0])
+
+            def keep(vals, x):
+                return vals, jnp.sum(vals[0])
+            return jax.lax.cond(xs[0, 0] > 0, write, keep, vals, jnp.sum(xs, 0))
+    else:
+        def pure(vals, xs):
+            @jax.jit
+            def inner(vals, x):
+                new = [decay * v + x for v in vals]
+                return new, jnp.sum(new[0])
+            return inner(vals, jnp.sum(xs, 0))
     return pure
 
 
@@ -335,18 +562,49 @@ class Bench:
         self.notes = []
         self.load = (_loadavg(),)
         self.sections = {}
-        self.budget = 1.5 if quick else 10.0
+        self.budget = 1.5 if quick else 6.0
         self.min_calls = 200 if quick else 1000
         self.max_calls = 20000 if quick else 100000
+        self.loop_k = 100    # calls per tight-loop block
 
-    def row(self, workload, n, ours, base, extra=None):
+    def row(self, workload, n, ours, base, extra=None, samples=''):
+        """One table row; ``samples`` says what the medians are over."""
         self.rows.append(dict(workload=workload, n=n, ours_us=ours, jax_us=base,
                               ratio=ours / base if base else float('nan'),
-                              extra=extra or {}))
+                              extra=extra or {}, samples=samples))
 
     def target(self, name, value, limit, unit='×'):
         self.targets.append(dict(name=name, value=value, limit=limit, unit=unit,
                                  met=value <= limit))
+
+    def warm_row(self, workload, n, res, limit, target_name=None, extra=None):
+        """Row and target from an :func:`interleaved` / :func:`interleaved_loop`
+        result."""
+        self.row(workload, n, res['ours'], res['jax'], extra,
+                 f'{res["_calls"]:,} calls/side')
+        self.target(target_name or f'{workload} N={n}', res['ours'] / res['jax'], limit)
+
+    def once_row(self, workload, n, t, limit, target_name=None):
+        """Row and target from an :func:`alternating_once` result (medians)."""
+        med = _medians(t)
+        reps = len(t['ours'])
+        self.row(workload, n, med['ours'], med['jax'], {'reps': reps},
+                 f'{reps} rep{"s" if reps > 1 else ""}/side')
+        self.target(f'{target_name or workload} N={n}{_few(t)}', med['ours'] / med['jax'], limit)
+        return med
+
+    def first_calls(self, workload, pairs, reps, allot_s=float('inf')):
+        """:func:`alternating_once` of first calls that must compile: a note
+        if any timed call compiled nothing (its executable came from a cache,
+        so it was no first call)."""
+        compiles = {}
+        out = alternating_once(pairs, reps, allot_s, compiles)
+        for name, counts in compiles.items():
+            if min(counts) < 1:
+                self.notes.append(
+                    f'{workload}: {counts.count(0)} of {len(counts)} timed {name} calls '
+                    'compiled nothing (an executable reused from a cache): not first calls')
+        return out
 
     def _note_drift(self, workload, states, base_vals):
         """After timing: a note if the states no longer match the baseline's."""
@@ -356,6 +614,8 @@ class Bench:
 
     # -- dispatch ---------------------------------------------------------------
     def dispatch(self):
+        """Warm calls, blocked per call at N = 1..1000, and in a tight loop
+        (:func:`interleaved_loop`) at N = 1 and 10."""
         x = jnp.ones(16, F32)
         for n in (1, 10, 100, 1000):
             states = make_states(n)
@@ -368,8 +628,14 @@ class Bench:
             # Same number of calls on both sides from the same start: same values.
             self._note_drift(f'dispatch N={n}', states, base.vals)
             extra = {k: v for k, v in res.items() if k not in ('ours', 'jax', '_calls')}
-            self.row('dispatch', n, res['ours'], res['jax'], extra)
-            self.target(f'dispatch N={n}', res['ours'] / res['jax'], 1.3 if n <= 10 else 1.2)
+            self.warm_row('dispatch, blocked per call', n, res, 1.1,
+                          f'dispatch N={n}, blocked per call', extra)
+            if n <= 10:
+                res = interleaved_loop({'ours': sides['ours'], 'jax': base}, self.budget,
+                                       self.min_calls, self.max_calls, k=self.loop_k)
+                self._note_drift(f'dispatch N={n} (tight loop)', states, base.vals)
+                self.warm_row(f'dispatch, tight loop ({self.loop_k} per block)', n, res, 1.1,
+                              f'dispatch N={n}, tight loop')
             stats = sf.get_cache_stats()['jaxpr_cache']
             if stats['size'] != 1:
                 self.notes.append(f'dispatch N={n}: {stats["size"]} cache entries, expected 1')
@@ -390,29 +656,33 @@ class Bench:
         res = interleaved({'ours': lambda: sf(x), 'explain on': lambda: sf_on(x), 'jax': base},
                           self.budget, self.min_calls, self.max_calls)
         self.row('warm call, explanations off / on', n, res['ours'], res['jax'],
-                 {'explain on': res['explain on']})
+                 {'explain on': res['explain on']}, f'{res["_calls"]:,} calls/side')
         self.target('warm call, explanations on vs off', res['explain on'] / res['ours'], 1.1)
 
     # -- trace ------------------------------------------------------------------
     def trace(self):
         """First trace / first compiled call, fresh function objects every time.
 
-        Repetitions stop when a size's share of the time budget is spent (at
-        least one).  Compile time grows faster than N (much faster on old
-        JAX releases), so the first-call measurement at a size is skipped,
-        with a note, when the previous size projects (cost ~ N**1.5) one
-        repetition beyond twice that size's share.
+        Every timed program folds its own constant (:func:`fresh_decay`), on
+        both sides, so no two lower to the same HLO and each first call
+        compiles (checked: a note otherwise).  Repetitions stop when a size's
+        share of the time budget is spent (at least one).  Compile time grows
+        faster than N (much faster on old JAX releases), so the first-call
+        measurement at a size is skipped, with a note, when the previous size
+        projects (cost ~ N**1.5) one repetition beyond twice that size's share.
         """
         x = jnp.ones(16, F32)
-        budget = 36.0 if self.quick else 300.0
-        share = {10: 0.1, 100: 0.15, 1000: 0.25, 5000: 0.5}
-        max_reps = ({10: 15, 100: 9, 1000: 5, 5000: 3} if self.quick
-                    else {10: 41, 100: 21, 1000: 9, 5000: 5})
-        ours_mk = lambda states: (  # noqa: E731
-            lambda: sj.StatefulFunction(stateful_step(states)).make_jaxpr(x) and None)
-        jax_mk = lambda vals: lambda: jax.make_jaxpr(pure_step())(vals, x) and None  # noqa: E731
-        ours_call = lambda states: lambda: sj.StatefulFunction(stateful_step(states))(x)  # noqa
-        jax_call = lambda vals: lambda: jax.jit(pure_step())(vals, x)  # noqa: E731
+        budget = 40.0 if self.quick else 180.0
+        share = {10: 0.1, 100: 0.15, 1000: 0.3, 5000: 0.45}
+        max_reps = ({10: 9, 100: 7, 1000: 3, 5000: 1} if self.quick
+                    else {10: 31, 100: 15, 1000: 7, 5000: 3})
+        ours_mk = lambda states: lambda: (  # noqa: E731
+            sj.StatefulFunction(stateful_step(states, fresh_decay())).make_jaxpr(x) and None)
+        jax_mk = lambda vals: lambda: (  # noqa: E731
+            jax.make_jaxpr(pure_step(fresh_decay()))(vals, x) and None)
+        ours_call = lambda states: lambda: (  # noqa: E731
+            sj.StatefulFunction(stateful_step(states, fresh_decay()))(x))
+        jax_call = lambda vals: lambda: jax.jit(pure_step(fresh_decay()))(vals, x)  # noqa: E731
         mk, mk_jax = {}, {}
         prev = None   # (n, seconds of one first-call repetition, both sides)
         for n, frac in share.items():
@@ -423,11 +693,9 @@ class Bench:
             allot = budget * frac
 
             t, _ = alternating_once([('ours', ours_mk(states)), ('jax', jax_mk(vals))],
-                                    max_reps[n], 0.3 * allot)
-            med = _medians(t)
+                                    max_reps[n] + 2, 0.25 * allot)
+            med = self.once_row('trace: make_jaxpr', n, t, 1.2, 'trace make_jaxpr')
             mk[n], mk_jax[n] = med['ours'], med['jax']
-            self.row('trace: make_jaxpr', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
-            self.target(f'trace make_jaxpr N={n}{_few(t)}', med['ours'] / med['jax'], 1.2)
 
             projected = prev[1] * (n / prev[0]) ** 1.5 if prev else 0.0
             if projected > 2 * allot:
@@ -437,53 +705,44 @@ class Bench:
                     f'{prev[1]:.1f} s); budget {allot:.0f} s')
                 prev = (n, projected)
                 continue
-            t, per_rep = alternating_once([('ours', ours_call(states)), ('jax', jax_call(vals))],
-                                          max_reps[n], 0.7 * allot)
+            t, per_rep = self.first_calls(
+                f'trace first call N={n}',
+                [('ours', ours_call(states)), ('jax', jax_call(vals))], max_reps[n], 0.75 * allot)
             prev = (n, per_rep)
-            med = _medians(t)
-            self.row('trace: first call', n, med['ours'], med['jax'], {'reps': len(t['ours'])})
-            self.target(f'trace first call N={n}{_few(t)}', med['ours'] / med['jax'], 1.15)
+            # N = 5000 is beyond the sizes the 1.1 target covers: kept at 1.15.
+            self.once_row('trace: first call', n, t, 1.1 if n <= 1000 else 1.15,
+                          'trace first call')
         self.target(f'trace linear: make_jaxpr(5000)/make_jaxpr(1000) '
                     f'(jax.make_jaxpr itself: {mk_jax[5000] / mk_jax[1000]:.2f}×)',
                     mk[5000] / mk[1000], 6.0)
 
     # -- vmap -------------------------------------------------------------------
     def vmap(self):
+        """Warm mapped calls, then first calls of fresh StatefulMappings vs
+        fresh ``jax.jit(pure)`` (each with its own constant, so each compiles)."""
         batch = 64
         x = jnp.ones((batch, 16), F32)
+        reps = {10: 5, 100: 3} if self.quick else {10: 15, 100: 9}
+        allot = 8.0 if self.quick else 20.0
         for n in (10, 100):
             states = make_states(n, (batch, 16), sj.HiddenState)
             rng = sj.RandomState(0)
-
-            def f(x):
-                noise = jax.random.normal(rng.split_key(), (16,))
-                states[0].value = 0.9 * states[0].value + x + noise
-                for s in states[1:]:
-                    s.value = 0.9 * s.value + x
-                return jnp.sum(states[0].value)
-            sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
-
-            def lane(vals, x, key):
-                # rng.split_key() inside a lane: split the lane's key, draw with [1].
-                noise = jax.random.normal(jax.random.split(key)[1], (16,))
-                new = [0.9 * vals[0] + x + noise] + [0.9 * v + x for v in vals[1:]]
-                return new, jnp.sum(new[0])
-
-            def pure(carry, x):
-                vals, key = carry
-                keys = jax.random.split(key, batch + 1)
-                new, out = jax.vmap(lane)(vals, x, keys[1:])
-                return (new, keys[0]), out
-
-            jitted = jax.jit(pure)
+            sm = vmap_mapping(states, rng)
+            jitted = jax.jit(vmap_pure(batch))
             # The baseline's explicit state is (state values, key): same tree here.
             start = check_same(f'vmap N={n}', (states, rng), sm, jitted, x)
             base = Baseline(jitted, start, x)
             res = interleaved({'ours': lambda sm=sm: sm(x), 'jax': base},
                               self.budget, self.min_calls, self.max_calls)
             self._note_drift(f'vmap N={n}', (states, rng), base.vals)
-            self.row('vmap (batch 64)', n, res['ours'], res['jax'])
-            self.target(f'vmap N={n}', res['ours'] / res['jax'], 1.2)
+            self.warm_row('vmap (batch 64)', n, res, 1.1, f'vmap N={n}')
+
+            t, _ = self.first_calls(
+                f'vmap first call N={n}',
+                [('ours', lambda: vmap_mapping(states, rng, fresh_decay())(x)),
+                 ('jax', lambda: jax.jit(vmap_pure(batch, fresh_decay()))(start, x))],
+                reps[n], allot)
+            self.once_row('vmap (batch 64): first call', n, t, 1.1, 'vmap first call')
 
     # -- big argument -------------------------------------------------------------
     def big_arg(self):
@@ -508,50 +767,66 @@ class Bench:
         base = Baseline(jitted, check_same('big arg', states, sf, jitted, d), d)
         res = interleaved({'ours': lambda: sf(d), 'jax': base},
                           self.budget, self.min_calls, self.max_calls)
-        self.row('big arg (dict of 200)', n, res['ours'], res['jax'])
-        self.target('big argument', res['ours'] / res['jax'], 1.25)
+        self._note_drift('big arg', states, base.vals)
+        self.warm_row('big arg (dict of 200)', n, res, 1.1, 'big argument')
 
-    # -- writes inside a scan body ---------------------------------------------------
-    def scan_write(self):
-        """N states written inside a plain ``lax.scan`` body (100 steps): the
-        states become scan carries.  Baseline: the same scan with an explicit
-        carry list.  Also the first trace (make_jaxpr) of a fresh function,
-        which here includes the extra trace that finds the written States."""
-        xs = jnp.ones((100, 16), F32)
+    # -- writes inside a scan body, a cond branch, an inner jit ------------------------
+    def _nested(self, kind: str, label: str, calls: bool):
+        """N states written inside ``kind`` (see :func:`nested_step`), xs
+        float32[100, 16].  Rows: warm calls (if ``calls``); the first
+        ``make_jaxpr`` of a fresh function (ours includes the work that finds
+        the written States) vs ``jax.make_jaxpr`` of the explicit-state
+        program; and a later trace of the same function at new shapes (xs of
+        50 steps, after one of 100) vs a ``jax.make_jaxpr`` at 50 steps (after
+        one at 100, for symmetry: jax.make_jaxpr keeps no cache across
+        shapes).  Each program has its own constant, on both sides alike."""
+        xs, xs2 = jnp.ones((100, 16), F32), jnp.ones((50, 16), F32)
+        reps = ({1: 7, 10: 7, 100: 5} if self.quick else {1: 21, 10: 21, 100: 11})
+        allot = 2.5 if self.quick else 5.0
         for n in (1, 10, 100):
             states = make_states(n)
+            sf = sj.StatefulFunction(nested_step(kind, states))
+            jitted = jax.jit(nested_pure(kind))
+            vals = check_same(f'{label} N={n}', states, sf, jitted, xs)
+            # The program a later trace at 50 steps builds, checked too.
+            check_same(f'{label} N={n}, 50 steps', states, sf, jitted, xs2)
+            if calls:
+                base = Baseline(jitted, vals, xs)
+                res = interleaved({'ours': lambda sf=sf: sf(xs), 'jax': base},
+                                  self.budget, self.min_calls, self.max_calls)
+                self._note_drift(f'{label} N={n}', states, base.vals)
+                self.row(f'{label}: call', n, res['ours'], res['jax'],
+                         samples=f'{res["_calls"]:,} calls/side')
 
-            def f(xs, states=states):
-                def body(c, x):
-                    for s in states:
-                        s.value = 0.9 * s.value + x
-                    return c + jnp.sum(states[0].value), None
-                return jax.lax.scan(body, 0.0, xs)[0]
-
-            def pure(vals, xs):
-                def body(carry, x):
-                    c, vals = carry
-                    vals = [0.9 * v + x for v in vals]
-                    return (c + jnp.sum(vals[0]), vals), None
-                (c, vals), _ = jax.lax.scan(body, (0.0, vals), xs)
-                return vals, c
-
-            sf = sj.StatefulFunction(f)
-            jitted = jax.jit(pure)
-            vals = check_same(f'scan write N={n}', states, sf, jitted, xs)
-            base = Baseline(jitted, vals, xs)
-            res = interleaved({'ours': lambda sf=sf: sf(xs), 'jax': base},
-                              self.budget, self.min_calls, self.max_calls)
-            self.row('scan write: call', n, res['ours'], res['jax'])
-            # First trace: fresh wrappers each repetition (f's scan body is
-            # rebuilt on every call of f, and of pure).
             t, _ = alternating_once(
-                [('ours', lambda f=f: sj.StatefulFunction(lambda xs: f(xs)).make_jaxpr(xs)),
-                 ('jax', lambda vals=vals: jax.make_jaxpr(lambda v, xs: pure(v, xs))(vals, xs))],
-                3 if self.quick else 7)
-            med = _medians(t)
-            self.row('scan write: make_jaxpr', n, med['ours'], med['jax'],
-                     {'reps': len(t['ours'])})
+                [('ours', lambda: sj.StatefulFunction(
+                    nested_step(kind, states, fresh_decay())).make_jaxpr(xs) and None),
+                 ('jax', lambda: jax.make_jaxpr(
+                     nested_pure(kind, fresh_decay()))(vals, xs) and None)],
+                reps[n], allot)
+            self.once_row(f'{label}: first make_jaxpr', n, t, 1.5)
+
+            def prep_ours():
+                sf = sj.StatefulFunction(nested_step(kind, states, fresh_decay()))
+                return sf.make_jaxpr(xs)
+
+            def prep_jax():
+                mk = jax.make_jaxpr(nested_pure(kind, fresh_decay()))
+                mk(vals, xs)
+                return mk
+            t, _ = alternating_once(
+                [('ours', lambda sf: sf.make_jaxpr(xs2) and None, prep_ours),
+                 ('jax', lambda mk: mk(vals, xs2) and None, prep_jax)],
+                reps[n], allot)
+            self.once_row(f'{label}: later trace, new shapes (100 -> 50 steps)', n, t, 1.2,
+                          f'{label}: later trace')
+
+    def scan_write(self):
+        self._nested('scan', 'scan write', calls=True)
+
+    def nested_write(self):
+        self._nested('cond', 'cond write', calls=False)
+        self._nested('jit', 'inner-jit write', calls=False)
 
     # -- memory -------------------------------------------------------------------
     def memory(self):
@@ -631,6 +906,8 @@ class Bench:
         for k in extras:
             head += f' {k} (µs) |'
             sep += '---:|'
+        head += ' medians over |'
+        sep += '---|'
         if self.rows:
             p(head)
             p(sep)
@@ -640,7 +917,7 @@ class Bench:
             for k in extras:
                 v = r['extra'].get(k)
                 line += f' {v:,.1f} |' if v is not None else ' |'
-            p(line)
+            p(line + f' {r.get("samples", "")} |')
         if hasattr(self, 'mem'):
             p('')
             for name, (mid, end) in self.mem.items():
@@ -688,12 +965,13 @@ class Bench:
         return '\n'.join(out)
 
 
-SECTIONS = ('dispatch', 'explain', 'trace', 'vmap', 'big_arg', 'scan_write', 'memory')
+SECTIONS = ('dispatch', 'explain', 'trace', 'vmap', 'big_arg', 'scan_write', 'nested_write',
+            'memory')
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--quick', action='store_true', help='short run (< 2 minutes)')
+    ap.add_argument('--quick', action='store_true', help='short run (about 3 minutes)')
     ap.add_argument('--only', default=','.join(SECTIONS),
                     help=f'comma-separated subset of {",".join(SECTIONS)}')
     ap.add_argument('--json', help='also write the results to this JSON file')
