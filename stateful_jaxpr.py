@@ -1754,9 +1754,13 @@ class _CannotDischarge(TraceContextError):
 def _refused_ref(err: BaseException) -> bool:
     """Whether ``err`` is how JAX refuses a Ref somewhere (rather than an
     error of the traced function): a closure it cannot convert (custom_jvp
-    before 0.4.36), an attribute Refs lack (shard_map), no discharge rule."""
-    return (isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge))
-            or (isinstance(err, (AttributeError, TypeError)) and 'Ref' in str(err)))
+    before 0.4.36), an attribute Refs lack (shard_map), a Ref's read effect
+    where none may be (custom_jvp under jax_enable_checks, 0.4.38 .. 0.6),
+    no discharge rule."""
+    if isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge)):
+        return True
+    return (isinstance(err, (AttributeError, TypeError, NotImplementedError))
+            and ('Ref' in str(err) or 'Effect' in str(err)))
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
