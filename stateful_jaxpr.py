@@ -89,279 +89,161 @@ __all__ = [
 # =============================================================================
 # 1. Compatibility shims
 #
-# Every use of a JAX internal (``jax._src``, ``jax.interpreters``,
-# ``jax.extend``, private attributes) is in this section, chosen by feature
-# probes rather than version numbers; each probe names the releases it serves
-# (measured on every release from 0.4.30 to 0.12.0.1).  The rest of the module
-# uses only the names defined here and public JAX.  A probed internal that a
-# future JAX lacks disables only the feature that needs it: the module still
-# imports, and that feature raises an error naming itself and the JAX version.
+# Tracing over States needs what JAX keeps private: new inputs for the jaxpr
+# being traced, the current trace, mutable references, primitive names and
+# ``params`` keys.  Only this section touches them, each through ``_probe``
+# (has JAX the name?) or ``_takes`` (has the function the parameter?), with
+# the releases measured (0.4.30 .. 0.12.0.1) in a comment.
 # =============================================================================
 
-import jax.extend.core as _jex_core          # public-ish IR types, all releases
-import jax.extend.linear_util as _lu         # wrap_init, all releases
-import jax.extend.source_info_util as _siu   # current(), all releases
-from jax.interpreters import partial_eval as _pe  # trace_to_jaxpr_dynamic, never moved
-import jax._src.core as _src_core            # trace_ctx / extend_axis_env_nd
+import jax.extend.core as _jex_core               # all releases
+import jax.extend.linear_util as _lu              # all releases
+import jax.extend.source_info_util as _siu        # all releases
+from jax.interpreters import partial_eval as _pe  # all releases
+import jax._src.core as _src_core                 # all releases
 
 
-def _unsupported(feature: str, needs: str) -> str:
-    """The message for a feature whose JAX internal this release lacks."""
-    return (f'{feature} needs {needs}, which JAX {jax.__version__} does not provide '
-            '(every release from 0.4.30 to 0.12 does)')
+def _probe(*paths):
+    """The first of the ``'module:attr.attr'`` paths this JAX has, else None."""
+    for path in paths:
+        module, _, attrs = path.partition(':')
+        try:
+            return functools.reduce(getattr, attrs.split('.'), importlib.import_module(module))
+        except (ImportError, AttributeError):
+            pass
+    return None
 
 
-ClosedJaxpr = _jex_core.ClosedJaxpr       # the same class as Jaxpr from 0.11
-Jaxpr = _jex_core.Jaxpr
-Literal = _jex_core.Literal
-Var = _jex_core.Var
-_jaxpr_as_fun = _jex_core.jaxpr_as_fun
-Tracer = jax.core.Tracer
-ShapedArray = jax.core.ShapedArray
+def _takes(fun, parameter: str) -> bool:
+    return fun is not None and parameter in inspect.signature(fun).parameters
 
-# 0.11 merged ClosedJaxpr into Jaxpr: a Jaxpr carries its consts (attached
-# to its leading inputs by ``with_consts``).  Every closed jaxpr this module
-# builds goes through these two helpers, so users get the release's own type.
-if hasattr(Jaxpr, 'with_consts'):  # 0.11 ..
-    def _close(jaxpr, consts):
+
+ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0.11
+Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
+_typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
+_find_top_trace = _probe('jax.extend.core:find_top_trace',          # 0.10 .. | before
+                         'jax._src.core:find_top_trace')
+_STACKLESS = _probe('jax._src.core:trace_ctx') is not None      # 0.4.36 ..
+_CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
+_make_debug_info = _probe('jax.api_util:debug_info')           # 0.5.1 ..
+_extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
+_AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
+_reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
+_MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
+
+
+def _close(jaxpr, consts):
+    if _CONSTS_ON_JAXPR:
         return jaxpr.with_consts(list(consts))
+    return ClosedJaxpr(jaxpr, list(consts))
 
-    def _rebuild(jaxpr, consts, **fields):
-        """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (a list)."""
+
+def _rebuild(jaxpr, consts, like=None, **fields):
+    """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (open if None,
+    before 0.11), with the debug info of ``like`` (default ``jaxpr``)."""
+    fields['debug_info'] = getattr(jaxpr if like is None else like, 'debug_info', None)
+    if _CONSTS_ON_JAXPR:
         return jaxpr.replace(consts=list(consts), **fields)
-else:  # .. 0.10
-    def _close(jaxpr, consts):
-        return ClosedJaxpr(jaxpr, list(consts))
+    new = jaxpr.replace(**fields)
+    return new if consts is None else ClosedJaxpr(new, list(consts))
 
-    def _rebuild(jaxpr, consts, **fields):
-        """``jaxpr`` with ``fields`` replaced; closed over ``consts`` unless None."""
-        new = jaxpr.replace(**fields)
-        return new if consts is None else ClosedJaxpr(new, list(consts))
 
-# ``find_top_trace(())`` returns the trace that new jaxpr inputs must be added
-# to.  jax.extend.core has it from 0.10 (the jax.core alias warns there);
-# before that the (identical) jax._src.core function is used.
-# (0.11 removed the jax.core alias; it is never used.)
-try:
-    from jax.extend.core import find_top_trace as _find_top_trace  # 0.10 ..
-except ImportError:  # 0.4.30 .. 0.9.x
-    _find_top_trace = _src_core.find_top_trace
-
-# Stackless tracing (0.4.36+) keeps the current trace in ``trace_ctx`` and a
-# tracer's trace in ``_trace``; before, traces hang off ``MainTrace`` objects.
-_STACKLESS = hasattr(_src_core, 'trace_ctx')
-
-if _STACKLESS:  # 0.4.36 ..
-    def _current_trace_id():
+def _current_trace_id():
+    if _STACKLESS:
         return _src_core.trace_ctx.trace
+    return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
 
-    def _trace_id(trace):
-        return trace
 
-    def _tracer_trace_id(tracer):
-        return tracer._trace
+def _tracer_trace_id(tracer):
+    return tracer._trace if _STACKLESS else tracer._trace.main
 
-    def _under_jax_trace() -> bool:
+
+def _under_jax_trace() -> bool:
+    if _STACKLESS:
         return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
-else:  # 0.4.30 .. 0.4.35
-    def _current_trace_id():
-        return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
+    return len(_src_core.thread_local_state.trace_state.trace_stack.stack) > 1
 
-    def _trace_id(trace):
-        return trace.main
 
-    def _tracer_trace_id(tracer):
-        return tracer._trace.main
-
-    def _under_jax_trace() -> bool:
-        return len(_src_core.thread_local_state.trace_state.trace_stack.stack) > 1
-
-# ``DynamicJaxprTrace.new_arg(aval)`` gained a required ``source_info`` in
-# 0.6.1.  Probe the signature once per trace type instead of the version.
-_NEW_ARG_TAKES_SOURCE_INFO: dict = {}
+_NEW_ARG_TAKES_SOURCE_INFO = _takes(   # 0.6.1 ..
+    _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
 
 
 def _new_arg(trace, aval):
     """Adds a fresh input of abstract value ``aval`` to the jaxpr ``trace`` builds."""
-    kind = type(trace)
-    takes = _NEW_ARG_TAKES_SOURCE_INFO.get(kind)
-    if takes is None:
-        method = getattr(kind, 'new_arg', None)
-        if method is None:
-            raise TraceContextError(
-                f'the current JAX trace ({kind.__name__}) cannot take new inputs; '
-                'stateful tracing must start from a StatefulFunction')
-        takes = 'source_info' in inspect.signature(method).parameters
-        _NEW_ARG_TAKES_SOURCE_INFO[kind] = takes
-    if takes:  # 0.6.1 ..
+    if _NEW_ARG_TAKES_SOURCE_INFO:
         return trace.new_arg(aval, _siu.current())
-    return trace.new_arg(aval)  # .. 0.6.0
+    return trace.new_arg(aval)
 
 
-# ``jax.api_util.debug_info`` is public from 0.5.1; from then on ``wrap_init``
-# without ``debug_info=`` warns.  Releases whose DebugInfo has
-# ``assert_arg_names`` (0.7+) accept ``arg_names=None``, which keeps the extra
-# state inputs from tripping the ``jax_enable_checks`` arity assertion.  0.5.x
-# and 0.6.x index ``arg_names`` when explaining a tracer error (and turn a None
-# into a TypeError), so they get one name per flat argument instead.
-_make_debug_info = getattr(jax.api_util, 'debug_info', None)
-_ARG_NAMES_MAY_BE_NONE = _make_debug_info is not None and hasattr(
-    type(_make_debug_info('probe', lambda: None, (), {})), 'assert_arg_names')
+# ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..).  ``arg_names=None`` keeps
+# state inputs clear of jax_enable_checks' arity check; 0.5, 0.6 need names.
+_ARG_NAMES_MAY_BE_NONE = _probe(   # 0.7 ..
+    'jax._src.linear_util:DebugInfo.assert_arg_names') is not None
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
-    """Traces ``flat_fun(*leaves)``; returns ``(jaxpr, out_avals, consts)``.
-
-    ``pe.trace_to_jaxpr_dynamic`` never moved (0.4.30 .. 0.11); it returns a
-    4-tuple up to 0.6 and a 3-tuple from 0.7, hence the indexing.
-    """
-    if _make_debug_info is not None:  # 0.5.1 ..
+    """Traces ``flat_fun(*leaves)``; returns ``(jaxpr, out_avals, consts)``
+    (``trace_to_jaxpr_dynamic`` returns a 4-tuple up to 0.6, a 3-tuple from 0.7)."""
+    if _make_debug_info is None:
+        wrapped = _lu.wrap_init(flat_fun)
+    else:
         names = None if _ARG_NAMES_MAY_BE_NONE else tuple(f'arg{i}' for i in range(len(in_avals)))
         dbg = _make_debug_info(name, fun, (), {})._replace(arg_names=names)
         wrapped = _lu.wrap_init(flat_fun, debug_info=dbg)
-    else:  # .. 0.5.0
-        wrapped = _lu.wrap_init(flat_fun)
-    res = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
-    return res[0], res[1], res[2]
-
-
-# ``jax._src.core.extend_axis_env_nd`` binds named axes while tracing; it
-# exists on 0.4.30 .. 0.12 (its second argument went in 0.4.36; only the
-# pairs are passed).
-_extend_axis_env = getattr(_src_core, 'extend_axis_env_nd', None)
+    return _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))[:3]
 
 
 def _axis_env(axis_env, feature: str = 'axis_env'):
     """Context binding named axes ``[(name, size), ...]`` while tracing."""
-    if not axis_env:
-        return contextlib.nullcontext()
-    if _extend_axis_env is None:
-        raise NotImplementedError(_unsupported(feature, 'jax._src.core.extend_axis_env_nd'))
-    return _extend_axis_env(list(axis_env))
+    if axis_env and _extend_axis_env is None:
+        raise NotImplementedError(f'{feature} needs jax._src.core.extend_axis_env_nd, which '
+                                  f'JAX {jax.__version__} lacks')
+    return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# ``jax.typeof`` was added in 0.5.3; ``shaped_abstractify`` is the stable
-# fallback (both give weak-typed avals for Python scalars).
-_typeof = getattr(jax, 'typeof', None) or jax.api_util.shaped_abstractify
+# Mutable references (``ref_get(ref, ())`` reads all of it) and the discharge
+# of a jaxpr using them into a pure one: jax._src.state, all releases.
+_ref_aval = _probe('jax._src.state.types:AbstractRef')
+_ref_get = _probe('jax._src.state.primitives:ref_get')
+_ref_set = _probe('jax._src.state.primitives:ref_set')
+_discharge_state = _probe('jax._src.state.discharge:discharge_state')
+_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state)
+_NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 
-# ``jax.make_jaxpr(abstracted_axes=)`` (dynamic shapes) was removed in 0.8.2.
-_MAKE_JAXPR_HAS_ABSTRACTED_AXES = (
-    'abstracted_axes' in inspect.signature(jax.make_jaxpr).parameters)
 
-# Call primitives the constant folder looks into: 'pjit' became 'jit' in 0.7,
-# and 'closed_call'/'core_call' became 'eval_jaxpr' in 0.11.  Their body is
-# the ``jaxpr`` or ``call_jaxpr`` parameter.
+def _discharge(closed):
+    """``closed`` made pure: Ref inputs become values, final values extra outputs."""
+    if _takes(_discharge_state, 'closed_jaxpr'):   # 0.10 ..
+        return _discharge_state(closed)
+    return _close(*_discharge_state(closed.jaxpr, closed.consts))
+
+
+# Primitive names and params keys the jaxpr passes rely on.  Call primitives:
+# 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call' became 'eval_jaxpr'
+# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.  Collectives name
+# their axes in 'axes' (or 'axis_name'); psum_invariant exists from 0.6.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
-
-# JAX caches the traces of lax control-flow bodies and of jitted functions,
-# keyed on the Python function and ``config.trace_context()``.  A module-level
-# scan body that reads a State can then be reused by a later trace with the
-# first trace's (dead) tracer baked in, or after a write with the old value.
-# The axis environment is part of that context on every release (0.4.30 ..
-# 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
-# caches miss; no jaxpr refers to the axis.  It is bound only where needed
-# (it also makes jax.numpy's own jitted helpers retrace): see _TraceHints.
-_EPOCH_AXES = itertools.count()
+_COLLECTIVES = frozenset({'psum', 'pmax', 'pmin', 'psum_invariant'})
+_AXIS_INDEX = 'axis_index'
+_NO_FOLD_PARTS = ('random_', 'callback')   # random_bits, ..., io_callback, ...
+_NO_FOLD_PRIMITIVES = frozenset({
+    'threefry2x32', 'rng_bit_generator', 'rng_uniform', 'cond', 'while', 'scan',
+    'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'checkpoint', 'remat',
+    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', _AXIS_INDEX, 'pure_callback',
+    'io_callback', 'debug_callback', 'debug_print', 'device_put'})
 
 
-def _epoch_axis():
-    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                     'keeping stateful traces clear of JAX\'s trace caches')
-
-
-# Mutable references carry a State written inside a nested transformation
-# (a lax.scan/cond/while body, an inner jax.jit, jax.grad) out of it: such a
-# state is lifted as a Ref input, accessed with get/set at whatever trace is
-# current, and the finished jaxpr is discharged into a pure one whose Ref
-# inputs became value inputs.  ``jax._src.state`` has AbstractRef, ref_get /
-# ref_set and discharge_state on 0.4.30 .. 0.12; discharge_state takes
-# ``(jaxpr, consts)`` up to 0.9 and a closed jaxpr from 0.10.  Without it,
-# such writes raise TraceContextError (``_NO_REFS``).
-try:
-    from jax._src.state import discharge as _st_discharge
-    from jax._src.state import primitives as _st_prims
-    from jax._src.state import types as _st_types
-    _HAS_REFS = all(hasattr(m, n) for m, n in (
-        (_st_types, 'AbstractRef'), (_st_prims, 'ref_get'), (_st_prims, 'ref_set'),
-        (_st_discharge, 'discharge_state')))
-except ImportError:  # a future JAX that moved them
-    _HAS_REFS = False
-_NO_REFS = _unsupported('that', 'mutable references (jax._src.state)')
-
-if _HAS_REFS:
-    _DISCHARGE_TAKES_CLOSED = (
-        'closed_jaxpr' in inspect.signature(_st_discharge.discharge_state).parameters)
-
-    def _ref_aval(aval):
-        return _st_types.AbstractRef(aval)
-
-    def _ref_get(ref):
-        return _st_prims.ref_get(ref, ())
-
-    def _ref_set(ref, value) -> None:
-        _st_prims.ref_set(ref, (), value)
-
-    def _discharge(closed: ClosedJaxpr) -> ClosedJaxpr:
-        """The pure equivalent of ``closed``: each Ref input becomes a value
-        input, and its final value an extra output appended at the end."""
-        if _DISCHARGE_TAKES_CLOSED:  # 0.10 ..
-            return _st_discharge.discharge_state(closed)
-        jaxpr, consts = _st_discharge.discharge_state(closed.jaxpr, closed.consts)
-        return _close(jaxpr, consts)
-
-
-
-# A written State keeps its layout through a constraint on the new value.
-# Under JAX's explicit sharding mode (mesh axes of type Explicit, 0.5+) that
-# constraint is ``reshard``: public as jax.sharding.reshard from 0.7,
-# jax.experimental.shard.reshard on 0.5 and 0.6.
-_AXIS_EXPLICIT = getattr(getattr(jax.sharding, 'AxisType', None), 'Explicit', None)
-try:
-    _reshard = jax.sharding.reshard                              # 0.7 ..
-except AttributeError:
-    try:
-        from jax.experimental.shard import reshard as _reshard   # 0.5, 0.6
-    except ImportError:                                           # .. 0.4.38: no explicit mode
-        _reshard = None
-
-
-def _constrain(value, sharding):
-    """``value`` laid out as ``sharding`` inside a jit trace."""
-    axis_types = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-    if _AXIS_EXPLICIT is not None and _AXIS_EXPLICIT in axis_types and _reshard is not None:
-        return _reshard(value, sharding)
-    return jax.lax.with_sharding_constraint(value, sharding)
-
-
-# ``jax.export`` (public on 0.4.30 .. 0.12) serialises with the ``flatbuffers``
-# package and, on 0.4.x, imports ``absl`` when loaded; ``pip install jax``
-# installs neither.  It is therefore imported on first use, and a missing
-# package is named (the rest of the module needs neither).
-_EXPORT_PACKAGES = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}
-
-
-def _jax_export():
-    """The ``jax.export`` module, or an ImportError naming the package to install."""
-    missing = None
-    try:
-        from jax import export as module          # 0.4.30 ..
-    except ImportError as err:
-        missing = _EXPORT_PACKAGES.get((err.name or '').split('.')[0])
-        if missing is None:
-            raise
-    if missing is None and importlib.util.find_spec('flatbuffers') is None:
-        missing = 'flatbuffers'
-    if missing is not None:
-        raise ImportError(
-            f'exporting needs the {missing!r} package, which jax.export uses on JAX '
-            f'{jax.__version__} and `pip install jax` does not install: pip install {missing}')
-    return module
+def _collective_axes(eqn):
+    return eqn.params.get('axes', eqn.params.get('axis_name', ()))
 
 
 # =============================================================================
 # 2. Errors and small helpers
 # =============================================================================
+
+Tracer, ShapedArray = jax.core.Tracer, jax.core.ShapedArray
+
 
 class TraceContextError(RuntimeError):
     """A traced value would escape the JAX trace it belongs to.
@@ -1220,7 +1102,7 @@ class _RefCell:
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
 
     def read(self):
-        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r) for r in self.refs])
+        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r, ()) for r in self.refs])
 
     def write(self, value) -> None:
         leaves, treedef = jax.tree_util.tree_flatten(value)
@@ -1245,12 +1127,12 @@ class _RefCell:
             if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
                 leaf = jax.lax.convert_element_type(leaf, a.dtype)
             try:
-                _ref_set(ref, leaf)
+                _ref_set(ref, (), leaf)
             except Exception as err:
                 # Under jax.grad the value carries a tangent, which a Ref the
                 # gradient does not flow through cannot take: keep the primal.
                 try:
-                    _ref_set(ref, jax.lax.stop_gradient(leaf))
+                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
                 except Exception:
                     raise TraceContextError(
                         f'{self.state._describe()} cannot be written inside this nested '
@@ -1262,6 +1144,23 @@ class _RefCell:
 
 class _Retrace(Exception):
     """Redo this trace: it met writes made inside nested transformations."""
+
+
+# JAX caches the traces of lax control-flow bodies and of jitted functions,
+# keyed on the Python function and ``config.trace_context()``.  A module-level
+# scan body that reads a State can then be reused by a later trace with the
+# first trace's (dead) tracer baked in, or after a write with the old value.
+# The axis environment is part of that context on every release (0.4.30 ..
+# 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
+# caches miss; no jaxpr refers to the axis.  It is bound only where needed
+# (it also makes jax.numpy's own jitted helpers retrace): see _TraceHints.
+_EPOCH_AXES = itertools.count()
+
+
+def _epoch_axis():
+    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                     'keeping stateful traces clear of JAX\'s trace caches')
+
 
 
 class _TraceEpoch:
@@ -1853,7 +1752,7 @@ def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lif
     def flat_fun(*flat):
         trace = _find_top_trace(())
         box['trace'] = trace
-        frame._jax_trace = _trace_id(trace)
+        frame._jax_trace = _current_trace_id()
         frame._pending = pending if _HAS_REFS else None
         frame._nested_reads = set()
         frame._epoch = epoch = _TraceEpoch()
@@ -1936,10 +1835,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
                 'writing a per-lane value inside jax.vmap; map the function with '
                 'StatefulMapping instead')
-    changes = {'outvars': outvars}
-    if getattr(closed.jaxpr, 'debug_info', None) is not None:
-        changes['debug_info'] = closed.jaxpr.debug_info   # same inputs and outputs
-    return _rebuild(pure.jaxpr, pure.consts, **changes)
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
 # =============================================================================
@@ -2087,6 +1983,15 @@ def _write_back(fun, plan, new) -> None:
             'jaxpr_call(state_values, ...) and thread the values explicitly.')
     for state, value in zip(plan.write_states, new):
         state._value = value
+
+
+def _constrain(value, sharding):
+    """``value`` laid out as ``sharding`` inside a jit trace (``reshard`` where
+    the mesh has Explicit axes, a sharding constraint otherwise)."""
+    axis_types = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
+    if _AXIS_EXPLICIT is not None and _AXIS_EXPLICIT in axis_types and _reshard is not None:
+        return _reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 def _kept_layout(state, new):
@@ -3109,9 +3014,6 @@ def _axis_for(state, axes: tuple):
 # =============================================================================
 
 _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
-_COLLECTIVES = frozenset({'psum', 'pmax', 'pmin', 'psum_invariant'})
-
-
 def _lane_aval(aval, axis: int):
     shape = tuple(aval.shape)
     return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
@@ -3130,7 +3032,7 @@ def _nested_jaxprs(params) -> list:
 
 def _uses_axis_index(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == 'axis_index':
+        if eqn.primitive.name == _AXIS_INDEX:
             return True
         if any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params)):
             return True
@@ -3146,7 +3048,7 @@ def _batched_outputs(jaxpr, in_batched: Sequence[bool], axis_name) -> list:
         if name == 'axis_index':
             out = True
         elif name in _COLLECTIVES and axis_name is not None:
-            axes = eqn.params.get('axes', eqn.params.get('axis_name', ()))
+            axes = _collective_axes(eqn)
             axes = axes if isinstance(axes, (tuple, list)) else (axes,)
             out = any_in and axis_name not in axes
         else:
@@ -3770,6 +3672,31 @@ _EXPORT_MAGIC = b'stateful_jaxpr.export\n'
 _EXPORT_FORMAT = 1
 
 
+# ``jax.export`` (public on 0.4.30 .. 0.12) serialises with the ``flatbuffers``
+# package and, on 0.4.x, imports ``absl`` when loaded; ``pip install jax``
+# installs neither.  It is therefore imported on first use, and a missing
+# package is named (the rest of the module needs neither).
+_EXPORT_PACKAGES = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}
+
+
+def _jax_export():
+    """The ``jax.export`` module, or an ImportError naming the package to install."""
+    missing = None
+    try:
+        from jax import export as module          # 0.4.30 ..
+    except ImportError as err:
+        missing = _EXPORT_PACKAGES.get((err.name or '').split('.')[0])
+        if missing is None:
+            raise
+    if missing is None and importlib.util.find_spec('flatbuffers') is None:
+        missing = 'flatbuffers'
+    if missing is not None:
+        raise ImportError(
+            f'exporting needs the {missing!r} package, which jax.export uses on JAX '
+            f'{jax.__version__} and `pip install jax` does not install: pip install {missing}')
+    return module
+
+
 class Exported:
     """A stateful function exported for given argument shapes, with a manifest
     naming its states: what :func:`export` returns and :func:`deserialize`
@@ -4021,13 +3948,6 @@ class IdentitySet(MutableSet):
 
 
 # Never evaluated at fold time: their value must come from running the program.
-_NO_FOLD_PRIMITIVES = frozenset({
-    'random_seed', 'random_bits', 'random_split', 'random_fold_in', 'random_wrap',
-    'random_unwrap', 'threefry2x32', 'rng_bit_generator', 'rng_uniform',
-    'cond', 'while', 'scan', 'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr',
-    'checkpoint', 'remat', 'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', 'axis_index',
-    'pure_callback', 'io_callback', 'debug_callback', 'debug_print', 'device_put',
-})
 # A folded value larger than this (in elements) and larger than the inputs
 # would only materialise a big constant (e.g. broadcast_in_dim of a scalar).
 _FOLD_MAX_GROWTH = 1024
@@ -4041,7 +3961,7 @@ def _foldable(eqn, values) -> bool:
     name = eqn.primitive.name
     if not eqn.invars or eqn.effects or name in _NO_FOLD_PRIMITIVES:
         return False
-    if 'callback' in name or name.startswith('random_') or _nested_jaxprs(eqn.params):
+    if any(part in name for part in _NO_FOLD_PARTS) or _nested_jaxprs(eqn.params):
         return False
     if any(v is _MISSING or isinstance(v, Tracer) for v in values):
         return False
@@ -4119,10 +4039,7 @@ def _fold(jaxpr, consts, in_values=None):
     new_constvars = [new_constvars[i] for i in keep]
     if new_consts is not None:
         new_consts = [new_consts[i] for i in keep]
-    # Same inputs and output types: the original debug info stays valid
-    # (``replace`` would otherwise drop the names when outvars change).
-    new = _rebuild(jaxpr, new_consts, constvars=new_constvars, eqns=eqns, outvars=outvars,
-                   debug_info=jaxpr.debug_info)
+    new = _rebuild(jaxpr, new_consts, constvars=new_constvars, eqns=eqns, outvars=outvars)
     return new, out_values
 
 
