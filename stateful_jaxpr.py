@@ -15,15 +15,16 @@ into your project.  It reads top to bottom as data flows:
 
 1. compatibility shims (every JAX internal the module touches lives there),
 2. errors and small helpers,
-3. ``State`` and the thread-local state trace stack,
-4. the bounded LRU cache and key helpers,
-5. the tracing core,
-6. ``StatefulFunction`` and ``make_jaxpr``,
-7. state filters,
-8. ``StatefulMapping``,
-9. inspecting and shipping: labelled jaxprs, cache-miss explanations, export,
-10. jaxpr passes (constant folding),
-11. a demo ``main()`` (``python stateful_jaxpr.py``).
+3. ``State``, its subclasses and the ``StateTraceStack`` recorder,
+4. state filters,
+5. the bounded LRU cache and argument keys,
+6. the tracing core,
+7. ``StatefulFunction``,
+8. ``make_jaxpr``,
+9. ``StatefulMapping``,
+10. inspecting and shipping: labelled jaxprs, cache-miss explanations, export,
+11. jaxpr passes (constant folding),
+12. a demo ``main()`` (``python stateful_jaxpr.py``).
 
 Example
 -------
@@ -370,7 +371,7 @@ def _shape_struct(aval):
 
 
 # =============================================================================
-# 3. States and the thread-local state trace stack
+# 3. States and the state trace stack
 #
 # A State's real value lives in ``State._value``.  While a stateful trace is
 # active in a thread, reads and writes go to that thread's innermost
@@ -405,11 +406,6 @@ class _Context(threading.local):
 
 _ctx = _Context()
 _MISSING = object()
-# States read under a plain JAX trace (outside stateful traces) while alive:
-# JAX may have cached a body or jitted function with such a value baked in,
-# so stateful traces keep clear of JAX's caches meanwhile (see _TraceHints).
-_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
-
 
 class State:
     """A mutable container for a pytree of arrays.
@@ -1091,199 +1087,6 @@ class StateTraceStack:
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
-class _RefCell:
-    """A State that a stateful trace lifted as Refs, one per leaf, because the
-    function writes it inside a nested transformation.  Reads and writes bind
-    at whatever JAX trace is current, so a scan body sees the value of its
-    own iteration and an inner jit's write reaches the code after it."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals')
-
-    def __init__(self, state, refs, treedef, avals):
-        self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
-
-    def read(self):
-        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r, ()) for r in self.refs])
-
-    def write(self, value) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(value)
-        got = None
-        if treedef == self.treedef:
-            try:
-                got = [_aval_of(x) for x in leaves]
-            except TypeError:
-                pass
-        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
-                              for g, a in zip(got, self.avals)):
-            unflatten = jax.tree_util.tree_unflatten
-            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
-            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
-                     else f'a value of structure {treedef}')
-            raise TraceContextError(
-                f'{self.state._describe()} is written inside a nested JAX transformation '
-                '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
-                f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
-                'Cast or reshape the value before assigning it')
-        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
-            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
-                leaf = jax.lax.convert_element_type(leaf, a.dtype)
-            try:
-                _ref_set(ref, (), leaf)
-            except Exception as err:
-                # Under jax.grad the value carries a tangent, which a Ref the
-                # gradient does not flow through cannot take: keep the primal.
-                try:
-                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
-                except Exception:
-                    raise TraceContextError(
-                        f'{self.state._describe()} cannot be written inside this nested '
-                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                        'varies across jax.vmap lanes cannot go into an unbatched State: map '
-                        'the function with StatefulMapping instead, or return the value '
-                        'from the transformation and assign it outside') from err
-
-
-class _Retrace(Exception):
-    """Redo this trace: it met writes made inside nested transformations."""
-
-
-# JAX caches the traces of lax control-flow bodies and of jitted functions,
-# keyed on the Python function and ``config.trace_context()``.  A module-level
-# scan body that reads a State can then be reused by a later trace with the
-# first trace's (dead) tracer baked in, or after a write with the old value.
-# The axis environment is part of that context on every release (0.4.30 ..
-# 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
-# caches miss; no jaxpr refers to the axis.  It is bound only where needed
-# (it also makes jax.numpy's own jitted helpers retrace): see _TraceHints.
-_EPOCH_AXES = itertools.count()
-
-
-def _epoch_axis():
-    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                     'keeping stateful traces clear of JAX\'s trace caches')
-
-
-
-class _TraceEpoch:
-    """The unique dummy axis bound while a stateful trace runs (see
-    ``_epoch_axis``).  Renewing it makes JAX retrace, rather than reuse from
-    its caches, a body that closed over a State's value before a write."""
-    __slots__ = ('_cm',)
-
-    def __init__(self):
-        self._cm = None
-
-    def renew(self) -> None:
-        self.close()
-        cm = _epoch_axis()
-        cm.__enter__()
-        self._cm = cm
-
-    def close(self) -> None:
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            cm.__exit__(None, None, None)
-
-
-def _owner_start(state, frames) -> int:
-    """Index of the first frame for which ``state`` is not a local State."""
-    owner = state._owner
-    if owner is not None:
-        for i in range(len(frames) - 1, -1, -1):
-            if frames[i] is owner:
-                return i + 1
-    return 0
-
-
-def _traced_read(state, frames):
-    top = frames[-1]
-    if top._values is not None:  # fast path: already lifted by the innermost frame
-        v = top._values.get(id(state), _MISSING)
-        if v is not _MISSING:
-            return _view(state, v, top)
-    return _view(state, *_touch_all(state, frames, write=False))
-
-
-def _touch_all(state, frames, write: bool):
-    """Records ``state`` in every frame that sees it; returns the innermost
-    isolating frame's entry for it (a value or a ``_RefCell``) and that frame."""
-    start = _owner_start(state, frames)
-    if start == 0 and state._broken is not None:
-        state._raise_broken()
-    current, source = state._value, None
-    for frame in frames[start:]:
-        current = frame._touch(state, current, write)
-        if frame._values is not None:
-            source = frame
-    return current, source
-
-
-def _view(state, entry, frame):
-    """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``."""
-    if type(entry) is _RefCell:
-        return entry.read()
-    if frame is not None and frame._nested_reads is not None and (
-            _current_trace_id() is not frame._jax_trace):
-        frame._nested_reads.add(id(state))   # a nested transformation closes over it
-    return entry
-
-
-def _traced_write(state, value, frames, written: bool):
-    entry, target = _touch_all(state, frames, write=written)
-    if type(entry) is _RefCell:
-        entry.write(value)
-        return
-    if target is not None and target._jax_trace is not None:
-        if _current_trace_id() is not target._jax_trace:
-            if target._pending is not None:
-                # Written inside a nested transformation: the value cannot
-                # leave it through the overlay.  The trace is redone with the
-                # state lifted as Refs (see _trace_stateful).
-                target._pending.add(state)
-                if not target._isolated:
-                    raise _Retrace   # abort, so JAX caches no body without the write
-                return
-            if not _HAS_REFS:
-                raise TraceContextError(
-                    f'{state._describe()} is written inside a nested JAX transformation '
-                    f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
-                    'Return the value from the transformation and assign it outside')
-        elif id(state) in target._nested_reads:
-            # A body traced before this write closed over the old value; make
-            # JAX's trace caches miss so that a later use retraces it.
-            target._epoch.renew()
-            target._nested_reads.clear()
-    allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
-    _check_tracers_may_enter(state, value, allowed)
-    if target is None:   # only recording stacks (or the creating trace) above
-        state._value = value
-        state._broken = None
-    else:
-        target._values[id(state)] = value
-
-
-def _check_tracers_may_enter(state, value, allowed_traces) -> None:
-    """Rejects a tracer that would outlive its trace inside ``state``."""
-    for leaf in _leaves(value):
-        if isinstance(leaf, Tracer):
-            trace = _tracer_trace_id(leaf)
-            if trace is state._creation_trace or trace in allowed_traces:
-                continue
-            if allowed_traces:
-                raise TraceContextError(
-                    f'{state._describe()} was assigned a traced value inside a JAX '
-                    'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
-                    'nested in a stateful function, and no enclosing trace can thread it '
-                    'out: the State was created inside the stateful function.  Create the '
-                    'State outside the function, '
-                    'or return the value from the transformation and assign it outside.')
-            raise TraceContextError(
-                f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
-                'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
-                'keep a tracer that outlives its transformation.  Wrap the outer function '
-                'in StatefulFunction (or StatefulMapping) so state updates are threaded, or '
-                'thread the values explicitly with StatefulFunction.jaxpr_call().')
-
-
 class _StateCatcher:
     """The States created inside a :func:`catch_new_states` block, in
     creation order (iterable, indexable, ``in`` by identity)."""
@@ -1379,7 +1182,184 @@ def check_state_value_tree(val: bool = True):
 
 
 # =============================================================================
-# 4. Cache and key helpers
+# 4. State filters
+#
+# ``state_in_axes`` / ``state_out_axes`` pick states with filters: a State
+# subclass, a tag string, a predicate ``f(path, state)``, ``True``/``...``,
+# ``False``/``None``, a tuple/list (any of), or the combinators below.
+# =============================================================================
+
+class _Filter:
+    """Base of the filter combinators: a predicate ``f(path, state) -> bool``."""
+
+    def __call__(self, path, x) -> bool:
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self):
+        return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
+
+
+class OfType(_Filter):
+    """Matches instances of ``type``.
+
+    Example
+    -------
+    >>> OfType(ParamState)((), ParamState(1.0))
+    True
+    """
+
+    def __init__(self, type: type):
+        self.type = type
+
+    def __call__(self, path, x):
+        return isinstance(x, self.type)
+
+    def __repr__(self):
+        return f'OfType({self.type.__name__})'
+
+
+class WithTag(_Filter):
+    """Matches states whose ``tag`` is ``tag`` (what a string filter means).
+
+    Example
+    -------
+    >>> WithTag('hidden')((), State(0.0, tag='hidden'))
+    True
+    """
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def __call__(self, path, x):
+        return getattr(x, 'tag', None) == self.tag
+
+    def __repr__(self):
+        return f'WithTag({self.tag!r})'
+
+
+class _Combination(_Filter):
+    """Combines the predicates of several filters with ``_reduce`` (any / all)."""
+    _reduce = staticmethod(any)
+
+    def __init__(self, *filters):
+        self.predicates = tuple(to_predicate(f) for f in filters)
+
+    def __call__(self, path, x):
+        return self._reduce(p(path, x) for p in self.predicates)
+
+    def __repr__(self):
+        return f'{type(self).__name__}({", ".join(map(repr, self.predicates))})'
+
+
+class Any(_Combination):
+    """Matches when any of ``filters`` matches.
+
+    Example
+    -------
+    >>> Any(ParamState, 'hidden')((), State(0.0, tag='hidden'))
+    True
+    """
+    _reduce = staticmethod(any)
+
+
+class All(_Combination):
+    """Matches when all of ``filters`` match.
+
+    Example
+    -------
+    >>> All(ParamState, 'w')((), ParamState(0.0, tag='w'))
+    True
+    """
+    _reduce = staticmethod(all)
+
+
+class Not(_Filter):
+    """Matches when ``filter`` does not.
+
+    Example
+    -------
+    >>> Not(ParamState)((), State(0.0))
+    True
+    """
+
+    def __init__(self, filter):
+        self.predicate = to_predicate(filter)
+
+    def __call__(self, path, x):
+        return not self.predicate(path, x)
+
+    def __repr__(self):
+        return f'Not({self.predicate!r})'
+
+
+class Everything(_Filter):
+    """Matches every state.
+
+    Example
+    -------
+    >>> Everything()((), State(0.0))
+    True
+    """
+
+    def __call__(self, path, x):
+        return True
+
+    def __repr__(self):
+        return 'Everything()'
+
+
+class Nothing(_Filter):
+    """Matches no state.
+
+    Example
+    -------
+    >>> Nothing()((), State(0.0))
+    False
+    """
+
+    def __call__(self, path, x):
+        return False
+
+    def __repr__(self):
+        return 'Nothing()'
+
+
+def to_predicate(the_filter) -> Callable:
+    """Turns any filter into a predicate ``f(path, state) -> bool``.
+
+    Example
+    -------
+    >>> pred = to_predicate((ParamState, 'hidden'))
+    >>> pred((), ParamState(1.0)), pred((), State(1.0))
+    (True, False)
+    """
+    if isinstance(the_filter, _Filter):
+        return the_filter
+    if the_filter is Everything or the_filter is Nothing:
+        return the_filter()
+    if the_filter is True or the_filter is Ellipsis:
+        return Everything()
+    if the_filter is False or the_filter is None:
+        return Nothing()
+    if isinstance(the_filter, type):
+        return OfType(the_filter)
+    if isinstance(the_filter, str):
+        return WithTag(the_filter)
+    if isinstance(the_filter, (tuple, list)):
+        return Any(*the_filter)
+    if callable(the_filter):
+        return the_filter
+    raise TypeError(
+        f'unsupported state filter {the_filter!r} of type {type(the_filter).__name__}; use a State '
+        'subclass, a tag string, a predicate f(path, state), True/..., False/None, a '
+        'tuple/list of filters, or OfType/Any/All/Not/Everything/Nothing')
+
+
+# =============================================================================
+# 5. Cache and argument keys
 # =============================================================================
 
 class hashabledict(dict):
@@ -1561,7 +1541,7 @@ _BoundedCache = BoundedCache
 
 
 # =============================================================================
-# 5. The tracing core
+# 6. The tracing core
 #
 # ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr whose
 # inputs are the flat dynamic arguments followed by every touched State (in
@@ -1574,6 +1554,204 @@ _BoundedCache = BoundedCache
 # (``_RefCell``), and the finished jaxpr is discharged into a pure one, so
 # the write is threaded out as a scan carry, a cond output and so on.
 # =============================================================================
+
+# States read under a plain JAX trace (outside stateful traces) while alive:
+# JAX may have cached a body or jitted function with such a value baked in,
+# so stateful traces keep clear of JAX's caches meanwhile (see _TraceHints).
+_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+
+
+class _RefCell:
+    """A State that a stateful trace lifted as Refs, one per leaf, because the
+    function writes it inside a nested transformation.  Reads and writes bind
+    at whatever JAX trace is current, so a scan body sees the value of its
+    own iteration and an inner jit's write reaches the code after it."""
+    __slots__ = ('state', 'refs', 'treedef', 'avals')
+
+    def __init__(self, state, refs, treedef, avals):
+        self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
+
+    def read(self):
+        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r, ()) for r in self.refs])
+
+    def write(self, value) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        got = None
+        if treedef == self.treedef:
+            try:
+                got = [_aval_of(x) for x in leaves]
+            except TypeError:
+                pass
+        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
+                              for g, a in zip(got, self.avals)):
+            unflatten = jax.tree_util.tree_unflatten
+            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
+            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
+                     else f'a value of structure {treedef}')
+            raise TraceContextError(
+                f'{self.state._describe()} is written inside a nested JAX transformation '
+                '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
+                f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
+                'Cast or reshape the value before assigning it')
+        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
+            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
+                leaf = jax.lax.convert_element_type(leaf, a.dtype)
+            try:
+                _ref_set(ref, (), leaf)
+            except Exception as err:
+                # Under jax.grad the value carries a tangent, which a Ref the
+                # gradient does not flow through cannot take: keep the primal.
+                try:
+                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
+                except Exception:
+                    raise TraceContextError(
+                        f'{self.state._describe()} cannot be written inside this nested '
+                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                        'varies across jax.vmap lanes cannot go into an unbatched State: map '
+                        'the function with StatefulMapping instead, or return the value '
+                        'from the transformation and assign it outside') from err
+
+
+class _Retrace(Exception):
+    """Redo this trace: it met writes made inside nested transformations."""
+
+
+# JAX caches the traces of lax control-flow bodies and of jitted functions,
+# keyed on the Python function and ``config.trace_context()``.  A module-level
+# scan body that reads a State can then be reused by a later trace with the
+# first trace's (dead) tracer baked in, or after a write with the old value.
+# The axis environment is part of that context on every release (0.4.30 ..
+# 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
+# caches miss; no jaxpr refers to the axis.  It is bound only where needed
+# (it also makes jax.numpy's own jitted helpers retrace): see _TraceHints.
+_EPOCH_AXES = itertools.count()
+
+
+def _epoch_axis():
+    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                     'keeping stateful traces clear of JAX\'s trace caches')
+
+
+class _TraceEpoch:
+    """The unique dummy axis bound while a stateful trace runs (see
+    ``_epoch_axis``).  Renewing it makes JAX retrace, rather than reuse from
+    its caches, a body that closed over a State's value before a write."""
+    __slots__ = ('_cm',)
+
+    def __init__(self):
+        self._cm = None
+
+    def renew(self) -> None:
+        self.close()
+        cm = _epoch_axis()
+        cm.__enter__()
+        self._cm = cm
+
+    def close(self) -> None:
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+
+def _owner_start(state, frames) -> int:
+    """Index of the first frame for which ``state`` is not a local State."""
+    owner = state._owner
+    if owner is not None:
+        for i in range(len(frames) - 1, -1, -1):
+            if frames[i] is owner:
+                return i + 1
+    return 0
+
+
+def _traced_read(state, frames):
+    top = frames[-1]
+    if top._values is not None:  # fast path: already lifted by the innermost frame
+        v = top._values.get(id(state), _MISSING)
+        if v is not _MISSING:
+            return _view(state, v, top)
+    return _view(state, *_touch_all(state, frames, write=False))
+
+
+def _touch_all(state, frames, write: bool):
+    """Records ``state`` in every frame that sees it; returns the innermost
+    isolating frame's entry for it (a value or a ``_RefCell``) and that frame."""
+    start = _owner_start(state, frames)
+    if start == 0 and state._broken is not None:
+        state._raise_broken()
+    current, source = state._value, None
+    for frame in frames[start:]:
+        current = frame._touch(state, current, write)
+        if frame._values is not None:
+            source = frame
+    return current, source
+
+
+def _view(state, entry, frame):
+    """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``."""
+    if type(entry) is _RefCell:
+        return entry.read()
+    if frame is not None and frame._nested_reads is not None and (
+            _current_trace_id() is not frame._jax_trace):
+        frame._nested_reads.add(id(state))   # a nested transformation closes over it
+    return entry
+
+
+def _traced_write(state, value, frames, written: bool):
+    entry, target = _touch_all(state, frames, write=written)
+    if type(entry) is _RefCell:
+        entry.write(value)
+        return
+    if target is not None and target._jax_trace is not None:
+        if _current_trace_id() is not target._jax_trace:
+            if target._pending is not None:
+                # Written inside a nested transformation: the value cannot
+                # leave it through the overlay.  The trace is redone with the
+                # state lifted as Refs (see _trace_stateful).
+                target._pending.add(state)
+                if not target._isolated:
+                    raise _Retrace   # abort, so JAX caches no body without the write
+                return
+            if not _HAS_REFS:
+                raise TraceContextError(
+                    f'{state._describe()} is written inside a nested JAX transformation '
+                    f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
+                    'Return the value from the transformation and assign it outside')
+        elif id(state) in target._nested_reads:
+            # A body traced before this write closed over the old value; make
+            # JAX's trace caches miss so that a later use retraces it.
+            target._epoch.renew()
+            target._nested_reads.clear()
+    allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
+    _check_tracers_may_enter(state, value, allowed)
+    if target is None:   # only recording stacks (or the creating trace) above
+        state._value = value
+        state._broken = None
+    else:
+        target._values[id(state)] = value
+
+
+def _check_tracers_may_enter(state, value, allowed_traces) -> None:
+    """Rejects a tracer that would outlive its trace inside ``state``."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, Tracer):
+            trace = _tracer_trace_id(leaf)
+            if trace is state._creation_trace or trace in allowed_traces:
+                continue
+            if allowed_traces:
+                raise TraceContextError(
+                    f'{state._describe()} was assigned a traced value inside a JAX '
+                    'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
+                    'nested in a stateful function, and no enclosing trace can thread it '
+                    'out: the State was created inside the stateful function.  Create the '
+                    'State outside the function, '
+                    'or return the value from the transformation and assign it outside.')
+            raise TraceContextError(
+                f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
+                'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
+                'keep a tracer that outlives its transformation.  Wrap the outer function '
+                'in StatefulFunction (or StatefulMapping) so state updates are threaded, or '
+                'thread the values explicitly with StatefulFunction.jaxpr_call().')
+
 
 class _Traced:
     """Everything one trace produced; immutable once built."""
@@ -1839,7 +2017,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
 
 
 # =============================================================================
-# 6. StatefulFunction
+# 7. StatefulFunction
 #
 # Calls take one of three paths:
 #
@@ -2703,6 +2881,10 @@ class StatefulFunction(_StatefulBase):
         return f'StatefulFunction({self.name!r}, entries={len(self._cache)})'
 
 
+# =============================================================================
+# 8. make_jaxpr
+# =============================================================================
+
 def _abstracted_tracer(abstracted_axes, split):
     """A ``trace_with`` for :func:`_trace_stateful` honouring ``abstracted_axes``.
 
@@ -2806,181 +2988,14 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 
 
 # =============================================================================
-# 7. State filters
+# 9. StatefulMapping
 #
-# ``state_in_axes`` / ``state_out_axes`` pick states with filters: a State
-# subclass, a tag string, a predicate ``f(path, state)``, ``True``/``...``,
-# ``False``/``None``, a tuple/list (any of), or the combinators below.
+# A discovery trace of ``fun`` at per-lane shapes finds the states it touches
+# and, by a dataflow pass over that jaxpr, which written values depend on the
+# batch.  The state values are then handed to ``mapping_fn`` explicitly with
+# per-state ``in_axes`` / ``out_axes``; no batching internals are needed.  The
+# plan is cached per cache key, so a warm call does no discovery.
 # =============================================================================
-
-class _Filter:
-    """Base of the filter combinators: a predicate ``f(path, state) -> bool``."""
-
-    def __call__(self, path, x) -> bool:
-        raise NotImplementedError
-
-    def __eq__(self, other):
-        return type(self) is type(other) and vars(self) == vars(other)
-
-    def __hash__(self):
-        return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
-
-
-class OfType(_Filter):
-    """Matches instances of ``type``.
-
-    Example
-    -------
-    >>> OfType(ParamState)((), ParamState(1.0))
-    True
-    """
-
-    def __init__(self, type: type):
-        self.type = type
-
-    def __call__(self, path, x):
-        return isinstance(x, self.type)
-
-    def __repr__(self):
-        return f'OfType({self.type.__name__})'
-
-
-class WithTag(_Filter):
-    """Matches states whose ``tag`` is ``tag`` (what a string filter means).
-
-    Example
-    -------
-    >>> WithTag('hidden')((), State(0.0, tag='hidden'))
-    True
-    """
-
-    def __init__(self, tag: str):
-        self.tag = tag
-
-    def __call__(self, path, x):
-        return getattr(x, 'tag', None) == self.tag
-
-    def __repr__(self):
-        return f'WithTag({self.tag!r})'
-
-
-class _Combination(_Filter):
-    """Combines the predicates of several filters with ``_reduce`` (any / all)."""
-    _reduce = staticmethod(any)
-
-    def __init__(self, *filters):
-        self.predicates = tuple(to_predicate(f) for f in filters)
-
-    def __call__(self, path, x):
-        return self._reduce(p(path, x) for p in self.predicates)
-
-    def __repr__(self):
-        return f'{type(self).__name__}({", ".join(map(repr, self.predicates))})'
-
-
-class Any(_Combination):
-    """Matches when any of ``filters`` matches.
-
-    Example
-    -------
-    >>> Any(ParamState, 'hidden')((), State(0.0, tag='hidden'))
-    True
-    """
-    _reduce = staticmethod(any)
-
-
-class All(_Combination):
-    """Matches when all of ``filters`` match.
-
-    Example
-    -------
-    >>> All(ParamState, 'w')((), ParamState(0.0, tag='w'))
-    True
-    """
-    _reduce = staticmethod(all)
-
-
-class Not(_Filter):
-    """Matches when ``filter`` does not.
-
-    Example
-    -------
-    >>> Not(ParamState)((), State(0.0))
-    True
-    """
-
-    def __init__(self, filter):
-        self.predicate = to_predicate(filter)
-
-    def __call__(self, path, x):
-        return not self.predicate(path, x)
-
-    def __repr__(self):
-        return f'Not({self.predicate!r})'
-
-
-class Everything(_Filter):
-    """Matches every state.
-
-    Example
-    -------
-    >>> Everything()((), State(0.0))
-    True
-    """
-
-    def __call__(self, path, x):
-        return True
-
-    def __repr__(self):
-        return 'Everything()'
-
-
-class Nothing(_Filter):
-    """Matches no state.
-
-    Example
-    -------
-    >>> Nothing()((), State(0.0))
-    False
-    """
-
-    def __call__(self, path, x):
-        return False
-
-    def __repr__(self):
-        return 'Nothing()'
-
-
-def to_predicate(the_filter) -> Callable:
-    """Turns any filter into a predicate ``f(path, state) -> bool``.
-
-    Example
-    -------
-    >>> pred = to_predicate((ParamState, 'hidden'))
-    >>> pred((), ParamState(1.0)), pred((), State(1.0))
-    (True, False)
-    """
-    if isinstance(the_filter, _Filter):
-        return the_filter
-    if the_filter is Everything or the_filter is Nothing:
-        return the_filter()
-    if the_filter is True or the_filter is Ellipsis:
-        return Everything()
-    if the_filter is False or the_filter is None:
-        return Nothing()
-    if isinstance(the_filter, type):
-        return OfType(the_filter)
-    if isinstance(the_filter, str):
-        return WithTag(the_filter)
-    if isinstance(the_filter, (tuple, list)):
-        return Any(*the_filter)
-    if callable(the_filter):
-        return the_filter
-    raise TypeError(
-        f'unsupported state filter {the_filter!r} of type {type(the_filter).__name__}; use a State '
-        'subclass, a tag string, a predicate f(path, state), True/..., False/None, a '
-        'tuple/list of filters, or OfType/Any/All/Not/Everything/Nothing')
-
 
 def _normalize_state_axes(spec, what: str) -> tuple:
     """``{axis: filter}`` or a bare filter (axis 0) → ``((axis, predicate), ...)``."""
@@ -3002,16 +3017,6 @@ def _axis_for(state, axes: tuple):
             return axis
     return None
 
-
-# =============================================================================
-# 8. StatefulMapping
-#
-# A discovery trace of ``fun`` at per-lane shapes finds the states it touches
-# and, by a dataflow pass over that jaxpr, which written values depend on the
-# batch.  The state values are then handed to ``mapping_fn`` explicitly with
-# per-state ``in_axes`` / ``out_axes``; no batching internals are needed.  The
-# plan is cached per cache key, so a warm call does no discovery.
-# =============================================================================
 
 _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 def _lane_aval(aval, axis: int):
@@ -3377,7 +3382,7 @@ class StatefulMapping(StatefulFunction):
 
 
 # =============================================================================
-# 9. Inspecting and shipping
+# 10. Inspecting and shipping
 #
 # Seeing what a stateful function became, and handing it on: jaxprs with a
 # legend naming every input and output (``pretty_jaxpr``), explanations of
@@ -3908,7 +3913,7 @@ def deserialize(data) -> Exported:
 
 
 # =============================================================================
-# 10. Jaxpr passes: constant folding
+# 11. Jaxpr passes: constant folding
 # =============================================================================
 
 class IdentitySet(MutableSet):
@@ -4103,7 +4108,7 @@ def constant_fold_jaxpr(jaxpr):
 
 
 # =============================================================================
-# 11. Demo: ``python stateful_jaxpr.py``
+# 12. Demo: ``python stateful_jaxpr.py``
 # =============================================================================
 
 def main() -> None:
