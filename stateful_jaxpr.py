@@ -57,6 +57,7 @@ import sys
 import threading
 import warnings
 import weakref
+import collections
 from collections import OrderedDict
 from collections.abc import MutableSet
 from typing import Callable, Iterable, Sequence
@@ -407,6 +408,14 @@ class _Context(threading.local):
 _ctx = _Context()
 _MISSING = object()
 
+
+def _innermost_isolating(frames):
+    """The innermost stack with an overlay (see StateTraceStack), or None."""
+    for frame in reversed(frames):
+        if frame._values is not None:
+            return frame
+    return None
+
 class State:
     """A mutable container for a pytree of arrays.
 
@@ -450,11 +459,10 @@ class State:
         self._stack_level = len(frames)
         self._owner = None
         self._creation_trace = _current_trace_id()
-        for frame in reversed(frames):
-            if frame._values is not None:   # owned by the innermost isolating frame
-                self._owner = frame
-                frame._owned.append(self)
-                break
+        owner = _innermost_isolating(frames)
+        if owner is not None:
+            self._owner = owner
+            owner._owned.append(self)
         for catcher in _ctx.catchers:
             catcher.append(self)
 
@@ -511,16 +519,11 @@ class State:
                     'with the same structure or leave the check_state_value_tree() block')
 
     def _current_for_compare(self):
-        frames = _ctx.frames
-        if frames:
-            for frame in reversed(frames):
-                if frame._values is not None:
-                    v = frame._values.get(id(self), _MISSING)
-                    if type(v) is _RefCell:
-                        return jax.tree_util.tree_unflatten(v.treedef, v.avals)
-                    if v is not _MISSING:
-                        return v
-        return self._value
+        frame = _innermost_isolating(_ctx.frames)
+        v = _MISSING if frame is None else frame._values.get(id(self), _MISSING)
+        if type(v) is _RefCell:
+            return jax.tree_util.tree_unflatten(v.treedef, v.avals)
+        return self._value if v is _MISSING else v
 
     def _raise_broken(self):
         # ``_broken``: (exception type, message, short description) when the
@@ -896,20 +899,19 @@ class StateTraceStack:
     (True, [False, True], (1.0, 2.0))
     """
 
+    _jax_trace = None   # a recorder belongs to no JAX trace (see _TraceFrame)
+
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
         self.states: list = []
         self.been_writen: list = []
         self._index: dict = {}
         self._originals: list = []
-        self._owned: list = []
-        self._lift = None
+        # With new_arg the stack *isolates*: what code inside sees and writes
+        # lives in this overlay (state id -> value), and the States created
+        # inside are its own until it closes.
         self._values = None
-        self._jax_trace = None      # the JAX trace a stateful trace runs at
-        self._pending = None        # states written inside nested transformations
-        self._nested_reads = None   # ids of states read inside them
-        self._epoch = None          # its _TraceEpoch
-        self._isolated = False      # whether it runs under its own epoch from the start
+        self._owned: list = []
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(
@@ -919,17 +921,17 @@ class StateTraceStack:
 
     def set_new_arg(self, new_arg: Callable) -> None:
         """Makes this stack lift states through ``new_arg(state)`` (see class doc)."""
-        self._lift_with(lambda state, current: new_arg(state))
-
-    def _lift_with(self, lift: Callable) -> None:
-        # ``lift(state, current)`` also sees the enclosing stack's view of the
-        # state (a tracer or a ``_RefCell``), which the tracing core needs.
-        self._lift = lift
+        self._new_arg = new_arg
         self._values = {}
+
+    def _lift(self, state, current):
+        # ``current`` is the enclosing stack's view of the state, which a
+        # _TraceFrame needs; new_arg sees only the State.
+        return self._new_arg(state)
 
     def new_arg(self, state: State) -> None:
         """Lifts ``state`` through the ``new_arg`` function now (no-op without one)."""
-        if self._lift is not None:
+        if self._values is not None:
             self._values[id(state)] = self._lift(state, state._value)
 
     @property
@@ -997,8 +999,6 @@ class StateTraceStack:
                     'tracer from a finished trace')
         self._owned = []
         self._values = {}
-        if self._jax_trace is not None:   # a finished trace's tracers
-            self._originals = [None] * len(self.states)
 
     # -- queries -------------------------------------------------------------
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
@@ -1546,111 +1546,171 @@ _BoundedCache = BoundedCache
 # ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr whose
 # inputs are the flat dynamic arguments followed by every touched State (in
 # first-touch order) and whose outputs are the flat results followed by the
-# returned states.  A State is lifted into a new jaxpr input the first time
-# the function touches it, on the trace captured when tracing starts, so a
-# first read deep inside ``lax.scan``, ``grad`` or an inner ``jit`` still
-# becomes an input instead of a baked-in constant.  A State the function
-# *writes* inside such a nested transformation is lifted as Refs instead
-# (``_RefCell``), and the finished jaxpr is discharged into a pure one, so
-# the write is threaded out as a scan carry, a cond output and so on.
+# returned states.  The trace runs inside a ``_TraceFrame``: the ``value``
+# property of a State sends reads and writes there, so tracers never enter a
+# State object, and a failed trace has nothing to restore.  A State becomes a
+# new jaxpr input the first time the function touches it, on the trace
+# captured when tracing starts, so a first read deep inside ``lax.scan``,
+# ``grad`` or an inner ``jit`` is an input rather than a baked-in constant.
+# A State *written* inside such a nested transformation is lifted as Refs
+# instead (``_RefCell``), and the finished jaxpr is discharged into a pure
+# one, which threads the write out as a scan carry, a cond output and so on.
+#
+# Staying clear of JAX's trace caches.  JAX caches the traces of lax
+# control-flow bodies and of jitted functions, keyed on the Python function
+# and ``config.trace_context()``.  A module-level scan body that reads a State
+# could then be reused by a later trace with a finished trace's tracer baked
+# in, or after a write with the old value; and a State read by a plain JAX
+# trace (``_BAKED_STATES``) may sit inside any cached jaxpr.  The axis
+# environment is part of that context on every release, so binding a unique
+# size-1 axis (``_TraceEpoch``; no jaxpr refers to it) makes those caches
+# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace
+# (about a millisecond per trace), so a trace is isolated only once it is
+# known to need it (``_TraceHints``), and renews its epoch when a write
+# follows a nested read of the same State.
 # =============================================================================
 
-# States read under a plain JAX trace (outside stateful traces) while alive:
-# JAX may have cached a body or jitted function with such a value baked in,
-# so stateful traces keep clear of JAX's caches meanwhile (see _TraceHints).
-_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+class _Traced:
+    """Everything one trace produced; immutable once built."""
+    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
+                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out')
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
 
 
-class _RefCell:
-    """A State that a stateful trace lifted as Refs, one per leaf, because the
-    function writes it inside a nested transformation.  Reads and writes bind
-    at whatever JAX trace is current, so a scan body sees the value of its
-    own iteration and an inner jit's write reaches the code after it."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals')
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
 
-    def __init__(self, state, refs, treedef, avals):
-        self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
 
-    def read(self):
-        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r, ()) for r in self.refs])
+@contextlib.contextmanager
+def _gc_paused():
+    """Pauses the cyclic garbage collector while tracing.
 
-    def write(self, value) -> None:
-        leaves, treedef = jax.tree_util.tree_flatten(value)
-        got = None
-        if treedef == self.treedef:
-            try:
-                got = [_aval_of(x) for x in leaves]
-            except TypeError:
-                pass
-        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
-                              for g, a in zip(got, self.avals)):
-            unflatten = jax.tree_util.tree_unflatten
-            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
-            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
-                     else f'a value of structure {treedef}')
-            raise TraceContextError(
-                f'{self.state._describe()} is written inside a nested JAX transformation '
-                '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
-                f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
-                'Cast or reshape the value before assigning it')
-        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
-            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
-                leaf = jax.lax.convert_element_type(leaf, a.dtype)
-            try:
-                _ref_set(ref, (), leaf)
-            except Exception as err:
-                # Under jax.grad the value carries a tangent, which a Ref the
-                # gradient does not flow through cannot take: keep the primal.
+    A trace allocates many small, long-lived objects; generation-2 collections
+    rescanning them made tracing grow faster than linearly in the number of
+    states.  Nested and concurrent traces share one pause.
+    """
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
+
+
+def _reject_states(tree, what: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, State):
+            where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
+            raise ValueError(
+                f'{where} a State ({leaf._describe()}); '
+                'return or pass its value instead (state.value)')
+
+
+class _TraceFrame(StateTraceStack):
+    """The frame of one stateful trace: a StateTraceStack with an overlay,
+    whose first touch of a State adds jaxpr inputs for it.  It is built
+    inside the traced function, where its JAX trace is the current one.
+
+    ``pending`` collects the States written inside nested transformations
+    that were not lifted as Refs, ``speculated`` the ones lifted as Refs
+    only because they were first touched there (see _TraceHints)."""
+
+    def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
+                 speculated: list, isolated: bool):
+        super().__init__(name=name)
+        self._values = {}
+        self._trace = _find_top_trace(())       # where new inputs go
+        self._jax_trace = _current_trace_id()   # a nested transformation's differs
+        self._hints, self._lift_aval = hints, lift_aval
+        self._pending = pending if _HAS_REFS else None
+        self._speculated = speculated
+        self._nested_reads = set()              # ids of states read in nested traces
+        self._epoch = _TraceEpoch()
+        self._isolated = isolated
+        self.cells: list = []                   # the _RefCells, for the discharge
+        self.lifted: list = []                  # (state, treedef, avals) per lift
+        self.result: dict = {}                  # what finish() found out
+
+    def _lift(self, state, current):
+        """New jaxpr inputs for ``state`` (a _RefCell of Refs where it is, or
+        may be, written inside a nested transformation)."""
+        if type(current) is _RefCell:    # an enclosing trace holds it as Refs
+            treedef, avals = current.treedef, list(current.avals)
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten(current)
+            avals = []
+            for leaf in leaves:
                 try:
-                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
-                except Exception:
-                    raise TraceContextError(
-                        f'{self.state._describe()} cannot be written inside this nested '
-                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                        'varies across jax.vmap lanes cannot go into an unbatched State: map '
-                        'the function with StatefulMapping instead, or return the value '
-                        'from the transformation and assign it outside') from err
+                    avals.append(_aval_of(leaf))
+                except TypeError:
+                    raise TypeError(f'{state._describe()} holds a leaf of type '
+                                    f'{type(leaf).__name__}, which is not a JAX array '
+                                    'type') from None
+        self.lifted.append((state, treedef, avals))
+        if self._lift_aval is not None:
+            avals = [self._lift_aval(state, a) for a in avals]
+        known = state in self._hints.ref_states
+        if known or (self._hints.speculate and _current_trace_id() is not self._jax_trace):
+            if not known:
+                self._speculated.append(state)
+            cell = _RefCell(state, [_new_arg(self._trace, _ref_aval(a)) for a in avals],
+                            treedef, avals)
+            self.cells.append(cell)
+            return cell
+        return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._trace, a) for a in avals])
 
+    def finish(self, out, return_only_write: bool) -> list:
+        """The flat jaxpr outputs for the function's result ``out``: its leaves,
+        then the values of the returned states (the written ones, or all)."""
+        _reject_states(out, 'the function returned ')
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
+        values = [self._values[id(self.states[i])] for i in returned]
+        values = [v.read() if type(v) is _RefCell else v for v in values]
+        state_leaves, state_tree = jax.tree_util.tree_flatten(values)
+        # (out, one entry per state, None where not returned): the structure
+        # brainstate's jaxpr_call and out_treedef expose.
+        part = [None] * len(self.states)
+        for i, v in zip(returned, values):
+            part[i] = v
+        self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
+                           state_tree=state_tree,
+                           full_tree=jax.tree_util.tree_structure((out, tuple(part))))
+        return out_leaves + state_leaves
 
-class _Retrace(Exception):
-    """Redo this trace: it met writes made inside nested transformations."""
+    def traced(self, closed, out_avals) -> _Traced:
+        sigs = {id(state): (treedef, tuple((a.shape, a.dtype) for a in avals))
+                for state, treedef, avals in self.lifted}
+        return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
+                       states=tuple(self.states),
+                       state_sigs=tuple(sigs[id(s)] for s in self.states),
+                       trace_stack=StateTraceStack(name=self.name).merge(self),
+                       cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
+                       **self.result)
 
+    def __enter__(self):
+        if self._isolated:
+            self._epoch.renew()
+        return super().__enter__()
 
-# JAX caches the traces of lax control-flow bodies and of jitted functions,
-# keyed on the Python function and ``config.trace_context()``.  A module-level
-# scan body that reads a State can then be reused by a later trace with the
-# first trace's (dead) tracer baked in, or after a write with the old value.
-# The axis environment is part of that context on every release (0.4.30 ..
-# 0.10), so binding a unique size-1 axis (see ``_TraceEpoch``) makes those
-# caches miss; no jaxpr refers to the axis.  It is bound only where needed
-# (it also makes jax.numpy's own jitted helpers retrace): see _TraceHints.
-_EPOCH_AXES = itertools.count()
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._epoch.close()
 
-
-def _epoch_axis():
-    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                     'keeping stateful traces clear of JAX\'s trace caches')
-
-
-class _TraceEpoch:
-    """The unique dummy axis bound while a stateful trace runs (see
-    ``_epoch_axis``).  Renewing it makes JAX retrace, rather than reuse from
-    its caches, a body that closed over a State's value before a write."""
-    __slots__ = ('_cm',)
-
-    def __init__(self):
-        self._cm = None
-
-    def renew(self) -> None:
-        self.close()
-        cm = _epoch_axis()
-        cm.__enter__()
-        self._cm = cm
-
-    def close(self) -> None:
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            cm.__exit__(None, None, None)
+    def _close(self):
+        super()._close()
+        self._originals = [None] * len(self.states)   # a finished trace's tracers
 
 
 def _owner_start(state, frames) -> int:
@@ -1690,7 +1750,7 @@ def _view(state, entry, frame):
     """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``."""
     if type(entry) is _RefCell:
         return entry.read()
-    if frame is not None and frame._nested_reads is not None and (
+    if frame is not None and frame._jax_trace is not None and (
             _current_trace_id() is not frame._jax_trace):
         frame._nested_reads.add(id(state))   # a nested transformation closes over it
     return entry
@@ -1753,75 +1813,55 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                 'thread the values explicitly with StatefulFunction.jaxpr_call().')
 
 
-class _Traced:
-    """Everything one trace produced; immutable once built."""
-    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
-                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out')
+class _RefCell:
+    """A State that a stateful trace lifted as Refs, one per leaf, because the
+    function writes it inside a nested transformation.  Reads and writes bind
+    at whatever JAX trace is current, so a scan body sees the value of its
+    own iteration and an inner jit's write reaches the code after it."""
+    __slots__ = ('state', 'refs', 'treedef', 'avals')
 
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    def __init__(self, state, refs, treedef, avals):
+        self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
 
+    def read(self):
+        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r, ()) for r in self.refs])
 
-_gc_lock = threading.Lock()
-_gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pauses the cyclic garbage collector while tracing.
-
-    A trace allocates many small, long-lived objects; generation-2 collections
-    rescanning them made tracing grow faster than linearly in the number of
-    states.  Nested and concurrent traces share one pause.
-    """
-    with _gc_lock:
-        if _gc_pauses[0] == 0:
-            _gc_pauses[1] = gc.isenabled()
-            gc.disable()
-        _gc_pauses[0] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
-
-
-def _reject_states(tree, what: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, State):
-            where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
-            raise ValueError(
-                f'{where} a State ({leaf._describe()}); '
-                'return or pass its value instead (state.value)')
-
-
-class _TraceHints:
-    """What earlier traces of one function taught its later ones.
-
-    A trace is *isolated* (runs under a fresh _TraceEpoch, so that JAX's trace
-    caches can neither hand it a body traced elsewhere nor keep what it traces
-    for others) once it is known to need it: the function writes States inside
-    nested transformations, or JAX handed one of its traces a body with a
-    finished trace's tracer inside, or any live State was read by a plain JAX
-    trace.  Isolation costs about a millisecond per trace (jax.numpy's jitted
-    helpers retrace too), so it is not the default.
-
-    A State first touched inside a nested transformation is lifted as Refs
-    straight away (*speculatively*): it is usually written there too (a scan
-    carry kept in a State), and so the trace needs neither the abort nor the
-    isolated retrace.  Where JAX cannot take a Ref (a transformation without
-    a discharge rule, e.g. jax.checkpoint before 0.7), the trace fails inside
-    JAX and is redone without speculation, for good.
-    """
-    __slots__ = ('ref_states', 'isolate', 'speculate')
-
-    def __init__(self):
-        self.ref_states = weakref.WeakSet()   # States written inside nested transformations
-        self.isolate = False                  # trace under a fresh _TraceEpoch
-        self.speculate = _HAS_REFS            # lift first touches in nested traces as Refs
+    def write(self, value) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        got = None
+        if treedef == self.treedef:
+            try:
+                got = [_aval_of(x) for x in leaves]
+            except TypeError:
+                pass
+        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
+                              for g, a in zip(got, self.avals)):
+            unflatten = jax.tree_util.tree_unflatten
+            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
+            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
+                     else f'a value of structure {treedef}')
+            raise TraceContextError(
+                f'{self.state._describe()} is written inside a nested JAX transformation '
+                '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
+                f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
+                'Cast or reshape the value before assigning it')
+        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
+            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
+                leaf = jax.lax.convert_element_type(leaf, a.dtype)
+            try:
+                _ref_set(ref, (), leaf)
+            except Exception as err:
+                # Under jax.grad the value carries a tangent, which a Ref the
+                # gradient does not flow through cannot take: keep the primal.
+                try:
+                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
+                except Exception:
+                    raise TraceContextError(
+                        f'{self.state._describe()} cannot be written inside this nested '
+                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                        'varies across jax.vmap lanes cannot go into an unbatched State: map '
+                        'the function with StatefulMapping instead, or return the value '
+                        'from the transformation and assign it outside') from err
 
 
 class _CannotDischarge(TraceContextError):
@@ -1838,6 +1878,92 @@ def _refused_ref(err: BaseException) -> bool:
         return True
     return (isinstance(err, (AttributeError, TypeError, NotImplementedError))
             and ('Ref' in str(err) or 'Effect' in str(err)))
+
+
+def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
+    """Turns a jaxpr with Ref inputs into the pure one with value inputs and
+    the same outputs (the discharge's extra final-Ref outputs are dropped: the
+    function already returns the written states)."""
+    described = ', '.join(c.state._describe() for c in cells)
+    try:
+        pure = _discharge(closed)
+    except NotImplementedError as err:
+        raise _CannotDischarge(
+            f'{described} is written inside a nested transformation that JAX '
+            f'{jax.__version__} cannot thread state out of ({err}); return the value from '
+            'that transformation and assign it outside') from err
+    n = len(closed.jaxpr.outvars)
+    outvars = pure.jaxpr.outvars[:n]
+    for before, after in zip(closed.jaxpr.outvars, outvars):
+        if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
+            raise TraceContextError(
+                f'a State among {described} changed shape inside a nested transformation '
+                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
+                'writing a per-lane value inside jax.vmap; map the function with '
+                'StatefulMapping instead')
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
+
+
+# States read under a plain JAX trace (outside stateful traces) while alive.
+_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+_EPOCH_AXES = itertools.count()
+
+
+def _epoch_axis():
+    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                     'keeping stateful traces clear of JAX\'s trace caches')
+
+
+class _TraceEpoch:
+    """The unique dummy axis an isolated trace binds (see the section
+    comment).  Renewing it makes JAX retrace, rather than reuse from its
+    caches, a body that closed over a State's value before a write."""
+    __slots__ = ('_cm',)
+
+    def __init__(self):
+        self._cm = None
+
+    def renew(self) -> None:
+        self.close()
+        cm = _epoch_axis()
+        cm.__enter__()
+        self._cm = cm
+
+    def close(self) -> None:
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+
+class _TraceHints:
+    """What earlier traces of one function taught its later ones.
+
+    A trace is isolated (see the section comment) once the function is known
+    to write States inside nested transformations, or JAX handed one of its
+    traces a body with a finished trace's tracer inside; any trace is while a
+    live State was read by a plain JAX trace.
+
+    A State first touched inside a nested transformation is lifted as Refs
+    straight away (*speculatively*): it is usually written there too (a scan
+    carry kept in a State), and so the trace needs neither the abort nor the
+    isolated retrace.  Where JAX cannot take a Ref (a transformation without
+    a discharge rule, e.g. jax.checkpoint before 0.7), the trace fails inside
+    JAX and is redone without speculation, for good.
+    """
+    __slots__ = ('ref_states', 'isolate', 'speculate')
+
+    def __init__(self):
+        self.ref_states = weakref.WeakSet()   # States written inside nested transformations
+        self.isolate = False                  # trace under a fresh _TraceEpoch
+        self.speculate = _HAS_REFS            # lift first touches in nested traces as Refs
+
+
+class _Retrace(Exception):
+    """Redo this trace: it met writes made inside nested transformations."""
+
+
+_TraceSpec = collections.namedtuple(
+    '_TraceSpec', 'name return_only_write axis_env lift_aval trace_with')
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -1864,12 +1990,12 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     """
     if hints is None:
         hints = _TraceHints()
+    spec = _TraceSpec(name, return_only_write, axis_env, lift_aval, trace_with)
     while True:
         pending, speculated = set(), []
         isolated = hints.isolate
         try:
-            traced = _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env,
-                                 lift_aval, trace_with, hints, pending, speculated)
+            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, speculated)
         except _Retrace:
             continue   # (the finally clause records what it found)
         except Exception as err:
@@ -1892,128 +2018,33 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         hints.isolate = True
 
 
-def _trace_once(fun, flat_avals, rebuild, name, return_only_write, axis_env, lift_aval,
-                trace_with, hints, pending, speculated) -> _Traced:
-    ref_states, isolate = hints.ref_states, hints.isolate or len(_BAKED_STATES) > 0
-    frame = StateTraceStack(name=name)
-    box = {'cells': [], 'lifted': []}
-
-    def lift(state, current):
-        if type(current) is _RefCell:    # an enclosing trace holds it as Refs
-            treedef, avals = current.treedef, list(current.avals)
-        else:
-            leaves, treedef = jax.tree_util.tree_flatten(current)
-            avals = []
-            for leaf in leaves:
-                try:
-                    avals.append(_aval_of(leaf))
-                except TypeError:
-                    raise TypeError(f'{state._describe()} holds a leaf of type '
-                                    f'{type(leaf).__name__}, which is not a JAX array '
-                                    'type') from None
-        box['lifted'].append((state, treedef, avals))
-        if lift_aval is not None:
-            avals = [lift_aval(state, a) for a in avals]
-        trace = box['trace']
-        nested = hints.speculate and _current_trace_id() is not frame._jax_trace
-        if state in ref_states or nested:
-            if state not in ref_states:
-                speculated.append(state)
-            cell = _RefCell(state, [_new_arg(trace, _ref_aval(a)) for a in avals],
-                            treedef, avals)
-            box['cells'].append(cell)
-            return cell
-        return jax.tree_util.tree_unflatten(treedef, [_new_arg(trace, a) for a in avals])
-
-    frame._lift_with(lift)
+def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
+                pending: set, speculated: list) -> _Traced:
+    """One attempt of ``_trace_stateful``, in a fresh _TraceFrame."""
+    isolated = hints.isolate or len(_BAKED_STATES) > 0
+    frames = []
 
     def flat_fun(*flat):
-        trace = _find_top_trace(())
-        box['trace'] = trace
-        frame._jax_trace = _current_trace_id()
-        frame._pending = pending if _HAS_REFS else None
-        frame._nested_reads = set()
-        frame._epoch = epoch = _TraceEpoch()
-        frame._isolated = isolate
-        if isolate:
-            epoch.renew()
-        try:
-            with frame:
-                args, kwargs = rebuild(list(flat))
-                out = fun(*args, **kwargs)
-                _reject_states(out, 'the function returned ')
-                out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-                if return_only_write:
-                    returned = [i for i, w in enumerate(frame.been_writen) if w]
-                else:
-                    returned = list(range(len(frame.states)))
-                values = [frame._values[id(frame.states[i])] for i in returned]
-                values = [v.read() if type(v) is _RefCell else v for v in values]
-                state_leaves, state_tree = jax.tree_util.tree_flatten(values)
-                # (out, one entry per state, None where not returned): the
-                # structure brainstate's jaxpr_call and out_treedef expose.
-                part = [None] * len(frame.states)
-                for i, v in zip(returned, values):
-                    part[i] = v
-                full_tree = jax.tree_util.tree_structure((out, tuple(part)))
-                box.update(out_tree=out_tree, n_out=len(out_leaves), returned=returned,
-                           state_tree=state_tree, full_tree=full_tree)
-                return out_leaves + state_leaves
-        finally:
-            epoch.close()
+        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, speculated, isolated)
+        frames.append(frame)
+        with frame:
+            args, kwargs = rebuild(list(flat))
+            return frame.finish(fun(*args, **kwargs), spec.return_only_write)
 
+    trace = spec.trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=spec.name)
     _ctx.ntraces += 1
-    with _axis_env(axis_env), _gc_paused():
+    with _axis_env(spec.axis_env), _gc_paused():
         try:
-            if trace_with is None:
-                jaxpr, out_avals, consts = _trace_to_jaxpr(flat_fun, flat_avals, fun, name)
-            else:
-                jaxpr, out_avals, consts = trace_with(flat_fun, flat_avals)
+            jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
         except Exception as err:
             _ctx.trace_error = err    # tells the warm path the function raised it
             raise
-        closed = _close(jaxpr, consts)
         if pending:
             raise _Retrace
-        if box['cells']:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, box['cells'])
-    states = tuple(frame.states)
-    sigs = {}
-    for state, treedef, avals in box['lifted']:
-        sigs[id(state)] = (treedef, tuple((a.shape, a.dtype) for a in avals))
-    return _Traced(
-        closed_jaxpr=closed,
-        out_tree=box['out_tree'], n_out=box['n_out'], out_avals=list(out_avals),
-        states=states, returned=tuple(box['returned']),
-        state_tree=box['state_tree'], full_tree=box['full_tree'],
-        state_sigs=tuple(sigs[id(s)] for s in states),
-        trace_stack=frame,
-        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
-    )
-
-
-def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
-    """Turns a jaxpr with Ref inputs into the pure one with value inputs and
-    the same outputs (the discharge's extra final-Ref outputs are dropped: the
-    function already returns the written states)."""
-    described = ', '.join(c.state._describe() for c in cells)
-    try:
-        pure = _discharge(closed)
-    except NotImplementedError as err:
-        raise _CannotDischarge(
-            f'{described} is written inside a nested transformation that JAX '
-            f'{jax.__version__} cannot thread state out of ({err}); return the value from '
-            'that transformation and assign it outside') from err
-    n = len(closed.jaxpr.outvars)
-    outvars = pure.jaxpr.outvars[:n]
-    for before, after in zip(closed.jaxpr.outvars, outvars):
-        if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
-            raise TraceContextError(
-                f'a State among {described} changed shape inside a nested transformation '
-                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
-                'writing a per-lane value inside jax.vmap; map the function with '
-                'StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
+        closed = _close(jaxpr, consts)
+        if frames[-1].cells:   # (collectives in the jaxpr need the axis names still bound)
+            closed = _discharge_cells(closed, frames[-1].cells)
+    return frames[-1].traced(closed, out_avals)
 
 
 # =============================================================================
