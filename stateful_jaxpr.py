@@ -274,26 +274,39 @@ class BatchAxisError(ValueError):
     """
 
 
-def _user_site(depth: int = 2):
+_JAX_DIR = os.path.dirname(jax.__file__)
+
+
+def _outside(skip_jax: bool):
+    """``(frame, level)`` of the first caller outside this module (and JAX)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename == __file__ or (
+            skip_jax and frame.f_code.co_filename.startswith(_JAX_DIR))):
+        frame, level = frame.f_back, level + 1
+    return frame, level
+
+
+def _user_site():
     """``(filename, lineno, function)`` of the first caller outside this module."""
-    frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame = frame.f_back
+    frame = _outside(skip_jax=False)[0]
     if frame is None:
         return None
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
 
-_JAX_DIR = os.path.dirname(jax.__file__)
-
-
 def _user_stacklevel() -> int:
     """``warnings.warn`` stacklevel pointing past this module and JAX."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename == __file__
-                                 or frame.f_code.co_filename.startswith(_JAX_DIR)):
-        frame, level = frame.f_back, level + 1
-    return level
+    return _outside(skip_jax=True)[1] - 1
+
+
+def _who(sf) -> str:
+    """``StatefulFunction('f')``: how errors name a function."""
+    return f'{type(sf).__name__}({sf.name!r})'
+
+
+def _is_int(x) -> bool:
+    """An integer that is not a bool (nor a tracer)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _label(state) -> str:
@@ -337,6 +350,19 @@ def _value_sig(value) -> tuple:
     return treedef, tuple(_leaf_sig(x)[:2] for x in leaves)
 
 
+def _stale_sig(value, sig):
+    """``value``'s signature where it is not ``sig`` (None where it is)."""
+    try:
+        got = _value_sig(value)
+    except TypeError:
+        return 'not a pytree of arrays'
+    return None if got == sig else got
+
+
+def _sigs_match(values, sigs) -> bool:
+    return all(_stale_sig(v, sig) is None for v, sig in zip(values, sigs))
+
+
 def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
@@ -365,10 +391,6 @@ def _multi_device(leaf):
     if sharding is None or isinstance(leaf, Tracer) or len(sharding.device_set) < 2:
         return None
     return sharding
-
-
-def _shape_struct(aval):
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
 # =============================================================================
@@ -832,8 +854,7 @@ class RandomState(State):
         >>> rng = RandomState(0)
         >>> keys = rng.split_key(4)    # 4 independent keys
         """
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
-                              or n < 1):
+        if n is not None and (not _is_int(n) or n < 1):
             raise ValueError(f'{self._describe()}: split_key(n) needs an int n >= 1, '
                              f'got {n!r}; call split_key() for a single key')
         keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
@@ -1425,7 +1446,7 @@ class BoundedCache:
     """
 
     def __init__(self, maxsize: int = 128):
-        if isinstance(maxsize, bool) or not isinstance(maxsize, (int, np.integer)) or maxsize < 1:
+        if not _is_int(maxsize) or maxsize < 1:
             raise ValueError(f'BoundedCache(maxsize) needs an int >= 1, got {maxsize!r}')
         self.maxsize = int(maxsize)
         self._data: OrderedDict = OrderedDict()
@@ -1540,6 +1561,162 @@ class BoundedCache:
 _BoundedCache = BoundedCache
 
 
+# -- Argument keys ------------------------------------------------------------
+# A call's cache key holds the static arguments by value and the dynamic ones
+# by pytree structure and ``(shape, dtype, weak_type)`` per leaf.  These
+# functions take the StatefulFunction (``sf``) only for its static_argnums,
+# static_argnames and name.
+
+def _normalize_argnums(argnums, what: str) -> tuple:
+    if argnums is None:
+        return ()
+    if _is_int(argnums):
+        argnums = (argnums,)
+    if not isinstance(argnums, Iterable) or not all(_is_int(a) for a in argnums):
+        raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r}')
+    return tuple(operator.index(a) for a in argnums)
+
+
+def _normalize_argnames(argnames, what: str) -> tuple:
+    if argnames is None:
+        return ()
+    if isinstance(argnames, str):
+        return (argnames,)
+    argnames = tuple(argnames)
+    if not all(isinstance(a, str) for a in argnames):
+        raise TypeError(f'{what} must be a str or a sequence of str, got {argnames!r}')
+    return argnames
+
+
+def _static_positions(sf, nargs: int) -> tuple:
+    out = []
+    for i in sf.static_argnums:
+        j = i + nargs if i < 0 else i
+        if not 0 <= j < nargs:
+            raise ValueError(
+                f'{_who(sf)}: static_argnums contains {i}, but the call passed only {nargs} '
+                'positional argument(s); pass that argument positionally or fix static_argnums')
+        out.append(j)
+    return tuple(sorted(set(out)))
+
+
+def _split_args(sf, args, kwargs) -> tuple:
+    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``; static_args are
+    ``(position, value)`` pairs."""
+    statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
+    static_args = tuple((i, args[i]) for i in statics)
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+    names = sf.static_argnames
+    static_kwargs = {k: v for k, v in kwargs.items() if k in names}
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    return static_args, dyn_args, static_kwargs, dyn_kwargs
+
+
+def _hash_static(sf, where: str, value):
+    """``(key, by_value)``: the static ``value`` as a key, and whether only its
+    ``make_hashable`` form hashes (jax.jit then needs it wrapped)."""
+    _reject_states(value, f'{_who(sf)}: static {where}')
+    h = make_hashable(value)
+    try:
+        hash(h)
+    except TypeError:
+        raise TypeError(
+            f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
+            'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
+            'the argument dynamic') from None
+    try:
+        hash(value)
+    except TypeError:
+        return h, True
+    return h, False
+
+
+def _call_key(sf, args, kwargs):
+    """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear
+    errors; ``by_value``: some static argument hashes only by value."""
+    split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
+    by_value = False
+    hashed = []
+    for where, value in ([(f'positional argument {i}', v) for i, v in static_args]
+                         + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]):
+        h, wrapped = _hash_static(sf, where, value)
+        hashed.append(h)
+        by_value |= wrapped
+    leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
+    leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
+    try:
+        sigs = tuple(map(_leaf_sig, leaves_a + leaves_k))
+    except TypeError:
+        _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
+        raise
+    n = len(static_args)
+    key = hashabledict(
+        static_args=tuple(zip([i for i, _ in static_args], hashed[:n])),
+        dyn_args=(tree_a, sigs[:len(leaves_a)]),
+        static_kwargs=tuple(sorted(zip(static_kwargs, hashed[n:]))),
+        dyn_kwargs=(tree_k, sigs[len(leaves_a):]),
+    )
+    return key, leaves_a + leaves_k, split, by_value
+
+
+def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
+    for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
+        _reject_states(tree, f'{_who(sf)}: {what}')
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            try:
+                _leaf_sig(leaf)
+            except TypeError:
+                raise TypeError(
+                    f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)} has type '
+                    f'{type(leaf).__name__}, which is not a JAX type; mark it static '
+                    '(static_argnums / static_argnames) or pass an array') from None
+
+
+def _rebuilder(split):
+    """``rebuild(flat) -> (args, kwargs)`` putting static values back in place."""
+    static_args, dyn_args, static_kwargs, dyn_kwargs = split
+    tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
+    statics = dict(static_args)
+    nargs = len(dyn_args) + len(statics)
+
+    def rebuild(flat):
+        dyn, kw = jax.tree_util.tree_unflatten(tree, flat)
+        it = iter(dyn)
+        args = [statics[i] if i in statics else next(it) for i in range(nargs)]
+        return args, {**kw, **static_kwargs}
+    return rebuild
+
+
+class _StaticArg:
+    """Carries a static argument through jax.jit, hashed by ``make_hashable``."""
+    __slots__ = ('value', '_key')
+
+    def __init__(self, value):
+        self.value = value
+        self._key = make_hashable(value)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _StaticArg) and self._key == other._key
+
+
+def _wrap_statics(sf, args, kwargs):
+    """The call's static arguments as _StaticArgs (jax.jit hashes those)."""
+    static_args, _, static_kwargs, _ = _split_args(sf, args, kwargs)
+    args = list(args)
+    for i, value in static_args:
+        args[i] = _StaticArg(value)
+    kwargs = {k: _StaticArg(v) if k in static_kwargs else v for k, v in kwargs.items()}
+    return tuple(args), kwargs
+
+
+def _unwrap_statics(args, kwargs):
+    args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
+    return args, {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
+
+
 # =============================================================================
 # 6. The tracing core
 #
@@ -1578,6 +1755,22 @@ class _Traced:
     def __init__(self, **kw):
         for k, v in kw.items():
             setattr(self, k, v)
+
+    def runner(self) -> Callable:
+        """``run(flat_args, state_values) -> (out, returned_state_values)``."""
+        run, n_out = _jaxpr_as_fun(self.closed_jaxpr), self.n_out
+        out_tree, state_tree = self.out_tree, self.state_tree
+
+        def apply(flat_args, state_values):
+            outs = run(*flat_args, *_leaves(state_values))
+            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
+                    jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
+        return apply
+
+    def out_shapes(self):
+        """``(out_shapes, state_part)`` as ``jax.ShapeDtypeStruct`` pytrees."""
+        return self.full_tree.unflatten([jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                         for a in self.out_avals])
 
 
 _gc_lock = threading.Lock()
@@ -1628,7 +1821,7 @@ class _TraceFrame(StateTraceStack):
                  speculated: list, isolated: bool):
         super().__init__(name=name)
         self._values = {}
-        self._trace = _find_top_trace(())       # where new inputs go
+        self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
         self._pending = pending if _HAS_REFS else None
@@ -1662,11 +1855,11 @@ class _TraceFrame(StateTraceStack):
         if known or (self._hints.speculate and _current_trace_id() is not self._jax_trace):
             if not known:
                 self._speculated.append(state)
-            cell = _RefCell(state, [_new_arg(self._trace, _ref_aval(a)) for a in avals],
+            cell = _RefCell(state, [_new_arg(self._builder, _ref_aval(a)) for a in avals],
                             treedef, avals)
             self.cells.append(cell)
             return cell
-        return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._trace, a) for a in avals])
+        return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
 
     def finish(self, out, return_only_write: bool) -> list:
         """The flat jaxpr outputs for the function's result ``out``: its leaves,
@@ -1876,8 +2069,12 @@ def _refused_ref(err: BaseException) -> bool:
     no discharge rule."""
     if isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge)):
         return True
-    return (isinstance(err, (AttributeError, TypeError, NotImplementedError))
-            and ('Ref' in str(err) or 'Effect' in str(err)))
+    if isinstance(err, jax.errors.ConcretizationTypeError) or not isinstance(
+            err, (AttributeError, TypeError, NotImplementedError)):
+        return False   # (a traced value used as a Python one is the function's bug)
+    # JAX appends where a tracer came from, which may name _RefCell's methods.
+    text = str(err).split('The error occurred while tracing')[0]
+    return 'Ref' in text or 'Effect' in text
 
 
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
@@ -2105,21 +2302,6 @@ class _KeyLock:
         self._lock.release()
 
 
-class _StaticArg:
-    """Carries a static argument through jax.jit, hashed by ``make_hashable``."""
-    __slots__ = ('value', '_key')
-
-    def __init__(self, value):
-        self.value = value
-        self._key = make_hashable(value)
-
-    def __hash__(self):
-        return hash(self._key)
-
-    def __eq__(self, other):
-        return isinstance(other, _StaticArg) and self._key == other._key
-
-
 class _Entry:
     """One cache entry: the trace, its plan and how to apply it.  ``view`` is
     the trace the accessors describe (``get_jaxpr`` ...): ``traced`` itself,
@@ -2128,35 +2310,6 @@ class _Entry:
 
     def __init__(self, traced, plan, apply, view):
         self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
-
-
-def _normalize_argnums(argnums, what: str) -> tuple:
-    if argnums is None:
-        return ()
-    if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
-        argnums = (argnums,)
-    try:
-        return tuple(_operator_index(a) for a in argnums)
-    except TypeError:
-        raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r}') from None
-
-
-def _operator_index(a):
-    """``operator.index`` that also rejects bools and tracers."""
-    if isinstance(a, bool) or isinstance(a, Tracer):
-        raise TypeError(a)
-    return operator.index(a)
-
-
-def _normalize_argnames(argnames, what: str) -> tuple:
-    if argnames is None:
-        return ()
-    if isinstance(argnames, str):
-        return (argnames,)
-    argnames = tuple(argnames)
-    if not all(isinstance(a, str) for a in argnames):
-        raise TypeError(f'{what} must be a str or a sequence of str, got {argnames!r}')
-    return argnames
 
 
 def _check_callable(fun, who: str):
@@ -2185,7 +2338,7 @@ def _write_back(fun, plan, new) -> None:
                                      and _contains_tracer(first)):
         # Called under a plain JAX transformation: the new values are tracers.
         raise TraceContextError(
-            f'{type(fun).__name__}({fun.name!r}) writes {plan.write_states[0]._describe()} '
+            f'{_who(fun)} writes {plan.write_states[0]._describe()} '
             'but was called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) '
             'with no enclosing stateful trace, so the new state values would be tracers that '
             'outlive it.  Wrap the outer function in StatefulFunction, or call '
@@ -2220,10 +2373,86 @@ def _kept_layout(state, new):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def _donating(sf, jitted, plan):
+    """Calls the donating ``jitted`` as the plain dispatcher is called."""
+    def call(values, *args, **kwargs):
+        try:
+            return jitted([values[i] for i in plan.donated],
+                          [values[i] for i in plan.kept], *args, **kwargs)
+        except BaseException as err:
+            _donation_failed(sf, plan, values, err)
+            raise
+    return call
+
+
+def _donation_failed(sf, plan, values, err):
+    """After a failed donating call: explain a donated array that another
+    state holds too, and leave no State holding a deleted buffer."""
+    owner = {}
+    for i in plan.donated + plan.kept:
+        for leaf in _leaves(values[i]):
+            j = owner.setdefault(id(leaf), i)
+            if j != i and (i in plan.donated or j in plan.donated):
+                raise ValueError(
+                    f'{_who(sf)} would donate the array that {plan.states[j]._describe()} and '
+                    f'{plan.states[i]._describe()} both hold; give one of them a copy '
+                    '(jnp.copy) or leave it out of donate_states') from err
+    for i in plan.donated:
+        state = plan.states[i]
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
+            state._broken = (
+                RuntimeError,
+                f'{state._describe()} has no value: its buffer was donated to a call of '
+                f'{_who(sf)} that then failed ({type(err).__name__}: {err}); assign it a '
+                'new value',
+                'buffer deleted by a failed donating call')
+
+
+def _call(sf, *args, **kwargs):
+    """``sf(*args, **kwargs)``: bound as ``__call__`` of every stateful function.
+
+    The warm path (outside any trace, same number of positional arguments
+    and same state layouts as the last call) is a handful of attribute reads
+    around one jax.jit call, about a microsecond of Python: jax.jit's C++
+    cache keys on the plan's state values and the arguments, so no Python
+    key, tree walk or shape check runs.  Being a module-level function saves
+    a bound-method indirection per call.  A call during which the dispatcher
+    traced counts itself a miss in _dispatch_body.
+    """
+    if _frames_open and _ctx.frames:
+        return sf._call_in_trace(args, kwargs)
+    fast = sf._fast
+    if fast is None or fast[2] != len(args) or fast[3] != _layout_epoch:
+        return sf._call_slow(args, kwargs)
+    plan = fast[0]
+    try:
+        out, new = fast[1]([s._value for s in plan.states], *args, **kwargs)
+    except _PlanMismatch:
+        # These arguments use other states.  Switching plans costs an aborted
+        # trace, so a function that keeps switching gives up the fast path
+        # and pays only the slow path's key computation.
+        sf._plan_switches += 1
+        return sf._call_slow(args, kwargs)
+    except (TypeError, ValueError) as err:
+        if _ctx.trace_error is err:   # raised by the traced function itself
+            raise
+        # Raised by jax.jit's argument handling: the slow path gives a
+        # clearer error, or copes (e.g. static args hashable only by value).
+        return sf._call_slow(args, kwargs)
+    _write_back(sf, plan, new)
+    sf._cache._record(True)
+    return out
+
+
+_real_value = operator.attrgetter('_value')     # a State's own value
+_traced_value = operator.attrgetter('value')    # its value as the current trace sees it
+
+
 class _StatefulBase:
-    """Machinery shared by StatefulFunction and StatefulMapping."""
+    """Tracing, caching and calling, shared by StatefulFunction and StatefulMapping."""
 
     _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
+    __call__ = _call
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                  name, return_only_write, donate_states, keep_sharding, cache_size=128):
@@ -2252,114 +2481,22 @@ class _StatefulBase:
         self._reset_dispatch()
 
     def _reset_dispatch(self):
-        self._wrap_statics = False
+        self._statics_by_value = False   # some static argument hashes only by value
         self._plans: dict = {}
         self._plans_by_token: dict = {}
-        self._layout_tokens: dict = {}    # (plan token, layout) -> dispatcher key
-        self._fast = None          # (plan, dispatcher, nargs) of the last slow call
+        self._layout_tokens: dict = {}   # (plan token, layout) -> dispatcher key
+        self._fast = None                # (plan, dispatcher, nargs, layout epoch)
         self._plan_switches = 0
         self._dispatchers: dict = {}
 
-    # -- keys ------------------------------------------------------------------
-    def _static_positions(self, nargs: int) -> tuple:
-        out = []
-        for i in self.static_argnums:
-            j = i + nargs if i < 0 else i
-            if not 0 <= j < nargs:
-                raise ValueError(
-                    f'{type(self).__name__}({self.name!r}): static_argnums contains {i}, but '
-                    f'the call passed only {nargs} positional argument(s); pass that '
-                    'argument positionally or fix static_argnums')
-            out.append(j)
-        return tuple(sorted(set(out)))
-
-    def _split(self, args, kwargs):
-        statics = self._static_positions(len(args)) if self.static_argnums else ()
-        if statics:
-            static_args = tuple((i, args[i]) for i in statics)
-            dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-        else:
-            static_args, dyn_args = (), tuple(args)
-        if self.static_argnames and kwargs:
-            static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
-            dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        else:
-            static_kwargs, dyn_kwargs = {}, dict(kwargs)
-        return static_args, dyn_args, static_kwargs, dyn_kwargs
-
+    # -- entries -----------------------------------------------------------------
     def _cache_key(self, args, kwargs):
-        """``(key, flat_dynamic_leaves, split)`` for a call, with clear errors."""
-        static_args, dyn_args, static_kwargs, dyn_kwargs = self._split(args, kwargs)
-        hashed_static = []
-        for where, value in [(f'positional argument {i}', v) for i, v in static_args] + \
-                            [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]:
-            _reject_states(value, f'{type(self).__name__}({self.name!r}): static {where}')
-            h = make_hashable(value)
-            try:
-                hash(h)
-                if h is not value:
-                    hash(value)
-            except TypeError:
-                if h is not value:
-                    try:
-                        hash(h)
-                        self._wrap_statics = True   # hashable by value only
-                    except TypeError:
-                        pass
-                    else:
-                        hashed_static.append(h)
-                        continue
-                raise TypeError(
-                    f'{type(self).__name__}({self.name!r}): static {where} of type '
-                    f'{type(value).__name__} is not hashable; static arguments are cache keys. '
-                    'Pass a hashable value (e.g. a tuple) or make the argument dynamic') from None
-            hashed_static.append(h)
-        n = len(static_args)
-        leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
-        leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
-        leaves = leaves_a + leaves_k
-        try:
-            sigs = tuple(map(_leaf_sig, leaves))
-        except TypeError:
-            self._explain_bad_leaves(dyn_args, dyn_kwargs)
-            raise
-        key = hashabledict(
-            static_args=tuple(zip([i for i, _ in static_args], hashed_static[:n])),
-            dyn_args=(tree_a, sigs[:len(leaves_a)]),
-            static_kwargs=tuple(sorted(zip(static_kwargs, hashed_static[n:]))),
-            dyn_kwargs=(tree_k, sigs[len(leaves_a):]),
-        )
-        return key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs)
+        """``(key, flat_dynamic_leaves, split)`` for a call (see _call_key)."""
+        key, leaves, split, by_value = _call_key(self, args, kwargs)
+        if by_value:
+            self._statics_by_value = True
+        return key, leaves, split
 
-    def _explain_bad_leaves(self, dyn_args, dyn_kwargs):
-        _reject_states(dyn_args, f'{type(self).__name__}({self.name!r}): argument ')
-        _reject_states(dyn_kwargs, f'{type(self).__name__}({self.name!r}): keyword argument ')
-        for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                try:
-                    _leaf_sig(leaf)
-                except TypeError:
-                    raise TypeError(
-                        f'{type(self).__name__}({self.name!r}): dynamic {what}'
-                        f'{jax.tree_util.keystr(path)} has type {type(leaf).__name__}, which is '
-                        'not a JAX type; mark it static (static_argnums / static_argnames) '
-                        'or pass an array') from None
-
-    def _rebuilder(self, split):
-        """``rebuild(flat) -> (args, kwargs)`` putting static values back in place."""
-        static_args, dyn_args, static_kwargs, dyn_kwargs = split
-        tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
-        statics = dict(static_args)
-        nargs = len(dyn_args) + len(statics)
-
-        def rebuild(flat):
-            dyn, kw = jax.tree_util.tree_unflatten(tree, flat)
-            it = iter(dyn)
-            args = [statics[i] if i in statics else next(it) for i in range(nargs)]
-            return args, {**kw, **static_kwargs}
-        return rebuild
-
-    # -- entries ---------------------------------------------------------------
     def _key_lock(self, key) -> '_KeyLock':
         # Weakly held: a lock lives only while some thread traces that key, so
         # evicted keys (and their static arguments) are not kept alive.
@@ -2369,31 +2506,32 @@ class _StatefulBase:
                 lock = self._key_locks[key] = _KeyLock()
             return lock
 
-    def _is_fresh(self, entry, values) -> bool:
-        """Whether ``entry`` was traced for the current shapes of its states."""
-        sigs = entry.traced.state_sigs
-        return all(_value_sig(v) == sig for v, sig in zip(values, sigs))
-
-    def _entry_for(self, key, leaves, split, *, count: bool):
-        """The valid entry for ``key``, tracing (once per key) when needed."""
+    def _cached(self, key, read=_real_value, plan=None):
+        """The entry under ``key`` (and for ``plan`` if given) if it was traced
+        for its states' current shapes, as ``read(state)`` gives them."""
         entry = self._cache._peek(key)
-        if entry is not None and self._is_fresh(entry, [s._value for s in entry.plan.states]):
-            if count:
-                self._cache._record(True)
-            return entry
-        with self._key_lock(key):
-            entry = self._cache._peek(key)
-            if entry is not None and self._is_fresh(entry, [s._value for s in entry.plan.states]):
-                if count:
-                    self._cache._record(True)
-                return entry
-            stale, entry = entry, self._build_entry(key, leaves, split)
-            _note_miss(self, key, stale, entry)
-            if entry.traced.cacheable:
-                self._cache._store(key, entry)
-            if count:
-                self._cache._record(False)
-            return entry
+        if entry is None or (plan is not None and entry.plan is not plan):
+            return None
+        values = [read(state) for state in entry.plan.states]
+        return entry if _sigs_match(values, entry.traced.state_sigs) else None
+
+    def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
+        """The valid entry for ``key``, tracing (once per key) when needed."""
+        entry = self._cached(key, read)
+        if entry is None:
+            with self._key_lock(key):
+                entry = self._cached(key, read)
+                if entry is None:
+                    stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
+                    _note_miss(self, key, stale, entry)
+                    if entry.traced.cacheable:
+                        self._cache._store(key, entry)
+                    if count:
+                        self._cache._record(False)
+                    return entry
+        if count:
+            self._cache._record(True)
+        return entry
 
     def _plan_for(self, states, write_index) -> _Plan:
         plan_key = (tuple(map(id, states)), write_index)
@@ -2407,14 +2545,14 @@ class _StatefulBase:
     def _build_entry(self, key, leaves, split) -> _Entry:
         raise NotImplementedError
 
-    # -- calls -----------------------------------------------------------------
+    # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
         """The jitted call for one plan (and layout): ``dispatch(state_values,
         *args, **kwargs)``.  One jax.jit object per plan, rather than the plan
         as a static argument, saves hashing that argument on every call."""
         jitted = self._dispatchers.get((token, nargs, donating))
         if jitted is None:
-            statics = self._static_positions(nargs) if self.static_argnums else ()
+            statics = _static_positions(self, nargs) if self.static_argnums else ()
             first = 2 if donating else 1          # where *args start
             body = self._dispatch_donated if donating else self._dispatch_body
             jitted = jax.jit(functools.partial(body, token),
@@ -2422,7 +2560,7 @@ class _StatefulBase:
                              static_argnames=self.static_argnames or None,
                              donate_argnums=(0,) if donating else ())
             if donating:
-                jitted = self._donating(jitted, self._plans_by_token[token])
+                jitted = _donating(self, jitted, self._plans_by_token[token])
             self._dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
@@ -2430,12 +2568,12 @@ class _StatefulBase:
         """Runs only when the dispatcher's cache misses: traced by jax.jit.
         A negative ``token`` (``jaxpr_call``) leaves the layout to XLA."""
         plan = self._plans_by_token[abs(token)]
-        if self._wrap_statics:
-            args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
-            kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
+        if self._statics_by_value:
+            args, kwargs = _unwrap_statics(args, kwargs)
         key, leaves, split = self._cache_key(args, kwargs)
-        entry = self._cache._peek(key)
-        if entry is None or entry.plan is not plan or not self._is_fresh(entry, state_values):
+        given = dict(zip(map(id, plan.states), state_values))
+        entry = self._cached(key, lambda state: given[id(state)], plan)
+        if entry is None:
             ntraces = _ctx.ntraces
             entry = self._entry_for(key, leaves, split, count=False)
             if _ctx.ntraces != ntraces and token > 0:
@@ -2458,48 +2596,14 @@ class _StatefulBase:
             values[i] = value
         return self._dispatch_body(token, values, *args, **kwargs)
 
-    def _donating(self, jitted, plan):
-        """Calls the donating ``jitted`` like the plain dispatcher is called."""
-        def call(values, *args, **kwargs):
-            try:
-                return jitted([values[i] for i in plan.donated],
-                              [values[i] for i in plan.kept], *args, **kwargs)
-            except BaseException as err:
-                self._donation_failed(plan, values, err)
-                raise
-        return call
-
-    def _donation_failed(self, plan, values, err):
-        """After a failed donating call: explain a donated array that another
-        state holds too, and leave no State holding a deleted buffer."""
-        owner = {}
-        for i in plan.donated + plan.kept:
-            for leaf in _leaves(values[i]):
-                j = owner.setdefault(id(leaf), i)
-                if j != i and (i in plan.donated or j in plan.donated):
-                    raise ValueError(
-                        f'{type(self).__name__}({self.name!r}) would donate the array that '
-                        f'{plan.states[j]._describe()} and {plan.states[i]._describe()} both '
-                        'hold; give one of them a copy (jnp.copy) or leave it out of '
-                        'donate_states') from err
-        for i in plan.donated:
-            state = plan.states[i]
-            if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                state._broken = (
-                    RuntimeError,
-                    f'{state._describe()} has no value: its buffer was donated to a call of '
-                    f'{type(self).__name__}({self.name!r}) that then failed '
-                    f'({type(err).__name__}: {err}); assign it a new value',
-                    'buffer deleted by a failed donating call')
-
     def _run(self, entry, state_values, args, kwargs, leaves, token):
         """Runs ``entry`` on concrete values: compiled unless mapping with pmap.
         ``token`` is the dispatcher's static key: a negative one (``jaxpr_call``:
         the caller's values) donates nothing and leaves the layout to XLA."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
-        if self._wrap_statics:
-            args, kwargs = self._wrapped_statics(args, kwargs)
+        if self._statics_by_value:
+            args, kwargs = _wrap_statics(self, args, kwargs)
         donating = token > 0 and bool(entry.plan.donated)
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
@@ -2515,44 +2619,6 @@ class _StatefulBase:
             self._plans_by_token[token] = plan
         return token
 
-    def _wrapped_statics(self, args, kwargs):
-        """Static arguments hashable by ``make_hashable`` value, for jax.jit."""
-        static_args, _, static_kwargs, _ = self._split(args, kwargs)
-        args = list(args)
-        for i, value in static_args:
-            args[i] = _StaticArg(value)
-        kwargs = {k: _StaticArg(v) if k in static_kwargs else v for k, v in kwargs.items()}
-        return tuple(args), kwargs
-
-    def __call__(self, *args, **kwargs):
-        if _frames_open and _ctx.frames:
-            return self._call_in_trace(args, kwargs)
-        fast = self._fast
-        if fast is None or fast[2] != len(args) or fast[3] != _layout_epoch:
-            return self._call_slow(args, kwargs)
-        # Fast path (see the section comment): a handful of attribute reads
-        # around one jax.jit call, about a microsecond of Python in all.  A
-        # call during which the dispatcher traced counts itself a miss in
-        # _dispatch_body.
-        plan = fast[0]
-        try:
-            out, new = fast[1]([s._value for s in plan.states], *args, **kwargs)
-        except _PlanMismatch:
-            # These arguments use other states.  Switching plans costs an
-            # aborted trace, so a function that keeps switching gives up the
-            # fast path and pays only the slow path's key computation.
-            self._plan_switches += 1
-            return self._call_slow(args, kwargs)
-        except (TypeError, ValueError) as err:
-            if _ctx.trace_error is err:   # raised by the traced function itself
-                raise
-            # Raised by jax.jit's argument handling: the slow path gives a
-            # clearer error, or copes (e.g. static args hashable only by value).
-            return self._call_slow(args, kwargs)
-        _write_back(self, plan, new)
-        next(self._cache._hits)
-        return out
-
     def _call_slow(self, args, kwargs):
         ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
@@ -2561,7 +2627,7 @@ class _StatefulBase:
         epoch, token = _layout_epoch, self._layout_token(plan)
         out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves, token)
         _write_back(self, plan, new)
-        if (self._compiled_dispatch and entry.traced.cacheable and not self._wrap_statics
+        if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             self._fast = (plan, self._dispatcher(token, len(args), bool(plan.donated)),
                           len(args), epoch)
@@ -2571,25 +2637,18 @@ class _StatefulBase:
         return out
 
     def _call_in_trace(self, args, kwargs):
-        """A call inside an enclosing stateful trace: compose with it."""
+        """A call inside an enclosing stateful trace: the states are read and
+        written through ``value``, so that the enclosing trace threads them."""
         key, leaves, split = self._cache_key(args, kwargs)
         ntraces = _ctx.ntraces
-        entry = self._cache._peek(key)
-        values = None
-        if entry is not None:
-            values = [s.value for s in entry.plan.states]
-            if not self._is_fresh(entry, values):
-                entry = None
-        if entry is None:
-            entry = self._entry_for(key, leaves, split, count=False)
-            values = [s.value for s in entry.plan.states]
-        out, new = entry.apply(values, leaves)
+        entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
+        out, new = entry.apply([s.value for s in entry.plan.states], leaves)
         for state, value in zip(entry.plan.write_states, new):
             state.value = value
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
-    # -- cache management --------------------------------------------------------
+    # -- cache management ----------------------------------------------------------
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
@@ -2608,38 +2667,132 @@ class _StatefulBase:
         out['miss_causes'] = dict(self._miss_causes)
         return out
 
-    def pretty_jaxpr(self, *args, **kwargs) -> str:
-        """The jaxpr for these arguments (traced on a cache miss), followed by a
-        legend: each input and output in order with the jaxpr's name for it,
-        its aval and its role: an argument by position or keyword and pytree
-        path (``argument 0['w'][1]``, ``keyword 'scale'``); a State by name
-        (an unnamed one as ``Type@file.py:line``), type, whether the function
-        reads it, writes it or both, and its creation site; a result by its
-        path in the output; a state output as the State's new value.
-        ``str(sf)`` shows the same for the most recently traced entry.
 
-        Example
-        -------
-        >>> w = State(jnp.ones(2), name='w')
-        >>> def f(x):
-        ...     w.value = w.value * x['scale']
-        ...     return w.value.sum()
-        >>> text = StatefulFunction(f).pretty_jaxpr({'scale': 2.0})
-        >>> print(text[text.index('inputs:'):])
-        inputs:
-          a  float32[]   argument 0['scale']
-          b  float32[2]  state 'w' (State), read and written, created at ...
-        outputs:
-          ... float32[]   result
-          ... float32[2]  state 'w': new value
-        """
-        return _pretty_for_call(self, args, kwargs)
+class _BrainstateAccessors:
+    """The accessor surface of brainstate 0.2.1's StatefulFunction.
 
-    def __str__(self):
-        return _str_with_jaxpr(self)
+    Everything in this class follows brainstate's names, signatures and
+    return types (``get_jaxpr``, ``get_out_shapes``, ``get_state_trace`` ...,
+    their ``*_by_cache`` forms, ``validate_states``; and ``been_writen`` in
+    StateTraceStack is brainstate's spelling), so code written for brainstate
+    runs unchanged.  Each accessor describes the trace an entry's ``view``
+    holds: for StatefulMapping the whole mapped call.
+    """
+
+    @staticmethod
+    def _view(entry) -> _Traced:
+        view = entry.view
+        if type(view) is not _Traced:    # built on first use (StatefulMapping)
+            view = entry.view = view()
+        return view
+
+    def _view_by_key(self, cache_key, context: str) -> _Traced:
+        return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
+
+    def _view_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
+        key, leaves, split = self._cache_key(args, kwargs)
+        if compile_if_miss:
+            return self._view(self._entry_for(key, leaves, split, count=True))
+        return self._view_by_key(key, context)
+
+    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs) -> ClosedJaxpr:
+        """The ClosedJaxpr for these arguments."""
+        return self._view_by_args(args, kwargs, compile_if_miss,
+                                   'JAX expression').closed_jaxpr
+
+    def get_jaxpr_by_cache(self, cache_key) -> ClosedJaxpr:
+        """The ClosedJaxpr stored under ``cache_key``."""
+        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
+
+    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
+        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees;
+        ``state_shapes`` is a tuple with one entry per state (``get_states()``
+        order), ``None`` for a state the jaxpr does not return."""
+        return self._view_by_args(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
+
+    def get_out_shapes_by_cache(self, cache_key):
+        """:meth:`get_out_shapes` for a cache key."""
+        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
+
+    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The structure of ``(out, state_part)`` (see :meth:`get_out_shapes`):
+        ``treedef.unflatten(jaxpr_outputs)`` gives ``(out, new_state_vals)``."""
+        return self._view_by_args(args, kwargs, compile_if_miss,
+                                   'Output tree').full_tree
+
+    def get_out_treedef_by_cache(self, cache_key):
+        """:meth:`get_out_treedef` for a cache key."""
+        return self._view_by_key(cache_key, 'Output tree').full_tree
+
+    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs) -> StateTraceStack:
+        """The :class:`StateTraceStack` recorded while tracing."""
+        return self._view_by_args(args, kwargs, compile_if_miss,
+                                   'State trace').trace_stack
+
+    def get_state_trace_by_cache(self, cache_key) -> StateTraceStack:
+        """:meth:`get_state_trace` for a cache key."""
+        return self._view_by_key(cache_key, 'State trace').trace_stack
+
+    def get_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
+        """Every touched State, in jaxpr-input order."""
+        return self._view_by_args(args, kwargs, compile_if_miss, 'State trace').states
+
+    def get_states_by_cache(self, cache_key) -> tuple:
+        """:meth:`get_states` for a cache key."""
+        return self._view_by_key(cache_key, 'State trace').states
+
+    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
+        """The touched States that are only read."""
+        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                          **kwargs).get_read_states())
+
+    def get_read_states_by_cache(self, cache_key) -> tuple:
+        """:meth:`get_read_states` for a cache key."""
+        return tuple(self.get_state_trace_by_cache(cache_key).get_read_states())
+
+    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
+        """The touched States that are written."""
+        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                          **kwargs).get_write_states())
+
+    def get_write_states_by_cache(self, cache_key) -> tuple:
+        """:meth:`get_write_states` for a cache key."""
+        return tuple(self.get_state_trace_by_cache(cache_key).get_write_states())
+
+    def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
+        """The hashable cache key for these arguments (traces first if asked)."""
+        key, leaves, split = self._cache_key(args, kwargs)
+        if compile_if_miss:
+            self._entry_for(key, leaves, split, count=True)
+        return key
+
+    def jaxpr_call_auto(self, *args, **kwargs):
+        """Reads the states, runs, writes the written ones back; returns the output."""
+        return self(*args, **kwargs)
+
+    def validate_states(self, cache_key) -> bool:
+        """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
+        view = self._view_by_key(cache_key, 'State trace')
+        for state, sig in zip(view.states, view.state_sigs):
+            got = _stale_sig(state._value, sig)
+            if got is not None:
+                raise ValueError(
+                    f'{state._describe()} changed from {sig} to {got} since it was traced; '
+                    'the next call retraces (or call clear_cache())')
+        return True
+
+    def validate_all_states(self) -> dict:
+        """``{cache_key: True or the error message}`` for every entry."""
+        result = {}
+        for key in self._cache.keys():
+            try:
+                result[key] = self.validate_states(key)
+            except ValueError as err:
+                result[key] = str(err)
+        return result
 
 
-class StatefulFunction(_StatefulBase):
+class StatefulFunction(_BrainstateAccessors, _StatefulBase):
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
     The jaxpr's inputs are the flat dynamic arguments (positional, then
@@ -2703,10 +2856,7 @@ class StatefulFunction(_StatefulBase):
 
     def _build_entry(self, key, leaves, split) -> _Entry:
         traced = self._run_trace(leaves, split)
-        plan = self._plan_for(traced.states, traced.returned)
-        closed, n_out, out_tree = traced.closed_jaxpr, traced.n_out, traced.out_tree
-        state_tree = traced.state_tree
-        run = _jaxpr_as_fun(closed)
+        run = traced.runner()
 
         def apply(state_values, flat_args):
             if self.abstracted_axes is not None:
@@ -2714,120 +2864,24 @@ class StatefulFunction(_StatefulBase):
                     f'StatefulFunction({self.name!r}) was built with abstracted_axes; its '
                     'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
                     'Create it without abstracted_axes to call it')
-            outs = run(*flat_args, *_leaves(state_values))
-            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
-                    jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
-        return _Entry(traced, plan, apply, traced)
+            return run(flat_args, state_values)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned), apply, traced)
 
     def _run_trace(self, leaves, split) -> _Traced:
-        avals = [_aval_of(x) for x in leaves]
-        rebuild = self._rebuilder(split)
         trace_with = None
         if self.abstracted_axes is not None:
             trace_with = _abstracted_tracer(self.abstracted_axes, split)
-        return _trace_stateful(self.fun, avals, rebuild, name=self.name,
-                               return_only_write=self.return_only_write,
+        return _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
+                               name=self.name, return_only_write=self.return_only_write,
                                axis_env=self.axis_env, trace_with=trace_with,
                                hints=self._hints)
 
     # -- public API --------------------------------------------------------------
-    def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
-        """The hashable cache key for these arguments (traces first if asked)."""
-        key, leaves, split = self._cache_key(args, kwargs)
-        if compile_if_miss:
-            self._entry_for(key, leaves, split, count=True)
-        return key
-
     def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
         """Traces for these arguments on a cache miss; returns ``self``."""
         key, leaves, split = self._cache_key(args, kwargs)
         self._entry_for(key, leaves, split, count=True)
         return self
-
-    @staticmethod
-    def _view(entry) -> _Traced:
-        view = entry.view
-        if type(view) is not _Traced:    # built on first use (StatefulMapping)
-            view = entry.view = view()
-        return view
-
-    def _view_by_key(self, cache_key, context: str) -> _Traced:
-        return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
-
-    def _view_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        key, leaves, split = self._cache_key(args, kwargs)
-        if compile_if_miss:
-            return self._view(self._entry_for(key, leaves, split, count=True))
-        return self._view_by_key(key, context)
-
-    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs) -> ClosedJaxpr:
-        """The ClosedJaxpr for these arguments."""
-        return self._view_by_args(args, kwargs, compile_if_miss,
-                                   'JAX expression').closed_jaxpr
-
-    def get_jaxpr_by_cache(self, cache_key) -> ClosedJaxpr:
-        """The ClosedJaxpr stored under ``cache_key``."""
-        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
-
-    @staticmethod
-    def _out_shapes(view):
-        return view.full_tree.unflatten([_shape_struct(a) for a in view.out_avals])
-
-    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
-        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees;
-        ``state_shapes`` is a tuple with one entry per state (``get_states()``
-        order), ``None`` for a state the jaxpr does not return."""
-        return self._out_shapes(self._view_by_args(args, kwargs, compile_if_miss,
-                                                    'Output shapes'))
-
-    def get_out_shapes_by_cache(self, cache_key):
-        """:meth:`get_out_shapes` for a cache key."""
-        return self._out_shapes(self._view_by_key(cache_key, 'Output shapes'))
-
-    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The structure of ``(out, state_part)`` (see :meth:`get_out_shapes`):
-        ``treedef.unflatten(jaxpr_outputs)`` gives ``(out, new_state_vals)``."""
-        return self._view_by_args(args, kwargs, compile_if_miss,
-                                   'Output tree').full_tree
-
-    def get_out_treedef_by_cache(self, cache_key):
-        """:meth:`get_out_treedef` for a cache key."""
-        return self._view_by_key(cache_key, 'Output tree').full_tree
-
-    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs) -> StateTraceStack:
-        """The :class:`StateTraceStack` recorded while tracing."""
-        return self._view_by_args(args, kwargs, compile_if_miss,
-                                   'State trace').trace_stack
-
-    def get_state_trace_by_cache(self, cache_key) -> StateTraceStack:
-        """:meth:`get_state_trace` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').trace_stack
-
-    def get_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
-        """Every touched State, in jaxpr-input order."""
-        return self._view_by_args(args, kwargs, compile_if_miss, 'State trace').states
-
-    def get_states_by_cache(self, cache_key) -> tuple:
-        """:meth:`get_states` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').states
-
-    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
-        """The touched States that are only read."""
-        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                          **kwargs).get_read_states())
-
-    def get_read_states_by_cache(self, cache_key) -> tuple:
-        """:meth:`get_read_states` for a cache key."""
-        return tuple(self.get_state_trace_by_cache(cache_key).get_read_states())
-
-    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
-        """The touched States that are written."""
-        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                          **kwargs).get_write_states())
-
-    def get_write_states_by_cache(self, cache_key) -> tuple:
-        """:meth:`get_write_states` for a cache key."""
-        return tuple(self.get_state_trace_by_cache(cache_key).get_write_states())
 
     def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
         """Pure call: ``(new_state_vals, out)`` from explicit state values.
@@ -2860,11 +2914,8 @@ class StatefulFunction(_StatefulBase):
                 f'but jaxpr_call got {len(state_vals)} value(s); pass one value per state in '
                 'get_states() order')
         for state, value, sig in zip(states, state_vals, view.state_sigs):
-            try:
-                got = _value_sig(value)
-            except TypeError:
-                got = None
-            if got != sig:
+            got = _stale_sig(value, sig)
+            if got is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}, but the function was traced with {sig}; pass a value of the '
@@ -2883,33 +2934,41 @@ class StatefulFunction(_StatefulBase):
             new_vals[at[j]] = value
         return tuple(new_vals), out
 
-    def jaxpr_call_auto(self, *args, **kwargs):
-        """Reads the states, runs, writes the written ones back; returns the output."""
-        return self(*args, **kwargs)
+    def pretty_jaxpr(self, *args, **kwargs) -> str:
+        """The jaxpr for these arguments (traced on a cache miss), followed by a
+        legend: each input and output in order with the jaxpr's name for it,
+        its aval and its role: an argument by position or keyword and pytree
+        path (``argument 0['w'][1]``, ``keyword 'scale'``); a State by name
+        (an unnamed one as ``Type@file.py:line``), type, whether the function
+        reads it, writes it or both, and its creation site; a result by its
+        path in the output; a state output as the State's new value.
+        ``str(sf)`` shows the same for the most recently traced entry.
 
-    def validate_states(self, cache_key) -> bool:
-        """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
-        view = self._view_by_key(cache_key, 'State trace')
-        for state, sig in zip(view.states, view.state_sigs):
-            got = _value_sig(state._value)
-            if got != sig:
-                raise ValueError(
-                    f'{state._describe()} changed from {sig} to {got} since it was traced; '
-                    'the next call retraces (or call clear_cache())')
-        return True
+        Example
+        -------
+        >>> w = State(jnp.ones(2), name='w')
+        >>> def f(x):
+        ...     w.value = w.value * x['scale']
+        ...     return w.value.sum()
+        >>> text = StatefulFunction(f).pretty_jaxpr({'scale': 2.0})
+        >>> print(text[text.index('inputs:'):])
+        inputs:
+          a  float32[]   argument 0['scale']
+          b  float32[2]  state 'w' (State), read and written, created at ...
+        outputs:
+          ... float32[]   result
+          ... float32[2]  state 'w': new value
+        """
+        return _pretty_for_call(self, args, kwargs)
 
-    def validate_all_states(self) -> dict:
-        """``{cache_key: True or the error message}`` for every entry."""
-        result = {}
-        for key in self._cache.keys():
-            try:
-                result[key] = self.validate_states(key)
-            except ValueError as err:
-                result[key] = str(err)
-        return result
+    def __str__(self):
+        return _str_with_jaxpr(self)
 
     def __repr__(self):
         return f'StatefulFunction({self.name!r}, entries={len(self._cache)})'
+
+
+# =============================================================================
 
 
 # =============================================================================
@@ -3011,9 +3070,7 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
         entry = sf._entry_for(key, leaves, split, count=True)
         result = (entry.traced.closed_jaxpr, entry.traced.states)
         if return_shape:
-            t = entry.traced
-            structs = [_shape_struct(a) for a in t.out_avals[:t.n_out]]
-            result += (jax.tree_util.tree_unflatten(t.out_tree, structs),)
+            result += (entry.traced.out_shapes()[0],)
         return result
     return make
 
@@ -3035,7 +3092,7 @@ def _normalize_state_axes(spec, what: str) -> tuple:
     items = list(spec.items()) if isinstance(spec, dict) else [(0, spec)]
     out = []
     for axis, filt in items:
-        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        if not _is_int(axis):
             raise TypeError(f'{what} keys must be int axes, got {axis!r}; write '
                             f'{what}={{0: filter}} or {what}=filter')
         out.append((int(axis), to_predicate(filt)))
@@ -3050,6 +3107,15 @@ def _axis_for(state, axes: tuple):
 
 
 _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
+def _lane_axis(axis: int, aval, error: Callable) -> int:
+    """``axis`` of ``aval`` counted from the front; raises ``error()`` if out of range."""
+    nd = len(aval.shape)
+    a = axis + nd if axis < 0 else axis
+    if not 0 <= a < nd:
+        raise error()
+    return a
+
+
 def _lane_aval(aval, axis: int):
     shape = tuple(aval.shape)
     return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
@@ -3178,8 +3244,7 @@ class StatefulMapping(StatefulFunction):
             raise ValueError(
                 f'unexpected_out_state_mapping must be one of {_UNEXPECTED_POLICIES}, got '
                 f'{unexpected_out_state_mapping!r}')
-        if axis_size is not None and (isinstance(axis_size, bool) or not isinstance(
-                axis_size, (int, np.integer)) or axis_size < 1):
+        if axis_size is not None and (not _is_int(axis_size) or axis_size < 1):
             raise ValueError(f'axis_size must be a positive int, got {axis_size!r}')
         if not callable(mapping_fn):
             raise TypeError(f'mapping_fn must be callable like jax.vmap, got {mapping_fn!r}')
@@ -3225,7 +3290,7 @@ class StatefulMapping(StatefulFunction):
             axes += found
         axes += [0] * len(_leaves(dyn_kwargs))
         for ax in axes:
-            if ax is not None and (isinstance(ax, bool) or not isinstance(ax, (int, np.integer))):
+            if ax is not None and not _is_int(ax):
                 raise ValueError(f'StatefulMapping({self.name!r}): in_axes entries must be '
                                  f'int or None, got {ax!r}')
         return axes
@@ -3268,7 +3333,7 @@ class StatefulMapping(StatefulFunction):
         out_axes = dict(zip((i for _, i in mapped_write), write_axes))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
         entry = _Entry(traced, plan, apply, None)
-        entry.view = functools.partial(self._trace_whole, order, avals, self._rebuilder(split))
+        entry.view = functools.partial(self._trace_whole, order, avals, _rebuilder(split))
         return entry
 
     def _trace_whole(self, order, avals, rebuild) -> _Traced:
@@ -3295,12 +3360,9 @@ class StatefulMapping(StatefulFunction):
                 lane_avals.append(aval)
                 arg_axes.append(None)
                 continue
-            nd = len(aval.shape)
-            a = ax + nd if ax < 0 else ax
-            if not 0 <= a < nd:
-                raise ValueError(
-                    f'StatefulMapping({self.name!r}): in_axes={ax} is out of range for argument '
-                    f'leaf {path} of shape {tuple(aval.shape)}')
+            a = _lane_axis(ax, aval, lambda: ValueError(
+                f'{_who(self)}: in_axes={ax} is out of range for argument leaf {path} of '
+                f'shape {tuple(aval.shape)}'))
             sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
             lane_avals.append(_lane_aval(aval, a))
             arg_axes.append(a)
@@ -3341,12 +3403,9 @@ class StatefulMapping(StatefulFunction):
                 state_axes[id(state)] = axis
             if axis is None:
                 return aval
-            nd = len(aval.shape)
-            a = axis + nd if axis < 0 else axis
-            if not 0 <= a < nd:
-                raise BatchAxisError(
-                    f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
-                    f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape')
+            a = _lane_axis(axis, aval, lambda: BatchAxisError(
+                f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
+                f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape'))
             state_sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
             return _lane_aval(aval, a)
 
@@ -3354,7 +3413,7 @@ class StatefulMapping(StatefulFunction):
         if self.axis_name is not None:
             axis_env.append((self.axis_name, size))
         try:
-            traced = _trace_stateful(self.fun, lane_avals, self._rebuilder(split),
+            traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
                                      name=self.name, return_only_write=True,
                                      axis_env=axis_env, lift_aval=lift_aval,
                                      hints=self._hints)
@@ -3380,8 +3439,7 @@ class StatefulMapping(StatefulFunction):
 
     def _make_apply(self, traced, n, arg_axes, state_axes, returned_pos, write_axes,
                     rng_index, nothing_batched):
-        run = _jaxpr_as_fun(traced.closed_jaxpr)
-        n_out, out_tree, state_tree = traced.n_out, traced.out_tree, traced.state_tree
+        run = traced.runner()
         extra = {}
         if self.axis_name is not None:
             extra['axis_name'] = self.axis_name
@@ -3389,10 +3447,8 @@ class StatefulMapping(StatefulFunction):
             extra['axis_size'] = n
 
         def lane(lane_args, lane_states):
-            outs = run(*lane_args, *_leaves(lane_states))
-            returned = jax.tree_util.tree_unflatten(state_tree, outs[n_out:])
-            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
-                    [returned[r] for r in returned_pos])
+            out, returned = run(lane_args, lane_states)
+            return out, [returned[r] for r in returned_pos]
 
         mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), list(state_axes)),
                                  out_axes=(self.out_axes, list(write_axes)), **extra)
@@ -3882,7 +3938,7 @@ def export(fun, *args, platforms: Sequence[str] | None = None, **kwargs) -> Expo
     traced = sf._view(sf._entry_for(key, leaves, split, count=True))
     names, roles = _export_names(sf, traced.states), _state_roles(traced)
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
-    rebuild = sf._rebuilder(split)
+    rebuild = _rebuilder(split)
     read = [role != 'written' for role in roles]
 
     def pure(dyn_args, dyn_kwargs, state_values):
