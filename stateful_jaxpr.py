@@ -363,10 +363,6 @@ def _stale_sig(value, sig):
     return None if got == sig else got
 
 
-def _sigs_match(values, sigs) -> bool:
-    return all(_stale_sig(v, sig) is None for v, sig in zip(values, sigs))
-
-
 def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
@@ -378,11 +374,6 @@ def _contains_tracer(tree) -> bool:
 # dispatcher's static key (see ``_layout_token``).  Unsharded code never
 # bumps it, and the warm path only compares it.
 _layout_epoch = 0
-
-
-def _new_layout() -> None:
-    global _layout_epoch
-    _layout_epoch += 1
 
 
 def _spans_devices(value) -> bool:
@@ -400,12 +391,10 @@ def _multi_device(leaf):
 # =============================================================================
 # 3. States and the state trace stack
 #
-# A State's real value lives in ``State._value``.  While a stateful trace is
-# active in a thread, reads and writes go to that thread's innermost
-# *isolating* trace frame, an overlay the ``value`` property consults.  Tracers
-# therefore never enter a State object: another thread, or code running after
-# a failed trace, always sees the real value, and a failed trace has nothing to
-# restore.
+# A State is a mutable box for a pytree of arrays whose ``value`` property
+# knows whether a stateful trace is running in this thread: outside one it is
+# a plain attribute; inside, reads and writes go to the trace's frame (see
+# section 6).  StateTraceStack, the public recorder, is such a frame.
 # =============================================================================
 
 # How many StateTraceStacks are open in all threads: while none is, a call
@@ -585,6 +574,7 @@ class State(_StateSurface):
         self._assign(v, written=False)
 
     def _assign(self, v, written: bool) -> None:
+        global _layout_epoch
         self._check_assignment(v)
         frames = _ctx.frames
         if frames:
@@ -592,7 +582,7 @@ class State(_StateSurface):
             return
         _check_tracers_may_enter(self, v, ())
         if _spans_devices(v) or _spans_devices(self._value):
-            _new_layout()
+            _layout_epoch += 1
         self._value = v
         self._broken = None
 
@@ -1577,6 +1567,9 @@ class BoundedCache:
                     'misses': misses, 'hit_rate': 100.0 * hits / total if total else 0.0}
 
 
+_BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
+
+
 # -- Argument keys ------------------------------------------------------------
 # A call's cache key holds the static arguments by value and the dynamic ones
 # by pytree structure and ``(shape, dtype, weak_type)`` per leaf.  These
@@ -1726,11 +1719,6 @@ def _wrap_statics(sf, args, kwargs):
         args[i] = _StaticArg(value)
     kwargs = {k: _StaticArg(v) if k in static_kwargs else v for k, v in kwargs.items()}
     return tuple(args), kwargs
-
-
-def _unwrap_statics(args, kwargs):
-    args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
-    return args, {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
 
 
 # =============================================================================
@@ -2122,11 +2110,6 @@ _BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
 _EPOCH_AXES = itertools.count()
 
 
-def _epoch_axis():
-    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                     'keeping stateful traces clear of JAX\'s trace caches')
-
-
 class _TraceEpoch:
     """The unique dummy axis an isolated trace binds (see the section
     comment).  Renewing it makes JAX retrace, rather than reuse from its
@@ -2138,7 +2121,8 @@ class _TraceEpoch:
 
     def renew(self) -> None:
         self.close()
-        cm = _epoch_axis()
+        cm = _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                       'keeping stateful traces clear of JAX\'s trace caches')
         cm.__enter__()
         self._cm = cm
 
@@ -2573,8 +2557,9 @@ class _StatefulBase:
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan):
             return None
-        values = [read(state) for state in entry.plan.states]
-        return entry if _sigs_match(values, entry.traced.state_sigs) else None
+        fresh = all(_stale_sig(read(state), sig) is None
+                    for state, sig in zip(entry.plan.states, entry.traced.state_sigs))
+        return entry if fresh else None
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
         """The valid entry for ``key``, tracing (once per key) when needed."""
@@ -2593,6 +2578,11 @@ class _StatefulBase:
         if count:
             self._cache._record(True)
         return entry
+
+    def _lookup(self, args, kwargs):
+        """``(key, entry)`` for a call, traced if needed (counted as a call)."""
+        key, leaves, split = self._cache_key(args, kwargs)
+        return key, self._entry_for(key, leaves, split, count=True)
 
     def _plan_for(self, states, write_index) -> _Plan:
         plan_key = (tuple(map(id, states)), write_index)
@@ -2630,7 +2620,8 @@ class _StatefulBase:
         A negative ``token`` (``jaxpr_call``) leaves the layout to XLA."""
         plan = self._plans_by_token[abs(token)]
         if self._statics_by_value:
-            args, kwargs = _unwrap_statics(args, kwargs)
+            args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
+            kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values))
         entry = self._cached(key, lambda state: given[id(state)], plan)
@@ -2741,15 +2732,13 @@ class _BrainstateAccessors:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
 
     def _view_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        key, leaves, split = self._cache_key(args, kwargs)
         if compile_if_miss:
-            return self._view(self._entry_for(key, leaves, split, count=True))
-        return self._view_by_key(key, context)
+            return self._view(self._lookup(args, kwargs)[1])
+        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
 
     def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs) -> ClosedJaxpr:
         """The ClosedJaxpr for these arguments."""
-        return self._view_by_args(args, kwargs, compile_if_miss,
-                                  'JAX expression').closed_jaxpr
+        return self._view_by_args(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
 
     def get_jaxpr_by_cache(self, cache_key) -> ClosedJaxpr:
         """The ClosedJaxpr stored under ``cache_key``."""
@@ -2768,8 +2757,7 @@ class _BrainstateAccessors:
     def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
         """The structure of ``(out, state_part)`` (see :meth:`get_out_shapes`):
         ``treedef.unflatten(jaxpr_outputs)`` gives ``(out, new_state_vals)``."""
-        return self._view_by_args(args, kwargs, compile_if_miss,
-                                  'Output tree').full_tree
+        return self._view_by_args(args, kwargs, compile_if_miss, 'Output tree').full_tree
 
     def get_out_treedef_by_cache(self, cache_key):
         """:meth:`get_out_treedef` for a cache key."""
@@ -2777,8 +2765,7 @@ class _BrainstateAccessors:
 
     def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs) -> StateTraceStack:
         """The :class:`StateTraceStack` recorded while tracing."""
-        return self._view_by_args(args, kwargs, compile_if_miss,
-                                  'State trace').trace_stack
+        return self._view_by_args(args, kwargs, compile_if_miss, 'State trace').trace_stack
 
     def get_state_trace_by_cache(self, cache_key) -> StateTraceStack:
         """:meth:`get_state_trace` for a cache key."""
@@ -2812,10 +2799,9 @@ class _BrainstateAccessors:
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
-        key, leaves, split = self._cache_key(args, kwargs)
         if compile_if_miss:
-            self._entry_for(key, leaves, split, count=True)
-        return key
+            return self._lookup(args, kwargs)[0]
+        return self._cache_key(args, kwargs)[0]
 
     def jaxpr_call_auto(self, *args, **kwargs):
         """Reads the states, runs, writes the written ones back; returns the output."""
@@ -2923,14 +2909,12 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
             trace_with = _abstracted_tracer(self.abstracted_axes, split)
         return _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
                                name=self.name, return_only_write=self.return_only_write,
-                               axis_env=self.axis_env, trace_with=trace_with,
-                               hints=self._hints)
+                               axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
 
     # -- public API --------------------------------------------------------------
     def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
         """Traces for these arguments on a cache miss; returns ``self``."""
-        key, leaves, split = self._cache_key(args, kwargs)
-        self._entry_for(key, leaves, split, count=True)
+        self._lookup(args, kwargs)
         return self
 
     def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
@@ -3009,7 +2993,8 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
           ... float32[]   result
           ... float32[2]  state 'w': new value
         """
-        return _pretty_for_call(self, args, kwargs)
+        key, entry = self._lookup(args, kwargs)
+        return _pretty(self._view(entry), key)
 
     def __str__(self):
         return _str_with_jaxpr(self)
@@ -3061,8 +3046,7 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     def make(*args, **kwargs):
         if pretty:
             return sf.pretty_jaxpr(*args, **kwargs)
-        key, leaves, split = sf._cache_key(args, kwargs)
-        entry = sf._entry_for(key, leaves, split, count=True)
+        entry = sf._lookup(args, kwargs)[1]
         result = (entry.traced.closed_jaxpr, entry.traced.states)
         if return_shape:
             result += (entry.traced.out_shapes()[0],)
@@ -3365,8 +3349,7 @@ class StatefulMapping(StatefulFunction):
         if (self.axis_name is not None and state_sizes and not sizes
                 and self.axis_size is None and state_sizes[0][1] != guess):
             # Collectives saw the guessed axis size: trace again with the real one.
-            traced, state_axes, state_sizes = self._discover(lane_avals, split,
-                                                             state_sizes[0][1])
+            traced, state_axes, state_sizes = self._discover(lane_avals, split, state_sizes[0][1])
         n = _batch_size(self, sizes + state_sizes)
         states = traced.states
         rng_index = [i for i, s in enumerate(states)
@@ -3439,8 +3422,7 @@ class StatefulMapping(StatefulFunction):
         try:
             traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
                                      name=self.name, return_only_write=True,
-                                     axis_env=axis_env, lift_aval=lift_aval,
-                                     hints=self._hints)
+                                     axis_env=axis_env, lift_aval=lift_aval, hints=self._hints)
         except NameError as err:
             if 'axis' not in str(err) or self.axis_name is not None:
                 raise
@@ -3621,11 +3603,6 @@ def _str_with_jaxpr(sf) -> str:
         return f'{sf!r}, not traced yet'
     return (f'{sf!r}, last traced for ({_key_summary(keys[-1])}):\n'
             + _pretty(sf._view(entry), keys[-1]))
-
-
-def _pretty_for_call(sf, args, kwargs) -> str:
-    key, leaves, split = sf._cache_key(args, kwargs)
-    return _pretty(sf._view(sf._entry_for(key, leaves, split, count=True)), key)
 
 
 # -- why a function traced again ----------------------------------------------
@@ -3853,8 +3830,7 @@ class Exported:
         _check_leaves(name, 'the arguments', '', _leaves((args, kwargs)),
                       self.manifest['arguments'])
         for n, value in states.items():
-            _check_leaves(name, f'state {n!r}', f'state {n!r}', _leaves(value),
-                          specs[n]['leaves'])
+            _check_leaves(name, f'state {n!r}', f'state {n!r}', _leaves(value), specs[n]['leaves'])
         values = {n: states[n] for n in needed}
         return self.exported.call(args, kwargs, values)
 
@@ -3870,9 +3846,8 @@ def _leaf_specs(labels, values) -> list:
     for label, value in zip(labels, values):
         shape, dtype, _ = _leaf_sig(value)
         row = {'path': label, 'shape': list(shape), 'dtype': str(dtype)}
-        sharding = getattr(value, 'sharding', None)
-        if sharding is not None and len(sharding.device_set) > 1:
-            row['sharding'] = str(sharding)
+        if _multi_device(value) is not None:
+            row['sharding'] = str(value.sharding)
         rows.append(row)
     return rows
 
