@@ -4,6 +4,9 @@
 
 Standard library + jax only.  Eight host CPU devices are requested before JAX
 is imported so that the pmap / shard_map tests run anywhere.
+
+The sections below mirror the sections of stateful_jaxpr.py, in the same order
+(shared helpers and module-wide checks first, the brainstate 0.2.1 comparison last).
 """
 
 import os
@@ -44,9 +47,10 @@ from stateful_jaxpr import (State, RandomState, StatefulFunction, StateTraceStac
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ---------------------------------------------------------------------------
+# =============================================================================
 # Shared helpers
-# ---------------------------------------------------------------------------
+# =============================================================================
+
 
 def _contains_tracer(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
@@ -102,9 +106,320 @@ class _Boom(Exception):
     pass
 
 
-# ---------------------------------------------------------------------------
-# States
-# ---------------------------------------------------------------------------
+class _WithEnableChecks:
+    """Runs a test class's tests with ``jax_enable_checks`` on: JAX then type
+    checks every jaxpr it builds, including the extra state inputs and outputs
+    and the discharged Ref programs."""
+
+    def setUp(self):
+        self._checks_were = jax.config.jax_enable_checks
+        jax.config.update('jax_enable_checks', True)
+        self.addCleanup(jax.config.update, 'jax_enable_checks', self._checks_were)
+        super().setUp()
+
+
+def _add_with_checks(*bases):
+    """Defines ``<Base>WithChecks`` for each test class: its tests again, with
+    ``jax_enable_checks`` on."""
+    for base in bases:
+        name = base.__name__ + 'WithChecks'
+        globals()[name] = type(name, (_WithEnableChecks, base), {'__module__': __name__})
+
+
+def _mp_need_8_devices(tc):
+    if jax.device_count() >= 8:
+        return
+    if jax.default_backend() == 'cpu':
+        tc.fail('8 CPU devices expected: XLA_FLAGS must contain '
+                '--xla_force_host_platform_device_count=8 before jax is imported '
+                f'(XLA_FLAGS={os.environ.get("XLA_FLAGS")!r})')
+    tc.skipTest(f'needs 8 devices, {jax.default_backend()} has {jax.device_count()}')
+
+
+def _legend(text):
+    """``{'inputs': [(name, aval, role)], 'outputs': [...]}`` from a pretty_jaxpr text."""
+    rows, part = {'inputs': [], 'outputs': []}, None
+    for line in text[text.rindex('\ninputs:\n') + 1:].splitlines():
+        if line in ('inputs:', 'outputs:'):
+            part = line[:-1]
+        else:
+            name, aval, role = line.split(None, 2)
+            rows[part].append((name, aval, role))
+    return rows
+
+
+# The bad-input catalogue: one test per row of the README table "Errors" (the
+# Errors*Test classes, each in the section of what it checks).  Each test checks
+# the exception type, that the message names the culprit (argument index/name,
+# or State name *and* its creation site in this file) and the remedy, and that
+# no State changed or kept a tracer.
+_ER_FILE = os.path.basename(__file__)
+
+
+class ErrorsBase(unittest.TestCase):
+    """Shared checker for the bad-input catalogue (holds no tests)."""
+
+    def check(self, exc_type, fn, states=(), culprit=(), fix=()):
+        """Runs ``fn``; asserts ``exc_type``, the culprit and fix words, unchanged States.
+
+        ``culprit`` and ``fix`` items are strings that must all occur in the
+        message; a tuple item means "any one of these".
+        """
+        states = list(states)
+        snapshot = _snapshot(states)
+        with self.assertRaises(exc_type) as cm:
+            fn()
+        msg = str(cm.exception)
+        for kind, words in (('culprit', culprit), ('fix', fix)):
+            for word in words:
+                options = word if isinstance(word, tuple) else (word,)
+                self.assertTrue(any(o in msg for o in options),
+                                f'{kind} {word!r} missing from the {type(cm.exception).__name__}'
+                                f' message: {msg!r}')
+        _assert_unchanged(self, states, snapshot)
+        return cm.exception
+
+    @staticmethod
+    def site(name):
+        """Words that identify a State: its quoted name and this file (creation site)."""
+        return [repr(name), _ER_FILE]
+
+
+# =============================================================================
+# The module as a whole
+# =============================================================================
+
+
+class ModuleTest(unittest.TestCase):
+    """Module-wide checks: exports, docstrings, imports, the README."""
+
+    def test_all_names_exported(self):
+        for name in ('State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
+                     'HiddenState', 'RandomState', 'StateTraceStack', 'BoundedCache',
+                     'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr',
+                     'StatefulMapping', 'to_predicate', 'OfType', 'Any', 'All', 'Not',
+                     'Everything', 'Nothing', 'constant_fold_jaxpr', 'IdentitySet',
+                     'TraceContextError', 'BatchAxisError', 'catch_new_states',
+                     'check_state_value_tree'):
+            self.assertIn(name, sj.__all__)
+            obj = getattr(sj, name)
+            self.assertTrue(obj.__doc__, name)
+
+    def test_docstring_examples(self):
+        import doctest
+        result = doctest.testmod(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np},
+                                 optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        self.assertGreater(result.attempted, 40)
+        self.assertEqual(result.failed, 0)
+
+    def test_imports_only_stdlib_jax_and_numpy(self):
+        # The README's "depends on JAX (and NumPy, which JAX brings)".
+        import ast
+        with open(sj.__file__) as fh:
+            tree = ast.parse(fh.read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split('.')[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                self.assertEqual(node.level, 0, 'a relative import')
+                imported.add(node.module.split('.')[0])
+        self.assertIn('jax', imported)
+        self.assertEqual(sorted(imported - set(sys.stdlib_module_names) - {'jax', 'numpy'}), [])
+
+    def test_import_has_no_deprecation_warnings(self):
+        code = 'import stateful_jaxpr'
+        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
+                              cwd=HERE, capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+
+    def test_readme_examples_run(self):
+        # Runs every python block of the README and checks what its comments say.
+        with open(os.path.join(HERE, 'README.md')) as fh:
+            blocks = re.findall(r'```python\n(.*?)```', fh.read(), re.S)
+        checks = {'def step(x):': self._readme_check_example,
+                  'def run(xs):': self._readme_check_scan,
+                  'def neuron(i_ext):': self._readme_check_mapping,
+                  'def local_step(x):': self._readme_check_devices,
+                  'constant_fold_jaxpr(closed)': self._readme_check_folding,
+                  'def train_step(x):': self._readme_check_sharding,
+                  'def cell(x, *, scale):': self._readme_check_pretty,
+                  'explain_cache_misses=True)': self._readme_check_explain,
+                  'def serve(x):': self._readme_check_export}
+        self.assertEqual(len(blocks), len(checks))
+        for marker, check in checks.items():
+            block, = [b for b in blocks if marker in b]
+            with self.subTest(block=marker):
+                g = {}
+                exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
+                check(g)
+
+    def _readme_check_sharding(self, g):
+        # 8 devices; w keeps P('d', None) and holds the last step's value
+        w, mesh = g['w'], g['mesh']
+        self.assertEqual(len(w.value.sharding.device_set), 8)
+        np.testing.assert_allclose(_host(w.value), np.full((8, 1024), 8.0))
+        self.assertEqual(float(g['loss']), 8.0)
+        self.assertTrue(g['step'].donate_states)
+
+    def _readme_check_example(self, g):
+        f, rng, w, h = g['f'], g['rng'], g['w'], g['h']
+        # compiled once, then a cached executable
+        stats = f.get_cache_stats()['jaxpr_cache']
+        self.assertEqual((stats['misses'], stats['size']), (1, 1))
+        self.assertGreaterEqual(stats['hits'], 2)
+        # h and rng advance: three steps, one key split each
+        key, ref_h = jax.random.PRNGKey(0), np.zeros(3, np.float32)
+        for _ in range(3):
+            key, sub = jax.random.split(key)
+            noise = 0.01 * np.asarray(jax.random.normal(sub, (3,)))
+            ref_h = np.tanh(np.ones((3, 3)) @ ref_h + 1.0 + noise)
+        np.testing.assert_allclose(h.value, ref_h, rtol=1e-5)
+        np.testing.assert_array_equal(rng.value, key)
+        # inputs: x, rng, w, h; outputs: y, rng, h
+        x = jnp.ones(3)
+        self.assertEqual(f.get_states(x), (rng, w, h))
+        self.assertEqual(f.get_write_states(x), (rng, h))
+        closed = g['closed_jaxpr']
+        self.assertEqual([(a.shape, a.dtype) for a in closed.in_avals],
+                         [((3,), jnp.float32), ((2,), jnp.uint32), ((3, 3), jnp.float32),
+                          ((3,), jnp.float32)])
+        self.assertEqual([(a.shape, a.dtype) for a in closed.out_avals],
+                         [((), jnp.float32), ((2,), jnp.uint32), ((3,), jnp.float32)])
+        # one entry per state, None for w (read only)
+        self.assertIsInstance(g['new_states'], tuple)
+        self.assertIsNone(g['new_states'][1])
+        self.assertEqual([np.shape(v) for v in g['new_states'] if v is not None], [(2,), (3,)])
+
+    def _readme_check_scan(self, g):
+        ref = np.zeros(4, np.float32)               # h is updated after three steps
+        for _ in range(3):
+            ref = np.tanh(ref + 1.0)
+        np.testing.assert_allclose(g['h'].value, ref, rtol=1e-6)
+        self.assertEqual(g['sums'].shape, (3,))
+
+    def _readme_check_mapping(self, g):
+        # shape (64,); v stays (64, 3); rng advanced once
+        self.assertEqual(g['spikes'].shape, (64,))
+        self.assertEqual(g['v'].value.shape, (64, 3))
+        np.testing.assert_array_equal(g['rng'].value,
+                                      jax.random.split(jax.random.PRNGKey(0), 65)[0])
+
+    def _readme_check_devices(self, g):
+        total, acc = g['total'], g['acc']           # runs on 8 devices
+        self.assertEqual(len(total.sharding.device_set), 8)
+        np.testing.assert_array_equal(total, np.full(8, 32.0))
+        np.testing.assert_array_equal(acc.value, np.ones((8, 4)))
+
+    def _readme_check_folding(self, g):
+        self.assertEqual((len(g['closed'].eqns), len(g['folded'].eqns)), (4, 1))   # 4 -> 1
+
+    def _readme_check_pretty(self, g):
+        legend = _legend(g['sf'].pretty_jaxpr({'input': jnp.ones(3)}, scale=0.5))
+        self.assertEqual([(a, r.split(', created')[0]) for _, a, r in legend['inputs']], [
+            ('float32[3]', "argument 0['input']"), ('float32[]', "keyword 'scale'"),
+            ('float32[3]', "state 'w' (ParamState), read"),
+            ('float32[3]', "state 'h' (State), read and written")])
+        self.assertEqual([(a, r) for _, a, r in legend['outputs']], [
+            ('float32[]', "result['out']"), ('float32[3]', "state 'h': new value")])
+
+    def _readme_check_explain(self, g):
+        self.assertEqual(g['causes'], {'first trace': 1, 'argument shape/dtype': 1,
+                                       'state shape/dtype': 1})
+
+    def _readme_check_export(self, g):
+        np.testing.assert_array_equal(g['y'], np.full(3, 2.0))     # y == [2, 2, 2]
+        self.assertEqual(list(g['new_states']), ['total'])        # only written states
+        self.assertEqual(float(g['new_states']['total']), 13.0)
+
+    def test_readme_commands(self):
+        with open(os.path.join(HERE, 'README.md')) as fh:
+            readme = fh.read()
+        self.assertIn('python stateful_jaxpr.py', readme)
+        self.assertIn('python -W error::DeprecationWarning -m unittest -v test_stateful_jaxpr',
+                      readme)
+        with open(os.path.join(HERE, '.ci', 'run')) as fh:
+            self.assertIn('-W error::DeprecationWarning -m unittest -v test_stateful_jaxpr',
+                          fh.read())
+
+
+# =============================================================================
+# 1. Compatibility shims
+# =============================================================================
+
+
+class CompatTest(unittest.TestCase):
+    """The JAX-internal shims and the rule that only they touch internals."""
+
+    def test_internals_only_in_compat_section(self):
+        with open(sj.__file__) as fh:
+            source = fh.read()
+        start = source.index('# 1. Compatibility shims')
+        end = source.index('# 2. Errors and small helpers')
+        outside = source[:start] + source[end:]
+        pattern = re.compile(r'jax\._src|jax\.interpreters|jax\.extend|_src_core|\._trace\b|'
+                             r'\._pe\b|_lu\.|_siu\.')
+        offending = [line for line in outside.splitlines() if pattern.search(line)]
+        self.assertEqual(offending, [])
+
+    def test_missing_internals_disable_only_their_feature(self):
+        # A future JAX without the mutable references (jax._src.state) or the
+        # axis-environment binder: the module imports, plain stateful calls
+        # work, and each feature that needs the missing piece names itself and
+        # the JAX version.
+        code = textwrap.dedent("""
+            import jax, jax.numpy as jnp
+            from jax import lax
+            import jax._src.core, jax._src.state.discharge as discharge
+            del discharge.discharge_state
+            del jax._src.core.extend_axis_env_nd
+            import stateful_jaxpr as sj
+
+            s = sj.State(jnp.zeros(3), name='acc')
+            sf = sj.StatefulFunction(lambda x: (s.__setattr__('value', s.value + x), s.value.sum())[1])
+            assert float(sf(jnp.ones(3))) == 3.0 and float(sf(jnp.ones(3))) == 6.0
+            assert float(s.value[0]) == 2.0
+            closed, states = sj.make_jaxpr(lambda x: s.value * x)(jnp.ones(3))
+            assert states == (s,), states
+
+            def scan_write(x):
+                def body(c, _):
+                    s.value = s.value + x
+                    return c, None
+                return lax.scan(body, 0.0, None, length=2)[0]
+            for what, fn, err in [
+                    ('nested write', lambda: sj.StatefulFunction(scan_write)(jnp.ones(3)),
+                     sj.TraceContextError),
+                    ('axis_env', lambda: sj.StatefulFunction(lambda x: x * s.value,
+                                                             axis_env=[('i', 2)])(jnp.ones(3)),
+                     NotImplementedError)]:
+                try:
+                    fn()
+                except err as e:
+                    msg = str(e)
+                    assert f'JAX {jax.__version__}' in msg, (what, msg)
+                    print(what, 'OK:', msg)
+                else:
+                    raise AssertionError(what + ' did not raise')
+            assert float(s.value[0]) == 2.0, s.value
+            """)
+        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
+                              cwd=HERE, capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertIn("nested write OK: State 'acc'", proc.stdout)
+        self.assertIn('mutable references', proc.stdout)
+        self.assertIn('axis_env OK: axis_env needs jax._src.core.extend_axis_env_nd', proc.stdout)
+
+
+# =============================================================================
+# 2. Errors and small helpers
+# =============================================================================
+
+
+# =============================================================================
+# 3. States and the state trace stack
+# =============================================================================
+
 
 class StateTest(unittest.TestCase):
 
@@ -322,10 +637,6 @@ class RandomStateTest(unittest.TestCase):
         np.testing.assert_array_equal(rng.value, ref.value)
 
 
-# ---------------------------------------------------------------------------
-# The trace stack
-# ---------------------------------------------------------------------------
-
 class StateTraceStackTest(unittest.TestCase):
 
     def test_first_touch_order_and_writes(self):
@@ -434,9 +745,261 @@ class StateTraceStackTest(unittest.TestCase):
             StateTraceStack('one')
 
 
-# ---------------------------------------------------------------------------
-# Cache and key helpers
-# ---------------------------------------------------------------------------
+# -- States passed, returned or stored where they do not belong -----------------
+class ErrorsStateMisuse(ErrorsBase):
+
+    def test_state_as_positional_argument(self):
+        s = sj.State(jnp.ones(2), name='er_arg')
+        sf = sj.StatefulFunction(lambda x: x * 2)
+        self.check(ValueError, lambda: sf(s), [s],
+                   culprit=['argument [0]'] + self.site('er_arg'), fix=['.value'])
+
+    def test_state_as_keyword_argument(self):
+        s = sj.State(jnp.ones(2), name='er_kwarg')
+        sf = sj.StatefulFunction(lambda x, scale=1.0: x * scale)
+        self.check(ValueError, lambda: sf(jnp.ones(2), scale=s), [s],
+                   culprit=["'scale'"] + self.site('er_kwarg'), fix=['.value'])
+
+    def test_state_nested_in_pytree_argument(self):
+        s = sj.State(jnp.ones(2), name='er_nested')
+        sf = sj.StatefulFunction(lambda tree: tree['a'][0] + 1)
+        self.check(ValueError, lambda: sf({'a': [jnp.ones(2), s]}), [s],
+                   culprit=["['a'][1]"] + self.site('er_nested'), fix=['.value'])
+
+    def test_state_as_static_argument(self):
+        s = sj.State(jnp.ones(2), name='er_static')
+        sf = sj.StatefulFunction(lambda x, cfg: x, static_argnums=1)
+        self.check(ValueError, lambda: sf(jnp.ones(2), s), [s],
+                   culprit=['static positional argument 1'] + self.site('er_static'),
+                   fix=['.value'])
+
+    def test_state_as_argument_of_mapping(self):
+        s = sj.State(jnp.ones((4, 2)), name='er_map_arg')
+        sm = sj.StatefulMapping(lambda x: x * 2, in_axes=0)
+        self.check(ValueError, lambda: sm(s), [s],
+                   culprit=['argument [0]'] + self.site('er_map_arg'), fix=['.value'])
+
+    def test_state_returned(self):
+        s = sj.State(jnp.zeros(2), name='er_returned')
+
+        def f(x):
+            s.value = s.value + x          # a write that must be discarded
+            return x, s
+
+        def g(x):
+            s.value = s.value + x
+            return {'o': [x, s]}
+        def h(x):
+            s.value = s.value + x
+            return s
+        for fn, path in ((f, 'returned [1] is a State'),
+                         (g, "returned ['o'][1] is a State"),
+                         (h, 'the function returned a State')):
+            sf = sj.StatefulFunction(fn)
+            self.check(ValueError, lambda: sf(jnp.ones(2)), [s],
+                       culprit=[path] + self.site('er_returned'), fix=['(state.value)'])
+
+    def test_state_assigned_as_value(self):
+        dst = sj.State(jnp.zeros(2), name='er_dst')
+        src = sj.State(jnp.ones(2), name='er_src')
+
+        def assign():
+            dst.value = src
+        self.check(ValueError, assign, [dst, src],
+                   culprit=self.site('er_dst'), fix=['.value'])
+
+    def test_state_assigned_as_value_inside_trace(self):
+        dst = sj.State(jnp.zeros(2), name='er_dst_in')
+        other = sj.State(jnp.zeros(()), name='er_other_in')
+        src = sj.State(jnp.ones(2), name='er_src_in')
+
+        def f(x):
+            other.value = other.value + 1   # must be discarded
+            dst.value = {'w': src}
+            return x
+        sf = sj.StatefulFunction(f)
+        self.check(ValueError, lambda: sf(1.0), [dst, other, src],
+                   culprit=self.site('er_dst_in'), fix=['.value'])
+
+    def test_state_holding_a_state(self):
+        inner = sj.State(jnp.ones(2), name='er_inner')
+        self.check(ValueError, lambda: sj.State(inner, name='er_outer'), [inner],
+                   culprit=["'er_outer'", "'er_inner'"], fix=['.value'])
+
+    def test_tree_structure_change_under_check_state_value_tree(self):
+        s = sj.State({'a': jnp.zeros(2)}, name='er_tree')
+
+        def assign():
+            with sj.check_state_value_tree():
+                s.value = {'b': jnp.zeros(2)}
+        self.check(ValueError, assign, [s],
+                   culprit=self.site('er_tree') + ["from PyTreeDef({'a': *}) to PyTreeDef({'b': *})"],
+                   fix=['assign a value with the same structure'])
+
+    def test_tree_structure_change_inside_trace(self):
+        s = sj.State({'a': jnp.zeros(2)}, name='er_tree_in')
+        other = sj.State(jnp.zeros(()), name='er_tree_other')
+
+        def f(x):
+            other.value = other.value + x
+            s.value = [s.value['a'] + x]
+            return x
+        sf = sj.StatefulFunction(f)
+
+        def call():
+            with sj.check_state_value_tree():
+                sf(1.0)
+        self.check(ValueError, call, [s, other],
+                   culprit=self.site('er_tree_in') + ["from PyTreeDef({'a': *}) to PyTreeDef([*])"],
+                   fix=['assign a value with the same structure'])
+
+    def test_hidden_state_assigned_a_pytree(self):
+        h = sj.HiddenState(jnp.zeros(3), name='er_hidden')
+
+        def assign():
+            h.value = {'a': jnp.zeros(3)}
+        self.check(ValueError, assign, [h],
+                   culprit=self.site('er_hidden') + ['got dict'],
+                   fix=['use State for pytree values'])
+
+    def test_random_state_assigned_a_non_key(self):
+        rng = sj.RandomState(0, name='er_rng_val')
+
+        def assign():
+            rng.value = jnp.zeros(3)
+        self.check(ValueError, assign, [rng],
+                   culprit=self.site('er_rng_val') + ['got ArrayImpl float32[3]'],
+                   fix=['raw uint32[..., 2] or typed'])
+
+
+# =============================================================================
+# 4. State filters
+# =============================================================================
+
+
+class FilterTest(unittest.TestCase):
+
+    def setUp(self):
+        self.param = sj.ParamState(jnp.zeros(2), name='p', tag='weights')
+        self.hidden = sj.HiddenState(jnp.zeros(2), name='hid', tag='hidden')
+        self.plain = sj.State(jnp.zeros(2), name='plain')
+        self.long = sj.LongTermState(jnp.zeros(2), name='long', tag='weights')
+        self.all = [self.param, self.hidden, self.plain, self.long]
+
+    def matches(self, filt):
+        pred = sj.to_predicate(filt)
+        self.assertTrue(callable(pred))
+        return [bool(pred((), s)) for s in self.all]
+
+    def test_types(self):
+        self.assertEqual(self.matches(sj.ParamState), [True, False, False, False])
+        self.assertEqual(self.matches(sj.LongTermState), [True, False, False, True])
+        self.assertEqual(self.matches(sj.State), [True, True, True, True])
+        self.assertEqual(self.matches(sj.OfType(sj.HiddenState)), [False, True, False, False])
+        self.assertEqual(self.matches(sj.OfType(sj.ShortTermState)), [False, True, False, False])
+
+    def test_tags(self):
+        self.assertEqual(self.matches('weights'), [True, False, False, True])
+        self.assertEqual(self.matches('hidden'), [False, True, False, False])
+        self.assertEqual(self.matches('nope'), [False, False, False, False])
+
+    def test_predicates(self):
+        seen = []
+
+        def pred(path, s):
+            seen.append(s)
+            return s.name in ('plain', 'hid')
+
+        self.assertEqual(self.matches(pred), [False, True, True, False])
+        self.assertEqual(seen, self.all)
+
+    def test_everything_and_nothing(self):
+        for f in (True, ..., sj.Everything()):
+            with self.subTest(f=f):
+                self.assertEqual(self.matches(f), [True] * 4)
+        for f in (False, None, sj.Nothing()):
+            with self.subTest(f=f):
+                self.assertEqual(self.matches(f), [False] * 4)
+
+    def test_tuples_and_lists_are_any_of(self):
+        self.assertEqual(self.matches((sj.HiddenState, 'weights')), [True, True, False, True])
+        self.assertEqual(self.matches([sj.ParamState, lambda p, s: s.name == 'plain']),
+                         [True, False, True, False])
+        self.assertEqual(self.matches(()), [False] * 4)
+
+    def test_combinators(self):
+        self.assertEqual(self.matches(sj.Any(sj.ParamState, 'hidden')),
+                         [True, True, False, False])
+        self.assertEqual(self.matches(sj.All(sj.LongTermState, 'weights')),
+                         [True, False, False, True])
+        self.assertEqual(self.matches(sj.All(sj.LongTermState, sj.Not(sj.ParamState))),
+                         [False, False, False, True])
+        self.assertEqual(self.matches(sj.Not('weights')), [False, True, True, False])
+        self.assertEqual(self.matches(sj.Not(sj.Any(sj.HiddenState, (sj.ParamState,)))),
+                         [False, False, True, True])
+        self.assertEqual(self.matches(sj.All()), [True] * 4)
+        self.assertEqual(self.matches(sj.Any()), [False] * 4)
+        self.assertEqual(self.matches(sj.All(True, [sj.Nothing(), 'hidden'])),
+                         [False, True, False, False])
+        self.assertEqual(self.matches(sj.Not(None)), [True] * 4)
+
+    def test_unsupported_filter_names_it(self):
+        class Weird:
+            def __repr__(self):
+                return '<weird filter 8231>'
+
+        for bad in (3.25, Weird(), 17):
+            with self.subTest(bad=bad):
+                with self.assertRaises(TypeError) as cm:
+                    sj.to_predicate(bad)
+                self.assertIn(repr(bad), str(cm.exception))
+        with self.assertRaises(TypeError) as cm:
+            sj.Any(sj.ParamState, Weird())
+        self.assertIn('<weird filter 8231>', str(cm.exception))
+        with self.assertRaises(TypeError) as cm:
+            sm = sj.StatefulMapping(lambda x: x, state_in_axes={0: 3.25})
+            sm(jnp.zeros(2))
+        self.assertIn('3.25', str(cm.exception))
+
+    def test_filters_select_batched_states_in_mapping(self):
+        p = sj.ParamState(jnp.arange(4.0), name='p4', tag='t')
+        h = sj.HiddenState(jnp.arange(4.0) * 10, name='h4')
+        s = sj.State(jnp.arange(4.0) * 100, name='s4', tag='t')
+
+        def f():
+            return p.value, h.value, s.value
+
+        cases = [
+            (sj.ParamState, (True, False, False)),
+            ('t', (True, False, True)),
+            ((sj.HiddenState, 't'), (True, True, True)),
+            ([sj.HiddenState], (False, True, False)),
+            (sj.Not('t'), (False, True, False)),
+            (sj.All('t', sj.Not(sj.ParamState)), (False, False, True)),
+            (lambda path, st: st is h, (False, True, False)),
+            (True, (True, True, True)),
+            (..., (True, True, True)),
+            ({0: sj.Everything()}, (True, True, True)),
+            ({0: sj.OfType(sj.HiddenState), -1: 't'}, (True, True, True)),
+        ]
+        for spec, batched in cases:
+            with self.subTest(spec=spec):
+                out = sj.StatefulMapping(f, state_in_axes=spec, axis_size=4)()
+                for o, b, st in zip(out, batched, (p, h, s)):
+                    if b:   # one element per lane
+                        np.testing.assert_allclose(o, st.value)
+                    else:   # broadcast: every lane sees the whole value
+                        np.testing.assert_allclose(o, np.tile(np.asarray(st.value), (4, 1)))
+        for spec in (False, None, sj.Nothing()):
+            with self.subTest(spec=spec):
+                out = sj.StatefulMapping(f, state_in_axes=spec, axis_size=2)()
+                self.assertEqual([o.shape for o in out], [(2, 4)] * 3)
+
+
+# =============================================================================
+# 5. Cache and argument keys
+# =============================================================================
+
 
 class BoundedCacheTest(unittest.TestCase):
 
@@ -541,9 +1104,10 @@ class BoundedCacheTest(unittest.TestCase):
         self.assertEqual(hash(a), hash(b))
 
 
-# ---------------------------------------------------------------------------
-# StatefulFunction: tracing
-# ---------------------------------------------------------------------------
+# =============================================================================
+# 6. The tracing core
+# =============================================================================
+
 
 def _invar_count(closed):
     return len(closed.jaxpr.invars)
@@ -627,10 +1191,6 @@ class TracingTest(unittest.TestCase):
         self.assertEqual(_invar_count(sf.get_jaxpr(1.0)), 1 + 3)
         np.testing.assert_array_equal(s.value['b'][1], np.ones(3))
 
-
-# ---------------------------------------------------------------------------
-# Writes inside plain JAX transformations nested in a stateful function
-# ---------------------------------------------------------------------------
 
 def _no_refs(tc, closed):
     """The jaxpr handed out is pure: no Ref-typed input, output or constant."""
@@ -1119,363 +1679,6 @@ class NestedWriteTest(unittest.TestCase):
         self.assertEqual((float(a), float(b)), (3.0, 6.0))
 
 
-# ---------------------------------------------------------------------------
-# StatefulFunction: caching
-# ---------------------------------------------------------------------------
-
-class CachingTest(unittest.TestCase):
-
-    def test_hit_never_reruns_python(self):
-        calls = []
-        s = State(jnp.zeros(2))
-
-        def f(x):
-            calls.append(1)
-            s.value = s.value + x
-            return s.value
-        sf = StatefulFunction(f)
-        for _ in range(5):
-            sf(jnp.ones(2))
-        sf.get_jaxpr(jnp.ones(2))
-        sf.jaxpr_call([s.value], jnp.ones(2))
-        self.assertEqual(len(calls), 1)
-        np.testing.assert_array_equal(s.value, 5 * np.ones(2))
-        sf(jnp.ones(3)[:2] * 0)     # same signature, different values: still cached
-        self.assertEqual(len(calls), 1)
-        sf(1.0)                     # new signature
-        self.assertEqual(len(calls), 2)
-        stats = sf.get_cache_stats()['jaxpr_cache']
-        self.assertEqual(stats['size'], 2)
-        self.assertEqual(stats['misses'], 2)
-
-    def test_key_parts(self):
-        sf = StatefulFunction(lambda x, n, flag=False: x * n, static_argnums=1,
-                              static_argnames='flag')
-        k1 = sf.get_arg_cache_key(jnp.ones(2), 3)
-        k2 = sf.get_arg_cache_key(jnp.zeros(2), 3)
-        k3 = sf.get_arg_cache_key(jnp.ones(2), 4)
-        k4 = sf.get_arg_cache_key(jnp.ones(2, jnp.int32), 3)
-        k5 = sf.get_arg_cache_key(jnp.ones(2), 3, flag=True)
-        k6 = sf.get_arg_cache_key(1.0, 3)                       # weak type
-        k7 = sf.get_arg_cache_key(jnp.float32(1.0), 3)
-        self.assertEqual(k1, k2)
-        self.assertEqual(len({k1, k3, k4, k5, k6, k7}), 6)
-        self.assertIsInstance(k1, sj.hashabledict)
-        self.assertEqual(set(k1), {'static_args', 'dyn_args', 'static_kwargs', 'dyn_kwargs'})
-        with self.assertRaises(TypeError):
-            k1['static_args'] = ()
-        self.assertEqual(len(sf._cache), 0)
-        sf.get_arg_cache_key(jnp.ones(2), 3, compile_if_miss=True)
-        self.assertEqual(len(sf._cache), 1)
-
-    def test_negative_static_argnums(self):
-        calls = []
-
-        def f(x, n):
-            calls.append(n)
-            return x * n
-        sf = StatefulFunction(f, static_argnums=-1)
-        self.assertEqual(float(sf(2.0, 3)), 6.0)
-        self.assertEqual(float(sf(2.0, 4)), 8.0)
-        self.assertEqual(float(sf(5.0, 3)), 15.0)
-        self.assertEqual(calls, [3, 4])
-        self.assertEqual(sf.get_arg_cache_key(1.0, 3), sf.get_arg_cache_key(2.0, 3))
-
-    def test_static_args_by_value(self):
-        calls = []
-
-        def f(x, cfg):
-            calls.append(1)
-            return x * len(cfg['layers'])
-        sf = StatefulFunction(f, static_argnums=1)
-        self.assertEqual(float(sf(1.0, {'layers': [1, 2]})), 2.0)
-        self.assertEqual(float(sf(1.0, {'layers': [1, 2]})), 2.0)
-        self.assertEqual(len(calls), 1)
-        with self.assertRaisesRegex(TypeError, 'static positional argument 1.*hashable'):
-            sf(1.0, np.ones(3))
-
-    def test_stale_state_is_retraced(self):
-        calls = []
-        s = State(jnp.ones(2), name='grows')
-
-        def f(x):
-            calls.append(1)
-            s.value = s.value * x
-            return s.value.sum()
-        sf = StatefulFunction(f)
-        self.assertEqual(float(sf(2.0)), 4.0)
-        key = sf.get_arg_cache_key(2.0)
-        self.assertTrue(sf.validate_states(key))
-        s.value = jnp.ones(5)
-        with self.assertRaisesRegex(ValueError, "'grows'"):
-            sf.validate_states(key)
-        self.assertIsInstance(sf.validate_all_states()[key], str)
-        self.assertEqual(float(sf(2.0)), 10.0)
-        self.assertEqual(len(calls), 2)
-        s.value = jnp.ones(5, jnp.float16)        # a dtype change is stale too
-        self.assertEqual(float(sf(2.0)), 10.0)
-        self.assertEqual(len(calls), 3)
-        self.assertEqual(sf.validate_all_states(), {key: True})
-
-    def test_by_cache_accessors(self):
-        s = State(jnp.zeros(2), name='s')
-
-        def f(x):
-            s.value = s.value + x
-            return {'out': x * 2}
-        sf = StatefulFunction(f)
-        x = jnp.ones(2)
-        self.assertIs(sf.make_jaxpr(x), sf)
-        key = sf.get_arg_cache_key(x)
-        self.assertIs(sf.get_jaxpr_by_cache(key), sf.get_jaxpr(x))
-        out_shapes, state_shapes = sf.get_out_shapes_by_cache(key)
-        self.assertEqual(out_shapes['out'].shape, (2,))
-        self.assertEqual(state_shapes[0].shape, (2,))
-        # The structure of (out, one entry per state), so the raw jaxpr
-        # outputs unflatten into (out, new_state_vals).
-        treedef = sf.get_out_treedef_by_cache(key)
-        self.assertEqual(treedef, jax.tree_util.tree_structure(({'out': 0}, (0,))))
-        cj = sf.get_jaxpr_by_cache(key)
-        out, new_vals = treedef.unflatten(jax.core.eval_jaxpr(cj.jaxpr, cj.consts, x, s.value))
-        np.testing.assert_allclose(out['out'], 2 * x)
-        np.testing.assert_allclose(new_vals[0], s.value + x)
-        self.assertEqual(sf.get_states_by_cache(key), (s,))
-        self.assertEqual(sf.get_write_states_by_cache(key), (s,))
-        self.assertEqual(sf.get_read_states_by_cache(key), ())
-        self.assertEqual(sf.get_state_trace_by_cache(key).states, [s])
-        bogus = sj.hashabledict(static_args=(), dyn_args=(), static_kwargs=(), dyn_kwargs=())
-        for getter, context in ((sf.get_jaxpr_by_cache, 'JAX expression'),
-                                (sf.get_out_shapes_by_cache, 'Output shapes'),
-                                (sf.get_out_treedef_by_cache, 'Output tree'),
-                                (sf.get_state_trace_by_cache, 'State trace'),
-                                (sf.get_states_by_cache, 'State trace')):
-            with self.assertRaisesRegex(ValueError, '(?s)' + context + '.*Available.*make_jaxpr'):
-                getter(bogus)
-        with self.assertRaisesRegex(ValueError, 'JAX expression not compiled'):
-            sf.get_jaxpr(jnp.ones(3), compile_if_miss=False)
-
-    def test_constructor_attributes_and_clear_cache(self):
-        sf = StatefulFunction(lambda x: x, static_argnums=(), static_argnames=(), name='nm',
-                              return_only_write=False)
-        for attr in ('fun', 'static_argnums', 'static_argnames', 'axis_env',
-                     'abstracted_axes', 'name', 'return_only_write'):
-            self.assertTrue(hasattr(sf, attr))
-        self.assertEqual(sf.name, 'nm')
-        sf(1.0)
-        sf(1.0)
-        sf(jnp.ones(2))
-        sf.get_jaxpr(jnp.ones(3))
-        stats = sf.get_cache_stats()
-        self.assertEqual(stats.pop('miss_causes'), {'first trace': 1, 'argument shape/dtype': 2})
-        self.assertEqual(set(stats), {'jaxpr_cache', 'out_shapes_cache',
-                                      'jaxpr_out_tree_cache', 'state_trace_cache'})
-        self.assertEqual(stats['jaxpr_cache']['size'], 3)
-        self.assertEqual(stats['jaxpr_cache']['misses'], 3)
-        for name, v in stats.items():           # the four names report the same figures
-            self.assertEqual(v, stats['jaxpr_cache'], name)
-        sf.clear_cache()
-        stats = sf.get_cache_stats()
-        self.assertEqual(stats.pop('miss_causes'), {})
-        for v in stats.values():
-            self.assertEqual(v['size'], 0)
-        self.assertEqual(float(sf(3.0)), 3.0)
-
-    def test_lru_bounds_entries(self):
-        sf = StatefulFunction(lambda x: x + 1)
-        sf._cache = sj.BoundedCache(maxsize=3)
-        for n in range(1, 7):
-            sf(jnp.ones(n))
-        self.assertEqual(len(sf._cache), 3)
-        np.testing.assert_array_equal(sf(jnp.ones(1)), 2 * np.ones(1))
-
-
-# ---------------------------------------------------------------------------
-# StatefulFunction: calling and composing
-# ---------------------------------------------------------------------------
-
-class _BindSpy:
-    """Counts Python-level binds of ``lax.add_p`` (op-by-op evaluation)."""
-
-    def __enter__(self):
-        self.count = 0
-        prim = lax.add_p
-        original = prim.bind
-
-        def spy(*args, **kwargs):
-            self.count += 1
-            return original(*args, **kwargs)
-        prim.bind = spy
-        return self
-
-    def __exit__(self, *exc):
-        del lax.add_p.bind
-
-
-class CallingTest(unittest.TestCase):
-
-    def test_call_updates_written_states_only(self):
-        w, r = State(jnp.zeros(2), name='w'), State(jnp.ones(2), name='r')
-        r_before = r.value
-
-        def f(x):
-            w.value = w.value + r.value * x
-            return w.value.sum()
-        sf = StatefulFunction(f)
-        self.assertEqual(float(sf(2.0)), 4.0)
-        self.assertEqual(float(sf(2.0)), 8.0)
-        self.assertIs(r.value, r_before)
-        self.assertEqual(float(sf.jaxpr_call_auto(1.0)), 10.0)
-
-    def test_warm_call_is_compiled_not_op_by_op(self):
-        s = State(jnp.zeros(3))
-
-        def f(x):
-            s.value = s.value + x + 1.0
-            return s.value
-        sf = StatefulFunction(f)
-        sf(jnp.ones(3))
-        with _BindSpy() as spy:
-            sf(jnp.ones(3))
-            sf(jnp.ones(3))
-        self.assertEqual(spy.count, 0)
-        with _BindSpy() as spy, jax.disable_jit():
-            out = sf(jnp.ones(3))
-        self.assertGreater(spy.count, 0)
-        np.testing.assert_array_equal(out, 8 * np.ones(3))
-
-    def test_asynchronous_dispatch_result_is_array(self):
-        sf = StatefulFunction(lambda x: x * 2)
-        self.assertIsInstance(sf(jnp.ones(2)), jax.Array)
-
-    def test_jaxpr_call_is_pure(self):
-        s = State(jnp.ones(()), name='acc')
-        t = State(jnp.full((), 5.0))
-
-        def f(x):
-            s.value = s.value * x + t.value
-            return x
-        sf = StatefulFunction(f)
-        new, out = sf.jaxpr_call([jnp.ones(()), jnp.zeros(())], 3.0)
-        # One entry per state; None for t, which the jaxpr does not return.
-        self.assertIsInstance(new, tuple)
-        self.assertEqual(float(new[0]), 3.0)
-        self.assertIsNone(new[1])
-        self.assertEqual(sf.get_out_shapes(3.0)[1][1], None)
-        new_all, _ = StatefulFunction(f, return_only_write=False).jaxpr_call(
-            [jnp.ones(()), jnp.zeros(())], 3.0)
-        self.assertEqual([float(v) for v in new_all], [3.0, 0.0])
-        self.assertEqual(float(s.value), 1.0)
-        with self.assertRaisesRegex(ValueError, 'State length mismatch'):
-            sf.jaxpr_call([jnp.ones(())], 3.0)
-        with self.assertRaisesRegex(ValueError, "'acc'.*shape"):
-            sf.jaxpr_call([jnp.ones(4), jnp.zeros(())], 3.0)
-
-    def test_jaxpr_call_under_grad_with_written_states(self):
-        s = State(jnp.ones(()), name='s')
-
-        def f(x):
-            s.value = s.value * x
-            return s.value * x
-        sf = StatefulFunction(f)
-
-        def loss(x, sv):
-            new, out = sf.jaxpr_call([sv], x)
-            return out + new[0]
-        g = jax.grad(loss)(2.0, jnp.ones(()))       # d/dx (x^2 + x) at sv=1
-        self.assertAlmostEqual(float(g), 5.0)
-        g = jax.jit(jax.grad(loss, argnums=1))(2.0, jnp.ones(()))
-        self.assertAlmostEqual(float(g), 6.0)
-        vm = jax.vmap(lambda x: sf.jaxpr_call([jnp.ones(())], x)[1])(jnp.arange(3.0))
-        np.testing.assert_allclose(vm, np.arange(3.0) ** 2)
-
-    def test_read_only_call_under_plain_transforms(self):
-        w = State(jnp.array([1.0, 2.0]), name='w')
-        sf = StatefulFunction(lambda x: jnp.sum(w.value * x ** 2))
-        self.assertAlmostEqual(float(jax.jit(lambda x: sf(x))(jnp.ones(2))), 3.0)
-        g = jax.grad(lambda x: sf(x))(jnp.ones(2))
-        g_pure = jax.grad(lambda x: jnp.sum(jnp.array([1.0, 2.0]) * x ** 2))(jnp.ones(2))
-        np.testing.assert_allclose(g, g_pure)
-        np.testing.assert_allclose(jax.vmap(sf)(jnp.ones((3, 2))), 3 * np.ones(3))
-
-    def test_writing_call_under_plain_transform_raises(self):
-        s = State(jnp.zeros(()), name='counter')
-
-        def f(x):
-            s.value = s.value + x
-            return x
-        sf = StatefulFunction(f)
-        for transform in (jax.jit, jax.grad):
-            with self.assertRaisesRegex(TraceContextError, "'counter'.*jaxpr_call"):
-                transform(lambda x: sf(x))(1.0)
-            self.assertEqual(float(s.value), 0.0)
-            self.assertFalse(_tracer_in(s))
-        self.assertEqual(float(sf(2.0)), 2.0)   # and still works afterwards
-        self.assertEqual(float(s.value), 2.0)
-
-    def test_nested_stateful_functions_compose(self):
-        s = State(jnp.zeros(()), name='s')
-        r = State(jnp.full((), 10.0), name='r')
-
-        def inner_f(x):
-            s.value = s.value + x + r.value
-            return s.value
-        inner = StatefulFunction(inner_f)
-
-        def outer_f(x):
-            a = inner(x)
-            b = inner(2 * x)
-            return a + b
-        outer = StatefulFunction(outer_f)
-        closed = outer.get_jaxpr(1.0)
-        self.assertEqual(set(outer.get_states(1.0)), {s, r})
-        self.assertEqual(outer.get_write_states(1.0), (s,))
-        self.assertEqual(len(closed.jaxpr.invars), 3)
-        self.assertEqual(float(outer(1.0)), 11.0 + 23.0)
-        self.assertEqual(float(s.value), 23.0)
-        self.assertFalse(_tracer_in(s))
-
-    def test_read_only_composition_through_scan_cond_jit(self):
-        w = State(jnp.full((), 2.0), name='w')
-        reader = StatefulFunction(lambda x: x * w.value)
-
-        def outer_f(xs):
-            total = lax.scan(lambda c, x: (c + reader(x), None), 0.0, xs)[0]
-            branch = lax.cond(total > 0, lambda: reader(1.0), lambda: reader(-1.0))
-            jitted = jax.jit(lambda y: reader(y))(3.0)
-            return total + branch + jitted
-        outer = StatefulFunction(outer_f)
-        self.assertEqual(float(outer(jnp.arange(3.0))), 6.0 + 2.0 + 6.0)
-        closed = outer.get_jaxpr(jnp.arange(3.0))
-        self.assertEqual(len(closed.jaxpr.invars), 2)     # xs, w: threaded, not baked in
-        w.value = jnp.full((), 1.0)
-        self.assertEqual(float(outer(jnp.arange(3.0))), 3.0 + 1.0 + 3.0)
-
-    def test_state_created_inside_keeps_no_tracer_silently(self):
-        made = []
-
-        def f(x):
-            made.append(State(x * 2, name='local'))
-            return x
-        StatefulFunction(f)(1.0)
-        self.assertTrue(_tracer_in(made[0]))
-        with self.assertRaisesRegex(TraceContextError, r"'local'.*test_stateful_jaxpr\.py"):
-            made[0].value
-        self.assertIn('finished trace', repr(made[0]))
-
-    def test_local_state_used_inside_trace(self):
-        def f(x):
-            tmp = State(x)
-            tmp.value = tmp.value + 1
-            return tmp.value * 2
-        sf = StatefulFunction(f)
-        self.assertEqual(float(sf(1.0)), 4.0)
-        self.assertEqual(sf.get_states(1.0), ())
-
-
-# ---------------------------------------------------------------------------
-# Failure safety
-# ---------------------------------------------------------------------------
-
 class FailureSafetyTest(unittest.TestCase):
 
     def _check(self, fun, *args, exc=_Boom, states=()):
@@ -1562,905 +1765,7 @@ class FailureSafetyTest(unittest.TestCase):
             StatefulFunction(lambda: {'x': [s]})()
 
 
-# ---------------------------------------------------------------------------
-# Threads
-# ---------------------------------------------------------------------------
-
-class ThreadTest(unittest.TestCase):
-
-    def test_concurrent_first_calls_one_entry_per_key(self):
-        s = State(jnp.ones(()), name='scale')
-        sf = StatefulFunction(lambda x: x * s.value)
-        barrier = threading.Barrier(8)
-        errors, results = [], {}
-
-        def work(i):
-            try:
-                barrier.wait()
-                x = jnp.arange(float(i + 1))
-                for _ in range(20):
-                    results[i] = np.asarray(sf(x))
-            except Exception as err:  # pragma: no cover - reported below
-                errors.append(err)
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.assertEqual(errors, [])
-        for i in range(8):
-            np.testing.assert_array_equal(results[i], np.arange(float(i + 1)))
-        stats = sf.get_cache_stats()['jaxpr_cache']
-        self.assertEqual(stats['size'], 8)
-        self.assertEqual(stats['misses'], 8)
-        self.assertEqual(stats['hits'] + stats['misses'], 160)
-
-    def test_tracing_never_exposes_tracers_to_other_threads(self):
-        # The traced function writes the shared State, then blocks inside the
-        # trace while the main thread reads it: the read gets the real value.
-        shared = State(jnp.full((), 3.0), name='shared')
-        written = threading.Event()
-        done = threading.Event()
-        seen = []
-
-        def slow(x):
-            shared.value = shared.value * x         # a write, inside the trace
-            written.set()
-            done.wait(30)
-            return shared.value
-        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)))
-        t.start()
-        try:
-            self.assertTrue(written.wait(30), 'the trace never reached its write')
-            self.assertTrue(t.is_alive())            # still blocked inside the trace
-            self.assertEqual(seen, [])
-            observed = shared.value                  # read while the write is pending
-            stored = shared._value
-        finally:
-            done.set()
-            t.join(60)
-        self.assertFalse(t.is_alive())
-        self.assertNotIsInstance(observed, jax.core.Tracer)
-        self.assertFalse(_contains_tracer(stored))
-        self.assertEqual(float(observed), 3.0)
-        self.assertEqual(float(seen[0]), 6.0)
-        self.assertEqual(float(shared.value), 6.0)   # afterwards the write landed
-        self.assertFalse(_tracer_in(shared))
-
-
-# ---------------------------------------------------------------------------
-# make_jaxpr
-# ---------------------------------------------------------------------------
-
-class MakeJaxprTest(unittest.TestCase):
-
-    def test_closed_jaxpr_interface_on_every_release(self):
-        # Whether JAX has ClosedJaxpr (up to 0.10) or a Jaxpr that carries its
-        # consts (0.11+), every closed jaxpr the module returns answers the
-        # same attributes and evaluates the same two public ways.
-        table = jnp.linspace(0.0, 1.0, 5)                 # a non-scalar const
-        s = State(jnp.ones(5), name='cj_state')
-
-        def f(x):
-            s.value = s.value * 2 + table * jnp.cos(np.float32(1.0))
-            return (s.value * x).sum()
-        x = jnp.arange(5.0)
-        sf = StatefulFunction(f)
-        got = [sf.get_jaxpr(x), sj.make_jaxpr(f)(x)[0]]
-        got += [sj.constant_fold_jaxpr(j) for j in got]
-        expect_s = np.ones(5) * 2 + np.linspace(0.0, 1.0, 5) * np.cos(1.0)
-        expect = [np.float32((expect_s * np.arange(5.0)).sum()), expect_s]
-        for j in got:
-            self.assertIsInstance(j, jax.extend.core.ClosedJaxpr)
-            self.assertGreater(len(j.consts), 0)
-            self.assertEqual([a.shape for a in j.in_avals], [(5,), (5,)])
-            self.assertEqual([a.shape for a in j.out_avals], [(), (5,)])
-            self.assertEqual(list(j.eqns), list(j.jaxpr.eqns))
-            self.assertEqual(j.in_avals, [v.aval for v in j.jaxpr.invars])
-            for run in (lambda *a: jax.core.eval_jaxpr(j.jaxpr, j.consts, *a),
-                        jax.extend.core.jaxpr_as_fun(j)):
-                out = run(x, jnp.ones(5))
-                np.testing.assert_allclose(out[0], expect[0], rtol=1e-6)
-                np.testing.assert_allclose(out[1], expect[1], rtol=1e-6)
-        new, out = sf.jaxpr_call([jnp.ones(5)], x)
-        np.testing.assert_allclose(out, expect[0], rtol=1e-6)
-        np.testing.assert_allclose(new[0], expect[1], rtol=1e-6)
-
-    def test_stateless_equals_jax_make_jaxpr(self):
-        def f(x, y):
-            return jnp.sin(x) * y + jnp.cos(y).sum()
-        args = (jnp.ones(3), jnp.ones(3))
-        ours, states = sj.make_jaxpr(f)(*args)
-        theirs = jax.make_jaxpr(f)(*args)
-        self.assertEqual(states, ())
-        self.assertEqual([e.primitive.name for e in ours.eqns],
-                         [e.primitive.name for e in theirs.eqns])
-        self.assertEqual(str(ours), str(theirs))
-
-    def test_return_shape_and_states(self):
-        s = State(jnp.zeros(2), name='s')
-
-        def f(x, n):
-            s.value = s.value + x * n
-            return {'y': s.value.sum()}
-        closed, states, shapes = sj.make_jaxpr(f, static_argnames='n', return_shape=True)(
-            jnp.ones(2), n=3)
-        self.assertEqual(states, (s,))
-        self.assertEqual(shapes['y'].shape, ())
-        self.assertEqual(len(closed.jaxpr.outvars), 2)      # all states (return_only_write=False)
-        closed2, _ = sj.make_jaxpr(f, static_argnums=1)(jnp.ones(2), 3)
-        self.assertEqual(len(closed2.jaxpr.invars), 2)
-
-    def test_axis_env(self):
-        closed, _ = sj.make_jaxpr(lambda x: x + lax.axis_index('i'), axis_env=[('i', 4)])(1.0)
-        self.assertIn('axis_index', str(closed))
-
-    def test_abstracted_axes_per_release(self):
-        # As the README's table says: with jax_dynamic_shapes on, JAX 0.4.30 ..
-        # 0.6.x give a dynamic-shape jaxpr for inspection and calling raises;
-        # 0.7.x raise a NotImplementedError naming the version; from 0.8.2
-        # jax.make_jaxpr has no abstracted_axes and the constructors refuse it
-        # (the message is checked in ErrorsConstruction).
-        s = State(jnp.zeros(()), name='s')
-
-        def f(x):
-            s.value = s.value + x.sum()
-            return x * 2
-        x = jnp.ones(3)
-        snap = _snapshot([s])
-        if _JAX_VERSION >= (0, 8, 2):
-            self.assertNotIn('abstracted_axes', inspect.signature(jax.make_jaxpr).parameters)
-            with self.assertRaises(NotImplementedError):
-                StatefulFunction(f, abstracted_axes=('n',))
-            with self.assertRaises(NotImplementedError):
-                sj.make_jaxpr(f, abstracted_axes=('n',))
-            _assert_unchanged(self, [s], snap)
-            return
-        jax.config.update('jax_dynamic_shapes', True)
-        self.addCleanup(jax.config.update, 'jax_dynamic_shapes', False)
-        sf = StatefulFunction(f, abstracted_axes=('n',))
-        if _JAX_VERSION >= (0, 7):
-            for what, fn in (('make_jaxpr', lambda: sj.make_jaxpr(f, abstracted_axes=('n',))(x)),
-                             ('get_jaxpr', lambda: sf.get_jaxpr(x)), ('call', lambda: sf(x))):
-                with self.subTest(what), self.assertRaises(NotImplementedError) as cm:
-                    fn()
-                self.assertIn(f'cannot be honoured by JAX {jax.__version__}', str(cm.exception))
-            _assert_unchanged(self, [s], snap)
-            return
-        with warnings.catch_warnings():
-            # JAX 0.4.30 hashes a dynamic-shape tracer while tracing
-            warnings.filterwarnings('ignore', 'unhashable type', FutureWarning)
-            closed, states = sj.make_jaxpr(f, abstracted_axes=('n',))(x)
-            got = sf.get_jaxpr(x)
-        self.assertEqual(states, (s,))
-        for j in (closed, got):
-            self.assertEqual(len(j.jaxpr.invars), 3)       # n, x:f32[n], s
-            self.assertIn('f32[a]', str(j).replace(' ', ''))
-        with self.assertRaisesRegex(NotImplementedError, 'for inspection'):
-            sf(x)
-        _assert_unchanged(self, [s], snap)
-
-
-# ---------------------------------------------------------------------------
-# The tracing tests again, with JAX's internal consistency checks on
-# ---------------------------------------------------------------------------
-
-class _WithEnableChecks:
-    """Runs a test class's tests with ``jax_enable_checks`` on: JAX then type
-    checks every jaxpr it builds, including the extra state inputs and outputs
-    and the discharged Ref programs."""
-
-    def setUp(self):
-        self._checks_were = jax.config.jax_enable_checks
-        jax.config.update('jax_enable_checks', True)
-        self.addCleanup(jax.config.update, 'jax_enable_checks', self._checks_were)
-        super().setUp()
-
-
-for _base in (TracingTest, NestedWriteTest, CachingTest, CallingTest, FailureSafetyTest,
-              MakeJaxprTest):
-    _name = _base.__name__ + 'WithChecks'
-    globals()[_name] = type(_name, (_WithEnableChecks, _base), {'__module__': __name__})
-del _base, _name
-
-
-# ---------------------------------------------------------------------------
-# The module itself
-# ---------------------------------------------------------------------------
-
-class ModuleTest(unittest.TestCase):
-
-    def test_all_names_exported(self):
-        for name in ('State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
-                     'HiddenState', 'RandomState', 'StateTraceStack', 'BoundedCache',
-                     'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr',
-                     'StatefulMapping', 'to_predicate', 'OfType', 'Any', 'All', 'Not',
-                     'Everything', 'Nothing', 'constant_fold_jaxpr', 'IdentitySet',
-                     'TraceContextError', 'BatchAxisError', 'catch_new_states',
-                     'check_state_value_tree'):
-            self.assertIn(name, sj.__all__)
-            obj = getattr(sj, name)
-            self.assertTrue(obj.__doc__, name)
-
-    def test_docstring_examples(self):
-        import doctest
-        result = doctest.testmod(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np},
-                                 optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-        self.assertGreater(result.attempted, 40)
-        self.assertEqual(result.failed, 0)
-
-    def test_internals_only_in_compat_section(self):
-        with open(sj.__file__) as fh:
-            source = fh.read()
-        start = source.index('# 1. Compatibility shims')
-        end = source.index('# 2. Errors and small helpers')
-        outside = source[:start] + source[end:]
-        pattern = re.compile(r'jax\._src|jax\.interpreters|jax\.extend|_src_core|\._trace\b|'
-                             r'\._pe\b|_lu\.|_siu\.')
-        offending = [line for line in outside.splitlines() if pattern.search(line)]
-        self.assertEqual(offending, [])
-
-    def test_imports_only_stdlib_jax_and_numpy(self):
-        # The README's "depends on JAX (and NumPy, which JAX brings)".
-        import ast
-        with open(sj.__file__) as fh:
-            tree = ast.parse(fh.read())
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                imported.update(alias.name.split('.')[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                self.assertEqual(node.level, 0, 'a relative import')
-                imported.add(node.module.split('.')[0])
-        self.assertIn('jax', imported)
-        self.assertEqual(sorted(imported - set(sys.stdlib_module_names) - {'jax', 'numpy'}), [])
-
-    def test_import_has_no_deprecation_warnings(self):
-        code = 'import stateful_jaxpr'
-        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=120)
-        self.assertEqual(proc.returncode, 0, proc.stderr)
-
-    def test_missing_internals_disable_only_their_feature(self):
-        # A future JAX without the mutable references (jax._src.state) or the
-        # axis-environment binder: the module imports, plain stateful calls
-        # work, and each feature that needs the missing piece names itself and
-        # the JAX version.
-        code = textwrap.dedent("""
-            import jax, jax.numpy as jnp
-            from jax import lax
-            import jax._src.core, jax._src.state.discharge as discharge
-            del discharge.discharge_state
-            del jax._src.core.extend_axis_env_nd
-            import stateful_jaxpr as sj
-
-            s = sj.State(jnp.zeros(3), name='acc')
-            sf = sj.StatefulFunction(lambda x: (s.__setattr__('value', s.value + x), s.value.sum())[1])
-            assert float(sf(jnp.ones(3))) == 3.0 and float(sf(jnp.ones(3))) == 6.0
-            assert float(s.value[0]) == 2.0
-            closed, states = sj.make_jaxpr(lambda x: s.value * x)(jnp.ones(3))
-            assert states == (s,), states
-
-            def scan_write(x):
-                def body(c, _):
-                    s.value = s.value + x
-                    return c, None
-                return lax.scan(body, 0.0, None, length=2)[0]
-            for what, fn, err in [
-                    ('nested write', lambda: sj.StatefulFunction(scan_write)(jnp.ones(3)),
-                     sj.TraceContextError),
-                    ('axis_env', lambda: sj.StatefulFunction(lambda x: x * s.value,
-                                                             axis_env=[('i', 2)])(jnp.ones(3)),
-                     NotImplementedError)]:
-                try:
-                    fn()
-                except err as e:
-                    msg = str(e)
-                    assert f'JAX {jax.__version__}' in msg, (what, msg)
-                    print(what, 'OK:', msg)
-                else:
-                    raise AssertionError(what + ' did not raise')
-            assert float(s.value[0]) == 2.0, s.value
-            """)
-        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=300)
-        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-        self.assertIn("nested write OK: State 'acc'", proc.stdout)
-        self.assertIn('mutable references', proc.stdout)
-        self.assertIn('axis_env OK: axis_env needs jax._src.core.extend_axis_env_nd', proc.stdout)
-
-    def test_demo_runs(self):
-        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning',
-                               'stateful_jaxpr.py'], cwd=HERE, capture_output=True, text=True,
-                              timeout=300)
-        self.assertEqual(proc.returncode, 0, proc.stderr)
-        for part in ("state 'trace' (LongTermState), read and written", "state 'count': new value",
-                     "state 'weight' (ParamState), read,", 'argument 0',
-                     'cache statistics', 'hit_rate', 'StatefulMapping'):
-            self.assertIn(part, proc.stdout)
-
-    def test_readme_examples_run(self):
-        # Runs every python block of the README and checks what its comments say.
-        with open(os.path.join(HERE, 'README.md')) as fh:
-            blocks = re.findall(r'```python\n(.*?)```', fh.read(), re.S)
-        checks = {'def step(x):': self._readme_check_example,
-                  'def run(xs):': self._readme_check_scan,
-                  'def neuron(i_ext):': self._readme_check_mapping,
-                  'def local_step(x):': self._readme_check_devices,
-                  'constant_fold_jaxpr(closed)': self._readme_check_folding,
-                  'def train_step(x):': self._readme_check_sharding,
-                  'def cell(x, *, scale):': self._readme_check_pretty,
-                  'explain_cache_misses=True)': self._readme_check_explain,
-                  'def serve(x):': self._readme_check_export}
-        self.assertEqual(len(blocks), len(checks))
-        for marker, check in checks.items():
-            block, = [b for b in blocks if marker in b]
-            with self.subTest(block=marker):
-                g = {}
-                exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
-                check(g)
-
-    def _readme_check_sharding(self, g):
-        # 8 devices; w keeps P('d', None) and holds the last step's value
-        w, mesh = g['w'], g['mesh']
-        self.assertEqual(len(w.value.sharding.device_set), 8)
-        np.testing.assert_allclose(_host(w.value), np.full((8, 1024), 8.0))
-        self.assertEqual(float(g['loss']), 8.0)
-        self.assertTrue(g['step'].donate_states)
-
-    def _readme_check_example(self, g):
-        f, rng, w, h = g['f'], g['rng'], g['w'], g['h']
-        # compiled once, then a cached executable
-        stats = f.get_cache_stats()['jaxpr_cache']
-        self.assertEqual((stats['misses'], stats['size']), (1, 1))
-        self.assertGreaterEqual(stats['hits'], 2)
-        # h and rng advance: three steps, one key split each
-        key, ref_h = jax.random.PRNGKey(0), np.zeros(3, np.float32)
-        for _ in range(3):
-            key, sub = jax.random.split(key)
-            noise = 0.01 * np.asarray(jax.random.normal(sub, (3,)))
-            ref_h = np.tanh(np.ones((3, 3)) @ ref_h + 1.0 + noise)
-        np.testing.assert_allclose(h.value, ref_h, rtol=1e-5)
-        np.testing.assert_array_equal(rng.value, key)
-        # inputs: x, rng, w, h; outputs: y, rng, h
-        x = jnp.ones(3)
-        self.assertEqual(f.get_states(x), (rng, w, h))
-        self.assertEqual(f.get_write_states(x), (rng, h))
-        closed = g['closed_jaxpr']
-        self.assertEqual([(a.shape, a.dtype) for a in closed.in_avals],
-                         [((3,), jnp.float32), ((2,), jnp.uint32), ((3, 3), jnp.float32),
-                          ((3,), jnp.float32)])
-        self.assertEqual([(a.shape, a.dtype) for a in closed.out_avals],
-                         [((), jnp.float32), ((2,), jnp.uint32), ((3,), jnp.float32)])
-        # one entry per state, None for w (read only)
-        self.assertIsInstance(g['new_states'], tuple)
-        self.assertIsNone(g['new_states'][1])
-        self.assertEqual([np.shape(v) for v in g['new_states'] if v is not None], [(2,), (3,)])
-
-    def _readme_check_scan(self, g):
-        ref = np.zeros(4, np.float32)               # h is updated after three steps
-        for _ in range(3):
-            ref = np.tanh(ref + 1.0)
-        np.testing.assert_allclose(g['h'].value, ref, rtol=1e-6)
-        self.assertEqual(g['sums'].shape, (3,))
-
-    def _readme_check_mapping(self, g):
-        # shape (64,); v stays (64, 3); rng advanced once
-        self.assertEqual(g['spikes'].shape, (64,))
-        self.assertEqual(g['v'].value.shape, (64, 3))
-        np.testing.assert_array_equal(g['rng'].value,
-                                      jax.random.split(jax.random.PRNGKey(0), 65)[0])
-
-    def _readme_check_devices(self, g):
-        total, acc = g['total'], g['acc']           # runs on 8 devices
-        self.assertEqual(len(total.sharding.device_set), 8)
-        np.testing.assert_array_equal(total, np.full(8, 32.0))
-        np.testing.assert_array_equal(acc.value, np.ones((8, 4)))
-
-    def _readme_check_folding(self, g):
-        self.assertEqual((len(g['closed'].eqns), len(g['folded'].eqns)), (4, 1))   # 4 -> 1
-
-    def _readme_check_pretty(self, g):
-        legend = _legend(g['sf'].pretty_jaxpr({'input': jnp.ones(3)}, scale=0.5))
-        self.assertEqual([(a, r.split(', created')[0]) for _, a, r in legend['inputs']], [
-            ('float32[3]', "argument 0['input']"), ('float32[]', "keyword 'scale'"),
-            ('float32[3]', "state 'w' (ParamState), read"),
-            ('float32[3]', "state 'h' (State), read and written")])
-        self.assertEqual([(a, r) for _, a, r in legend['outputs']], [
-            ('float32[]', "result['out']"), ('float32[3]', "state 'h': new value")])
-
-    def _readme_check_explain(self, g):
-        self.assertEqual(g['causes'], {'first trace': 1, 'argument shape/dtype': 1,
-                                       'state shape/dtype': 1})
-
-    def _readme_check_export(self, g):
-        np.testing.assert_array_equal(g['y'], np.full(3, 2.0))     # y == [2, 2, 2]
-        self.assertEqual(list(g['new_states']), ['total'])        # only written states
-        self.assertEqual(float(g['new_states']['total']), 13.0)
-
-    def test_readme_commands(self):
-        with open(os.path.join(HERE, 'README.md')) as fh:
-            readme = fh.read()
-        self.assertIn('python stateful_jaxpr.py', readme)
-        self.assertIn('python -W error::DeprecationWarning -m unittest -v test_stateful_jaxpr',
-                      readme)
-        with open(os.path.join(HERE, '.ci', 'run')) as fh:
-            self.assertIn('-W error::DeprecationWarning -m unittest -v test_stateful_jaxpr',
-                          fh.read())
-
-
-# =============================================================================
-# Bad-input catalogue.  One test per row of the README table
-# "Errors".  Each test checks the exception type, that the message names the
-# culprit (argument index/name, or State name *and* its creation site in this
-# file) and the remedy, and that no State changed or kept a tracer.
-# =============================================================================
-
-
-
-
-_ER_FILE = os.path.basename(__file__)
-
-
-class ErrorsBase(unittest.TestCase):
-    """Shared checker for the bad-input catalogue (holds no tests)."""
-
-    def check(self, exc_type, fn, states=(), culprit=(), fix=()):
-        """Runs ``fn``; asserts ``exc_type``, the culprit and fix words, unchanged States.
-
-        ``culprit`` and ``fix`` items are strings that must all occur in the
-        message; a tuple item means "any one of these".
-        """
-        states = list(states)
-        snapshot = _snapshot(states)
-        with self.assertRaises(exc_type) as cm:
-            fn()
-        msg = str(cm.exception)
-        for kind, words in (('culprit', culprit), ('fix', fix)):
-            for word in words:
-                options = word if isinstance(word, tuple) else (word,)
-                self.assertTrue(any(o in msg for o in options),
-                                f'{kind} {word!r} missing from the {type(cm.exception).__name__}'
-                                f' message: {msg!r}')
-        _assert_unchanged(self, states, snapshot)
-        return cm.exception
-
-    @staticmethod
-    def site(name):
-        """Words that identify a State: its quoted name and this file (creation site)."""
-        return [repr(name), _ER_FILE]
-
-
-# -- States passed, returned or stored where they do not belong -----------------
-
-class ErrorsStateMisuse(ErrorsBase):
-
-    def test_state_as_positional_argument(self):
-        s = sj.State(jnp.ones(2), name='er_arg')
-        sf = sj.StatefulFunction(lambda x: x * 2)
-        self.check(ValueError, lambda: sf(s), [s],
-                   culprit=['argument [0]'] + self.site('er_arg'), fix=['.value'])
-
-    def test_state_as_keyword_argument(self):
-        s = sj.State(jnp.ones(2), name='er_kwarg')
-        sf = sj.StatefulFunction(lambda x, scale=1.0: x * scale)
-        self.check(ValueError, lambda: sf(jnp.ones(2), scale=s), [s],
-                   culprit=["'scale'"] + self.site('er_kwarg'), fix=['.value'])
-
-    def test_state_nested_in_pytree_argument(self):
-        s = sj.State(jnp.ones(2), name='er_nested')
-        sf = sj.StatefulFunction(lambda tree: tree['a'][0] + 1)
-        self.check(ValueError, lambda: sf({'a': [jnp.ones(2), s]}), [s],
-                   culprit=["['a'][1]"] + self.site('er_nested'), fix=['.value'])
-
-    def test_state_as_static_argument(self):
-        s = sj.State(jnp.ones(2), name='er_static')
-        sf = sj.StatefulFunction(lambda x, cfg: x, static_argnums=1)
-        self.check(ValueError, lambda: sf(jnp.ones(2), s), [s],
-                   culprit=['static positional argument 1'] + self.site('er_static'),
-                   fix=['.value'])
-
-    def test_state_as_argument_of_mapping(self):
-        s = sj.State(jnp.ones((4, 2)), name='er_map_arg')
-        sm = sj.StatefulMapping(lambda x: x * 2, in_axes=0)
-        self.check(ValueError, lambda: sm(s), [s],
-                   culprit=['argument [0]'] + self.site('er_map_arg'), fix=['.value'])
-
-    def test_state_returned(self):
-        s = sj.State(jnp.zeros(2), name='er_returned')
-
-        def f(x):
-            s.value = s.value + x          # a write that must be discarded
-            return x, s
-
-        def g(x):
-            s.value = s.value + x
-            return {'o': [x, s]}
-        def h(x):
-            s.value = s.value + x
-            return s
-        for fn, path in ((f, 'returned [1] is a State'),
-                         (g, "returned ['o'][1] is a State"),
-                         (h, 'the function returned a State')):
-            sf = sj.StatefulFunction(fn)
-            self.check(ValueError, lambda: sf(jnp.ones(2)), [s],
-                       culprit=[path] + self.site('er_returned'), fix=['(state.value)'])
-
-    def test_state_assigned_as_value(self):
-        dst = sj.State(jnp.zeros(2), name='er_dst')
-        src = sj.State(jnp.ones(2), name='er_src')
-
-        def assign():
-            dst.value = src
-        self.check(ValueError, assign, [dst, src],
-                   culprit=self.site('er_dst'), fix=['.value'])
-
-    def test_state_assigned_as_value_inside_trace(self):
-        dst = sj.State(jnp.zeros(2), name='er_dst_in')
-        other = sj.State(jnp.zeros(()), name='er_other_in')
-        src = sj.State(jnp.ones(2), name='er_src_in')
-
-        def f(x):
-            other.value = other.value + 1   # must be discarded
-            dst.value = {'w': src}
-            return x
-        sf = sj.StatefulFunction(f)
-        self.check(ValueError, lambda: sf(1.0), [dst, other, src],
-                   culprit=self.site('er_dst_in'), fix=['.value'])
-
-    def test_state_holding_a_state(self):
-        inner = sj.State(jnp.ones(2), name='er_inner')
-        self.check(ValueError, lambda: sj.State(inner, name='er_outer'), [inner],
-                   culprit=["'er_outer'", "'er_inner'"], fix=['.value'])
-
-    def test_tree_structure_change_under_check_state_value_tree(self):
-        s = sj.State({'a': jnp.zeros(2)}, name='er_tree')
-
-        def assign():
-            with sj.check_state_value_tree():
-                s.value = {'b': jnp.zeros(2)}
-        self.check(ValueError, assign, [s],
-                   culprit=self.site('er_tree') + ["from PyTreeDef({'a': *}) to PyTreeDef({'b': *})"],
-                   fix=['assign a value with the same structure'])
-
-    def test_tree_structure_change_inside_trace(self):
-        s = sj.State({'a': jnp.zeros(2)}, name='er_tree_in')
-        other = sj.State(jnp.zeros(()), name='er_tree_other')
-
-        def f(x):
-            other.value = other.value + x
-            s.value = [s.value['a'] + x]
-            return x
-        sf = sj.StatefulFunction(f)
-
-        def call():
-            with sj.check_state_value_tree():
-                sf(1.0)
-        self.check(ValueError, call, [s, other],
-                   culprit=self.site('er_tree_in') + ["from PyTreeDef({'a': *}) to PyTreeDef([*])"],
-                   fix=['assign a value with the same structure'])
-
-    def test_hidden_state_assigned_a_pytree(self):
-        h = sj.HiddenState(jnp.zeros(3), name='er_hidden')
-
-        def assign():
-            h.value = {'a': jnp.zeros(3)}
-        self.check(ValueError, assign, [h],
-                   culprit=self.site('er_hidden') + ['got dict'],
-                   fix=['use State for pytree values'])
-
-    def test_random_state_assigned_a_non_key(self):
-        rng = sj.RandomState(0, name='er_rng_val')
-
-        def assign():
-            rng.value = jnp.zeros(3)
-        self.check(ValueError, assign, [rng],
-                   culprit=self.site('er_rng_val') + ['got ArrayImpl float32[3]'],
-                   fix=['raw uint32[..., 2] or typed'])
-
-
-# -- constructors and configuration --------------------------------------------
-
-class ErrorsConstruction(ErrorsBase):
-
-    def test_non_callable(self):
-        self.check(TypeError, lambda: sj.StatefulFunction(12345),
-                   culprit=['12345'], fix=['callable'])
-
-    def test_generator_function(self):
-        def er_gen(x):
-            yield x
-        self.check(TypeError, lambda: sj.StatefulFunction(er_gen),
-                   culprit=['er_gen'], fix=['return'])
-
-    def test_staticmethod_object(self):
-        def er_static_fn(x):
-            return x
-        for wrap in (staticmethod, classmethod):
-            with self.subTest(wrapper=wrap.__name__):
-                self.check(TypeError, lambda: sj.StatefulFunction(wrap(er_static_fn)),
-                           culprit=[wrap.__name__], fix=['__func__'])
-
-    def test_static_argnums_not_ints(self):
-        self.check(TypeError, lambda: sj.StatefulFunction(lambda x: x, static_argnums='x'),
-                   culprit=['static_argnums', "'x'"], fix=['int'])
-
-    def test_unknown_unexpected_out_state_mapping(self):
-        self.check(ValueError, lambda: sj.StatefulMapping(
-            lambda x: x, unexpected_out_state_mapping='explode'),
-                   culprit=['unexpected_out_state_mapping', "'explode'"],
-                   fix=["'raise'", "'warn'"])
-
-    def test_unsupported_filter(self):
-        self.check(TypeError, lambda: sj.StatefulMapping(lambda x: x, state_in_axes=42),
-                   culprit=['42'], fix=['State subclass', 'predicate'])
-
-    def test_state_in_axes_key_not_an_int(self):
-        self.check(TypeError, lambda: sj.StatefulMapping(
-            lambda x: x, state_in_axes={'batch': sj.HiddenState}),
-                   culprit=['state_in_axes', "'batch'"], fix=['{0: filter}'])
-
-    def test_bad_axis_size(self):
-        self.check(ValueError, lambda: sj.StatefulMapping(lambda x: x, axis_size=0),
-                   culprit=['axis_size', '0'], fix=['positive int'])
-
-    def test_mapping_fn_not_callable(self):
-        self.check(TypeError, lambda: sj.StatefulMapping(lambda x: x, mapping_fn='vmap'),
-                   culprit=['mapping_fn', "'vmap'"], fix=['callable'])
-
-    def test_abstracted_axes_on_jax_without_it(self):
-        s = sj.State(jnp.zeros(()), name='er_abstract')
-
-        def f(x):
-            s.value = s.value + 1
-            return x * 2
-        spec = ({0: 'n'},)
-        fix = ['drop abstracted_axes and trace once per concrete shape']
-        if _JAX_VERSION >= (0, 8, 2):      # removed from JAX: refused up front
-            for ctor in (lambda: sj.StatefulFunction(f, abstracted_axes=spec),
-                         lambda: sj.make_jaxpr(f, abstracted_axes=spec)):
-                self.check(NotImplementedError, ctor, [s],
-                           culprit=[f'not supported by the installed JAX {jax.__version__}'],
-                           fix=fix)
-            return
-        # Older JAX without jax_dynamic_shapes: accepted, refused when traced.
-        self.assertFalse(jax.config.jax_dynamic_shapes)
-        sf = sj.StatefulFunction(f, abstracted_axes=spec)
-        for call in (lambda: sf(jnp.ones(3)),
-                     lambda: sj.make_jaxpr(f, abstracted_axes=spec)(jnp.ones(3))):
-            self.check(NotImplementedError, call, [s],
-                       culprit=[f'cannot be honoured by JAX {jax.__version__}'], fix=fix)
-
-    def test_abstracted_axes_in_mapping(self):
-        self.check(NotImplementedError, lambda: sj.StatefulMapping(
-            lambda x: x, abstracted_axes=({0: 'n'},)),
-                   culprit=['abstracted_axes'], fix=['concrete shapes'])
-
-    def test_bounded_cache_non_int_maxsize(self):
-        for bad in ('10', 2.5, True, None):
-            with self.subTest(maxsize=bad):
-                self.check(ValueError, lambda: sj.BoundedCache(bad),
-                           culprit=['maxsize', repr(bad)], fix=['int >= 1'])
-
-    def test_bounded_cache_negative_maxsize(self):
-        for bad in (-1, 0):
-            with self.subTest(maxsize=bad):
-                self.check(ValueError, lambda: sj.BoundedCache(maxsize=bad),
-                           culprit=['maxsize', repr(bad)], fix=['int >= 1'])
-
-    def test_random_state_bad_seed(self):
-        self.check(ValueError, lambda: sj.RandomState('abc', name='er_rng_seed'),
-                   culprit=["'er_rng_seed'", 'str'], fix=['int seed'])
-
-    def test_random_state_bad_key(self):
-        self.check(ValueError, lambda: sj.RandomState(jnp.zeros(3), name='er_rng_key'),
-                   culprit=["'er_rng_key'", 'float32'], fix=['uint32[2]'])
-
-    def test_random_state_reseed_with_bad_seed(self):
-        rng = sj.RandomState(0, name='er_rng_reseed')
-        self.check(ValueError, lambda: rng.seed('abc'), [rng],
-                   culprit=self.site('er_rng_reseed') + ['str'], fix=['int seed'])
-
-    def test_random_state_split_key_bad_n(self):
-        rng = sj.RandomState(0, name='er_rng_split')
-        self.check(ValueError, lambda: rng.split_key(0), [rng],
-                   culprit=self.site('er_rng_split') + ['split_key(n)', 'got 0'],
-                   fix=['int n >= 1'])
-
-    def test_random_state_restore_key_without_backup(self):
-        rng = sj.RandomState(0, name='er_rng_restore')
-        self.check(ValueError, rng.restore_key, [rng],
-                   culprit=self.site('er_rng_restore'),
-                   fix=['restore_key() without a backup_key()', 'call backup_key() first'])
-
-
-# -- calls, static arguments, jaxpr_call and the cache --------------------------
-
-class ErrorsCalls(ErrorsBase):
-
-    def setUp(self):
-        self.w = sj.State(jnp.ones(2), name='er_w')
-        self.n = sj.State(jnp.zeros((), jnp.int32), name='er_n')
-
-        def step(x):
-            self.n.value = self.n.value + 1
-            return (self.w.value * x).sum()
-        self.step = step
-
-    def test_unhashable_static_positional_argument(self):
-        class Unhashable:
-            __hash__ = None
-        sf = sj.StatefulFunction(lambda x, cfg: self.step(x), static_argnums=1)
-        self.check(TypeError, lambda: sf(jnp.ones(2), Unhashable()), [self.w, self.n],
-                   culprit=['argument 1', 'Unhashable'], fix=['hashable'])
-
-    def test_unhashable_static_keyword_argument(self):
-        sf = sj.StatefulFunction(lambda x, cfg=None: self.step(x), static_argnames='cfg')
-        self.check(TypeError, lambda: sf(jnp.ones(2), cfg=np.ones(3)), [self.w, self.n],
-                   culprit=["'cfg'", 'ndarray'], fix=['hashable'])
-
-    def test_static_argnums_out_of_range(self):
-        sf = sj.StatefulFunction(lambda x, k=1: self.step(x), static_argnums=3)
-        self.check(ValueError, lambda: sf(jnp.ones(2)), [self.w, self.n],
-                   culprit=['static_argnums', '3'], fix=['positionally'])
-
-    def test_non_jax_dynamic_argument(self):
-        sf = sj.StatefulFunction(lambda x, mode: self.step(x))
-        self.check(TypeError, lambda: sf(jnp.ones(2), 'fast'), [self.w, self.n],
-                   culprit=['argument [1]', 'str'], fix=['static_argnums'])
-
-    def test_jaxpr_call_wrong_number_of_state_values(self):
-        sf = sj.StatefulFunction(self.step)
-        sf.make_jaxpr(jnp.ones(2))
-        self.check(ValueError, lambda: sf.jaxpr_call([jnp.ones(2)], jnp.ones(2)),
-                   [self.w, self.n],
-                   culprit=['State length mismatch', "er_w", "er_n"],
-                   fix=['one value per state'])
-
-    def test_jaxpr_call_wrong_state_shape(self):
-        sf = sj.StatefulFunction(self.step)
-        states = sf.get_states(jnp.ones(2))
-        vals = [jnp.ones(5) if s is self.w else s.value for s in states]
-        self.check(ValueError, lambda: sf.jaxpr_call(vals, jnp.ones(2)), [self.w, self.n],
-                   culprit=self.site('er_w') + ["given for State 'er_w'",
-                                                "has structure/shapes (PyTreeDef(*), (((5,),",
-                                                "traced with (PyTreeDef(*), (((2,),"],
-                   fix=['pass a value of the traced shape and dtype'])
-
-    def test_jaxpr_call_wrong_state_dtype(self):
-        sf = sj.StatefulFunction(self.step)
-        states = sf.get_states(jnp.ones(2))
-        vals = [jnp.zeros((), jnp.float32) if s is self.n else s.value for s in states]
-        self.check(ValueError, lambda: sf.jaxpr_call(vals, jnp.ones(2)), [self.w, self.n],
-                   culprit=self.site('er_n') + [
-                       "has structure/shapes (PyTreeDef(*), (((), dtype('float32')),))",
-                       "traced with (PyTreeDef(*), (((), dtype('int32')),))"],
-                   fix=['pass a value of the traced shape and dtype'])
-
-    def test_get_jaxpr_by_cache_unknown_key(self):
-        sf = sj.StatefulFunction(self.step)
-        sf.make_jaxpr(jnp.ones(2))
-        unknown = sf.get_arg_cache_key(jnp.ones(7))
-        self.check(ValueError, lambda: sf.get_jaxpr_by_cache(unknown), [self.w, self.n],
-                   culprit=['JAX expression', 'Requested key', '7'],
-                   fix=['make_jaxpr()'])
-
-    def test_other_by_cache_accessors_unknown_key(self):
-        sf = sj.StatefulFunction(self.step)
-        sf.make_jaxpr(jnp.ones(2))
-        manual = sj.hashabledict(static_args=(), dyn_args=(), static_kwargs=(),
-                                 dyn_kwargs=())
-        for name, context in [('get_out_shapes_by_cache', 'Output shapes'),
-                              ('get_out_treedef_by_cache', 'Output tree'),
-                              ('get_state_trace_by_cache', 'State trace'),
-                              ('get_states_by_cache', 'State trace'),
-                              ('get_read_states_by_cache', 'State trace'),
-                              ('get_write_states_by_cache', 'State trace'),
-                              ('validate_states', 'State trace')]:
-            with self.subTest(accessor=name):
-                self.check(ValueError, lambda: getattr(sf, name)(manual), [self.w, self.n],
-                           culprit=[context, 'Requested key', 'Available'],
-                           fix=['make_jaxpr()'])
-
-    def test_validate_states_after_shape_change(self):
-        sf = sj.StatefulFunction(self.step)
-        key = sf.get_arg_cache_key(jnp.ones(2), compile_if_miss=True)
-        self.w.value = jnp.ones(3)
-        self.check(ValueError, lambda: sf.validate_states(key), [self.w, self.n],
-                   culprit=self.site('er_w') + [
-                       "changed from (PyTreeDef(*), (((2,), dtype('float32')),))",
-                       "to (PyTreeDef(*), (((3,), dtype('float32')),)) since it was traced"],
-                   fix=['the next call retraces'])
-
-
-# -- StatefulMapping --------------------------------------------------------------
-
-class ErrorsMapping(ErrorsBase):
-
-    def test_inconsistent_batch_sizes_between_arguments(self):
-        acc = sj.State(jnp.zeros(()), name='er_acc_bs')
-
-        def f(a, b):
-            acc.value = acc.value + 1
-            return a + b
-        sm = sj.StatefulMapping(f, in_axes=(0, 0))
-        self.check(ValueError, lambda: sm(jnp.ones((4, 2)), jnp.ones((3, 2))), [acc],
-                   culprit=['argument [0] (axis 0): 4', 'argument [1] (axis 0): 3'],
-                   fix=['must share one batch size'])
-
-    def test_inconsistent_batch_sizes_argument_and_state(self):
-        h = sj.HiddenState(jnp.zeros((4, 2)), name='er_h_bs')
-
-        def f(x):
-            h.value = h.value + x
-            return x
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
-        self.check(ValueError, lambda: sm(jnp.ones((5, 2))), [h],
-                   culprit=self.site('er_h_bs') + ['argument [0] (axis 0): 5', ') (axis 0): 4'],
-                   fix=['must share one batch size'])
-
-    def test_in_axes_length_mismatch(self):
-        acc = sj.State(jnp.zeros(()), name='er_acc_len')
-
-        def f(x):
-            acc.value = acc.value + x.sum()
-            return x
-        sm = sj.StatefulMapping(f, in_axes=(0, None))
-        self.check(ValueError, lambda: sm(jnp.ones((4, 2))), [acc],
-                   culprit=['in_axes', '2 entries', '1 positional'],
-                   fix=['one axis'])
-
-    def test_in_axes_out_of_range(self):
-        sm = sj.StatefulMapping(lambda x: x * 2, in_axes=2)
-        self.check(ValueError, lambda: sm(jnp.ones((4, 2))),
-                   culprit=['in_axes=2', 'argument', '(4, 2)'], fix=('out of range',))
-
-    def test_nothing_batched_and_no_axis_size(self):
-        acc = sj.State(jnp.zeros(()), name='er_acc_none')
-
-        def f(x):
-            acc.value = acc.value + x
-            return x
-        sm = sj.StatefulMapping(f, in_axes=None)
-        self.check(ValueError, lambda: sm(1.0), [acc],
-                   culprit=['nothing is batched'], fix=['axis_size'])
-
-    def test_state_in_axes_out_of_range_for_state(self):
-        h = sj.HiddenState(jnp.zeros(4), name='er_h_axis')
-
-        def f(x):
-            h.value = h.value + x
-            return x
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={1: sj.HiddenState})
-        self.check(sj.BatchAxisError, lambda: sm(jnp.ones(4)), [h],
-                   culprit=self.site('er_h_axis') + ['along axis 1', 'has shape (4,)'],
-                   fix=['fix state_in_axes'])
-
-    def test_unexpected_batched_write_with_raise_policy(self):
-        acc = sj.State(jnp.zeros(()), name='er_acc_raise')
-        rng = sj.RandomState(0, name='er_rng_raise')
-
-        def f(x):
-            acc.value = acc.value + x + jax.random.uniform(rng.split_key())
-            return x
-        sm = sj.StatefulMapping(f, in_axes=0, unexpected_out_state_mapping='raise')
-        self.check(sj.BatchAxisError, lambda: sm(jnp.ones(4)), [acc, rng],
-                   culprit=self.site('er_acc_raise'),
-                   fix=['state_in_axes', 'state_out_axes'])
-
-    def test_collective_without_axis_name(self):
-        acc = sj.State(jnp.zeros(()), name='er_acc_coll')
-
-        def f(x):
-            acc.value = acc.value + x
-            return lax.psum(x, 'er_i')
-        sm = sj.StatefulMapping(f, in_axes=0)
-        self.check(NameError, lambda: sm(jnp.ones(4)), [acc],
-                   culprit=['er_i'], fix=['axis_name'])
-
-
 # -- tracers escaping their trace, and the trace stack --------------------------
-
 class ErrorsTracing(ErrorsBase):
 
     def test_trace_stack_exited_out_of_order(self):
@@ -2581,2071 +1886,10 @@ class ErrorsTracing(ErrorsBase):
                    culprit=self.site('er_leaky'), fix=['return its value'])
 
 
-# =============================================================================
-# StatefulMapping, state filters and the jaxpr constant folder.
-# =============================================================================
+_add_with_checks(TracingTest, NestedWriteTest, FailureSafetyTest)
 
-_mp_Tracer = jax.core.Tracer
-_mp_jaxpr_as_fun = jax.extend.core.jaxpr_as_fun
-_mp_ClosedJaxpr = jax.extend.core.ClosedJaxpr
-_mp_Jaxpr = jax.extend.core.Jaxpr
-_mp_Literal = jax.extend.core.Literal
-# From JAX 0.11 a Jaxpr carries its consts (ClosedJaxpr is the same class), so
-# a jaxpr folded "bare" is already closed; before, it is closed by hand.
-_mp_JAXPR_CARRIES_CONSTS = _mp_ClosedJaxpr is _mp_Jaxpr
 
-
-def _mp_reclose(bare, consts):
-    return bare if _mp_JAXPR_CARRIES_CONSTS else _mp_ClosedJaxpr(bare, consts)
-
-
-# -- helpers: states ----------------------------------------------------------
-
-def _mp_assert_no_tracer(tc, states):
-    for s in states:
-        for x in jax.tree_util.tree_leaves(s.value):
-            tc.assertNotIsInstance(x, _mp_Tracer, f'{s!r} holds a tracer')
-            tc.assertIsInstance(x, jax.Array, f'{s!r} holds {type(x)}')
-
-
-def _mp_bits(key):
-    """Integer draws from a (raw or typed) key: compared exactly."""
-    return jax.random.bits(key, (3,), jnp.uint32)
-
-
-# -- helpers: a shard_map based mapper with jax.vmap's signature --------------
-
-def _mp_flat_axes(prefix, tree):
-    """Per-leaf axes of ``tree`` for a vmap-style axes prefix."""
-    out = []
-    jax.tree_util.tree_map(
-        lambda a, sub: out.extend([a] * len(jax.tree_util.tree_leaves(sub))),
-        prefix, tree, is_leaf=lambda x: x is None)
-    return out
-
-
-def _mp_shard_map(body, mesh, in_specs, out_specs):
-    if hasattr(jax, 'shard_map'):
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-    from jax.experimental.shard_map import shard_map
-    return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                     check_rep=False)
-
-
-def _mp_shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
-    """``jax.vmap``-like mapper over 8 devices: one lane per device via shard_map."""
-    name = axis_name if axis_name is not None else '_mp_lanes'
-    devices = jax.devices()[:8]
-    mesh = jax.sharding.Mesh(np.array(devices), (name,))
-    P = jax.sharding.PartitionSpec
-
-    def mapped(*args):
-        prefix = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        axes = _mp_flat_axes(prefix, args)
-        for x, a in zip(leaves, axes):
-            if a is not None and x.shape[a] != len(devices):
-                raise ValueError(f'_mp_shard_mapper maps exactly {len(devices)} lanes, '
-                                 f'got an axis of size {x.shape[a]}')
-        if axis_size is not None and axis_size != len(devices):
-            raise ValueError(f'_mp_shard_mapper maps exactly {len(devices)} lanes')
-        moved = [x if a is None else jnp.moveaxis(x, a, 0) for x, a in zip(leaves, axes)]
-        box = {}
-
-        def body(*local):
-            lane = [x if a is None else x[0] for x, a in zip(local, axes)]
-            out = f(*jax.tree_util.tree_unflatten(tree, lane))
-            out_leaves, box['tree'] = jax.tree_util.tree_flatten(out)
-            return [o[None] for o in out_leaves]
-
-        in_specs = tuple(P() if a is None else P(name) for a in axes)
-        stacked = _mp_shard_map(body, mesh, in_specs, P(name))(*moved)
-        out = jax.tree_util.tree_unflatten(box['tree'], list(stacked))
-        oaxes = _mp_flat_axes(out_axes, out)
-        res = [o[0] if a is None else jnp.moveaxis(o, 0, a)
-               for o, a in zip(jax.tree_util.tree_leaves(out), oaxes)]
-        return jax.tree_util.tree_unflatten(box['tree'], res)
-    return mapped
-
-
-def _mp_need_8_devices(tc):
-    if jax.device_count() >= 8:
-        return
-    if jax.default_backend() == 'cpu':
-        tc.fail('8 CPU devices expected: XLA_FLAGS must contain '
-                '--xla_force_host_platform_device_count=8 before jax is imported '
-                f'(XLA_FLAGS={os.environ.get("XLA_FLAGS")!r})')
-    tc.skipTest(f'needs 8 devices, {jax.default_backend()} has {jax.device_count()}')
-
-
-# =============================================================================
-# StatefulMapping: state axes
-# =============================================================================
-
-class MappingStateAxesTest(unittest.TestCase):
-
-    def test_bare_filter_is_axis0_and_unbatched_states_broadcast(self):
-        w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w')
-        b = sj.State(jnp.array([1.0, 2.0, 3.0]), name='b')
-        w0, b0 = np.asarray(w.value), np.asarray(b.value)
-
-        def f(x):
-            self.assertEqual(w.value.shape, (3,))   # one row per lane
-            self.assertEqual(b.value.shape, (3,))   # broadcast, whole value
-            w.value = w.value * 2 + x
-            return (w.value * b.value).sum()
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes=sj.ParamState)
-        x = jnp.arange(4.0)
-        out = sm(x)
-        new_w = w0 * 2 + np.arange(4.0)[:, None]
-        np.testing.assert_allclose(w.value, new_w)
-        np.testing.assert_allclose(out, (new_w * b0).sum(axis=1))
-        # Only read: unchanged, same shape.
-        np.testing.assert_array_equal(b.value, b0)
-        self.assertEqual(b.value.shape, (3,))
-
-    def test_dict_filter_axis0(self):
-        w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w')
-        other = sj.ParamState(jnp.ones(5), name='other')    # not matched: broadcast
-        sm = sj.StatefulMapping(lambda x: (w.value + x + other.value.sum()).sum(),
-                                in_axes=0, state_in_axes={0: lambda path, s: s is w})
-        out = sm(jnp.arange(4.0))
-        expected = (np.arange(12.0).reshape(4, 3) + np.arange(4.0)[:, None] + 5).sum(1)
-        np.testing.assert_allclose(out, expected)
-
-    def _axis1_check(self, axis):
-        w = sj.HiddenState(jnp.arange(12.0).reshape(3, 4), name='w')
-        w0 = np.asarray(w.value)
-        seen = []
-
-        def f(x):
-            seen.append(w.value.shape)
-            w.value = w.value + x
-            return w.value.sum()
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={axis: sj.HiddenState})
-        out = sm(jnp.arange(4.0) * 10)
-        self.assertEqual(seen[0], (3,))
-        new_w = w0 + (np.arange(4.0) * 10)[None, :]
-        # Came in on axis 1 and leaves on axis 1 (the same axis).
-        self.assertEqual(w.value.shape, (3, 4))
-        np.testing.assert_allclose(w.value, new_w)
-        np.testing.assert_allclose(out, new_w.sum(0))
-
-    def test_axis1(self):
-        self._axis1_check(1)
-
-    def test_axis_minus1(self):
-        self._axis1_check(-1)
-
-    def test_axis_minus1_3d(self):
-        w = sj.State(jnp.arange(24.0).reshape(2, 3, 4), name='w3')
-        w0 = np.asarray(w.value)
-
-        def f(x):
-            w.value = w.value * x
-            return w.value[0, 0]
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={-1: lambda p, s: s is w})
-        out = sm(jnp.arange(4.0))
-        self.assertEqual(w.value.shape, (2, 3, 4))
-        np.testing.assert_allclose(w.value, w0 * np.arange(4.0))
-        np.testing.assert_allclose(out, w0[0, 0] * np.arange(4.0))
-
-    def test_state_out_axes_moves_batched_state(self):
-        h = sj.State(jnp.arange(12.0).reshape(4, 3), name='h', tag='per_lane')
-        h0 = np.asarray(h.value)
-
-        def f(x):
-            h.value = h.value + x
-            return h.value.sum()
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: 'per_lane'},
-                                state_out_axes={1: 'per_lane'})
-        sm(jnp.arange(4.0))
-        self.assertEqual(h.value.shape, (3, 4))
-        np.testing.assert_allclose(h.value, (h0 + np.arange(4.0)[:, None]).T)
-        # In on axis 0, out on axis -1 (3-d value).
-        w = sj.State(jnp.arange(24.0).reshape(4, 2, 3), name='w_out')
-        pick = lambda p, st: st is w
-
-        def g():
-            w.value = w.value + 1
-
-        sj.StatefulMapping(g, state_in_axes={0: pick}, state_out_axes={-1: pick},
-                           axis_size=4)()
-        self.assertEqual(w.value.shape, (2, 3, 4))
-        np.testing.assert_allclose(w.value,
-                                   np.moveaxis(np.arange(24.0).reshape(4, 2, 3) + 1, 0, -1))
-
-    def test_state_out_axes_declares_unbatched_input_state(self):
-        acc = sj.State(jnp.zeros(3), name='acc_out')
-
-        def f(x):
-            acc.value = acc.value + x
-            return x.sum()
-
-        # Declared out on axis 1: no complaint even under 'raise'.
-        sm = sj.StatefulMapping(f, in_axes=0, state_out_axes={1: lambda p, s: s is acc},
-                                unexpected_out_state_mapping='raise')
-        x = jnp.arange(12.0).reshape(4, 3)
-        with warnings.catch_warnings():
-            warnings.simplefilter('error')
-            sm(x)
-        self.assertEqual(acc.value.shape, (3, 4))
-        np.testing.assert_allclose(acc.value, np.asarray(x).T)
-        # A bare filter means axis 0.
-        acc2 = sj.State(jnp.zeros(3), name='acc_out0')
-
-        def g(x):
-            acc2.value = acc2.value + x
-            return x.sum()
-
-        sm2 = sj.StatefulMapping(g, in_axes=0, state_out_axes=lambda p, s: s is acc2,
-                                 unexpected_out_state_mapping='raise')
-        sm2(x)
-        self.assertEqual(acc2.value.shape, (4, 3))
-        np.testing.assert_allclose(acc2.value, x)
-
-    def test_unbatched_write_with_unbatched_value_stays_unbatched(self):
-        count = sj.State(jnp.array(0), name='count')
-
-        def f(x):
-            count.value = count.value + 1
-            return x * 2
-
-        sm = sj.StatefulMapping(f, in_axes=0, unexpected_out_state_mapping='raise')
-        out = sm(jnp.arange(5.0))
-        np.testing.assert_allclose(out, np.arange(5.0) * 2)
-        self.assertEqual(count.value.shape, ())
-        self.assertEqual(int(count.value), 1)
-
-    # -- unexpected_out_state_mapping ------------------------------------------
-    def _unexpected_setup(self, policy=None):
-        acc = sj.State(jnp.zeros(3), name='surprise_acc')
-        h = sj.HiddenState(jnp.zeros((4, 3)), name='batched_h')
-        rng = sj.RandomState(3, name='rng_u')
-
-        def f(x):
-            h.value = h.value + x
-            acc.value = acc.value + x + jax.random.uniform(rng.split_key(), (3,))
-            return x.sum()
-
-        kw = {} if policy is None else {'unexpected_out_state_mapping': policy}
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState}, **kw)
-        return sm, acc, h, rng
-
-    def _check_left_batched(self, acc, h, x):
-        self.assertEqual(acc.value.shape, (4, 3))
-        self.assertEqual(h.value.shape, (4, 3))
-        np.testing.assert_allclose(h.value, x)
-        # acc = x + uniform noise in [0, 1)
-        d = np.asarray(acc.value) - np.asarray(x)
-        self.assertTrue(np.all((d >= 0) & (d < 1)), d)
-
-    def test_unexpected_auto_is_default_and_silent(self):
-        for policy in (None, 'auto', 'ignore'):
-            with self.subTest(policy=policy):
-                sm, acc, h, rng = self._unexpected_setup(policy)
-                if policy is None:
-                    self.assertEqual(sm.unexpected_out_state_mapping, 'auto')
-                x = jnp.arange(12.0).reshape(4, 3)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter('always')
-                    sm(x)
-                self.assertEqual([w for w in caught if issubclass(w.category, UserWarning)], [])
-                self._check_left_batched(acc, h, x)
-
-    def test_unexpected_warn(self):
-        sm, acc, h, rng = self._unexpected_setup('warn')
-        x = jnp.arange(12.0).reshape(4, 3)
-        with self.assertWarns(UserWarning) as cm:
-            sm(x)
-        self.assertIn('surprise_acc', str(cm.warning))
-        self._check_left_batched(acc, h, x)
-
-    def test_unexpected_raise_leaves_every_state(self):
-        sm, acc, h, rng = self._unexpected_setup('raise')
-        states = [acc, h, rng]
-        snap = _snapshot(states)
-        with self.assertRaises(sj.BatchAxisError) as cm:
-            sm(jnp.arange(12.0).reshape(4, 3))
-        self.assertIsInstance(cm.exception, ValueError)
-        self.assertIn('surprise_acc', str(cm.exception))
-        self.assertTrue('state_in_axes' in str(cm.exception)
-                        or 'state_out_axes' in str(cm.exception), str(cm.exception))
-        _assert_unchanged(self, states, snap)
-
-    def test_bad_policy_rejected(self):
-        with self.assertRaises(ValueError):
-            sj.StatefulMapping(lambda x: x, unexpected_out_state_mapping='sometimes')
-
-
-# =============================================================================
-# StatefulMapping: RandomState
-# =============================================================================
-
-class MappingRandomTest(unittest.TestCase):
-
-    def test_lanes_draw_different_numbers_and_key_advances(self):
-        for make in (lambda: sj.RandomState(7, name='raw'),
-                     lambda: sj.RandomState(jax.random.key(7), name='typed')):
-            rng = make()
-            with self.subTest(rng=rng.name):
-                k0 = rng.value
-                shape0, dtype0 = k0.shape, k0.dtype
-                sm = sj.StatefulMapping(lambda x: x + jax.random.normal(rng.split_key(), ()))
-                out = np.asarray(sm(jnp.zeros(8)))
-                self.assertEqual(len(set(out.tolist())), 8, out)
-                k1 = rng.value
-                self.assertNotIsInstance(k1, _mp_Tracer)
-                self.assertEqual(k1.shape, shape0)
-                self.assertEqual(k1.dtype, dtype0)
-                self.assertFalse(np.array_equal(_host(k1), _host(k0)))
-                out2 = np.asarray(sm(jnp.zeros(8)))
-                self.assertFalse(np.array_equal(out, out2))
-                self.assertEqual(rng.value.shape, shape0)
-                self.assertEqual(rng.value.dtype, dtype0)
-
-    def _loop_reference(self, rng, f, xs, n):
-        """The contract: ``keys = rng.split_key(n)``; lane i runs ``f`` with keys[i]."""
-        start = rng.value
-        ref = sj.RandomState(start)
-        keys = ref.split_key(n)
-        outs = []
-        try:
-            for i in range(n):
-                rng.value = keys[i]
-                outs.append(f(xs[i]))
-        finally:
-            rng.value = start
-        stacked = jax.tree_util.tree_map(lambda *a: np.stack([_host(x) for x in a]), *outs)
-        return stacked, ref.value
-
-    def test_mapping_equals_python_loop_over_split_key(self):
-        for seed in (0, jax.random.key(11)):
-            rng = sj.RandomState(seed, name='loop_rng')
-
-            def f(x):
-                a = _mp_bits(rng.split_key())               # two draws per lane
-                b = jax.random.randint(rng.split_key(), (2,), 0, 1 << 30)
-                return a, b + x.astype(jnp.int32)
-
-            n = 5
-            sm = sj.StatefulMapping(f)
-            xs = jnp.arange(n)
-            for call in range(2):       # the key advances exactly once per call
-                with self.subTest(seed=str(seed), call=call):
-                    expected, after = self._loop_reference(rng, f, xs, n)
-                    got = sm(xs)
-                    np.testing.assert_array_equal(_host(got[0]), expected[0])
-                    np.testing.assert_array_equal(_host(got[1]), expected[1])
-                    # Afterwards the RandomState holds the key split_key(n) leaves.
-                    np.testing.assert_array_equal(_host(rng.value), _host(after))
-                    self.assertEqual(rng.value.dtype, after.dtype)
-                    self.assertEqual(rng.value.shape, after.shape)
-
-    def test_loop_contract_with_float_draws_and_args(self):
-        rng = sj.RandomState(42, name='float_rng')
-
-        def f(x):
-            return x * jax.random.uniform(rng.split_key(), (3,))
-
-        n = 4
-        xs = jnp.arange(1.0, 1.0 + n)
-        expected, after = self._loop_reference(rng, f, xs, n)
-        got = sj.StatefulMapping(f)(xs)
-        np.testing.assert_array_equal(np.asarray(got), expected)
-        np.testing.assert_array_equal(_host(rng.value), _host(after))
-
-    def test_unused_random_state_is_not_advanced(self):
-        rng = sj.RandomState(1, name='unused')
-        other = sj.RandomState(2, name='used')
-        k_unused = _host(rng.value)
-        sj.StatefulMapping(lambda x: x + jax.random.normal(other.split_key(), ()))(jnp.zeros(3))
-        np.testing.assert_array_equal(_host(rng.value), k_unused)
-
-    def test_batched_random_state_uses_its_own_lane_keys(self):
-        keys = jax.random.split(jax.random.PRNGKey(5), 4)
-        rng = sj.RandomState(keys, name='stacked')
-        sm = sj.StatefulMapping(lambda: _mp_bits(rng.split_key()),
-                                state_in_axes={0: sj.RandomState})
-        out = np.asarray(sm())
-        for i in range(4):
-            nk = jax.random.split(keys[i])
-            np.testing.assert_array_equal(out[i], _host(_mp_bits(nk[1])))
-            np.testing.assert_array_equal(_host(rng.value)[i], _host(nk[0]))
-        self.assertEqual(rng.value.shape, (4, 2))
-
-
-# =============================================================================
-# StatefulMapping: arguments
-# =============================================================================
-
-class MappingArgsTest(unittest.TestCase):
-
-    def test_in_axes_int(self):
-        x = jnp.arange(12.0).reshape(3, 4)
-        for axis in (1, -1):
-            out = sj.StatefulMapping(lambda v: v * 2, in_axes=axis)(x)
-            np.testing.assert_allclose(out, np.asarray(x).T * 2)
-        out = sj.StatefulMapping(lambda v: v * 2, in_axes=0)(x)
-        np.testing.assert_allclose(out, np.asarray(x) * 2)
-
-    def test_in_axes_none_and_tuple_and_list(self):
-        x = jnp.arange(12.0).reshape(3, 4)
-        y = jnp.array([1.0, 2.0, 3.0])
-        for spec in ((1, None), [1, None]):
-            with self.subTest(spec=spec):
-                out = sj.StatefulMapping(lambda a, b: a * b, in_axes=spec)(x, y)
-                self.assertEqual(out.shape, (4, 3))
-                np.testing.assert_allclose(out, np.asarray(x).T * np.asarray(y))
-        out = sj.StatefulMapping(lambda a, b: a + b, in_axes=(0, 1))(x, x.T)
-        np.testing.assert_allclose(out, 2 * np.asarray(x))
-
-    def test_in_axes_pytree_prefix(self):
-        arg = {'a': jnp.arange(12.0).reshape(4, 3), 'b': jnp.array([1.0, 10.0, 100.0]),
-               'c': (jnp.arange(8.0).reshape(2, 4), jnp.arange(4.0))}
-        sm = sj.StatefulMapping(
-            lambda d, s: (d['a'] * d['b']).sum() + d['c'][0].sum() + d['c'][1] + s,
-            in_axes=({'a': 0, 'b': None, 'c': (1, 0)}, None))
-        out = sm(arg, 0.5)
-        a, b = np.asarray(arg['a']), np.asarray(arg['b'])
-        c0, c1 = np.asarray(arg['c'][0]), np.asarray(arg['c'][1])
-        expected = (a * b).sum(1) + c0.sum(0) + c1 + 0.5
-        np.testing.assert_allclose(out, expected)
-
-    def test_kwargs_are_mapped_over_axis0(self):
-        seen = []
-
-        def f(x, scale=None):
-            seen.append(scale.shape)
-            return x * scale
-
-        out = sj.StatefulMapping(f, in_axes=1)(jnp.ones((3, 4)), scale=jnp.arange(4.0))
-        self.assertEqual(seen[0], ())
-        np.testing.assert_allclose(out, np.ones((4, 3)) * np.arange(4.0)[:, None])
-
-    def test_static_args(self):
-        w = sj.State(jnp.zeros((4, 2)), name='w_static')
-        calls = []
-
-        def f(x, mode, *, power):
-            calls.append((mode, power))
-            if mode == 'add':
-                w.value = w.value + x ** power
-            else:
-                w.value = w.value - x ** power
-            return w.value.sum()
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: lambda p, s: s is w},
-                                static_argnums=1, static_argnames='power')
-        x = jnp.arange(8.0).reshape(4, 2)
-        sm(x, 'add', power=2)
-        np.testing.assert_allclose(w.value, np.asarray(x) ** 2)
-        sm(x, 'sub', power=1)
-        np.testing.assert_allclose(w.value, np.asarray(x) ** 2 - np.asarray(x))
-        self.assertEqual(calls, [('add', 2), ('sub', 1)])
-        sm(x, 'add', power=2)     # warm: same static values, no retrace
-        self.assertEqual(len(calls), 2)
-
-    def test_axis_size_when_nothing_is_batched(self):
-        rng = sj.RandomState(9, name='rng_size')
-        c = sj.State(jnp.array(2.0), name='c_size')
-        sm = sj.StatefulMapping(lambda: jax.random.normal(rng.split_key(), ()) * c.value,
-                                axis_size=5)
-        out = np.asarray(sm())
-        self.assertEqual(out.shape, (5,))
-        self.assertEqual(len(set(out.tolist())), 5)
-        # With an unbatched (None) argument.
-        out = sj.StatefulMapping(lambda v: v * c.value, in_axes=None, axis_size=3)(
-            jnp.arange(2.0))
-        np.testing.assert_allclose(out, np.tile(np.arange(2.0) * 2, (3, 1)))
-        with self.assertRaises(ValueError):
-            sj.StatefulMapping(lambda: c.value * 2)()
-
-    def test_inconsistent_batch_sizes_list_all(self):
-        odd = sj.State(jnp.zeros((13, 2)), name='odd_sized_state')
-        keep = sj.State(jnp.ones(3), name='keep')
-        snap = _snapshot([odd, keep])
-
-        def f(x, zeta_kw=None):
-            odd.value = odd.value + 1
-            keep.value = keep.value * 2
-            return x + zeta_kw
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: lambda p, s: s is odd})
-        with self.assertRaises(ValueError) as cm:
-            sm(jnp.zeros(7), zeta_kw=jnp.zeros(11))
-        msg = str(cm.exception)
-        for piece in ('7', '11', '13', 'zeta_kw', 'odd_sized_state'):
-            self.assertIn(piece, msg)
-        _assert_unchanged(self, [odd, keep], snap)
-        # Two positional arguments and axis_size.
-        with self.assertRaises(ValueError) as cm:
-            sj.StatefulMapping(lambda a, b: a + b, axis_size=17)(jnp.zeros(7), jnp.zeros(11))
-        for piece in ('7', '11', '17'):
-            self.assertIn(piece, str(cm.exception))
-
-    def test_axis_name_collectives(self):
-        mean = sj.State(jnp.array(0.0), name='mean_state')
-
-        def f(x):
-            total = lax.psum(x, 'lanes')
-            mean.value = lax.pmean(x, 'lanes')     # unbatched: same on every lane
-            return x / total
-
-        sm = sj.StatefulMapping(f, in_axes=0, axis_name='lanes',
-                                unexpected_out_state_mapping='raise')
-        x = jnp.array([1.0, 2.0, 3.0, 4.0])
-        out = sm(x)
-        np.testing.assert_allclose(out, np.asarray(x) / 10.0)
-        self.assertEqual(mean.value.shape, ())
-        np.testing.assert_allclose(mean.value, 2.5)
-
-    def test_axis_name_with_batched_state_only(self):
-        h = sj.State(jnp.array([1.0, 2.0, 3.0]), name='h_coll')
-
-        def f():
-            h.value = h.value / lax.psum(h.value, 'i')
-            return lax.axis_index('i')
-
-        sm = sj.StatefulMapping(f, state_in_axes={0: lambda p, s: s is h}, axis_name='i')
-        out = sm()
-        np.testing.assert_array_equal(out, [0, 1, 2])
-        np.testing.assert_allclose(h.value, np.array([1.0, 2.0, 3.0]) / 6.0)
-
-    def test_out_axes(self):
-        out = sj.StatefulMapping(lambda v: v * 2, in_axes=0, out_axes=1)(
-            jnp.arange(12.0).reshape(4, 3))
-        np.testing.assert_allclose(out, np.arange(12.0).reshape(4, 3).T * 2)
-
-
-# =============================================================================
-# StatefulMapping: composition with other transformations
-# =============================================================================
-
-class MappingNestingTest(unittest.TestCase):
-
-    def _writing(self):
-        h = sj.HiddenState(jnp.arange(12.0).reshape(4, 3), name='h_nest')
-        rng = sj.RandomState(21, name='rng_nest')
-
-        def f(x):
-            h.value = h.value * 0.5 + x + jax.random.uniform(rng.split_key(), (3,))
-            return h.value.sum()
-
-        return h, rng, sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
-
-    def test_inside_stateful_function(self):
-        h, rng, sm = self._writing()
-        x = jnp.arange(12.0).reshape(4, 3) / 7
-        h0, k0 = h.value, rng.value
-        direct = np.asarray(sm(x))
-        h_direct, k_direct = np.asarray(h.value), _host(rng.value)
-        h.value, rng.value = h0, k0
-        sf = sj.StatefulFunction(lambda v: sm(v).sum() * 2)
-        out = sf(x)
-        np.testing.assert_allclose(out, direct.sum() * 2, rtol=1e-6)
-        np.testing.assert_allclose(h.value, h_direct, rtol=1e-6)
-        np.testing.assert_array_equal(_host(rng.value), k_direct)
-        states = sf.get_states(x)
-        self.assertIn(h, states)
-        self.assertIn(rng, states)
-        self.assertIn(h, sf.get_write_states(x))
-        self.assertIn(rng, sf.get_write_states(x))
-        _mp_assert_no_tracer(self, [h, rng])
-        # Second call continues from the new values.
-        sf(x)
-        self.assertFalse(np.allclose(h.value, h_direct))
-
-    def _reading(self):
-        w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w_read')
-        bias = sj.State(jnp.array(1.5), name='bias_read')
-        sm = sj.StatefulMapping(lambda x: (w.value * x).sum() + bias.value,
-                                in_axes=0, state_in_axes={0: sj.ParamState})
-        return w, bias, sm
-
-    def test_read_only_inside_stateful_function_through_jit(self):
-        w, bias, sm = self._reading()
-        sf = sj.StatefulFunction(lambda v: jax.jit(lambda u: sm(u) * 2)(v))
-        x = jnp.ones((4, 3))
-        np.testing.assert_allclose(sf(x), (np.arange(12.0).reshape(4, 3).sum(1) + 1.5) * 2)
-        self.assertIn(w, sf.get_states(x))
-        self.assertIn(bias, sf.get_states(x))
-        w.value = w.value * 0 + 1.0        # not baked into the compiled program
-        np.testing.assert_allclose(sf(x), (3.0 + 1.5) * 2 * np.ones(4))
-
-    def test_read_only_inside_stateful_function_through_scan(self):
-        w, bias, sm = self._reading()
-        acc = sj.State(jnp.zeros(4), name='acc_scan')
-
-        def outer(xs):
-            def body(c, x):
-                return c + sm(x), None
-            total, _ = lax.scan(body, jnp.zeros(4), xs)
-            acc.value = acc.value + total      # written at the top level
-            return total
-
-        sf = sj.StatefulFunction(outer)
-        xs = jnp.ones((2, 4, 3))
-        expected = 2 * (np.arange(12.0).reshape(4, 3).sum(1) + 1.5)
-        np.testing.assert_allclose(sf(xs), expected)
-        np.testing.assert_allclose(acc.value, expected)
-        self.assertIn(w, sf.get_states(xs))
-        bias.value = jnp.array(0.0)
-        np.testing.assert_allclose(sf(xs), expected - 3.0)
-
-    def test_writing_mapping_at_top_level_next_to_scan(self):
-        h, rng, sm = self._writing()
-        h0, k0 = h.value, rng.value
-        x = jnp.ones((4, 3))
-        direct = np.asarray(sm(x))
-        h_direct, k_direct = np.asarray(h.value), _host(rng.value)
-        h.value, rng.value = h0, k0
-
-        def outer(v):
-            y = sm(v)
-            s, _ = lax.scan(lambda c, t: (c + t, None), 0.0, y)
-            return s
-
-        out = sj.StatefulFunction(outer)(x)
-        np.testing.assert_allclose(out, direct.sum(), rtol=1e-6)
-        np.testing.assert_allclose(h.value, h_direct, rtol=1e-6)
-        np.testing.assert_array_equal(_host(rng.value), k_direct)
-
-    def test_mapping_inside_mapping(self):
-        W = sj.State(jnp.arange(24.0).reshape(2, 3, 4), name='W2')
-        rng = sj.RandomState(4, name='rng2')
-        k0 = _host(rng.value)
-        pick = {0: lambda p, s: s is W}
-
-        def inner_fn(x):
-            W.value = W.value + x
-            return x * 10 + jax.random.uniform(rng.split_key(), ())
-
-        inner = sj.StatefulMapping(inner_fn, in_axes=0, state_in_axes=pick)
-        outer = sj.StatefulMapping(lambda xs: inner(xs), in_axes=0, state_in_axes=pick)
-        x = jnp.arange(6.0).reshape(2, 3)
-        out = np.asarray(outer(x))
-        self.assertEqual(out.shape, (2, 3))
-        frac = out - np.asarray(x) * 10
-        self.assertTrue(np.all((frac >= 0) & (frac < 1)), frac)
-        self.assertEqual(len(set(frac.ravel().tolist())), 6)   # 6 independent lanes
-        np.testing.assert_allclose(
-            W.value, np.arange(24.0).reshape(2, 3, 4) + np.asarray(x)[:, :, None])
-        self.assertEqual(rng.value.shape, (2,))
-        self.assertFalse(np.array_equal(_host(rng.value), k0))
-        _mp_assert_no_tracer(self, [W, rng])
-
-    def test_collectives_over_both_axes_of_nested_mappings(self):
-        tot = sj.State(jnp.array(0.0), name='tot2')
-
-        def inner_fn(x):
-            tot.value = lax.psum(x, ('i', 'j'))     # unbatched: reduced over both axes
-            return x / lax.psum(x, 'i')
-
-        inner = sj.StatefulMapping(inner_fn, axis_name='j', unexpected_out_state_mapping='raise')
-        outer = sj.StatefulMapping(lambda xs: inner(xs), axis_name='i',
-                                   unexpected_out_state_mapping='raise')
-        x = np.arange(1.0, 7.0, dtype=np.float32).reshape(2, 3)
-        np.testing.assert_allclose(outer(jnp.asarray(x)), x / x.sum(0), rtol=1e-6)
-        self.assertEqual(tot.value.shape, ())
-        np.testing.assert_allclose(tot.value, 21.0)
-
-    def test_read_only_under_plain_jit_and_grad(self):
-        w, bias, sm = self._reading()
-        x = jnp.arange(12.0).reshape(4, 3) / 3
-        expected = (np.arange(12.0).reshape(4, 3) * np.asarray(x)).sum(1) + 1.5
-        np.testing.assert_allclose(sm(x), expected, rtol=1e-6)
-        np.testing.assert_allclose(w.value, np.arange(12.0).reshape(4, 3))   # only read
-        np.testing.assert_allclose(jax.jit(sm)(x), expected, rtol=1e-6)
-        np.testing.assert_allclose(jax.jit(lambda v: sm(v) + 1)(x), expected + 1, rtol=1e-6)
-        g = jax.grad(lambda v: sm(v).sum())(x)
-        np.testing.assert_allclose(g, np.arange(12.0).reshape(4, 3))
-        self.assertEqual(w.value.shape, (4, 3))
-        _mp_assert_no_tracer(self, [w, bias])
-
-    def test_writing_under_plain_jit_and_grad_raises(self):
-        h, rng, sm = self._writing()
-        x = jnp.ones((4, 3))
-        snap = _snapshot([h, rng])
-        with self.assertRaises(sj.TraceContextError):
-            jax.jit(lambda v: sm(v))(x)
-        _assert_unchanged(self, [h, rng], snap)
-        with self.assertRaises(sj.TraceContextError):
-            jax.grad(lambda v: sm(v).sum())(x)
-        _assert_unchanged(self, [h, rng], snap)
-        # Drawing random numbers writes the RandomState too.
-        rng2 = sj.RandomState(0, name='only_draws')
-        draw = sj.StatefulMapping(lambda v: v + jax.random.normal(rng2.split_key(), ()))
-        snap2 = _snapshot([rng2])
-        with self.assertRaises(sj.TraceContextError):
-            jax.jit(draw)(jnp.zeros(3))
-        _assert_unchanged(self, [rng2], snap2)
-        # The mapping still works afterwards.
-        sm(x)
-        self.assertFalse(np.array_equal(np.asarray(h.value), snap[0][1][0]))
-
-
-# =============================================================================
-# StatefulMapping: 8 devices (pmap and shard_map)
-# =============================================================================
-
-class MappingDevicesTest(unittest.TestCase):
-
-    def _run(self, mapping_fn):
-        h = sj.HiddenState(jnp.arange(24.0).reshape(8, 3), name='h_dev')
-        v = sj.State(jnp.arange(16.0).reshape(2, 8), name='v_dev')   # batched on axis 1
-        shared = sj.State(jnp.array([1.0, 2.0, 3.0]), name='shared_dev')
-        rng = sj.RandomState(8, name='rng_dev')
-
-        def f(x):
-            h.value = h.value + x * shared.value
-            v.value = v.value * 2
-            noise = _mp_bits(rng.split_key())
-            return lax.psum(x.sum(), 'dev'), noise
-
-        sm = sj.StatefulMapping(f, in_axes=0, axis_name='dev', mapping_fn=mapping_fn,
-                                state_in_axes={0: sj.HiddenState, 1: lambda p, s: s is v})
-        x = jnp.arange(24.0).reshape(8, 3) / 10
-        outs = [sm(x), sm(x)]
-        return outs, [h, v, shared, rng]
-
-    def _compare(self, mapping_fn):
-        _mp_need_8_devices(self)
-        ref_outs, ref_states = self._run(jax.vmap)
-        outs, states = self._run(mapping_fn)
-        for (o, n), (ro, rn) in zip(outs, ref_outs):
-            np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-6)
-            np.testing.assert_array_equal(_host(n), _host(rn))
-        for s, r in zip(states, ref_states):
-            self.assertEqual(s.value.shape, r.value.shape, s)
-            self.assertEqual(s.value.dtype, r.value.dtype, s)
-            np.testing.assert_allclose(_host(s.value), _host(r.value), rtol=1e-6)
-        self.assertEqual(states[1].value.shape, (2, 8))
-        self.assertEqual(len(set(map(tuple, _host(outs[0][1]).tolist()))), 8)
-        self.assertEqual(len(outs[0][1].sharding.device_set), 8)   # ran on 8 devices
-
-    def test_pmap(self):
-        self._compare(jax.pmap)
-
-    def test_shard_map_mapper(self):
-        self._compare(_mp_shard_mapper)
-
-    def test_shard_map_mapper_is_sharded(self):
-        _mp_need_8_devices(self)
-        seen = []
-
-        def f(x):
-            seen.append(x.shape)
-            return x * 2
-
-        out = sj.StatefulMapping(f, mapping_fn=_mp_shard_mapper)(jnp.arange(8.0))
-        np.testing.assert_allclose(out, np.arange(8.0) * 2)
-        self.assertEqual(seen, [()])                        # traced once, per lane
-        self.assertEqual(len(out.sharding.device_set), 8)   # ran on 8 devices
-
-
-# =============================================================================
-# StatefulMapping: failures, cache
-# =============================================================================
-
-class MappingFailureTest(unittest.TestCase):
-
-    def _setup(self, mapping_fn=jax.vmap):
-        h = sj.HiddenState(jnp.arange(6.0).reshape(2, 3), name='h_fail')
-        c = sj.State(jnp.array(1.0), name='c_fail')
-        rng = sj.RandomState(12, name='rng_fail')
-        typed = sj.RandomState(jax.random.key(13), name='typed_fail')
-        fail = [True]
-        calls = [0]
-
-        def f(x):
-            calls[0] += 1
-            h.value = h.value + x + jax.random.uniform(rng.split_key(), ())
-            c.value = c.value + 1
-            y = jax.random.normal(typed.split_key(), ())
-            if fail[0]:
-                raise RuntimeError('boom in lane')
-            return x.sum() + y
-
-        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState},
-                                mapping_fn=mapping_fn)
-        return sm, [h, c, rng, typed], fail, calls
-
-    def test_failure_leaves_states_then_clear_cache(self):
-        sm, states, fail, _ = self._setup()
-        snap = _snapshot(states)
-        x = jnp.ones((2, 3))
-        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
-            sm(x)
-        _assert_unchanged(self, states, snap)
-        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
-            sm(x)
-        _assert_unchanged(self, states, snap)
-        sm.clear_cache()
-        fail[0] = False
-        sm(x)
-        _mp_assert_no_tracer(self, states)
-        h, c, rng, typed = states
-        self.assertEqual(float(c.value), 2.0)
-        self.assertFalse(np.array_equal(_host(rng.value), snap[2][1][0]))
-        self.assertFalse(np.array_equal(_host(typed.value), snap[3][1][0]))
-        self.assertTrue(_is_key(typed.value))      # still a typed key
-
-    def test_failure_on_retrace_after_success(self):
-        sm, states, fail, _ = self._setup()
-        fail[0] = False
-        sm(jnp.ones((2, 3)))
-        snap = _snapshot(states)
-        fail[0] = True
-        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
-            sm(jnp.ones((2, 1)))        # new shape: traced again, fails
-        _assert_unchanged(self, states, snap)
-        sm.clear_cache()
-        fail[0] = False
-        sm(jnp.ones((2, 3)))
-        self.assertEqual(float(states[1].value), 3.0)
-
-    def test_failure_in_mapping_fn_keeps_random_states(self):
-        broken = [True]
-
-        def mapper(f, *a, **kw):
-            mapped = jax.vmap(f, *a, **kw)
-
-            def call(*args):
-                out = mapped(*args)
-                if broken[0]:
-                    raise RuntimeError('mapper broke')
-                return out
-            return call
-
-        sm, states, fail, _ = self._setup(mapper)
-        fail[0] = False
-        snap = _snapshot(states)
-        with self.assertRaisesRegex(RuntimeError, 'mapper broke'):
-            sm(jnp.ones((2, 3)))
-        _assert_unchanged(self, states, snap)
-        sm.clear_cache()
-        broken[0] = False
-        sm(jnp.ones((2, 3)))
-        self.assertEqual(float(states[1].value), 2.0)
-        self.assertFalse(np.array_equal(_host(states[2].value), snap[2][1][0]))
-
-    def test_failure_inside_stateful_function(self):
-        sm, states, fail, _ = self._setup()
-        sf = sj.StatefulFunction(lambda v: sm(v) * 2)
-        snap = _snapshot(states)
-        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
-            sf(jnp.ones((2, 3)))
-        _assert_unchanged(self, states, snap)
-        sm.clear_cache()
-        sf.clear_cache()
-        fail[0] = False
-        sf(jnp.ones((2, 3)))
-        _mp_assert_no_tracer(self, states)
-        self.assertEqual(float(states[1].value), 2.0)
-
-    def test_warm_call_does_no_discovery(self):
-        sm, states, fail, calls = self._setup()
-        fail[0] = False
-        x = jnp.ones((2, 3))
-        sm(x)
-        after_first = calls[0]
-        self.assertGreaterEqual(after_first, 1)
-        sm(x)
-        sm(x * 3)                                   # same shapes, new values
-        states[0].value = states[0].value * 0       # same shape, new state value
-        sm(x)
-        self.assertEqual(calls[0], after_first)
-        self.assertEqual(float(states[1].value), 5.0)
-        states[0].value = jnp.zeros((2, 5))        # new state shape: traced again
-        sm(jnp.ones((2, 5)))
-        self.assertGreater(calls[0], after_first)
-
-    def test_warm_call_does_no_discovery_pmap(self):
-        _mp_need_8_devices(self)
-        calls = [0]
-        w = sj.State(jnp.zeros((8, 2)), name='w_pm')
-
-        def f(x):
-            calls[0] += 1
-            w.value = w.value + x
-            return x
-
-        sm = sj.StatefulMapping(f, state_in_axes={0: lambda p, s: s is w},
-                                mapping_fn=jax.pmap)
-        sm(jnp.ones((8, 2)))
-        n = calls[0]
-        sm(jnp.ones((8, 2)))
-        self.assertEqual(calls[0], n)
-        np.testing.assert_allclose(w.value, 2 * np.ones((8, 2)))
-
-
-# =============================================================================
-# Filters
-# =============================================================================
-
-class FilterTest(unittest.TestCase):
-
-    def setUp(self):
-        self.param = sj.ParamState(jnp.zeros(2), name='p', tag='weights')
-        self.hidden = sj.HiddenState(jnp.zeros(2), name='hid', tag='hidden')
-        self.plain = sj.State(jnp.zeros(2), name='plain')
-        self.long = sj.LongTermState(jnp.zeros(2), name='long', tag='weights')
-        self.all = [self.param, self.hidden, self.plain, self.long]
-
-    def matches(self, filt):
-        pred = sj.to_predicate(filt)
-        self.assertTrue(callable(pred))
-        return [bool(pred((), s)) for s in self.all]
-
-    def test_types(self):
-        self.assertEqual(self.matches(sj.ParamState), [True, False, False, False])
-        self.assertEqual(self.matches(sj.LongTermState), [True, False, False, True])
-        self.assertEqual(self.matches(sj.State), [True, True, True, True])
-        self.assertEqual(self.matches(sj.OfType(sj.HiddenState)), [False, True, False, False])
-        self.assertEqual(self.matches(sj.OfType(sj.ShortTermState)), [False, True, False, False])
-
-    def test_tags(self):
-        self.assertEqual(self.matches('weights'), [True, False, False, True])
-        self.assertEqual(self.matches('hidden'), [False, True, False, False])
-        self.assertEqual(self.matches('nope'), [False, False, False, False])
-
-    def test_predicates(self):
-        seen = []
-
-        def pred(path, s):
-            seen.append(s)
-            return s.name in ('plain', 'hid')
-
-        self.assertEqual(self.matches(pred), [False, True, True, False])
-        self.assertEqual(seen, self.all)
-
-    def test_everything_and_nothing(self):
-        for f in (True, ..., sj.Everything()):
-            with self.subTest(f=f):
-                self.assertEqual(self.matches(f), [True] * 4)
-        for f in (False, None, sj.Nothing()):
-            with self.subTest(f=f):
-                self.assertEqual(self.matches(f), [False] * 4)
-
-    def test_tuples_and_lists_are_any_of(self):
-        self.assertEqual(self.matches((sj.HiddenState, 'weights')), [True, True, False, True])
-        self.assertEqual(self.matches([sj.ParamState, lambda p, s: s.name == 'plain']),
-                         [True, False, True, False])
-        self.assertEqual(self.matches(()), [False] * 4)
-
-    def test_combinators(self):
-        self.assertEqual(self.matches(sj.Any(sj.ParamState, 'hidden')),
-                         [True, True, False, False])
-        self.assertEqual(self.matches(sj.All(sj.LongTermState, 'weights')),
-                         [True, False, False, True])
-        self.assertEqual(self.matches(sj.All(sj.LongTermState, sj.Not(sj.ParamState))),
-                         [False, False, False, True])
-        self.assertEqual(self.matches(sj.Not('weights')), [False, True, True, False])
-        self.assertEqual(self.matches(sj.Not(sj.Any(sj.HiddenState, (sj.ParamState,)))),
-                         [False, False, True, True])
-        self.assertEqual(self.matches(sj.All()), [True] * 4)
-        self.assertEqual(self.matches(sj.Any()), [False] * 4)
-        self.assertEqual(self.matches(sj.All(True, [sj.Nothing(), 'hidden'])),
-                         [False, True, False, False])
-        self.assertEqual(self.matches(sj.Not(None)), [True] * 4)
-
-    def test_unsupported_filter_names_it(self):
-        class Weird:
-            def __repr__(self):
-                return '<weird filter 8231>'
-
-        for bad in (3.25, Weird(), 17):
-            with self.subTest(bad=bad):
-                with self.assertRaises(TypeError) as cm:
-                    sj.to_predicate(bad)
-                self.assertIn(repr(bad), str(cm.exception))
-        with self.assertRaises(TypeError) as cm:
-            sj.Any(sj.ParamState, Weird())
-        self.assertIn('<weird filter 8231>', str(cm.exception))
-        with self.assertRaises(TypeError) as cm:
-            sm = sj.StatefulMapping(lambda x: x, state_in_axes={0: 3.25})
-            sm(jnp.zeros(2))
-        self.assertIn('3.25', str(cm.exception))
-
-    def test_filters_select_batched_states_in_mapping(self):
-        p = sj.ParamState(jnp.arange(4.0), name='p4', tag='t')
-        h = sj.HiddenState(jnp.arange(4.0) * 10, name='h4')
-        s = sj.State(jnp.arange(4.0) * 100, name='s4', tag='t')
-
-        def f():
-            return p.value, h.value, s.value
-
-        cases = [
-            (sj.ParamState, (True, False, False)),
-            ('t', (True, False, True)),
-            ((sj.HiddenState, 't'), (True, True, True)),
-            ([sj.HiddenState], (False, True, False)),
-            (sj.Not('t'), (False, True, False)),
-            (sj.All('t', sj.Not(sj.ParamState)), (False, False, True)),
-            (lambda path, st: st is h, (False, True, False)),
-            (True, (True, True, True)),
-            (..., (True, True, True)),
-            ({0: sj.Everything()}, (True, True, True)),
-            ({0: sj.OfType(sj.HiddenState), -1: 't'}, (True, True, True)),
-        ]
-        for spec, batched in cases:
-            with self.subTest(spec=spec):
-                out = sj.StatefulMapping(f, state_in_axes=spec, axis_size=4)()
-                for o, b, st in zip(out, batched, (p, h, s)):
-                    if b:   # one element per lane
-                        np.testing.assert_allclose(o, st.value)
-                    else:   # broadcast: every lane sees the whole value
-                        np.testing.assert_allclose(o, np.tile(np.asarray(st.value), (4, 1)))
-        for spec in (False, None, sj.Nothing()):
-            with self.subTest(spec=spec):
-                out = sj.StatefulMapping(f, state_in_axes=spec, axis_size=2)()
-                self.assertEqual([o.shape for o in out], [(2, 4)] * 3)
-
-
-# =============================================================================
-# Constant folding
-# =============================================================================
-
-def _mp_subjaxprs(params):
-    for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, _mp_ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, _mp_Jaxpr):
-                yield item
-
-
-def _mp_jaxpr_of(j):
-    return j.jaxpr if isinstance(j, _mp_ClosedJaxpr) else j
-
-
-def _mp_count_eqns(j):
-    j = _mp_jaxpr_of(j)
-    return sum(1 + sum(_mp_count_eqns(s) for s in _mp_subjaxprs(e.params)) for e in j.eqns)
-
-
-def _mp_prims(j):
-    """Primitive names of every equation, nested bodies included."""
-    out = []
-    for e in _mp_jaxpr_of(j).eqns:
-        out.append(e.primitive.name)
-        for s in _mp_subjaxprs(e.params):
-            out += _mp_prims(s)
-    return out
-
-
-def _mp_big_values(j, limit):
-    """Sizes of constants/literals in ``j`` (nested too) with more than ``limit`` elements."""
-    found = []
-    if isinstance(j, _mp_ClosedJaxpr):
-        found += [np.size(c) for c in j.consts if np.size(c) > limit]
-    for e in _mp_jaxpr_of(j).eqns:
-        for v in e.invars:
-            if isinstance(v, _mp_Literal) and np.size(v.val) > limit:
-                found.append(np.size(v.val))
-        for s in _mp_subjaxprs(e.params):
-            found += _mp_big_values(s, limit)
-        for value in e.params.values():
-            if isinstance(value, _mp_ClosedJaxpr):
-                found += [np.size(c) for c in value.consts if np.size(c) > limit]
-    return found
-
-
-def _mp_bind_closed_call(call_jaxpr, *args):
-    prim = jax.extend.core.primitives.closed_call_p
-    got = prim.get_bind_params({'call_jaxpr': call_jaxpr})
-    if isinstance(got, tuple):      # JAX < 0.7: bind(*subfuns, *args, **params)
-        subfuns, params = got
-        return prim.bind(*subfuns, *args, **params)
-    return prim.bind(*args, **got)
-
-
-class FoldInterfaceTest(unittest.TestCase):
-
-    def _check_interface(self, orig, folded):
-        self.assertIs(type(folded), type(orig))
-        oj, fj = _mp_jaxpr_of(orig), _mp_jaxpr_of(folded)
-        self.assertEqual(len(fj.invars), len(oj.invars))
-        for a, b in zip(oj.invars, fj.invars):
-            self.assertEqual(a.aval, b.aval)
-        self.assertEqual(list(fj.invars), list(oj.invars))
-        self.assertEqual([v.aval for v in fj.outvars], [v.aval for v in oj.outvars])
-        if hasattr(oj, 'debug_info'):
-            self.assertEqual(fj.debug_info, oj.debug_info)
-
-    def test_closed_jaxpr(self):
-        C = jnp.arange(6.0).reshape(2, 3)
-
-        def f(x, y):
-            c = lax.mul(lax.sin(C), lax.cos(np.float32(0.5)))
-            return x * c + y, c.sum()
-
-        args = (jnp.ones((2, 3)), jnp.float32(2.0))
-        cj = jax.make_jaxpr(f)(*args)
-        with warnings.catch_warnings():
-            warnings.simplefilter('error', DeprecationWarning)
-            folded = sj.constant_fold_jaxpr(cj)
-            self._check_interface(cj, folded)
-            self.assertLess(len(folded.jaxpr.eqns), len(cj.jaxpr.eqns))
-            for a, b in zip(_eval_closed(cj, *args), _eval_closed(folded, *args)):
-                np.testing.assert_array_equal(a, b)
-            # It also compiles.
-            out = jax.jit(_mp_jaxpr_as_fun(folded))(*args)
-            np.testing.assert_allclose(out[0], _eval_closed(cj, *args)[0], rtol=1e-6)
-        self.assertNotIn('sin', _mp_prims(folded))
-        self.assertNotIn('reduce_sum', _mp_prims(folded))
-
-    def test_bare_jaxpr(self):
-        C = jnp.arange(3.0)
-
-        def f(x):
-            k = lax.exp(lax.cos(np.float32(2.0)))      # literal-only: foldable
-            return x * k + C
-
-        x = jnp.arange(3.0)
-        cj = jax.make_jaxpr(f)(x)
-        with warnings.catch_warnings():
-            warnings.simplefilter('error', DeprecationWarning)
-            folded = sj.constant_fold_jaxpr(cj.jaxpr)
-            self._check_interface(cj.jaxpr, folded)
-            self.assertIsInstance(folded, _mp_Jaxpr)
-            self.assertLess(len(folded.eqns), len(cj.jaxpr.eqns))
-            if not _mp_JAXPR_CARRIES_CONSTS:    # bare: folded values become literals
-                self.assertEqual(list(folded.constvars), list(cj.jaxpr.constvars))
-            got = _eval_closed(_mp_reclose(folded, cj.consts), x)
-        np.testing.assert_array_equal(got[0], _eval_closed(cj, x)[0])
-        self.assertNotIn('cos', _mp_prims(folded))
-
-    def test_debug_info_kept_no_deprecation(self):
-        def f(alpha, beta):
-            # The last output folds to a scalar constant.
-            return alpha * lax.sin(np.float32(1.0)), beta, lax.cos(np.float32(2.0))
-
-        cj = jax.make_jaxpr(f)(1.0, jnp.ones(2))
-        with warnings.catch_warnings():
-            warnings.simplefilter('error', DeprecationWarning)
-            folded = sj.constant_fold_jaxpr(cj)
-            bare = sj.constant_fold_jaxpr(cj.jaxpr)
-            jax.jit(_mp_jaxpr_as_fun(folded)).lower(1.0, jnp.ones(2))
-        self.assertNotIn('cos', _mp_prims(folded))
-        for j in (folded.jaxpr, bare):
-            if _JAX_VERSION >= (0, 5):
-                self.assertIsNotNone(j.debug_info)
-                self.assertEqual(tuple(cj.jaxpr.debug_info.arg_names), ('alpha', 'beta'))
-                self.assertEqual(j.debug_info.arg_names, cj.jaxpr.debug_info.arg_names)
-                self.assertEqual(j.debug_info.result_paths, cj.jaxpr.debug_info.result_paths)
-            self._check_interface(cj.jaxpr, j)
-
-    def test_unused_and_passthrough_inputs(self):
-        C = jnp.arange(4.0)
-
-        def f(x, unused, y, z):
-            const_out = lax.mul(C, np.float32(2.0)) + 1     # output fully constant
-            return x, y + const_out, const_out, x, z
-
-        args = (jnp.float32(3.0), jnp.ones(5), jnp.ones(4), jnp.arange(2))
-        cj = jax.make_jaxpr(f)(*args)
-        folded = sj.constant_fold_jaxpr(cj)
-        self._check_interface(cj, folded)
-        self.assertLess(len(folded.jaxpr.eqns), len(cj.jaxpr.eqns))
-        got = _eval_closed(folded, *args)
-        for a, b in zip(_eval_closed(cj, *args), got):
-            np.testing.assert_array_equal(a, b)
-            self.assertEqual(a.dtype, b.dtype)
-        np.testing.assert_array_equal(got[2], np.arange(4.0) * 2 + 1)
-        # Bare jaxpr too.
-        bare = sj.constant_fold_jaxpr(cj.jaxpr)
-        self._check_interface(cj.jaxpr, bare)
-        for a, b in zip(_eval_closed(cj, *args), _eval_closed(_mp_reclose(bare, cj.consts), *args)):
-            np.testing.assert_array_equal(a, b)
-
-    def test_nested_jit_body_folded(self):
-        K = jnp.arange(3.0) + 1
-
-        def f(x):
-            inner = jax.jit(lambda a: a * lax.cos(np.float32(0.25)) + lax.sin(K))
-            return inner(x) * 2
-
-        x = jnp.ones(3)
-        cj = jax.make_jaxpr(f)(x)
-        folded = sj.constant_fold_jaxpr(cj)
-        self._check_interface(cj, folded)
-        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
-        self.assertNotIn('cos', _mp_prims(folded))
-        self.assertNotIn('sin', _mp_prims(folded))
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
-
-    def test_closed_call_body_folded(self):
-        inner = jax.make_jaxpr(lambda a: a * lax.cos(np.float32(2.0)) + lax.exp(np.float32(1.0)))(
-            jnp.ones(3))
-        cj = jax.make_jaxpr(lambda x: _mp_bind_closed_call(inner, x))(jnp.ones(3))
-        # The primitive is 'closed_call' up to JAX 0.10 and 'eval_jaxpr' from 0.11.
-        self.assertIn(jax.extend.core.primitives.closed_call_p.name, ('closed_call', 'eval_jaxpr'))
-        self.assertIn(jax.extend.core.primitives.closed_call_p.name, _mp_prims(cj))
-        folded = sj.constant_fold_jaxpr(cj)
-        self._check_interface(cj, folded)
-        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
-        self.assertNotIn('cos', _mp_prims(folded))
-        x = jnp.arange(3.0)
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
-
-    def test_jit_of_known_inputs_folded(self):
-        C = jnp.arange(4.0)
-
-        def f(x):
-            return x + jax.jit(lambda c: lax.sin(c) * 2)(C)
-
-        x = jnp.ones(4)
-        cj = jax.make_jaxpr(f)(x)
-        folded = sj.constant_fold_jaxpr(cj)
-        self._check_interface(cj, folded)
-        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
-
-
-class FoldNeverTest(unittest.TestCase):
-
-    def _fold(self, f, *args):
-        cj = jax.make_jaxpr(f)(*args)
-        folded = sj.constant_fold_jaxpr(cj)
-        self.assertEqual([v.aval for v in folded.jaxpr.invars],
-                         [v.aval for v in cj.jaxpr.invars])
-        return cj, folded
-
-    def _count(self, j, names):
-        return sum(1 for p in _mp_prims(j) if p in names or any(n in p for n in names))
-
-    def test_zero_input_equations_kept(self):
-        def f(x):
-            return x + lax.iota(np.float32, 5) + lax.cos(np.float32(1.0))
-
-        x = jnp.ones(5)
-        cj, folded = self._fold(f, x)
-        self.assertEqual(_mp_prims(folded).count('iota'), _mp_prims(cj).count('iota'))
-        self.assertGreaterEqual(_mp_prims(folded).count('iota'), 1)
-        self.assertNotIn('cos', _mp_prims(folded))   # the literal-only one is folded
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
-
-    def test_random_primitives_kept(self):
-        def f(x):
-            k = jax.random.PRNGKey(3)
-            a = jax.random.normal(k, (3,))
-            tk = jax.random.key(4)
-            b = jax.random.uniform(jax.random.split(tk)[1], (3,))
-            key = jnp.array([1, 2, 3, 4], dtype=jnp.uint32)
-            _, bits = lax.rng_bit_generator(key, (3,), dtype=jnp.uint32)
-            return x + a + b + bits.astype(jnp.float32)
-
-        names = ('random_', 'threefry', 'rng_bit_generator')
-        x = jnp.ones(3)
-        cj, folded = self._fold(f, x)
-        self.assertGreater(self._count(cj, names), 0)
-        self.assertEqual(self._count(folded, names), self._count(cj, names))
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
-
-    def test_control_flow_kept(self):
-        C = jnp.arange(3.0)
-
-        def f(x):
-            a = lax.cond(True, lambda c: c * 2, lambda c: c * 3, C)
-            b = lax.while_loop(lambda c: c[0] < 10, lambda c: c + 1, C)
-            s, ys = lax.scan(lambda c, t: (c + t, c * t), 0.0, C)
-            i = lax.fori_loop(0, 3, lambda j, c: c * 2, C)
-            return x + a + b + s + ys + i
-
-        x = jnp.ones(3)
-        cj, folded = self._fold(f, x)
-        for name in ('cond', 'while', 'scan'):
-            with self.subTest(primitive=name):
-                n = _mp_prims(cj).count(name)
-                self.assertGreaterEqual(n, 1)
-                self.assertEqual(_mp_prims(folded).count(name), n)
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
-
-    def test_callbacks_kept(self):
-        calls = []
-        C = jnp.arange(3.0)
-
-        def host(v):
-            calls.append('pure')
-            return np.asarray(v) * 2
-
-        def f(x):
-            jax.debug.callback(lambda v: calls.append('debug'), C)
-            y = jax.pure_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32), C)
-            return x + y
-
-        x = jnp.ones(3)
-        cj, folded = self._fold(f, x)
-        self.assertEqual(calls, [], 'folding ran a callback')
-        for name in ('debug_callback', 'pure_callback'):
-            with self.subTest(primitive=name):
-                n = _mp_prims(cj).count(name)
-                self.assertEqual(n, 1)
-                self.assertEqual(_mp_prims(folded).count(name), n)
-        out = _eval_closed(folded, x)[0]
-        jax.effects_barrier()
-        np.testing.assert_array_equal(out, np.ones(3) + np.arange(3.0) * 2)
-        self.assertIn('debug', calls)
-        self.assertIn('pure', calls)
-
-    def test_io_callback_kept(self):
-        from jax.experimental import io_callback
-        calls = []
-        C = jnp.arange(2.0)
-
-        def host(v):
-            calls.append(1)
-            return np.asarray(v) + 1
-
-        def f(x):
-            return x + io_callback(host, jax.ShapeDtypeStruct((2,), jnp.float32), C)
-
-        cj, folded = self._fold(f, jnp.ones(2))
-        self.assertEqual(calls, [])
-        self.assertEqual(_mp_prims(folded).count('io_callback'), 1)
-        np.testing.assert_array_equal(_eval_closed(folded, jnp.ones(2))[0], [2.0, 3.0])
-
-    def test_large_broadcast_not_materialised(self):
-        def f(x):
-            big = lax.broadcast_in_dim(np.float32(2.0), (256, 256), ())
-            big2 = jnp.zeros((300, 300), jnp.float32) + lax.cos(np.float32(0.0))
-            return x + big, big2
-
-        x = jnp.ones((256, 256))
-        cj, folded = self._fold(f, x)
-        self.assertEqual(_mp_big_values(folded, 4096), [])
-        self.assertGreaterEqual(_mp_prims(folded).count('broadcast_in_dim'), 2)
-        for a, b in zip(_eval_closed(cj, x), _eval_closed(folded, x)):
-            np.testing.assert_array_equal(a, b)
-
-
-# -- a seeded generator of jaxprs ------------------------------------------------
-
-def _mp_gen_program(seed):
-    """A random function of args and closed-over constants.
-
-    Returns ``(fun, args, foldable, literal_foldable, has_jit)``: ``foldable``
-    says that some equation depends only on constants/literals (something can
-    be folded in the ClosedJaxpr), ``literal_foldable`` that some depends on
-    literals only (something can be folded in the bare Jaxpr, whose constvars
-    are unknown), ``has_jit`` that there is a nested ``jax.jit``.
-    """
-    r = random.Random(seed)
-    nr = np.random.RandomState(seed)
-    n_args, n_consts = r.randint(1, 3), r.randint(1, 3)
-    args = [jnp.asarray(nr.randn(3, 4).astype(np.float32)) for _ in range(n_args)]
-    consts = [jnp.asarray(nr.randn(3, 4).astype(np.float32)) for _ in range(n_consts)]
-    is_const = [False] * n_args + [True] * n_consts
-    steps = []
-    flags = {'fold': False, 'literal': False, 'jit': False}
-    unary = [lax.sin, lax.cos, lax.tanh, lax.neg, lax.abs, lambda v: lax.exp(lax.tanh(v))]
-    binary = [lax.add, lax.sub, lax.mul, lax.max, lax.min]
-    kinds = ['unary', 'binary', 'reduce', 'reshape', 'convert', 'scalar', 'literal', 'jit']
-    for _ in range(r.randint(3, 9)):
-        kind = r.choice(kinds)
-        if kind == 'jit':
-            ops = [r.choice([i for i, c in enumerate(is_const) if not c])]
-            K = consts[r.randrange(n_consts)]
-            k = float(r.randint(1, 5))
-            if r.random() < 0.5:
-                fn = jax.jit(lambda a, K=K: lax.mul(a, lax.sin(K)) + 1.0)
-            else:
-                fn = jax.jit(lambda a, k=k: lax.add(a, lax.cos(np.float32(k))))
-                flags['literal'] = True
-            flags['fold'] = True      # the body holds a constant-only subexpression
-            flags['jit'] = True
-            const = False
-        else:
-            n = 2 if kind == 'binary' else 1
-            ops = [r.randrange(len(is_const)) for _ in range(n)]
-            const = all(is_const[i] for i in ops)
-            if kind == 'unary':
-                fn = r.choice(unary)
-            elif kind == 'binary':
-                fn = r.choice(binary)
-            elif kind == 'reduce':
-                axis = r.randint(0, 1)
-                fn = lambda v, axis=axis: lax.broadcast_in_dim(
-                    jnp.sum(v, axis=axis), (3, 4), (1 - axis,))
-            elif kind == 'reshape':
-                if r.random() < 0.5:
-                    fn = lambda v: lax.reshape(lax.reshape(v, (12,)), (3, 4))
-                else:
-                    fn = lambda v: lax.reshape(lax.transpose(v, (1, 0)), (3, 4))
-            elif kind == 'convert':
-                if r.random() < 0.5:
-                    fn = lambda v: lax.convert_element_type(
-                        lax.convert_element_type(v, jnp.float16), jnp.float32)
-                else:
-                    fn = lambda v: lax.convert_element_type(
-                        lax.convert_element_type(lax.mul(lax.tanh(v), np.float32(7.0)),
-                                                 jnp.int32), jnp.float32)
-            elif kind == 'scalar':
-                k = np.float32(r.choice([0.5, 2.0, -1.5, 3.0]))
-                fn = lambda v, k=k: lax.mul(v, k)
-            else:   # 'literal': combine with a subexpression of literals only
-                k = np.float32(r.choice([0.5, 2.0, 1.5]))
-                fn = lambda v, k=k: lax.add(v, lax.exp(lax.cos(k)))
-                flags['literal'] = True
-                flags['fold'] = True
-            if const:
-                flags['fold'] = True
-        steps.append((fn, ops))
-        is_const.append(const)
-    n_pool = len(is_const)
-    outs = sorted(set([n_pool - 1] + [r.randrange(n_pool) for _ in range(r.randint(0, 2))]))
-
-    def program(*xs):
-        pool = list(xs) + list(consts)
-        for fn, ops in steps:
-            pool.append(fn(*[pool[i] for i in ops]))
-        return tuple(pool[i] for i in outs)
-
-    return program, args, flags['fold'], flags['literal'], flags['jit']
-
-
-class FoldGeneratedTest(unittest.TestCase):
-
-    def test_generated_jaxprs(self):
-        n_foldable = n_checked = 0
-        for seed in range(52):
-            program, args, foldable, literal_foldable, has_jit = _mp_gen_program(seed)
-            with self.subTest(seed=seed):
-                cj = jax.make_jaxpr(program)(*args)
-                with warnings.catch_warnings():
-                    warnings.simplefilter('error', DeprecationWarning)
-                    folded = sj.constant_fold_jaxpr(cj)
-                    bare = sj.constant_fold_jaxpr(cj.jaxpr)
-                self.assertIsInstance(folded, _mp_ClosedJaxpr)
-                self.assertIsInstance(bare, _mp_Jaxpr)
-                for f in (folded.jaxpr, bare):
-                    self.assertEqual(list(f.invars), list(cj.jaxpr.invars))
-                    self.assertEqual([v.aval for v in f.outvars],
-                                     [v.aval for v in cj.jaxpr.outvars])
-                    if hasattr(cj.jaxpr, 'debug_info'):
-                        self.assertEqual(f.debug_info, cj.jaxpr.debug_info)
-                expected = _eval_closed(cj, *args)
-                for got in (_eval_closed(folded, *args),
-                            _eval_closed(_mp_reclose(bare, cj.consts), *args)):
-                    self.assertEqual(len(got), len(expected))
-                    for e, g in zip(expected, got):
-                        self.assertEqual(e.dtype, g.dtype)
-                        self.assertEqual(e.shape, g.shape)
-                        if has_jit:
-                            # XLA may fuse a nested jit body and evaluate e.g.
-                            # sin with another approximation than op-by-op.
-                            np.testing.assert_allclose(e, g, rtol=4e-7, atol=1e-7)
-                        else:
-                            np.testing.assert_array_equal(e, g)
-                before = _mp_count_eqns(cj)
-                self.assertLessEqual(_mp_count_eqns(folded), before)
-                self.assertLessEqual(_mp_count_eqns(bare), before)
-                if foldable:
-                    n_foldable += 1
-                    self.assertLess(_mp_count_eqns(folded), before)
-                if literal_foldable:
-                    self.assertLess(_mp_count_eqns(bare), before)
-                n_checked += 1
-        self.assertGreaterEqual(n_checked, 50)
-        self.assertGreaterEqual(n_foldable, 25)      # the generator is not degenerate
-        self.assertLess(n_foldable, n_checked)      # ... and some programs have nothing to fold
-
-
-# =============================================================================
-# Concurrency and memory
-# =============================================================================
-
-
-
-
-_th_N_THREADS = 8
-_th_JOIN_TIMEOUT = 120.0
-
-
-def _th_run_threads(targets, join_timeout=_th_JOIN_TIMEOUT):
-    """Runs each ``target(index)`` in its own thread; returns the exceptions raised.
-
-    Every thread is joined; a thread still alive after ``join_timeout`` counts as
-    an error (a deadlock), so a hang fails the test instead of the suite.
-    """
-    errors = []
-    lock = threading.Lock()
-
-    def wrap(i, target):
-        try:
-            target(i)
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            with lock:
-                errors.append((i, err, traceback.format_exc()))
-
-    threads = [threading.Thread(target=wrap, args=(i, t), daemon=True)
-               for i, t in enumerate(targets)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + join_timeout
-    for i, t in enumerate(threads):
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            errors.append((i, RuntimeError(f'thread {i} still running after '
-                                           f'{join_timeout}s (deadlock?)'), ''))
-    return errors
-
-
-def _th_format_errors(errors):
-    return '\n'.join(f'thread {i}: {type(e).__name__}: {e}\n{tb}' for i, e, tb in errors[:3])
-
-
-def _th_stats(fn):
-    return fn.get_cache_stats()['jaxpr_cache']
-
-
-class Concurrency(unittest.TestCase):
-    """Thread safety: shared callables, caches and States under many threads."""
-
-    def assertNoThreadErrors(self, errors):
-        if errors:
-            self.fail(f'{len(errors)} worker thread(s) failed:\n' + _th_format_errors(errors))
-
-    # -- first calls with different shapes, then cached calls -------------------
-    def test_first_calls_distinct_shapes_then_cached_calls(self):
-        n_threads, n_cached = _th_N_THREADS, 30
-        w = sj.State(jnp.asarray(3.0, jnp.float32), name='w')          # shared, read only
-        acc = {n: sj.State(jnp.zeros((), jnp.float32), name=f'acc{n}')  # one per thread
-               for n in range(1, n_threads + 1)}
-        traces = {}
-        traces_lock = threading.Lock()
-
-        def f(x):
-            n = x.shape[0]
-            with traces_lock:
-                traces[n] = traces.get(n, 0) + 1
-            time.sleep(0.005)   # widen the window in which traces overlap
-            acc[n].value = acc[n].value + jnp.sum(x)
-            return x * w.value + acc[n].value
-
-        sf = sj.StatefulFunction(f)
-        barrier = threading.Barrier(n_threads)
-        results = {}
-
-        def worker(t):
-            n = t + 1
-            x = jnp.arange(n, dtype=jnp.float32)
-            s = float(np.arange(n).sum())
-            barrier.wait()
-            got = []
-            for k in range(1 + n_cached):
-                got.append(np.asarray(sf(x)))
-            expected = [np.arange(n, dtype=np.float32) * 3.0 + s * (k + 1)
-                        for k in range(1 + n_cached)]
-            results[t] = (got, expected)
-
-        errors = _th_run_threads([worker] * n_threads)
-        self.assertNoThreadErrors(errors)
-        for t, (got, expected) in results.items():
-            for k, (g, e) in enumerate(zip(got, expected)):
-                np.testing.assert_array_equal(g, e, err_msg=f'thread {t} call {k}')
-        for n, st in acc.items():
-            self.assertEqual(float(st.value), float(np.arange(n).sum()) * (1 + n_cached))
-            self.assertFalse(_contains_tracer(st._value))
-        self.assertEqual(float(w.value), 3.0)
-        # one trace and one entry per key; a cache hit never re-runs Python
-        self.assertEqual(traces, {n: 1 for n in acc})
-        self.assertEqual(len(sf._cache), n_threads)
-        stats = _th_stats(sf)
-        self.assertEqual(stats['size'], n_threads)
-        self.assertEqual(stats['misses'], n_threads, stats)
-        self.assertEqual(stats['hits'] + stats['misses'], n_threads * (1 + n_cached), stats)
-
-    def test_simultaneous_first_calls_same_key_trace_once(self):
-        n_threads = _th_N_THREADS
-        w = sj.State(jnp.asarray(2.0, jnp.float32), name='w')
-        traces = []
-        traces_lock = threading.Lock()
-
-        def f(x):
-            with traces_lock:
-                traces.append(x.shape)
-            time.sleep(0.02)
-            return x * w.value
-
-        sf = sj.StatefulFunction(f)
-        barrier = threading.Barrier(n_threads)
-        outs = {}
-
-        def worker(t):
-            shape = (2,) if t % 2 else (5,)     # two keys, four threads each
-            x = jnp.ones(shape, jnp.float32) * t
-            barrier.wait()
-            outs[t] = np.asarray(sf(x))
-
-        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
-        for t, out in outs.items():
-            np.testing.assert_array_equal(out, np.full((2,) if t % 2 else (5,), 2.0 * t))
-        self.assertEqual(sorted(traces), [(2,), (5,)])
-        stats = _th_stats(sf)
-        self.assertEqual((stats['size'], stats['misses'], stats['hits']), (2, 2, n_threads - 2),
-                         stats)
-
-    # -- 8 threads x 200 calls over shared functions and mappings ----------------
-    def test_many_threads_many_calls_shared_functions_own_states(self):
-        n_threads, n_calls = _th_N_THREADS, 200
-        lens = (1, 2, 3)              # feature lengths: first calls interleave with hits
-        w = sj.State(jnp.asarray(2.0, jnp.float32), name='w')        # shared, read only
-        c = sj.State(jnp.asarray(1.0, jnp.float32), name='c')        # shared, read only
-        acc = [sj.State(jnp.zeros((), jnp.float32), name=f'acc{t}') for t in range(n_threads)]
-        # per-thread batched hidden state: thread t maps over 2 + t % 3 lanes
-        hid = [sj.HiddenState(jnp.zeros((2 + t % 3,), jnp.float32), name=f'hid{t}')
-               for t in range(n_threads)]
-
-        def step(x, tid):                       # the static tid picks the thread's States
-            acc[tid].value = acc[tid].value + jnp.sum(x) * w.value
-            return x * 2.0 + acc[tid].value
-
-        def read_only(x):                       # every thread shares its keys
-            return x * w.value + c.value
-
-        def lane(x, tid):                       # x: one lane, shape (k,)
-            hid[tid].value = hid[tid].value + jnp.sum(x) + c.value
-            return x * hid[tid].value
-
-        sf = sj.StatefulFunction(step, static_argnums=1)
-        sr = sj.StatefulFunction(read_only)
-        sm = sj.StatefulMapping(lane, in_axes=(0, None), static_argnums=1,
-                                state_in_axes={0: sj.HiddenState})
-        barrier = threading.Barrier(n_threads)
-        keys = {'sf': set(), 'sr': set(), 'sm': set()}
-        keys_lock = threading.Lock()
-        mismatches = []
-
-        def worker(t):
-            rng = random.Random(1000 + t)
-            n_lanes = 2 + t % 3
-            ref_acc = np.float32(0.0)
-            ref_hid = np.zeros((n_lanes,), np.float32)
-            my_keys = {'sf': set(), 'sr': set(), 'sm': set()}
-            barrier.wait()
-            for i in range(n_calls):
-                k = rng.choice(lens)
-                base = np.arange(k, dtype=np.float32) + np.float32((i + t) % 5)
-                kind = i % 3
-                if kind == 0:
-                    out = np.asarray(sf(jnp.asarray(base), t))
-                    ref_acc = np.float32(ref_acc + base.sum() * np.float32(2.0))
-                    ref = base * np.float32(2.0) + ref_acc
-                    my_keys['sf'].add((k, t))
-                elif kind == 1:
-                    out = np.asarray(sr(jnp.asarray(base)))
-                    ref = base * np.float32(2.0) + np.float32(1.0)
-                    my_keys['sr'].add(k)
-                else:
-                    xb = np.stack([base + np.float32(j) for j in range(n_lanes)])
-                    out = np.asarray(sm(jnp.asarray(xb), t))
-                    ref_hid = (ref_hid + xb.sum(axis=1) + np.float32(1.0)).astype(np.float32)
-                    ref = xb * ref_hid[:, None]
-                    my_keys['sm'].add((k, t))
-                if out.shape != ref.shape or not np.array_equal(out, ref):
-                    mismatches.append((t, i, kind, out, ref))
-            if not np.array_equal(np.asarray(acc[t].value), ref_acc):
-                mismatches.append((t, 'acc', acc[t].value, ref_acc))
-            if not np.array_equal(np.asarray(hid[t].value), ref_hid):
-                mismatches.append((t, 'hid', hid[t].value, ref_hid))
-            with keys_lock:
-                for name in keys:
-                    keys[name] |= my_keys[name]
-
-        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
-        self.assertEqual(mismatches[:3], [], f'{len(mismatches)} wrong results')
-        self.assertEqual(float(w.value), 2.0)
-        self.assertEqual(float(c.value), 1.0)
-        for st in acc + hid + [w, c]:
-            self.assertFalse(_contains_tracer(st._value), st)
-        per_kind_calls = {'sf': 0, 'sr': 0, 'sm': 0}
-        for i in range(n_calls):
-            per_kind_calls[('sf', 'sr', 'sm')[i % 3]] += n_threads
-        for name, fn in (('sf', sf), ('sr', sr), ('sm', sm)):
-            stats = _th_stats(fn)
-            with self.subTest(name):
-                self.assertEqual(len(fn._cache), len(keys[name]), stats)
-                self.assertEqual(stats['size'], len(keys[name]), stats)
-                self.assertEqual(stats['hits'] + stats['misses'], per_kind_calls[name], stats)
-                self.assertEqual(stats['misses'], len(keys[name]), stats)
-
-    # -- overlapping traces of different functions sharing one State -------------
-    def _overlapping_traces(self, write):
-        n_threads = _th_N_THREADS
-        original = np.arange(3, dtype=np.float32) + 10.0
-        shared = sj.State(jnp.asarray(original), name='shared')
-        barrier = threading.Barrier(n_threads + 1)
-        tracing_done = threading.Event()
-        seen_in_trace = {}
-        reader_log = {'reads': 0, 'bad': [], 'during_write': 0}
-        # traces now past their write (and before returning); the first such
-        # trace waits until the reader has read while it is there
-        past_write, past_write_lock = [0], threading.Lock()
-        read_during_write = threading.Event()
-
-        def make_fun(i):
-            def f(x):
-                v = shared.value
-                seen_in_trace[i] = isinstance(v, jax.core.Tracer)
-                for _ in range(5):             # let the other traces interleave
-                    time.sleep(0.003)
-                    v = shared.value           # re-read: still this trace's value
-                if write:
-                    shared.value = v + float(i + 1)
-                    with past_write_lock:
-                        past_write[0] += 1
-                    try:
-                        read_during_write.wait(10)
-                        time.sleep(0.003)
-                        return x * shared.value
-                    finally:
-                        with past_write_lock:
-                            past_write[0] -= 1
-                return x * v + float(i)
-            f.__name__ = f'f{i}'
-            return f
-
-        sfs = [sj.StatefulFunction(make_fun(i)) for i in range(n_threads)]
-        jaxprs = {}
-        left_lock, left = threading.Lock(), [n_threads]
-
-        def tracer_worker(i):
-            x = jnp.ones((3,), jnp.float32) * (i + 1)
-            barrier.wait()
-            sfs[i].make_jaxpr(x)
-            jaxprs[i] = (sfs[i].get_jaxpr(x), sfs[i].get_states(x), x)
-
-        def reader(_):
-            barrier.wait()
-            while True:
-                done = tracing_done.is_set()      # read at least once, until traces end
-                with past_write_lock:
-                    during_write = past_write[0] > 0
-                v = shared.value
-                reader_log['reads'] += 1
-                if during_write:                  # that trace waits for this read
-                    reader_log['during_write'] += 1
-                    read_during_write.set()
-                if isinstance(v, jax.core.Tracer) or not np.array_equal(np.asarray(v), original):
-                    reader_log['bad'].append(repr(v))
-                if _contains_tracer(shared._value):
-                    reader_log['bad'].append('tracer in State._value')
-                if done:
-                    break
-                time.sleep(0)
-
-        def tracer_then_signal(i):
-            try:
-                tracer_worker(i)
-            finally:
-                with left_lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        tracing_done.set()
-
-        errors = _th_run_threads([tracer_then_signal] * n_threads + [reader])
-        tracing_done.set()
-        self.assertNoThreadErrors(errors)
-        self.assertEqual(seen_in_trace, {i: True for i in range(n_threads)})
-        self.assertGreater(reader_log['reads'], 0)
-        if write:
-            self.assertGreater(reader_log['during_write'], 0)
-        self.assertEqual(reader_log['bad'][:3], [])
-        # tracing did not change the State and left no tracer in it
-        np.testing.assert_array_equal(np.asarray(shared.value), original)
-        self.assertFalse(_contains_tracer(shared._value))
-        self.assertNotIn('Traced', repr(shared))
-
-        other = np.asarray([1.0, -2.0, 0.5], np.float32)   # proves it is an input, not a constant
-        for i, (closed, states, x) in sorted(jaxprs.items()):
-            with self.subTest(fun=i):
-                self.assertEqual(states, (shared,))
-                self.assertEqual(len(closed.jaxpr.invars), 2)   # x, then shared
-                self.assertFalse(any(isinstance(cst, jax.core.Tracer) for cst in closed.consts))
-                xs = np.asarray(x)
-                for sv in (original, other):
-                    outs = [np.asarray(o) for o in _eval_closed(closed, x, jnp.asarray(sv))]
-                    if write:
-                        new = sv + np.float32(i + 1)
-                        self.assertEqual(len(outs), 2)          # out, new shared value
-                        np.testing.assert_array_equal(outs[0], xs * new)
-                        np.testing.assert_array_equal(outs[1], new)
-                    else:
-                        self.assertEqual(len(outs), 1)
-                        np.testing.assert_array_equal(outs[0], xs * sv + np.float32(i))
-                # jaxpr_call is pure too
-                new_vals, out = sfs[i].jaxpr_call([jnp.asarray(original)], x)
-                if write:
-                    np.testing.assert_array_equal(np.asarray(new_vals[0]),
-                                                  original + np.float32(i + 1))
-                np.testing.assert_array_equal(np.asarray(shared.value), original)
-
-        # afterwards the real calls still work, serially, with the right numbers
-        value = original.copy()
-        for i, sf in enumerate(sfs):
-            x = jnp.ones((3,), jnp.float32) * (i + 1)
-            out = np.asarray(sf(x))
-            if write:
-                value = value + np.float32(i + 1)
-                np.testing.assert_array_equal(out, np.asarray(x) * value)
-            else:
-                np.testing.assert_array_equal(out, np.asarray(x) * original + np.float32(i))
-            np.testing.assert_array_equal(np.asarray(shared.value), value)
-
-    def test_overlapping_traces_reading_shared_state(self):
-        self._overlapping_traces(write=False)
-
-    def test_overlapping_traces_writing_shared_state(self):
-        self._overlapping_traces(write=True)
-
-    def test_concurrent_first_calls_sharing_a_state_are_correct(self):
-        # Real calls (not only traces) of different functions that read one
-        # shared State and each write their own.
-        n_threads = _th_N_THREADS
-        shared = sj.State(jnp.asarray(5.0, jnp.float32), name='shared')
-        own = [sj.State(jnp.zeros((), jnp.float32), name=f'own{i}') for i in range(n_threads)]
-
-        def make_fun(i):
-            def f(x):
-                v = shared.value
-                time.sleep(0.005)
-                own[i].value = own[i].value + v * x
-                return own[i].value + shared.value
-            return f
-
-        sfs = [sj.StatefulFunction(make_fun(i)) for i in range(n_threads)]
-        barrier = threading.Barrier(n_threads)
-        outs = {}
-
-        def worker(i):
-            barrier.wait()
-            outs[i] = [float(sfs[i](jnp.asarray(float(i + 1), jnp.float32))) for _ in range(3)]
-
-        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
-        for i in range(n_threads):
-            step = 5.0 * (i + 1)
-            self.assertEqual(outs[i], [step + 5.0, 2 * step + 5.0, 3 * step + 5.0])
-            self.assertEqual(float(own[i].value), 3 * step)
-        self.assertEqual(float(shared.value), 5.0)
-
-    # -- trace stacks are thread-local ------------------------------------------
-    def test_state_trace_stack_is_thread_local(self):
-        a = sj.State(jnp.asarray(1.0), name='a')
-        b = sj.State(jnp.asarray(2.0), name='b')
-        entered, b_done, a_exit = threading.Event(), threading.Event(), threading.Event()
-        record = {}
-
-        def thread_a(_):
-            with sj.StateTraceStack(name='A') as stack:
-                _ = a.value
-                entered.set()
-                self.assertTrue(b_done.wait(30))
-                record['a_states'] = list(stack.states)
-                record['a_written'] = list(stack.been_writen)
-                # the interleaved exit in thread B did not break LIFO here
-                a_exit.wait(30)
-
-        def thread_b(_):
-            self.assertTrue(entered.wait(30))
-            _ = b.value                          # outside any trace in this thread
-            b.value = jnp.asarray(3.0)
-            record['b_plain'] = float(b.value)
-            with sj.StateTraceStack(name='B') as stack:
-                _ = a.value
-                b.value = jnp.asarray(4.0)
-            record['b_states'] = list(stack.states)
-            record['b_written'] = list(stack.been_writen)
-            b_done.set()
-            a_exit.set()
-
-        self.assertNoThreadErrors(_th_run_threads([thread_a, thread_b]))
-        self.assertEqual(record['a_states'], [a])
-        self.assertEqual(record['a_written'], [False])
-        self.assertEqual(record['b_plain'], 3.0)
-        self.assertEqual(record['b_states'], [a, b])
-        self.assertEqual(record['b_written'], [False, True])
-        self.assertEqual(float(b.value), 4.0)    # recording-only stacks write through
-
-    def test_trace_in_one_thread_invisible_to_stack_in_another(self):
-        # Thread A traces a StatefulFunction (isolating frame) while thread B
-        # has a plain recording stack open: neither sees the other's touches.
-        s_a = sj.State(jnp.asarray(1.0), name='s_a')
-        s_b = sj.State(jnp.asarray(2.0), name='s_b')
-        b_open, a_traced = threading.Event(), threading.Event()
-        record = {}
-
-        def f(x):
-            s_a.value = s_a.value + x
-            return x
-
-        sf = sj.StatefulFunction(f)
-
-        def thread_a(_):
-            self.assertTrue(b_open.wait(30))
-            record['jaxpr'] = sf.get_jaxpr(jnp.asarray(1.0))
-            record['states'] = sf.get_states(jnp.asarray(1.0))
-            a_traced.set()
-
-        def thread_b(_):
-            with sj.StateTraceStack(name='B') as stack:
-                _ = s_b.value
-                b_open.set()
-                self.assertTrue(a_traced.wait(30))
-            record['b_states'] = list(stack.states)
-
-        self.assertNoThreadErrors(_th_run_threads([thread_a, thread_b]))
-        self.assertEqual(record['states'], (s_a,))
-        self.assertEqual(record['b_states'], [s_b])
-        self.assertEqual(float(s_a.value), 1.0)
-
-
-# -- memory ---------------------------------------------------------------------
-
-def _th_referrer_chain(obj, max_depth=6):
-    """A short description of who keeps ``obj`` alive (for failure messages)."""
-    import types
-    lines, seen, frontier = [], {id(obj)}, [obj]
-    ignore = {id(lines), id(seen), id(frontier)}
-    for depth in range(max_depth):
-        nxt = []
-        for o in frontier:
-            for r in gc.get_referrers(o):
-                if id(r) in seen or id(r) in ignore or isinstance(r, types.FrameType):
-                    continue
-                seen.add(id(r))
-                desc = type(r).__name__
-                if isinstance(r, dict):
-                    desc += f' keys={list(r)[:5]}'
-                elif isinstance(r, types.FunctionType):
-                    desc += f' {r.__qualname__}'
-                lines.append('  ' * depth + f'<- {desc}')
-                nxt.append(r)
-                if len(lines) > 40:
-                    return '\n'.join(lines)
-        frontier = nxt
-    return '\n'.join(lines)
-
-
-def _th_build_function_and_states():
-    a = sj.State(jnp.zeros((3,), jnp.float32), name='mem_a')
-    b = sj.State(jnp.ones((), jnp.float32), name='mem_b')
-    rng = sj.RandomState(0)
-
-    def f(x, scale):
-        a.value = a.value + x * b.value * scale
-        return a.value.sum() + jax.random.uniform(rng.split_key())
-
-    sf = sj.StatefulFunction(f, static_argnums=1)
-    for i in range(3):
-        sf(jnp.ones((3,), jnp.float32), 2.0)       # compiled, cached calls
-    sf(jnp.ones((3,), jnp.float32), 3.0)           # a second entry
-    sf.get_jaxpr(jnp.ones((3,), jnp.float32), 2.0)
-    return [weakref.ref(o) for o in (a, b, rng, sf)] + [weakref.ref(f)]
-
-
-def _th_build_mapping_and_states():
-    h = sj.HiddenState(jnp.zeros((4,), jnp.float32), name='mem_h')
-    w = sj.State(jnp.asarray(2.0, jnp.float32), name='mem_w')
-    rng = sj.RandomState(1)
-
-    def lane(x):
-        h.value = h.value + x * w.value + jax.random.uniform(rng.split_key())
-        return h.value * 2
-
-    sm = sj.StatefulMapping(lane, in_axes=0, state_in_axes={0: sj.HiddenState})
-    for _ in range(3):
-        sm(jnp.ones((4,), jnp.float32))
-    return [weakref.ref(o) for o in (h, w, rng, sm)] + [weakref.ref(lane)]
-
-
-def _th_build_nested():
-    inner_state = sj.State(jnp.zeros(()), name='mem_inner')
-    outer_state = sj.State(jnp.zeros(()), name='mem_outer')
-
-    def inner(x):
-        inner_state.value = inner_state.value + x
-        return x * 2
-
-    inner_sf = sj.StatefulFunction(inner)
-    reader_sf = sj.StatefulFunction(lambda x: x * outer_state.value)   # read-only
-
-    def outer(x):
-        outer_state.value = outer_state.value + inner_sf(x)
-        return jax.lax.scan(lambda c, _: (c + reader_sf(c), None), x, None, length=2)[0]
-
-    outer_sf = sj.StatefulFunction(outer)
-    for _ in range(3):
-        outer_sf(jnp.asarray(1.0))
-    inner_sf(jnp.asarray(1.0))
-    return [weakref.ref(o) for o in (inner_state, outer_state, inner_sf, reader_sf, outer_sf)]
-
-
-class Memory(unittest.TestCase):
-    """Objects that go out of scope are freed."""
-
-    def assertAllFreed(self, refs):
-        for _ in range(3):
-            gc.collect()
-        alive = [r() for r in refs if r() is not None]
-        if alive:
-            obj = alive[0]
-            del alive
-            chain = _th_referrer_chain(obj)
-            self.fail(f'{type(obj).__name__} {getattr(obj, "name", "")!r} still alive after '
-                      f'gc.collect(); referrers:\n{chain}')
-
-    def test_stateful_function_and_states_are_freed(self):
-        self.assertAllFreed(_th_build_function_and_states())
-
-    def test_stateful_mapping_and_states_are_freed(self):
-        self.assertAllFreed(_th_build_mapping_and_states())
-
-    def test_nested_stateful_functions_are_freed(self):
-        self.assertAllFreed(_th_build_nested())
-
-    def test_freed_after_use_from_threads(self):
-        def build():
-            s = sj.State(jnp.zeros((), jnp.float32), name='mem_thread')
-
-            def f(x):
-                s.value = s.value + x
-                return x
-
-            sf = sj.StatefulFunction(f)
-            errors = _th_run_threads(
-                [lambda i: [sf(jnp.ones((i % 2 + 1,), jnp.float32)) for _ in range(3)]] * 4)
-            self.assertEqual(errors, [])
-            return [weakref.ref(s), weakref.ref(sf)]
-        self.assertAllFreed(build())
-
-    def test_failed_trace_frees_everything(self):
-        def build():
-            s = sj.State(jnp.zeros(()), name='mem_fail')
-
-            def f(x):
-                s.value = s.value + x
-                raise KeyError('boom')
-
-            sf = sj.StatefulFunction(f)
-            with self.assertRaises(KeyError):
-                sf(jnp.asarray(1.0))
-            return [weakref.ref(s), weakref.ref(sf)]
-        self.assertAllFreed(build())
-
-# ===========================================================================
-# Fault injection and differential fuzzing
-# ===========================================================================
-
-# =============================================================================
-# Reliability, part 1: fault injection
+# -- Fault injection ------------------------------------------------------------
 #
 # A traced function is made to raise at its k-th State access (a State
 # subclass whose ``value`` property counts reads and writes) and at its k-th
@@ -4657,7 +1901,7 @@ class Memory(unittest.TestCase):
 # included) holds the very value object it held before the call and no
 # tracer, that the callable's cache and statistics are unchanged, and that the
 # next call (no fault) returns the numbers of a fault-free twin run.
-# =============================================================================
+
 
 class _fz_Injected(Exception):
     """The fault the harness injects."""
@@ -4672,6 +1916,8 @@ class _fz_InjectedTypeError(TypeError):
 
 
 _fz_EXCEPTIONS = (_fz_Injected, _fz_InjectedValueError, _fz_InjectedTypeError)
+
+
 # At an operation the fault can also be JAX's own error, raised by JAX itself:
 # the program converts a traced value to a Python bool.
 _fz_JAX_ERROR = jax.errors.TracerBoolConversionError
@@ -4742,7 +1988,6 @@ def _fz_op(fn, *args, **kwargs):
 # jax.random's threefry expands to ~100 HLO ops per split/draw, and XLA CPU
 # compile time then dominates these tests; this counter-based hash compiles
 # in a fraction of it.  Threefry keys (raw and typed) are still used, less often.
-
 def _fz_mix(h):
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x85EBCA6B)
@@ -4846,7 +2091,6 @@ class _fz_Scn:
 # Each scenario: make(S) -> a fresh top-level stateful callable f(x, tag=...).
 # ``tag`` is static and unused by the numbers: a new tag is a new cache key
 # with the same result, so every injection point traces afresh.
-
 def _fz_scn_top(S):
     op = _fz_op
 
@@ -5025,7 +2269,10 @@ def _fz_scn_mapping_in_sf(S):
 
 
 _fz_X3 = np.array([0.3, -0.7, 1.1], np.float32)
+
+
 _fz_X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
+
 
 _fz_SCENARIOS = [
     ('top', _fz_scn_top, _fz_X3),
@@ -5235,11 +2482,12 @@ def _fz_scenario_test(name, make, x):
 for _fz_name, _fz_make, _fz_x in _fz_SCENARIOS:
     setattr(FaultInjectionTest, f'test_fault_injection_{_fz_name}',
             _fz_scenario_test(_fz_name, _fz_make, _fz_x))
+
+
 del _fz_name, _fz_make, _fz_x
 
 
-# =============================================================================
-# Reliability, part 2: differential fuzzing
+# -- Differential fuzzing -------------------------------------------------------
 #
 # ``_fz_generate(seed)`` builds a random stateful program as plain data
 # (nested tuples and dicts; print it to read it) and ``_fz_make_main``
@@ -5284,14 +2532,24 @@ del _fz_name, _fz_make, _fz_x
 # Statements: ('let', v, e) ('write', state, path, e) ('draw', rng, kind, v)
 #   ('call', sub, f, v) ('local', v, dom, e, e) [a State created inside]
 #   ('pyif', stmts, stmts) [Python-level branch on the static argument].
-# =============================================================================
+
 
 _FZ_M = 1023   # integers are kept in [0, 1023] with ``& _FZ_M`` (one cheap op)
+
+
 _FZ_DOM = {'f32': 'f', 'c64': 'f', 'i32': 'i', 'bool': 'i'}
+
+
 _FZ_NP = {'f32': np.float32, 'i32': np.int32, 'bool': np.bool_, 'c64': np.complex64}
+
+
 _FZ_SINGLE_CLASSES = ('State', 'ShortTermState', 'LongTermState', 'ParamState',
                       'BatchState', 'HiddenState')
+
+
 _FZ_TREE_CLASSES = ('State', 'LongTermState', 'ParamState')
+
+
 _FZ_FILTERS = ('dict', 'bare', 'predicate', 'combinator')
 
 
@@ -5619,7 +2877,6 @@ def _fz_generate(seed):
 
 
 # -- interpreter ------------------------------------------------------------------
-
 class _fz_Env:
     __slots__ = ('prog', 'W', 'states', 'rngs', 'args', 'static', 'c', 'cf', 'vars', 'locs',
                  'subs', 'specs')
@@ -5932,7 +3189,6 @@ def _fz_make_main(prog, states, rngs, nested):
 
 
 # -- building values ---------------------------------------------------------------
-
 def _fz_leaf_value(nrng, dt, shape, forms=False):
     """A random leaf; with ``forms``, sometimes a numpy array or a Python scalar."""
     if dt == 'f32':
@@ -6097,7 +3353,6 @@ def _fz_state_filter(kind, axis1):
 
 
 # -- the differential check ------------------------------------------------------------
-
 def _fz_check_program(seed, extras=True):
     """Runs every path for the program of ``seed``; raises AssertionError on a mismatch.
 
@@ -6563,8 +3818,1210 @@ def fuzz_main(argv=None):
 
 
 # =============================================================================
-# Many devices, many hosts: sharding kept, buffers donated
-# ======================================================================
+# 7. StatefulFunction
+# =============================================================================
+
+
+class CachingTest(unittest.TestCase):
+
+    def test_hit_never_reruns_python(self):
+        calls = []
+        s = State(jnp.zeros(2))
+
+        def f(x):
+            calls.append(1)
+            s.value = s.value + x
+            return s.value
+        sf = StatefulFunction(f)
+        for _ in range(5):
+            sf(jnp.ones(2))
+        sf.get_jaxpr(jnp.ones(2))
+        sf.jaxpr_call([s.value], jnp.ones(2))
+        self.assertEqual(len(calls), 1)
+        np.testing.assert_array_equal(s.value, 5 * np.ones(2))
+        sf(jnp.ones(3)[:2] * 0)     # same signature, different values: still cached
+        self.assertEqual(len(calls), 1)
+        sf(1.0)                     # new signature
+        self.assertEqual(len(calls), 2)
+        stats = sf.get_cache_stats()['jaxpr_cache']
+        self.assertEqual(stats['size'], 2)
+        self.assertEqual(stats['misses'], 2)
+
+    def test_key_parts(self):
+        sf = StatefulFunction(lambda x, n, flag=False: x * n, static_argnums=1,
+                              static_argnames='flag')
+        k1 = sf.get_arg_cache_key(jnp.ones(2), 3)
+        k2 = sf.get_arg_cache_key(jnp.zeros(2), 3)
+        k3 = sf.get_arg_cache_key(jnp.ones(2), 4)
+        k4 = sf.get_arg_cache_key(jnp.ones(2, jnp.int32), 3)
+        k5 = sf.get_arg_cache_key(jnp.ones(2), 3, flag=True)
+        k6 = sf.get_arg_cache_key(1.0, 3)                       # weak type
+        k7 = sf.get_arg_cache_key(jnp.float32(1.0), 3)
+        self.assertEqual(k1, k2)
+        self.assertEqual(len({k1, k3, k4, k5, k6, k7}), 6)
+        self.assertIsInstance(k1, sj.hashabledict)
+        self.assertEqual(set(k1), {'static_args', 'dyn_args', 'static_kwargs', 'dyn_kwargs'})
+        with self.assertRaises(TypeError):
+            k1['static_args'] = ()
+        self.assertEqual(len(sf._cache), 0)
+        sf.get_arg_cache_key(jnp.ones(2), 3, compile_if_miss=True)
+        self.assertEqual(len(sf._cache), 1)
+
+    def test_negative_static_argnums(self):
+        calls = []
+
+        def f(x, n):
+            calls.append(n)
+            return x * n
+        sf = StatefulFunction(f, static_argnums=-1)
+        self.assertEqual(float(sf(2.0, 3)), 6.0)
+        self.assertEqual(float(sf(2.0, 4)), 8.0)
+        self.assertEqual(float(sf(5.0, 3)), 15.0)
+        self.assertEqual(calls, [3, 4])
+        self.assertEqual(sf.get_arg_cache_key(1.0, 3), sf.get_arg_cache_key(2.0, 3))
+
+    def test_static_args_by_value(self):
+        calls = []
+
+        def f(x, cfg):
+            calls.append(1)
+            return x * len(cfg['layers'])
+        sf = StatefulFunction(f, static_argnums=1)
+        self.assertEqual(float(sf(1.0, {'layers': [1, 2]})), 2.0)
+        self.assertEqual(float(sf(1.0, {'layers': [1, 2]})), 2.0)
+        self.assertEqual(len(calls), 1)
+        with self.assertRaisesRegex(TypeError, 'static positional argument 1.*hashable'):
+            sf(1.0, np.ones(3))
+
+    def test_stale_state_is_retraced(self):
+        calls = []
+        s = State(jnp.ones(2), name='grows')
+
+        def f(x):
+            calls.append(1)
+            s.value = s.value * x
+            return s.value.sum()
+        sf = StatefulFunction(f)
+        self.assertEqual(float(sf(2.0)), 4.0)
+        key = sf.get_arg_cache_key(2.0)
+        self.assertTrue(sf.validate_states(key))
+        s.value = jnp.ones(5)
+        with self.assertRaisesRegex(ValueError, "'grows'"):
+            sf.validate_states(key)
+        self.assertIsInstance(sf.validate_all_states()[key], str)
+        self.assertEqual(float(sf(2.0)), 10.0)
+        self.assertEqual(len(calls), 2)
+        s.value = jnp.ones(5, jnp.float16)        # a dtype change is stale too
+        self.assertEqual(float(sf(2.0)), 10.0)
+        self.assertEqual(len(calls), 3)
+        self.assertEqual(sf.validate_all_states(), {key: True})
+
+    def test_by_cache_accessors(self):
+        s = State(jnp.zeros(2), name='s')
+
+        def f(x):
+            s.value = s.value + x
+            return {'out': x * 2}
+        sf = StatefulFunction(f)
+        x = jnp.ones(2)
+        self.assertIs(sf.make_jaxpr(x), sf)
+        key = sf.get_arg_cache_key(x)
+        self.assertIs(sf.get_jaxpr_by_cache(key), sf.get_jaxpr(x))
+        out_shapes, state_shapes = sf.get_out_shapes_by_cache(key)
+        self.assertEqual(out_shapes['out'].shape, (2,))
+        self.assertEqual(state_shapes[0].shape, (2,))
+        # The structure of (out, one entry per state), so the raw jaxpr
+        # outputs unflatten into (out, new_state_vals).
+        treedef = sf.get_out_treedef_by_cache(key)
+        self.assertEqual(treedef, jax.tree_util.tree_structure(({'out': 0}, (0,))))
+        cj = sf.get_jaxpr_by_cache(key)
+        out, new_vals = treedef.unflatten(jax.core.eval_jaxpr(cj.jaxpr, cj.consts, x, s.value))
+        np.testing.assert_allclose(out['out'], 2 * x)
+        np.testing.assert_allclose(new_vals[0], s.value + x)
+        self.assertEqual(sf.get_states_by_cache(key), (s,))
+        self.assertEqual(sf.get_write_states_by_cache(key), (s,))
+        self.assertEqual(sf.get_read_states_by_cache(key), ())
+        self.assertEqual(sf.get_state_trace_by_cache(key).states, [s])
+        bogus = sj.hashabledict(static_args=(), dyn_args=(), static_kwargs=(), dyn_kwargs=())
+        for getter, context in ((sf.get_jaxpr_by_cache, 'JAX expression'),
+                                (sf.get_out_shapes_by_cache, 'Output shapes'),
+                                (sf.get_out_treedef_by_cache, 'Output tree'),
+                                (sf.get_state_trace_by_cache, 'State trace'),
+                                (sf.get_states_by_cache, 'State trace')):
+            with self.assertRaisesRegex(ValueError, '(?s)' + context + '.*Available.*make_jaxpr'):
+                getter(bogus)
+        with self.assertRaisesRegex(ValueError, 'JAX expression not compiled'):
+            sf.get_jaxpr(jnp.ones(3), compile_if_miss=False)
+
+    def test_constructor_attributes_and_clear_cache(self):
+        sf = StatefulFunction(lambda x: x, static_argnums=(), static_argnames=(), name='nm',
+                              return_only_write=False)
+        for attr in ('fun', 'static_argnums', 'static_argnames', 'axis_env',
+                     'abstracted_axes', 'name', 'return_only_write'):
+            self.assertTrue(hasattr(sf, attr))
+        self.assertEqual(sf.name, 'nm')
+        sf(1.0)
+        sf(1.0)
+        sf(jnp.ones(2))
+        sf.get_jaxpr(jnp.ones(3))
+        stats = sf.get_cache_stats()
+        self.assertEqual(stats.pop('miss_causes'), {'first trace': 1, 'argument shape/dtype': 2})
+        self.assertEqual(set(stats), {'jaxpr_cache', 'out_shapes_cache',
+                                      'jaxpr_out_tree_cache', 'state_trace_cache'})
+        self.assertEqual(stats['jaxpr_cache']['size'], 3)
+        self.assertEqual(stats['jaxpr_cache']['misses'], 3)
+        for name, v in stats.items():           # the four names report the same figures
+            self.assertEqual(v, stats['jaxpr_cache'], name)
+        sf.clear_cache()
+        stats = sf.get_cache_stats()
+        self.assertEqual(stats.pop('miss_causes'), {})
+        for v in stats.values():
+            self.assertEqual(v['size'], 0)
+        self.assertEqual(float(sf(3.0)), 3.0)
+
+    def test_lru_bounds_entries(self):
+        sf = StatefulFunction(lambda x: x + 1)
+        sf._cache = sj.BoundedCache(maxsize=3)
+        for n in range(1, 7):
+            sf(jnp.ones(n))
+        self.assertEqual(len(sf._cache), 3)
+        np.testing.assert_array_equal(sf(jnp.ones(1)), 2 * np.ones(1))
+
+
+class _BindSpy:
+    """Counts Python-level binds of ``lax.add_p`` (op-by-op evaluation)."""
+
+    def __enter__(self):
+        self.count = 0
+        prim = lax.add_p
+        original = prim.bind
+
+        def spy(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+        prim.bind = spy
+        return self
+
+    def __exit__(self, *exc):
+        del lax.add_p.bind
+
+
+class CallingTest(unittest.TestCase):
+
+    def test_call_updates_written_states_only(self):
+        w, r = State(jnp.zeros(2), name='w'), State(jnp.ones(2), name='r')
+        r_before = r.value
+
+        def f(x):
+            w.value = w.value + r.value * x
+            return w.value.sum()
+        sf = StatefulFunction(f)
+        self.assertEqual(float(sf(2.0)), 4.0)
+        self.assertEqual(float(sf(2.0)), 8.0)
+        self.assertIs(r.value, r_before)
+        self.assertEqual(float(sf.jaxpr_call_auto(1.0)), 10.0)
+
+    def test_warm_call_is_compiled_not_op_by_op(self):
+        s = State(jnp.zeros(3))
+
+        def f(x):
+            s.value = s.value + x + 1.0
+            return s.value
+        sf = StatefulFunction(f)
+        sf(jnp.ones(3))
+        with _BindSpy() as spy:
+            sf(jnp.ones(3))
+            sf(jnp.ones(3))
+        self.assertEqual(spy.count, 0)
+        with _BindSpy() as spy, jax.disable_jit():
+            out = sf(jnp.ones(3))
+        self.assertGreater(spy.count, 0)
+        np.testing.assert_array_equal(out, 8 * np.ones(3))
+
+    def test_asynchronous_dispatch_result_is_array(self):
+        sf = StatefulFunction(lambda x: x * 2)
+        self.assertIsInstance(sf(jnp.ones(2)), jax.Array)
+
+    def test_jaxpr_call_is_pure(self):
+        s = State(jnp.ones(()), name='acc')
+        t = State(jnp.full((), 5.0))
+
+        def f(x):
+            s.value = s.value * x + t.value
+            return x
+        sf = StatefulFunction(f)
+        new, out = sf.jaxpr_call([jnp.ones(()), jnp.zeros(())], 3.0)
+        # One entry per state; None for t, which the jaxpr does not return.
+        self.assertIsInstance(new, tuple)
+        self.assertEqual(float(new[0]), 3.0)
+        self.assertIsNone(new[1])
+        self.assertEqual(sf.get_out_shapes(3.0)[1][1], None)
+        new_all, _ = StatefulFunction(f, return_only_write=False).jaxpr_call(
+            [jnp.ones(()), jnp.zeros(())], 3.0)
+        self.assertEqual([float(v) for v in new_all], [3.0, 0.0])
+        self.assertEqual(float(s.value), 1.0)
+        with self.assertRaisesRegex(ValueError, 'State length mismatch'):
+            sf.jaxpr_call([jnp.ones(())], 3.0)
+        with self.assertRaisesRegex(ValueError, "'acc'.*shape"):
+            sf.jaxpr_call([jnp.ones(4), jnp.zeros(())], 3.0)
+
+    def test_jaxpr_call_under_grad_with_written_states(self):
+        s = State(jnp.ones(()), name='s')
+
+        def f(x):
+            s.value = s.value * x
+            return s.value * x
+        sf = StatefulFunction(f)
+
+        def loss(x, sv):
+            new, out = sf.jaxpr_call([sv], x)
+            return out + new[0]
+        g = jax.grad(loss)(2.0, jnp.ones(()))       # d/dx (x^2 + x) at sv=1
+        self.assertAlmostEqual(float(g), 5.0)
+        g = jax.jit(jax.grad(loss, argnums=1))(2.0, jnp.ones(()))
+        self.assertAlmostEqual(float(g), 6.0)
+        vm = jax.vmap(lambda x: sf.jaxpr_call([jnp.ones(())], x)[1])(jnp.arange(3.0))
+        np.testing.assert_allclose(vm, np.arange(3.0) ** 2)
+
+    def test_read_only_call_under_plain_transforms(self):
+        w = State(jnp.array([1.0, 2.0]), name='w')
+        sf = StatefulFunction(lambda x: jnp.sum(w.value * x ** 2))
+        self.assertAlmostEqual(float(jax.jit(lambda x: sf(x))(jnp.ones(2))), 3.0)
+        g = jax.grad(lambda x: sf(x))(jnp.ones(2))
+        g_pure = jax.grad(lambda x: jnp.sum(jnp.array([1.0, 2.0]) * x ** 2))(jnp.ones(2))
+        np.testing.assert_allclose(g, g_pure)
+        np.testing.assert_allclose(jax.vmap(sf)(jnp.ones((3, 2))), 3 * np.ones(3))
+
+    def test_writing_call_under_plain_transform_raises(self):
+        s = State(jnp.zeros(()), name='counter')
+
+        def f(x):
+            s.value = s.value + x
+            return x
+        sf = StatefulFunction(f)
+        for transform in (jax.jit, jax.grad):
+            with self.assertRaisesRegex(TraceContextError, "'counter'.*jaxpr_call"):
+                transform(lambda x: sf(x))(1.0)
+            self.assertEqual(float(s.value), 0.0)
+            self.assertFalse(_tracer_in(s))
+        self.assertEqual(float(sf(2.0)), 2.0)   # and still works afterwards
+        self.assertEqual(float(s.value), 2.0)
+
+    def test_nested_stateful_functions_compose(self):
+        s = State(jnp.zeros(()), name='s')
+        r = State(jnp.full((), 10.0), name='r')
+
+        def inner_f(x):
+            s.value = s.value + x + r.value
+            return s.value
+        inner = StatefulFunction(inner_f)
+
+        def outer_f(x):
+            a = inner(x)
+            b = inner(2 * x)
+            return a + b
+        outer = StatefulFunction(outer_f)
+        closed = outer.get_jaxpr(1.0)
+        self.assertEqual(set(outer.get_states(1.0)), {s, r})
+        self.assertEqual(outer.get_write_states(1.0), (s,))
+        self.assertEqual(len(closed.jaxpr.invars), 3)
+        self.assertEqual(float(outer(1.0)), 11.0 + 23.0)
+        self.assertEqual(float(s.value), 23.0)
+        self.assertFalse(_tracer_in(s))
+
+    def test_read_only_composition_through_scan_cond_jit(self):
+        w = State(jnp.full((), 2.0), name='w')
+        reader = StatefulFunction(lambda x: x * w.value)
+
+        def outer_f(xs):
+            total = lax.scan(lambda c, x: (c + reader(x), None), 0.0, xs)[0]
+            branch = lax.cond(total > 0, lambda: reader(1.0), lambda: reader(-1.0))
+            jitted = jax.jit(lambda y: reader(y))(3.0)
+            return total + branch + jitted
+        outer = StatefulFunction(outer_f)
+        self.assertEqual(float(outer(jnp.arange(3.0))), 6.0 + 2.0 + 6.0)
+        closed = outer.get_jaxpr(jnp.arange(3.0))
+        self.assertEqual(len(closed.jaxpr.invars), 2)     # xs, w: threaded, not baked in
+        w.value = jnp.full((), 1.0)
+        self.assertEqual(float(outer(jnp.arange(3.0))), 3.0 + 1.0 + 3.0)
+
+    def test_state_created_inside_keeps_no_tracer_silently(self):
+        made = []
+
+        def f(x):
+            made.append(State(x * 2, name='local'))
+            return x
+        StatefulFunction(f)(1.0)
+        self.assertTrue(_tracer_in(made[0]))
+        with self.assertRaisesRegex(TraceContextError, r"'local'.*test_stateful_jaxpr\.py"):
+            made[0].value
+        self.assertIn('finished trace', repr(made[0]))
+
+    def test_local_state_used_inside_trace(self):
+        def f(x):
+            tmp = State(x)
+            tmp.value = tmp.value + 1
+            return tmp.value * 2
+        sf = StatefulFunction(f)
+        self.assertEqual(float(sf(1.0)), 4.0)
+        self.assertEqual(sf.get_states(1.0), ())
+
+
+# -- constructors and configuration --------------------------------------------
+class ErrorsConstruction(ErrorsBase):
+
+    def test_non_callable(self):
+        self.check(TypeError, lambda: sj.StatefulFunction(12345),
+                   culprit=['12345'], fix=['callable'])
+
+    def test_generator_function(self):
+        def er_gen(x):
+            yield x
+        self.check(TypeError, lambda: sj.StatefulFunction(er_gen),
+                   culprit=['er_gen'], fix=['return'])
+
+    def test_staticmethod_object(self):
+        def er_static_fn(x):
+            return x
+        for wrap in (staticmethod, classmethod):
+            with self.subTest(wrapper=wrap.__name__):
+                self.check(TypeError, lambda: sj.StatefulFunction(wrap(er_static_fn)),
+                           culprit=[wrap.__name__], fix=['__func__'])
+
+    def test_static_argnums_not_ints(self):
+        self.check(TypeError, lambda: sj.StatefulFunction(lambda x: x, static_argnums='x'),
+                   culprit=['static_argnums', "'x'"], fix=['int'])
+
+    def test_unknown_unexpected_out_state_mapping(self):
+        self.check(ValueError, lambda: sj.StatefulMapping(
+            lambda x: x, unexpected_out_state_mapping='explode'),
+                   culprit=['unexpected_out_state_mapping', "'explode'"],
+                   fix=["'raise'", "'warn'"])
+
+    def test_unsupported_filter(self):
+        self.check(TypeError, lambda: sj.StatefulMapping(lambda x: x, state_in_axes=42),
+                   culprit=['42'], fix=['State subclass', 'predicate'])
+
+    def test_state_in_axes_key_not_an_int(self):
+        self.check(TypeError, lambda: sj.StatefulMapping(
+            lambda x: x, state_in_axes={'batch': sj.HiddenState}),
+                   culprit=['state_in_axes', "'batch'"], fix=['{0: filter}'])
+
+    def test_bad_axis_size(self):
+        self.check(ValueError, lambda: sj.StatefulMapping(lambda x: x, axis_size=0),
+                   culprit=['axis_size', '0'], fix=['positive int'])
+
+    def test_mapping_fn_not_callable(self):
+        self.check(TypeError, lambda: sj.StatefulMapping(lambda x: x, mapping_fn='vmap'),
+                   culprit=['mapping_fn', "'vmap'"], fix=['callable'])
+
+    def test_abstracted_axes_on_jax_without_it(self):
+        s = sj.State(jnp.zeros(()), name='er_abstract')
+
+        def f(x):
+            s.value = s.value + 1
+            return x * 2
+        spec = ({0: 'n'},)
+        fix = ['drop abstracted_axes and trace once per concrete shape']
+        if _JAX_VERSION >= (0, 8, 2):      # removed from JAX: refused up front
+            for ctor in (lambda: sj.StatefulFunction(f, abstracted_axes=spec),
+                         lambda: sj.make_jaxpr(f, abstracted_axes=spec)):
+                self.check(NotImplementedError, ctor, [s],
+                           culprit=[f'not supported by the installed JAX {jax.__version__}'],
+                           fix=fix)
+            return
+        # Older JAX without jax_dynamic_shapes: accepted, refused when traced.
+        self.assertFalse(jax.config.jax_dynamic_shapes)
+        sf = sj.StatefulFunction(f, abstracted_axes=spec)
+        for call in (lambda: sf(jnp.ones(3)),
+                     lambda: sj.make_jaxpr(f, abstracted_axes=spec)(jnp.ones(3))):
+            self.check(NotImplementedError, call, [s],
+                       culprit=[f'cannot be honoured by JAX {jax.__version__}'], fix=fix)
+
+    def test_abstracted_axes_in_mapping(self):
+        self.check(NotImplementedError, lambda: sj.StatefulMapping(
+            lambda x: x, abstracted_axes=({0: 'n'},)),
+                   culprit=['abstracted_axes'], fix=['concrete shapes'])
+
+    def test_bounded_cache_non_int_maxsize(self):
+        for bad in ('10', 2.5, True, None):
+            with self.subTest(maxsize=bad):
+                self.check(ValueError, lambda: sj.BoundedCache(bad),
+                           culprit=['maxsize', repr(bad)], fix=['int >= 1'])
+
+    def test_bounded_cache_negative_maxsize(self):
+        for bad in (-1, 0):
+            with self.subTest(maxsize=bad):
+                self.check(ValueError, lambda: sj.BoundedCache(maxsize=bad),
+                           culprit=['maxsize', repr(bad)], fix=['int >= 1'])
+
+    def test_random_state_bad_seed(self):
+        self.check(ValueError, lambda: sj.RandomState('abc', name='er_rng_seed'),
+                   culprit=["'er_rng_seed'", 'str'], fix=['int seed'])
+
+    def test_random_state_bad_key(self):
+        self.check(ValueError, lambda: sj.RandomState(jnp.zeros(3), name='er_rng_key'),
+                   culprit=["'er_rng_key'", 'float32'], fix=['uint32[2]'])
+
+    def test_random_state_reseed_with_bad_seed(self):
+        rng = sj.RandomState(0, name='er_rng_reseed')
+        self.check(ValueError, lambda: rng.seed('abc'), [rng],
+                   culprit=self.site('er_rng_reseed') + ['str'], fix=['int seed'])
+
+    def test_random_state_split_key_bad_n(self):
+        rng = sj.RandomState(0, name='er_rng_split')
+        self.check(ValueError, lambda: rng.split_key(0), [rng],
+                   culprit=self.site('er_rng_split') + ['split_key(n)', 'got 0'],
+                   fix=['int n >= 1'])
+
+    def test_random_state_restore_key_without_backup(self):
+        rng = sj.RandomState(0, name='er_rng_restore')
+        self.check(ValueError, rng.restore_key, [rng],
+                   culprit=self.site('er_rng_restore'),
+                   fix=['restore_key() without a backup_key()', 'call backup_key() first'])
+
+
+# -- calls, static arguments, jaxpr_call and the cache --------------------------
+class ErrorsCalls(ErrorsBase):
+
+    def setUp(self):
+        self.w = sj.State(jnp.ones(2), name='er_w')
+        self.n = sj.State(jnp.zeros((), jnp.int32), name='er_n')
+
+        def step(x):
+            self.n.value = self.n.value + 1
+            return (self.w.value * x).sum()
+        self.step = step
+
+    def test_unhashable_static_positional_argument(self):
+        class Unhashable:
+            __hash__ = None
+        sf = sj.StatefulFunction(lambda x, cfg: self.step(x), static_argnums=1)
+        self.check(TypeError, lambda: sf(jnp.ones(2), Unhashable()), [self.w, self.n],
+                   culprit=['argument 1', 'Unhashable'], fix=['hashable'])
+
+    def test_unhashable_static_keyword_argument(self):
+        sf = sj.StatefulFunction(lambda x, cfg=None: self.step(x), static_argnames='cfg')
+        self.check(TypeError, lambda: sf(jnp.ones(2), cfg=np.ones(3)), [self.w, self.n],
+                   culprit=["'cfg'", 'ndarray'], fix=['hashable'])
+
+    def test_static_argnums_out_of_range(self):
+        sf = sj.StatefulFunction(lambda x, k=1: self.step(x), static_argnums=3)
+        self.check(ValueError, lambda: sf(jnp.ones(2)), [self.w, self.n],
+                   culprit=['static_argnums', '3'], fix=['positionally'])
+
+    def test_non_jax_dynamic_argument(self):
+        sf = sj.StatefulFunction(lambda x, mode: self.step(x))
+        self.check(TypeError, lambda: sf(jnp.ones(2), 'fast'), [self.w, self.n],
+                   culprit=['argument [1]', 'str'], fix=['static_argnums'])
+
+    def test_jaxpr_call_wrong_number_of_state_values(self):
+        sf = sj.StatefulFunction(self.step)
+        sf.make_jaxpr(jnp.ones(2))
+        self.check(ValueError, lambda: sf.jaxpr_call([jnp.ones(2)], jnp.ones(2)),
+                   [self.w, self.n],
+                   culprit=['State length mismatch', "er_w", "er_n"],
+                   fix=['one value per state'])
+
+    def test_jaxpr_call_wrong_state_shape(self):
+        sf = sj.StatefulFunction(self.step)
+        states = sf.get_states(jnp.ones(2))
+        vals = [jnp.ones(5) if s is self.w else s.value for s in states]
+        self.check(ValueError, lambda: sf.jaxpr_call(vals, jnp.ones(2)), [self.w, self.n],
+                   culprit=self.site('er_w') + ["given for State 'er_w'",
+                                                "has structure/shapes (PyTreeDef(*), (((5,),",
+                                                "traced with (PyTreeDef(*), (((2,),"],
+                   fix=['pass a value of the traced shape and dtype'])
+
+    def test_jaxpr_call_wrong_state_dtype(self):
+        sf = sj.StatefulFunction(self.step)
+        states = sf.get_states(jnp.ones(2))
+        vals = [jnp.zeros((), jnp.float32) if s is self.n else s.value for s in states]
+        self.check(ValueError, lambda: sf.jaxpr_call(vals, jnp.ones(2)), [self.w, self.n],
+                   culprit=self.site('er_n') + [
+                       "has structure/shapes (PyTreeDef(*), (((), dtype('float32')),))",
+                       "traced with (PyTreeDef(*), (((), dtype('int32')),))"],
+                   fix=['pass a value of the traced shape and dtype'])
+
+    def test_get_jaxpr_by_cache_unknown_key(self):
+        sf = sj.StatefulFunction(self.step)
+        sf.make_jaxpr(jnp.ones(2))
+        unknown = sf.get_arg_cache_key(jnp.ones(7))
+        self.check(ValueError, lambda: sf.get_jaxpr_by_cache(unknown), [self.w, self.n],
+                   culprit=['JAX expression', 'Requested key', '7'],
+                   fix=['make_jaxpr()'])
+
+    def test_other_by_cache_accessors_unknown_key(self):
+        sf = sj.StatefulFunction(self.step)
+        sf.make_jaxpr(jnp.ones(2))
+        manual = sj.hashabledict(static_args=(), dyn_args=(), static_kwargs=(),
+                                 dyn_kwargs=())
+        for name, context in [('get_out_shapes_by_cache', 'Output shapes'),
+                              ('get_out_treedef_by_cache', 'Output tree'),
+                              ('get_state_trace_by_cache', 'State trace'),
+                              ('get_states_by_cache', 'State trace'),
+                              ('get_read_states_by_cache', 'State trace'),
+                              ('get_write_states_by_cache', 'State trace'),
+                              ('validate_states', 'State trace')]:
+            with self.subTest(accessor=name):
+                self.check(ValueError, lambda: getattr(sf, name)(manual), [self.w, self.n],
+                           culprit=[context, 'Requested key', 'Available'],
+                           fix=['make_jaxpr()'])
+
+    def test_validate_states_after_shape_change(self):
+        sf = sj.StatefulFunction(self.step)
+        key = sf.get_arg_cache_key(jnp.ones(2), compile_if_miss=True)
+        self.w.value = jnp.ones(3)
+        self.check(ValueError, lambda: sf.validate_states(key), [self.w, self.n],
+                   culprit=self.site('er_w') + [
+                       "changed from (PyTreeDef(*), (((2,), dtype('float32')),))",
+                       "to (PyTreeDef(*), (((3,), dtype('float32')),)) since it was traced"],
+                   fix=['the next call retraces'])
+
+
+_add_with_checks(CachingTest, CallingTest)
+
+
+class ThreadTest(unittest.TestCase):
+
+    def test_concurrent_first_calls_one_entry_per_key(self):
+        s = State(jnp.ones(()), name='scale')
+        sf = StatefulFunction(lambda x: x * s.value)
+        barrier = threading.Barrier(8)
+        errors, results = [], {}
+
+        def work(i):
+            try:
+                barrier.wait()
+                x = jnp.arange(float(i + 1))
+                for _ in range(20):
+                    results[i] = np.asarray(sf(x))
+            except Exception as err:  # pragma: no cover - reported below
+                errors.append(err)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        for i in range(8):
+            np.testing.assert_array_equal(results[i], np.arange(float(i + 1)))
+        stats = sf.get_cache_stats()['jaxpr_cache']
+        self.assertEqual(stats['size'], 8)
+        self.assertEqual(stats['misses'], 8)
+        self.assertEqual(stats['hits'] + stats['misses'], 160)
+
+    def test_tracing_never_exposes_tracers_to_other_threads(self):
+        # The traced function writes the shared State, then blocks inside the
+        # trace while the main thread reads it: the read gets the real value.
+        shared = State(jnp.full((), 3.0), name='shared')
+        written = threading.Event()
+        done = threading.Event()
+        seen = []
+
+        def slow(x):
+            shared.value = shared.value * x         # a write, inside the trace
+            written.set()
+            done.wait(30)
+            return shared.value
+        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)))
+        t.start()
+        try:
+            self.assertTrue(written.wait(30), 'the trace never reached its write')
+            self.assertTrue(t.is_alive())            # still blocked inside the trace
+            self.assertEqual(seen, [])
+            observed = shared.value                  # read while the write is pending
+            stored = shared._value
+        finally:
+            done.set()
+            t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assertNotIsInstance(observed, jax.core.Tracer)
+        self.assertFalse(_contains_tracer(stored))
+        self.assertEqual(float(observed), 3.0)
+        self.assertEqual(float(seen[0]), 6.0)
+        self.assertEqual(float(shared.value), 6.0)   # afterwards the write landed
+        self.assertFalse(_tracer_in(shared))
+
+
+_th_N_THREADS = 8
+
+
+_th_JOIN_TIMEOUT = 120.0
+
+
+def _th_run_threads(targets, join_timeout=_th_JOIN_TIMEOUT):
+    """Runs each ``target(index)`` in its own thread; returns the exceptions raised.
+
+    Every thread is joined; a thread still alive after ``join_timeout`` counts as
+    an error (a deadlock), so a hang fails the test instead of the suite.
+    """
+    errors = []
+    lock = threading.Lock()
+
+    def wrap(i, target):
+        try:
+            target(i)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            with lock:
+                errors.append((i, err, traceback.format_exc()))
+
+    threads = [threading.Thread(target=wrap, args=(i, t), daemon=True)
+               for i, t in enumerate(targets)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + join_timeout
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            errors.append((i, RuntimeError(f'thread {i} still running after '
+                                           f'{join_timeout}s (deadlock?)'), ''))
+    return errors
+
+
+def _th_format_errors(errors):
+    return '\n'.join(f'thread {i}: {type(e).__name__}: {e}\n{tb}' for i, e, tb in errors[:3])
+
+
+def _th_stats(fn):
+    return fn.get_cache_stats()['jaxpr_cache']
+
+
+class Concurrency(unittest.TestCase):
+    """Thread safety: shared callables, caches and States under many threads."""
+
+    def assertNoThreadErrors(self, errors):
+        if errors:
+            self.fail(f'{len(errors)} worker thread(s) failed:\n' + _th_format_errors(errors))
+
+    # -- first calls with different shapes, then cached calls -------------------
+    def test_first_calls_distinct_shapes_then_cached_calls(self):
+        n_threads, n_cached = _th_N_THREADS, 30
+        w = sj.State(jnp.asarray(3.0, jnp.float32), name='w')          # shared, read only
+        acc = {n: sj.State(jnp.zeros((), jnp.float32), name=f'acc{n}')  # one per thread
+               for n in range(1, n_threads + 1)}
+        traces = {}
+        traces_lock = threading.Lock()
+
+        def f(x):
+            n = x.shape[0]
+            with traces_lock:
+                traces[n] = traces.get(n, 0) + 1
+            time.sleep(0.005)   # widen the window in which traces overlap
+            acc[n].value = acc[n].value + jnp.sum(x)
+            return x * w.value + acc[n].value
+
+        sf = sj.StatefulFunction(f)
+        barrier = threading.Barrier(n_threads)
+        results = {}
+
+        def worker(t):
+            n = t + 1
+            x = jnp.arange(n, dtype=jnp.float32)
+            s = float(np.arange(n).sum())
+            barrier.wait()
+            got = []
+            for k in range(1 + n_cached):
+                got.append(np.asarray(sf(x)))
+            expected = [np.arange(n, dtype=np.float32) * 3.0 + s * (k + 1)
+                        for k in range(1 + n_cached)]
+            results[t] = (got, expected)
+
+        errors = _th_run_threads([worker] * n_threads)
+        self.assertNoThreadErrors(errors)
+        for t, (got, expected) in results.items():
+            for k, (g, e) in enumerate(zip(got, expected)):
+                np.testing.assert_array_equal(g, e, err_msg=f'thread {t} call {k}')
+        for n, st in acc.items():
+            self.assertEqual(float(st.value), float(np.arange(n).sum()) * (1 + n_cached))
+            self.assertFalse(_contains_tracer(st._value))
+        self.assertEqual(float(w.value), 3.0)
+        # one trace and one entry per key; a cache hit never re-runs Python
+        self.assertEqual(traces, {n: 1 for n in acc})
+        self.assertEqual(len(sf._cache), n_threads)
+        stats = _th_stats(sf)
+        self.assertEqual(stats['size'], n_threads)
+        self.assertEqual(stats['misses'], n_threads, stats)
+        self.assertEqual(stats['hits'] + stats['misses'], n_threads * (1 + n_cached), stats)
+
+    def test_simultaneous_first_calls_same_key_trace_once(self):
+        n_threads = _th_N_THREADS
+        w = sj.State(jnp.asarray(2.0, jnp.float32), name='w')
+        traces = []
+        traces_lock = threading.Lock()
+
+        def f(x):
+            with traces_lock:
+                traces.append(x.shape)
+            time.sleep(0.02)
+            return x * w.value
+
+        sf = sj.StatefulFunction(f)
+        barrier = threading.Barrier(n_threads)
+        outs = {}
+
+        def worker(t):
+            shape = (2,) if t % 2 else (5,)     # two keys, four threads each
+            x = jnp.ones(shape, jnp.float32) * t
+            barrier.wait()
+            outs[t] = np.asarray(sf(x))
+
+        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
+        for t, out in outs.items():
+            np.testing.assert_array_equal(out, np.full((2,) if t % 2 else (5,), 2.0 * t))
+        self.assertEqual(sorted(traces), [(2,), (5,)])
+        stats = _th_stats(sf)
+        self.assertEqual((stats['size'], stats['misses'], stats['hits']), (2, 2, n_threads - 2),
+                         stats)
+
+    # -- 8 threads x 200 calls over shared functions and mappings ----------------
+    def test_many_threads_many_calls_shared_functions_own_states(self):
+        n_threads, n_calls = _th_N_THREADS, 200
+        lens = (1, 2, 3)              # feature lengths: first calls interleave with hits
+        w = sj.State(jnp.asarray(2.0, jnp.float32), name='w')        # shared, read only
+        c = sj.State(jnp.asarray(1.0, jnp.float32), name='c')        # shared, read only
+        acc = [sj.State(jnp.zeros((), jnp.float32), name=f'acc{t}') for t in range(n_threads)]
+        # per-thread batched hidden state: thread t maps over 2 + t % 3 lanes
+        hid = [sj.HiddenState(jnp.zeros((2 + t % 3,), jnp.float32), name=f'hid{t}')
+               for t in range(n_threads)]
+
+        def step(x, tid):                       # the static tid picks the thread's States
+            acc[tid].value = acc[tid].value + jnp.sum(x) * w.value
+            return x * 2.0 + acc[tid].value
+
+        def read_only(x):                       # every thread shares its keys
+            return x * w.value + c.value
+
+        def lane(x, tid):                       # x: one lane, shape (k,)
+            hid[tid].value = hid[tid].value + jnp.sum(x) + c.value
+            return x * hid[tid].value
+
+        sf = sj.StatefulFunction(step, static_argnums=1)
+        sr = sj.StatefulFunction(read_only)
+        sm = sj.StatefulMapping(lane, in_axes=(0, None), static_argnums=1,
+                                state_in_axes={0: sj.HiddenState})
+        barrier = threading.Barrier(n_threads)
+        keys = {'sf': set(), 'sr': set(), 'sm': set()}
+        keys_lock = threading.Lock()
+        mismatches = []
+
+        def worker(t):
+            rng = random.Random(1000 + t)
+            n_lanes = 2 + t % 3
+            ref_acc = np.float32(0.0)
+            ref_hid = np.zeros((n_lanes,), np.float32)
+            my_keys = {'sf': set(), 'sr': set(), 'sm': set()}
+            barrier.wait()
+            for i in range(n_calls):
+                k = rng.choice(lens)
+                base = np.arange(k, dtype=np.float32) + np.float32((i + t) % 5)
+                kind = i % 3
+                if kind == 0:
+                    out = np.asarray(sf(jnp.asarray(base), t))
+                    ref_acc = np.float32(ref_acc + base.sum() * np.float32(2.0))
+                    ref = base * np.float32(2.0) + ref_acc
+                    my_keys['sf'].add((k, t))
+                elif kind == 1:
+                    out = np.asarray(sr(jnp.asarray(base)))
+                    ref = base * np.float32(2.0) + np.float32(1.0)
+                    my_keys['sr'].add(k)
+                else:
+                    xb = np.stack([base + np.float32(j) for j in range(n_lanes)])
+                    out = np.asarray(sm(jnp.asarray(xb), t))
+                    ref_hid = (ref_hid + xb.sum(axis=1) + np.float32(1.0)).astype(np.float32)
+                    ref = xb * ref_hid[:, None]
+                    my_keys['sm'].add((k, t))
+                if out.shape != ref.shape or not np.array_equal(out, ref):
+                    mismatches.append((t, i, kind, out, ref))
+            if not np.array_equal(np.asarray(acc[t].value), ref_acc):
+                mismatches.append((t, 'acc', acc[t].value, ref_acc))
+            if not np.array_equal(np.asarray(hid[t].value), ref_hid):
+                mismatches.append((t, 'hid', hid[t].value, ref_hid))
+            with keys_lock:
+                for name in keys:
+                    keys[name] |= my_keys[name]
+
+        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
+        self.assertEqual(mismatches[:3], [], f'{len(mismatches)} wrong results')
+        self.assertEqual(float(w.value), 2.0)
+        self.assertEqual(float(c.value), 1.0)
+        for st in acc + hid + [w, c]:
+            self.assertFalse(_contains_tracer(st._value), st)
+        per_kind_calls = {'sf': 0, 'sr': 0, 'sm': 0}
+        for i in range(n_calls):
+            per_kind_calls[('sf', 'sr', 'sm')[i % 3]] += n_threads
+        for name, fn in (('sf', sf), ('sr', sr), ('sm', sm)):
+            stats = _th_stats(fn)
+            with self.subTest(name):
+                self.assertEqual(len(fn._cache), len(keys[name]), stats)
+                self.assertEqual(stats['size'], len(keys[name]), stats)
+                self.assertEqual(stats['hits'] + stats['misses'], per_kind_calls[name], stats)
+                self.assertEqual(stats['misses'], len(keys[name]), stats)
+
+    # -- overlapping traces of different functions sharing one State -------------
+    def _overlapping_traces(self, write):
+        n_threads = _th_N_THREADS
+        original = np.arange(3, dtype=np.float32) + 10.0
+        shared = sj.State(jnp.asarray(original), name='shared')
+        barrier = threading.Barrier(n_threads + 1)
+        tracing_done = threading.Event()
+        seen_in_trace = {}
+        reader_log = {'reads': 0, 'bad': [], 'during_write': 0}
+        # traces now past their write (and before returning); the first such
+        # trace waits until the reader has read while it is there
+        past_write, past_write_lock = [0], threading.Lock()
+        read_during_write = threading.Event()
+
+        def make_fun(i):
+            def f(x):
+                v = shared.value
+                seen_in_trace[i] = isinstance(v, jax.core.Tracer)
+                for _ in range(5):             # let the other traces interleave
+                    time.sleep(0.003)
+                    v = shared.value           # re-read: still this trace's value
+                if write:
+                    shared.value = v + float(i + 1)
+                    with past_write_lock:
+                        past_write[0] += 1
+                    try:
+                        read_during_write.wait(10)
+                        time.sleep(0.003)
+                        return x * shared.value
+                    finally:
+                        with past_write_lock:
+                            past_write[0] -= 1
+                return x * v + float(i)
+            f.__name__ = f'f{i}'
+            return f
+
+        sfs = [sj.StatefulFunction(make_fun(i)) for i in range(n_threads)]
+        jaxprs = {}
+        left_lock, left = threading.Lock(), [n_threads]
+
+        def tracer_worker(i):
+            x = jnp.ones((3,), jnp.float32) * (i + 1)
+            barrier.wait()
+            sfs[i].make_jaxpr(x)
+            jaxprs[i] = (sfs[i].get_jaxpr(x), sfs[i].get_states(x), x)
+
+        def reader(_):
+            barrier.wait()
+            while True:
+                done = tracing_done.is_set()      # read at least once, until traces end
+                with past_write_lock:
+                    during_write = past_write[0] > 0
+                v = shared.value
+                reader_log['reads'] += 1
+                if during_write:                  # that trace waits for this read
+                    reader_log['during_write'] += 1
+                    read_during_write.set()
+                if isinstance(v, jax.core.Tracer) or not np.array_equal(np.asarray(v), original):
+                    reader_log['bad'].append(repr(v))
+                if _contains_tracer(shared._value):
+                    reader_log['bad'].append('tracer in State._value')
+                if done:
+                    break
+                time.sleep(0)
+
+        def tracer_then_signal(i):
+            try:
+                tracer_worker(i)
+            finally:
+                with left_lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        tracing_done.set()
+
+        errors = _th_run_threads([tracer_then_signal] * n_threads + [reader])
+        tracing_done.set()
+        self.assertNoThreadErrors(errors)
+        self.assertEqual(seen_in_trace, {i: True for i in range(n_threads)})
+        self.assertGreater(reader_log['reads'], 0)
+        if write:
+            self.assertGreater(reader_log['during_write'], 0)
+        self.assertEqual(reader_log['bad'][:3], [])
+        # tracing did not change the State and left no tracer in it
+        np.testing.assert_array_equal(np.asarray(shared.value), original)
+        self.assertFalse(_contains_tracer(shared._value))
+        self.assertNotIn('Traced', repr(shared))
+
+        other = np.asarray([1.0, -2.0, 0.5], np.float32)   # proves it is an input, not a constant
+        for i, (closed, states, x) in sorted(jaxprs.items()):
+            with self.subTest(fun=i):
+                self.assertEqual(states, (shared,))
+                self.assertEqual(len(closed.jaxpr.invars), 2)   # x, then shared
+                self.assertFalse(any(isinstance(cst, jax.core.Tracer) for cst in closed.consts))
+                xs = np.asarray(x)
+                for sv in (original, other):
+                    outs = [np.asarray(o) for o in _eval_closed(closed, x, jnp.asarray(sv))]
+                    if write:
+                        new = sv + np.float32(i + 1)
+                        self.assertEqual(len(outs), 2)          # out, new shared value
+                        np.testing.assert_array_equal(outs[0], xs * new)
+                        np.testing.assert_array_equal(outs[1], new)
+                    else:
+                        self.assertEqual(len(outs), 1)
+                        np.testing.assert_array_equal(outs[0], xs * sv + np.float32(i))
+                # jaxpr_call is pure too
+                new_vals, out = sfs[i].jaxpr_call([jnp.asarray(original)], x)
+                if write:
+                    np.testing.assert_array_equal(np.asarray(new_vals[0]),
+                                                  original + np.float32(i + 1))
+                np.testing.assert_array_equal(np.asarray(shared.value), original)
+
+        # afterwards the real calls still work, serially, with the right numbers
+        value = original.copy()
+        for i, sf in enumerate(sfs):
+            x = jnp.ones((3,), jnp.float32) * (i + 1)
+            out = np.asarray(sf(x))
+            if write:
+                value = value + np.float32(i + 1)
+                np.testing.assert_array_equal(out, np.asarray(x) * value)
+            else:
+                np.testing.assert_array_equal(out, np.asarray(x) * original + np.float32(i))
+            np.testing.assert_array_equal(np.asarray(shared.value), value)
+
+    def test_overlapping_traces_reading_shared_state(self):
+        self._overlapping_traces(write=False)
+
+    def test_overlapping_traces_writing_shared_state(self):
+        self._overlapping_traces(write=True)
+
+    def test_concurrent_first_calls_sharing_a_state_are_correct(self):
+        # Real calls (not only traces) of different functions that read one
+        # shared State and each write their own.
+        n_threads = _th_N_THREADS
+        shared = sj.State(jnp.asarray(5.0, jnp.float32), name='shared')
+        own = [sj.State(jnp.zeros((), jnp.float32), name=f'own{i}') for i in range(n_threads)]
+
+        def make_fun(i):
+            def f(x):
+                v = shared.value
+                time.sleep(0.005)
+                own[i].value = own[i].value + v * x
+                return own[i].value + shared.value
+            return f
+
+        sfs = [sj.StatefulFunction(make_fun(i)) for i in range(n_threads)]
+        barrier = threading.Barrier(n_threads)
+        outs = {}
+
+        def worker(i):
+            barrier.wait()
+            outs[i] = [float(sfs[i](jnp.asarray(float(i + 1), jnp.float32))) for _ in range(3)]
+
+        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
+        for i in range(n_threads):
+            step = 5.0 * (i + 1)
+            self.assertEqual(outs[i], [step + 5.0, 2 * step + 5.0, 3 * step + 5.0])
+            self.assertEqual(float(own[i].value), 3 * step)
+        self.assertEqual(float(shared.value), 5.0)
+
+    # -- trace stacks are thread-local ------------------------------------------
+    def test_state_trace_stack_is_thread_local(self):
+        a = sj.State(jnp.asarray(1.0), name='a')
+        b = sj.State(jnp.asarray(2.0), name='b')
+        entered, b_done, a_exit = threading.Event(), threading.Event(), threading.Event()
+        record = {}
+
+        def thread_a(_):
+            with sj.StateTraceStack(name='A') as stack:
+                _ = a.value
+                entered.set()
+                self.assertTrue(b_done.wait(30))
+                record['a_states'] = list(stack.states)
+                record['a_written'] = list(stack.been_writen)
+                # the interleaved exit in thread B did not break LIFO here
+                a_exit.wait(30)
+
+        def thread_b(_):
+            self.assertTrue(entered.wait(30))
+            _ = b.value                          # outside any trace in this thread
+            b.value = jnp.asarray(3.0)
+            record['b_plain'] = float(b.value)
+            with sj.StateTraceStack(name='B') as stack:
+                _ = a.value
+                b.value = jnp.asarray(4.0)
+            record['b_states'] = list(stack.states)
+            record['b_written'] = list(stack.been_writen)
+            b_done.set()
+            a_exit.set()
+
+        self.assertNoThreadErrors(_th_run_threads([thread_a, thread_b]))
+        self.assertEqual(record['a_states'], [a])
+        self.assertEqual(record['a_written'], [False])
+        self.assertEqual(record['b_plain'], 3.0)
+        self.assertEqual(record['b_states'], [a, b])
+        self.assertEqual(record['b_written'], [False, True])
+        self.assertEqual(float(b.value), 4.0)    # recording-only stacks write through
+
+    def test_trace_in_one_thread_invisible_to_stack_in_another(self):
+        # Thread A traces a StatefulFunction (isolating frame) while thread B
+        # has a plain recording stack open: neither sees the other's touches.
+        s_a = sj.State(jnp.asarray(1.0), name='s_a')
+        s_b = sj.State(jnp.asarray(2.0), name='s_b')
+        b_open, a_traced = threading.Event(), threading.Event()
+        record = {}
+
+        def f(x):
+            s_a.value = s_a.value + x
+            return x
+
+        sf = sj.StatefulFunction(f)
+
+        def thread_a(_):
+            self.assertTrue(b_open.wait(30))
+            record['jaxpr'] = sf.get_jaxpr(jnp.asarray(1.0))
+            record['states'] = sf.get_states(jnp.asarray(1.0))
+            a_traced.set()
+
+        def thread_b(_):
+            with sj.StateTraceStack(name='B') as stack:
+                _ = s_b.value
+                b_open.set()
+                self.assertTrue(a_traced.wait(30))
+            record['b_states'] = list(stack.states)
+
+        self.assertNoThreadErrors(_th_run_threads([thread_a, thread_b]))
+        self.assertEqual(record['states'], (s_a,))
+        self.assertEqual(record['b_states'], [s_b])
+        self.assertEqual(float(s_a.value), 1.0)
+
+
+# -- memory ---------------------------------------------------------------------
+def _th_referrer_chain(obj, max_depth=6):
+    """A short description of who keeps ``obj`` alive (for failure messages)."""
+    import types
+    lines, seen, frontier = [], {id(obj)}, [obj]
+    ignore = {id(lines), id(seen), id(frontier)}
+    for depth in range(max_depth):
+        nxt = []
+        for o in frontier:
+            for r in gc.get_referrers(o):
+                if id(r) in seen or id(r) in ignore or isinstance(r, types.FrameType):
+                    continue
+                seen.add(id(r))
+                desc = type(r).__name__
+                if isinstance(r, dict):
+                    desc += f' keys={list(r)[:5]}'
+                elif isinstance(r, types.FunctionType):
+                    desc += f' {r.__qualname__}'
+                lines.append('  ' * depth + f'<- {desc}')
+                nxt.append(r)
+                if len(lines) > 40:
+                    return '\n'.join(lines)
+        frontier = nxt
+    return '\n'.join(lines)
+
+
+def _th_build_function_and_states():
+    a = sj.State(jnp.zeros((3,), jnp.float32), name='mem_a')
+    b = sj.State(jnp.ones((), jnp.float32), name='mem_b')
+    rng = sj.RandomState(0)
+
+    def f(x, scale):
+        a.value = a.value + x * b.value * scale
+        return a.value.sum() + jax.random.uniform(rng.split_key())
+
+    sf = sj.StatefulFunction(f, static_argnums=1)
+    for i in range(3):
+        sf(jnp.ones((3,), jnp.float32), 2.0)       # compiled, cached calls
+    sf(jnp.ones((3,), jnp.float32), 3.0)           # a second entry
+    sf.get_jaxpr(jnp.ones((3,), jnp.float32), 2.0)
+    return [weakref.ref(o) for o in (a, b, rng, sf)] + [weakref.ref(f)]
+
+
+def _th_build_mapping_and_states():
+    h = sj.HiddenState(jnp.zeros((4,), jnp.float32), name='mem_h')
+    w = sj.State(jnp.asarray(2.0, jnp.float32), name='mem_w')
+    rng = sj.RandomState(1)
+
+    def lane(x):
+        h.value = h.value + x * w.value + jax.random.uniform(rng.split_key())
+        return h.value * 2
+
+    sm = sj.StatefulMapping(lane, in_axes=0, state_in_axes={0: sj.HiddenState})
+    for _ in range(3):
+        sm(jnp.ones((4,), jnp.float32))
+    return [weakref.ref(o) for o in (h, w, rng, sm)] + [weakref.ref(lane)]
+
+
+def _th_build_nested():
+    inner_state = sj.State(jnp.zeros(()), name='mem_inner')
+    outer_state = sj.State(jnp.zeros(()), name='mem_outer')
+
+    def inner(x):
+        inner_state.value = inner_state.value + x
+        return x * 2
+
+    inner_sf = sj.StatefulFunction(inner)
+    reader_sf = sj.StatefulFunction(lambda x: x * outer_state.value)   # read-only
+
+    def outer(x):
+        outer_state.value = outer_state.value + inner_sf(x)
+        return jax.lax.scan(lambda c, _: (c + reader_sf(c), None), x, None, length=2)[0]
+
+    outer_sf = sj.StatefulFunction(outer)
+    for _ in range(3):
+        outer_sf(jnp.asarray(1.0))
+    inner_sf(jnp.asarray(1.0))
+    return [weakref.ref(o) for o in (inner_state, outer_state, inner_sf, reader_sf, outer_sf)]
+
+
+class Memory(unittest.TestCase):
+    """Objects that go out of scope are freed."""
+
+    def assertAllFreed(self, refs):
+        for _ in range(3):
+            gc.collect()
+        alive = [r() for r in refs if r() is not None]
+        if alive:
+            obj = alive[0]
+            del alive
+            chain = _th_referrer_chain(obj)
+            self.fail(f'{type(obj).__name__} {getattr(obj, "name", "")!r} still alive after '
+                      f'gc.collect(); referrers:\n{chain}')
+
+    def test_stateful_function_and_states_are_freed(self):
+        self.assertAllFreed(_th_build_function_and_states())
+
+    def test_stateful_mapping_and_states_are_freed(self):
+        self.assertAllFreed(_th_build_mapping_and_states())
+
+    def test_nested_stateful_functions_are_freed(self):
+        self.assertAllFreed(_th_build_nested())
+
+    def test_freed_after_use_from_threads(self):
+        def build():
+            s = sj.State(jnp.zeros((), jnp.float32), name='mem_thread')
+
+            def f(x):
+                s.value = s.value + x
+                return x
+
+            sf = sj.StatefulFunction(f)
+            errors = _th_run_threads(
+                [lambda i: [sf(jnp.ones((i % 2 + 1,), jnp.float32)) for _ in range(3)]] * 4)
+            self.assertEqual(errors, [])
+            return [weakref.ref(s), weakref.ref(sf)]
+        self.assertAllFreed(build())
+
+    def test_failed_trace_frees_everything(self):
+        def build():
+            s = sj.State(jnp.zeros(()), name='mem_fail')
+
+            def f(x):
+                s.value = s.value + x
+                raise KeyError('boom')
+
+            sf = sj.StatefulFunction(f)
+            with self.assertRaises(KeyError):
+                sf(jnp.asarray(1.0))
+            return [weakref.ref(s), weakref.ref(sf)]
+        self.assertAllFreed(build())
+
+
+# -- many devices: layouts kept, buffers donated --------------------------------
 
 
 def _sd_mesh(shape, names, axis_types=None):
@@ -6978,19 +5435,1077 @@ class MultiProcessTest(unittest.TestCase):
 
 
 # =============================================================================
-# Inspecting and shipping: labelled jaxprs, cache-miss explanations, export
+# 8. make_jaxpr
 # =============================================================================
 
-def _legend(text):
-    """``{'inputs': [(name, aval, role)], 'outputs': [...]}`` from a pretty_jaxpr text."""
-    rows, part = {'inputs': [], 'outputs': []}, None
-    for line in text[text.rindex('\ninputs:\n') + 1:].splitlines():
-        if line in ('inputs:', 'outputs:'):
-            part = line[:-1]
-        else:
-            name, aval, role = line.split(None, 2)
-            rows[part].append((name, aval, role))
-    return rows
+
+class MakeJaxprTest(unittest.TestCase):
+
+    def test_closed_jaxpr_interface_on_every_release(self):
+        # Whether JAX has ClosedJaxpr (up to 0.10) or a Jaxpr that carries its
+        # consts (0.11+), every closed jaxpr the module returns answers the
+        # same attributes and evaluates the same two public ways.
+        table = jnp.linspace(0.0, 1.0, 5)                 # a non-scalar const
+        s = State(jnp.ones(5), name='cj_state')
+
+        def f(x):
+            s.value = s.value * 2 + table * jnp.cos(np.float32(1.0))
+            return (s.value * x).sum()
+        x = jnp.arange(5.0)
+        sf = StatefulFunction(f)
+        got = [sf.get_jaxpr(x), sj.make_jaxpr(f)(x)[0]]
+        got += [sj.constant_fold_jaxpr(j) for j in got]
+        expect_s = np.ones(5) * 2 + np.linspace(0.0, 1.0, 5) * np.cos(1.0)
+        expect = [np.float32((expect_s * np.arange(5.0)).sum()), expect_s]
+        for j in got:
+            self.assertIsInstance(j, jax.extend.core.ClosedJaxpr)
+            self.assertGreater(len(j.consts), 0)
+            self.assertEqual([a.shape for a in j.in_avals], [(5,), (5,)])
+            self.assertEqual([a.shape for a in j.out_avals], [(), (5,)])
+            self.assertEqual(list(j.eqns), list(j.jaxpr.eqns))
+            self.assertEqual(j.in_avals, [v.aval for v in j.jaxpr.invars])
+            for run in (lambda *a: jax.core.eval_jaxpr(j.jaxpr, j.consts, *a),
+                        jax.extend.core.jaxpr_as_fun(j)):
+                out = run(x, jnp.ones(5))
+                np.testing.assert_allclose(out[0], expect[0], rtol=1e-6)
+                np.testing.assert_allclose(out[1], expect[1], rtol=1e-6)
+        new, out = sf.jaxpr_call([jnp.ones(5)], x)
+        np.testing.assert_allclose(out, expect[0], rtol=1e-6)
+        np.testing.assert_allclose(new[0], expect[1], rtol=1e-6)
+
+    def test_stateless_equals_jax_make_jaxpr(self):
+        def f(x, y):
+            return jnp.sin(x) * y + jnp.cos(y).sum()
+        args = (jnp.ones(3), jnp.ones(3))
+        ours, states = sj.make_jaxpr(f)(*args)
+        theirs = jax.make_jaxpr(f)(*args)
+        self.assertEqual(states, ())
+        self.assertEqual([e.primitive.name for e in ours.eqns],
+                         [e.primitive.name for e in theirs.eqns])
+        self.assertEqual(str(ours), str(theirs))
+
+    def test_return_shape_and_states(self):
+        s = State(jnp.zeros(2), name='s')
+
+        def f(x, n):
+            s.value = s.value + x * n
+            return {'y': s.value.sum()}
+        closed, states, shapes = sj.make_jaxpr(f, static_argnames='n', return_shape=True)(
+            jnp.ones(2), n=3)
+        self.assertEqual(states, (s,))
+        self.assertEqual(shapes['y'].shape, ())
+        self.assertEqual(len(closed.jaxpr.outvars), 2)      # all states (return_only_write=False)
+        closed2, _ = sj.make_jaxpr(f, static_argnums=1)(jnp.ones(2), 3)
+        self.assertEqual(len(closed2.jaxpr.invars), 2)
+
+    def test_axis_env(self):
+        closed, _ = sj.make_jaxpr(lambda x: x + lax.axis_index('i'), axis_env=[('i', 4)])(1.0)
+        self.assertIn('axis_index', str(closed))
+
+    def test_abstracted_axes_per_release(self):
+        # As the README's table says: with jax_dynamic_shapes on, JAX 0.4.30 ..
+        # 0.6.x give a dynamic-shape jaxpr for inspection and calling raises;
+        # 0.7.x raise a NotImplementedError naming the version; from 0.8.2
+        # jax.make_jaxpr has no abstracted_axes and the constructors refuse it
+        # (the message is checked in ErrorsConstruction).
+        s = State(jnp.zeros(()), name='s')
+
+        def f(x):
+            s.value = s.value + x.sum()
+            return x * 2
+        x = jnp.ones(3)
+        snap = _snapshot([s])
+        if _JAX_VERSION >= (0, 8, 2):
+            self.assertNotIn('abstracted_axes', inspect.signature(jax.make_jaxpr).parameters)
+            with self.assertRaises(NotImplementedError):
+                StatefulFunction(f, abstracted_axes=('n',))
+            with self.assertRaises(NotImplementedError):
+                sj.make_jaxpr(f, abstracted_axes=('n',))
+            _assert_unchanged(self, [s], snap)
+            return
+        jax.config.update('jax_dynamic_shapes', True)
+        self.addCleanup(jax.config.update, 'jax_dynamic_shapes', False)
+        sf = StatefulFunction(f, abstracted_axes=('n',))
+        if _JAX_VERSION >= (0, 7):
+            for what, fn in (('make_jaxpr', lambda: sj.make_jaxpr(f, abstracted_axes=('n',))(x)),
+                             ('get_jaxpr', lambda: sf.get_jaxpr(x)), ('call', lambda: sf(x))):
+                with self.subTest(what), self.assertRaises(NotImplementedError) as cm:
+                    fn()
+                self.assertIn(f'cannot be honoured by JAX {jax.__version__}', str(cm.exception))
+            _assert_unchanged(self, [s], snap)
+            return
+        with warnings.catch_warnings():
+            # JAX 0.4.30 hashes a dynamic-shape tracer while tracing
+            warnings.filterwarnings('ignore', 'unhashable type', FutureWarning)
+            closed, states = sj.make_jaxpr(f, abstracted_axes=('n',))(x)
+            got = sf.get_jaxpr(x)
+        self.assertEqual(states, (s,))
+        for j in (closed, got):
+            self.assertEqual(len(j.jaxpr.invars), 3)       # n, x:f32[n], s
+            self.assertIn('f32[a]', str(j).replace(' ', ''))
+        with self.assertRaisesRegex(NotImplementedError, 'for inspection'):
+            sf(x)
+        _assert_unchanged(self, [s], snap)
+
+
+_add_with_checks(MakeJaxprTest)
+
+
+# =============================================================================
+# 9. StatefulMapping
+# =============================================================================
+
+
+# -- helpers: states ----------------------------------------------------------
+def _mp_assert_no_tracer(tc, states):
+    for s in states:
+        for x in jax.tree_util.tree_leaves(s.value):
+            tc.assertNotIsInstance(x, _mp_Tracer, f'{s!r} holds a tracer')
+            tc.assertIsInstance(x, jax.Array, f'{s!r} holds {type(x)}')
+
+
+def _mp_bits(key):
+    """Integer draws from a (raw or typed) key: compared exactly."""
+    return jax.random.bits(key, (3,), jnp.uint32)
+
+
+# -- helpers: a shard_map based mapper with jax.vmap's signature --------------
+def _mp_flat_axes(prefix, tree):
+    """Per-leaf axes of ``tree`` for a vmap-style axes prefix."""
+    out = []
+    jax.tree_util.tree_map(
+        lambda a, sub: out.extend([a] * len(jax.tree_util.tree_leaves(sub))),
+        prefix, tree, is_leaf=lambda x: x is None)
+    return out
+
+
+def _mp_shard_map(body, mesh, in_specs, out_specs):
+    if hasattr(jax, 'shard_map'):
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map
+    return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                     check_rep=False)
+
+
+def _mp_shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
+    """``jax.vmap``-like mapper over 8 devices: one lane per device via shard_map."""
+    name = axis_name if axis_name is not None else '_mp_lanes'
+    devices = jax.devices()[:8]
+    mesh = jax.sharding.Mesh(np.array(devices), (name,))
+    P = jax.sharding.PartitionSpec
+
+    def mapped(*args):
+        prefix = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        axes = _mp_flat_axes(prefix, args)
+        for x, a in zip(leaves, axes):
+            if a is not None and x.shape[a] != len(devices):
+                raise ValueError(f'_mp_shard_mapper maps exactly {len(devices)} lanes, '
+                                 f'got an axis of size {x.shape[a]}')
+        if axis_size is not None and axis_size != len(devices):
+            raise ValueError(f'_mp_shard_mapper maps exactly {len(devices)} lanes')
+        moved = [x if a is None else jnp.moveaxis(x, a, 0) for x, a in zip(leaves, axes)]
+        box = {}
+
+        def body(*local):
+            lane = [x if a is None else x[0] for x, a in zip(local, axes)]
+            out = f(*jax.tree_util.tree_unflatten(tree, lane))
+            out_leaves, box['tree'] = jax.tree_util.tree_flatten(out)
+            return [o[None] for o in out_leaves]
+
+        in_specs = tuple(P() if a is None else P(name) for a in axes)
+        stacked = _mp_shard_map(body, mesh, in_specs, P(name))(*moved)
+        out = jax.tree_util.tree_unflatten(box['tree'], list(stacked))
+        oaxes = _mp_flat_axes(out_axes, out)
+        res = [o[0] if a is None else jnp.moveaxis(o, 0, a)
+               for o, a in zip(jax.tree_util.tree_leaves(out), oaxes)]
+        return jax.tree_util.tree_unflatten(box['tree'], res)
+    return mapped
+
+
+# -- state axes -----------------------------------------------------------------
+
+class MappingStateAxesTest(unittest.TestCase):
+
+    def test_bare_filter_is_axis0_and_unbatched_states_broadcast(self):
+        w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w')
+        b = sj.State(jnp.array([1.0, 2.0, 3.0]), name='b')
+        w0, b0 = np.asarray(w.value), np.asarray(b.value)
+
+        def f(x):
+            self.assertEqual(w.value.shape, (3,))   # one row per lane
+            self.assertEqual(b.value.shape, (3,))   # broadcast, whole value
+            w.value = w.value * 2 + x
+            return (w.value * b.value).sum()
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes=sj.ParamState)
+        x = jnp.arange(4.0)
+        out = sm(x)
+        new_w = w0 * 2 + np.arange(4.0)[:, None]
+        np.testing.assert_allclose(w.value, new_w)
+        np.testing.assert_allclose(out, (new_w * b0).sum(axis=1))
+        # Only read: unchanged, same shape.
+        np.testing.assert_array_equal(b.value, b0)
+        self.assertEqual(b.value.shape, (3,))
+
+    def test_dict_filter_axis0(self):
+        w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w')
+        other = sj.ParamState(jnp.ones(5), name='other')    # not matched: broadcast
+        sm = sj.StatefulMapping(lambda x: (w.value + x + other.value.sum()).sum(),
+                                in_axes=0, state_in_axes={0: lambda path, s: s is w})
+        out = sm(jnp.arange(4.0))
+        expected = (np.arange(12.0).reshape(4, 3) + np.arange(4.0)[:, None] + 5).sum(1)
+        np.testing.assert_allclose(out, expected)
+
+    def _axis1_check(self, axis):
+        w = sj.HiddenState(jnp.arange(12.0).reshape(3, 4), name='w')
+        w0 = np.asarray(w.value)
+        seen = []
+
+        def f(x):
+            seen.append(w.value.shape)
+            w.value = w.value + x
+            return w.value.sum()
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={axis: sj.HiddenState})
+        out = sm(jnp.arange(4.0) * 10)
+        self.assertEqual(seen[0], (3,))
+        new_w = w0 + (np.arange(4.0) * 10)[None, :]
+        # Came in on axis 1 and leaves on axis 1 (the same axis).
+        self.assertEqual(w.value.shape, (3, 4))
+        np.testing.assert_allclose(w.value, new_w)
+        np.testing.assert_allclose(out, new_w.sum(0))
+
+    def test_axis1(self):
+        self._axis1_check(1)
+
+    def test_axis_minus1(self):
+        self._axis1_check(-1)
+
+    def test_axis_minus1_3d(self):
+        w = sj.State(jnp.arange(24.0).reshape(2, 3, 4), name='w3')
+        w0 = np.asarray(w.value)
+
+        def f(x):
+            w.value = w.value * x
+            return w.value[0, 0]
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={-1: lambda p, s: s is w})
+        out = sm(jnp.arange(4.0))
+        self.assertEqual(w.value.shape, (2, 3, 4))
+        np.testing.assert_allclose(w.value, w0 * np.arange(4.0))
+        np.testing.assert_allclose(out, w0[0, 0] * np.arange(4.0))
+
+    def test_state_out_axes_moves_batched_state(self):
+        h = sj.State(jnp.arange(12.0).reshape(4, 3), name='h', tag='per_lane')
+        h0 = np.asarray(h.value)
+
+        def f(x):
+            h.value = h.value + x
+            return h.value.sum()
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: 'per_lane'},
+                                state_out_axes={1: 'per_lane'})
+        sm(jnp.arange(4.0))
+        self.assertEqual(h.value.shape, (3, 4))
+        np.testing.assert_allclose(h.value, (h0 + np.arange(4.0)[:, None]).T)
+        # In on axis 0, out on axis -1 (3-d value).
+        w = sj.State(jnp.arange(24.0).reshape(4, 2, 3), name='w_out')
+        pick = lambda p, st: st is w
+
+        def g():
+            w.value = w.value + 1
+
+        sj.StatefulMapping(g, state_in_axes={0: pick}, state_out_axes={-1: pick},
+                           axis_size=4)()
+        self.assertEqual(w.value.shape, (2, 3, 4))
+        np.testing.assert_allclose(w.value,
+                                   np.moveaxis(np.arange(24.0).reshape(4, 2, 3) + 1, 0, -1))
+
+    def test_state_out_axes_declares_unbatched_input_state(self):
+        acc = sj.State(jnp.zeros(3), name='acc_out')
+
+        def f(x):
+            acc.value = acc.value + x
+            return x.sum()
+
+        # Declared out on axis 1: no complaint even under 'raise'.
+        sm = sj.StatefulMapping(f, in_axes=0, state_out_axes={1: lambda p, s: s is acc},
+                                unexpected_out_state_mapping='raise')
+        x = jnp.arange(12.0).reshape(4, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            sm(x)
+        self.assertEqual(acc.value.shape, (3, 4))
+        np.testing.assert_allclose(acc.value, np.asarray(x).T)
+        # A bare filter means axis 0.
+        acc2 = sj.State(jnp.zeros(3), name='acc_out0')
+
+        def g(x):
+            acc2.value = acc2.value + x
+            return x.sum()
+
+        sm2 = sj.StatefulMapping(g, in_axes=0, state_out_axes=lambda p, s: s is acc2,
+                                 unexpected_out_state_mapping='raise')
+        sm2(x)
+        self.assertEqual(acc2.value.shape, (4, 3))
+        np.testing.assert_allclose(acc2.value, x)
+
+    def test_unbatched_write_with_unbatched_value_stays_unbatched(self):
+        count = sj.State(jnp.array(0), name='count')
+
+        def f(x):
+            count.value = count.value + 1
+            return x * 2
+
+        sm = sj.StatefulMapping(f, in_axes=0, unexpected_out_state_mapping='raise')
+        out = sm(jnp.arange(5.0))
+        np.testing.assert_allclose(out, np.arange(5.0) * 2)
+        self.assertEqual(count.value.shape, ())
+        self.assertEqual(int(count.value), 1)
+
+    # -- unexpected_out_state_mapping ------------------------------------------
+    def _unexpected_setup(self, policy=None):
+        acc = sj.State(jnp.zeros(3), name='surprise_acc')
+        h = sj.HiddenState(jnp.zeros((4, 3)), name='batched_h')
+        rng = sj.RandomState(3, name='rng_u')
+
+        def f(x):
+            h.value = h.value + x
+            acc.value = acc.value + x + jax.random.uniform(rng.split_key(), (3,))
+            return x.sum()
+
+        kw = {} if policy is None else {'unexpected_out_state_mapping': policy}
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState}, **kw)
+        return sm, acc, h, rng
+
+    def _check_left_batched(self, acc, h, x):
+        self.assertEqual(acc.value.shape, (4, 3))
+        self.assertEqual(h.value.shape, (4, 3))
+        np.testing.assert_allclose(h.value, x)
+        # acc = x + uniform noise in [0, 1)
+        d = np.asarray(acc.value) - np.asarray(x)
+        self.assertTrue(np.all((d >= 0) & (d < 1)), d)
+
+    def test_unexpected_auto_is_default_and_silent(self):
+        for policy in (None, 'auto', 'ignore'):
+            with self.subTest(policy=policy):
+                sm, acc, h, rng = self._unexpected_setup(policy)
+                if policy is None:
+                    self.assertEqual(sm.unexpected_out_state_mapping, 'auto')
+                x = jnp.arange(12.0).reshape(4, 3)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter('always')
+                    sm(x)
+                self.assertEqual([w for w in caught if issubclass(w.category, UserWarning)], [])
+                self._check_left_batched(acc, h, x)
+
+    def test_unexpected_warn(self):
+        sm, acc, h, rng = self._unexpected_setup('warn')
+        x = jnp.arange(12.0).reshape(4, 3)
+        with self.assertWarns(UserWarning) as cm:
+            sm(x)
+        self.assertIn('surprise_acc', str(cm.warning))
+        self._check_left_batched(acc, h, x)
+
+    def test_unexpected_raise_leaves_every_state(self):
+        sm, acc, h, rng = self._unexpected_setup('raise')
+        states = [acc, h, rng]
+        snap = _snapshot(states)
+        with self.assertRaises(sj.BatchAxisError) as cm:
+            sm(jnp.arange(12.0).reshape(4, 3))
+        self.assertIsInstance(cm.exception, ValueError)
+        self.assertIn('surprise_acc', str(cm.exception))
+        self.assertTrue('state_in_axes' in str(cm.exception)
+                        or 'state_out_axes' in str(cm.exception), str(cm.exception))
+        _assert_unchanged(self, states, snap)
+
+    def test_bad_policy_rejected(self):
+        with self.assertRaises(ValueError):
+            sj.StatefulMapping(lambda x: x, unexpected_out_state_mapping='sometimes')
+
+
+# -- RandomState ----------------------------------------------------------------
+
+class MappingRandomTest(unittest.TestCase):
+
+    def test_lanes_draw_different_numbers_and_key_advances(self):
+        for make in (lambda: sj.RandomState(7, name='raw'),
+                     lambda: sj.RandomState(jax.random.key(7), name='typed')):
+            rng = make()
+            with self.subTest(rng=rng.name):
+                k0 = rng.value
+                shape0, dtype0 = k0.shape, k0.dtype
+                sm = sj.StatefulMapping(lambda x: x + jax.random.normal(rng.split_key(), ()))
+                out = np.asarray(sm(jnp.zeros(8)))
+                self.assertEqual(len(set(out.tolist())), 8, out)
+                k1 = rng.value
+                self.assertNotIsInstance(k1, _mp_Tracer)
+                self.assertEqual(k1.shape, shape0)
+                self.assertEqual(k1.dtype, dtype0)
+                self.assertFalse(np.array_equal(_host(k1), _host(k0)))
+                out2 = np.asarray(sm(jnp.zeros(8)))
+                self.assertFalse(np.array_equal(out, out2))
+                self.assertEqual(rng.value.shape, shape0)
+                self.assertEqual(rng.value.dtype, dtype0)
+
+    def _loop_reference(self, rng, f, xs, n):
+        """The contract: ``keys = rng.split_key(n)``; lane i runs ``f`` with keys[i]."""
+        start = rng.value
+        ref = sj.RandomState(start)
+        keys = ref.split_key(n)
+        outs = []
+        try:
+            for i in range(n):
+                rng.value = keys[i]
+                outs.append(f(xs[i]))
+        finally:
+            rng.value = start
+        stacked = jax.tree_util.tree_map(lambda *a: np.stack([_host(x) for x in a]), *outs)
+        return stacked, ref.value
+
+    def test_mapping_equals_python_loop_over_split_key(self):
+        for seed in (0, jax.random.key(11)):
+            rng = sj.RandomState(seed, name='loop_rng')
+
+            def f(x):
+                a = _mp_bits(rng.split_key())               # two draws per lane
+                b = jax.random.randint(rng.split_key(), (2,), 0, 1 << 30)
+                return a, b + x.astype(jnp.int32)
+
+            n = 5
+            sm = sj.StatefulMapping(f)
+            xs = jnp.arange(n)
+            for call in range(2):       # the key advances exactly once per call
+                with self.subTest(seed=str(seed), call=call):
+                    expected, after = self._loop_reference(rng, f, xs, n)
+                    got = sm(xs)
+                    np.testing.assert_array_equal(_host(got[0]), expected[0])
+                    np.testing.assert_array_equal(_host(got[1]), expected[1])
+                    # Afterwards the RandomState holds the key split_key(n) leaves.
+                    np.testing.assert_array_equal(_host(rng.value), _host(after))
+                    self.assertEqual(rng.value.dtype, after.dtype)
+                    self.assertEqual(rng.value.shape, after.shape)
+
+    def test_loop_contract_with_float_draws_and_args(self):
+        rng = sj.RandomState(42, name='float_rng')
+
+        def f(x):
+            return x * jax.random.uniform(rng.split_key(), (3,))
+
+        n = 4
+        xs = jnp.arange(1.0, 1.0 + n)
+        expected, after = self._loop_reference(rng, f, xs, n)
+        got = sj.StatefulMapping(f)(xs)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+        np.testing.assert_array_equal(_host(rng.value), _host(after))
+
+    def test_unused_random_state_is_not_advanced(self):
+        rng = sj.RandomState(1, name='unused')
+        other = sj.RandomState(2, name='used')
+        k_unused = _host(rng.value)
+        sj.StatefulMapping(lambda x: x + jax.random.normal(other.split_key(), ()))(jnp.zeros(3))
+        np.testing.assert_array_equal(_host(rng.value), k_unused)
+
+    def test_batched_random_state_uses_its_own_lane_keys(self):
+        keys = jax.random.split(jax.random.PRNGKey(5), 4)
+        rng = sj.RandomState(keys, name='stacked')
+        sm = sj.StatefulMapping(lambda: _mp_bits(rng.split_key()),
+                                state_in_axes={0: sj.RandomState})
+        out = np.asarray(sm())
+        for i in range(4):
+            nk = jax.random.split(keys[i])
+            np.testing.assert_array_equal(out[i], _host(_mp_bits(nk[1])))
+            np.testing.assert_array_equal(_host(rng.value)[i], _host(nk[0]))
+        self.assertEqual(rng.value.shape, (4, 2))
+
+
+# -- arguments ------------------------------------------------------------------
+
+class MappingArgsTest(unittest.TestCase):
+
+    def test_in_axes_int(self):
+        x = jnp.arange(12.0).reshape(3, 4)
+        for axis in (1, -1):
+            out = sj.StatefulMapping(lambda v: v * 2, in_axes=axis)(x)
+            np.testing.assert_allclose(out, np.asarray(x).T * 2)
+        out = sj.StatefulMapping(lambda v: v * 2, in_axes=0)(x)
+        np.testing.assert_allclose(out, np.asarray(x) * 2)
+
+    def test_in_axes_none_and_tuple_and_list(self):
+        x = jnp.arange(12.0).reshape(3, 4)
+        y = jnp.array([1.0, 2.0, 3.0])
+        for spec in ((1, None), [1, None]):
+            with self.subTest(spec=spec):
+                out = sj.StatefulMapping(lambda a, b: a * b, in_axes=spec)(x, y)
+                self.assertEqual(out.shape, (4, 3))
+                np.testing.assert_allclose(out, np.asarray(x).T * np.asarray(y))
+        out = sj.StatefulMapping(lambda a, b: a + b, in_axes=(0, 1))(x, x.T)
+        np.testing.assert_allclose(out, 2 * np.asarray(x))
+
+    def test_in_axes_pytree_prefix(self):
+        arg = {'a': jnp.arange(12.0).reshape(4, 3), 'b': jnp.array([1.0, 10.0, 100.0]),
+               'c': (jnp.arange(8.0).reshape(2, 4), jnp.arange(4.0))}
+        sm = sj.StatefulMapping(
+            lambda d, s: (d['a'] * d['b']).sum() + d['c'][0].sum() + d['c'][1] + s,
+            in_axes=({'a': 0, 'b': None, 'c': (1, 0)}, None))
+        out = sm(arg, 0.5)
+        a, b = np.asarray(arg['a']), np.asarray(arg['b'])
+        c0, c1 = np.asarray(arg['c'][0]), np.asarray(arg['c'][1])
+        expected = (a * b).sum(1) + c0.sum(0) + c1 + 0.5
+        np.testing.assert_allclose(out, expected)
+
+    def test_kwargs_are_mapped_over_axis0(self):
+        seen = []
+
+        def f(x, scale=None):
+            seen.append(scale.shape)
+            return x * scale
+
+        out = sj.StatefulMapping(f, in_axes=1)(jnp.ones((3, 4)), scale=jnp.arange(4.0))
+        self.assertEqual(seen[0], ())
+        np.testing.assert_allclose(out, np.ones((4, 3)) * np.arange(4.0)[:, None])
+
+    def test_static_args(self):
+        w = sj.State(jnp.zeros((4, 2)), name='w_static')
+        calls = []
+
+        def f(x, mode, *, power):
+            calls.append((mode, power))
+            if mode == 'add':
+                w.value = w.value + x ** power
+            else:
+                w.value = w.value - x ** power
+            return w.value.sum()
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: lambda p, s: s is w},
+                                static_argnums=1, static_argnames='power')
+        x = jnp.arange(8.0).reshape(4, 2)
+        sm(x, 'add', power=2)
+        np.testing.assert_allclose(w.value, np.asarray(x) ** 2)
+        sm(x, 'sub', power=1)
+        np.testing.assert_allclose(w.value, np.asarray(x) ** 2 - np.asarray(x))
+        self.assertEqual(calls, [('add', 2), ('sub', 1)])
+        sm(x, 'add', power=2)     # warm: same static values, no retrace
+        self.assertEqual(len(calls), 2)
+
+    def test_axis_size_when_nothing_is_batched(self):
+        rng = sj.RandomState(9, name='rng_size')
+        c = sj.State(jnp.array(2.0), name='c_size')
+        sm = sj.StatefulMapping(lambda: jax.random.normal(rng.split_key(), ()) * c.value,
+                                axis_size=5)
+        out = np.asarray(sm())
+        self.assertEqual(out.shape, (5,))
+        self.assertEqual(len(set(out.tolist())), 5)
+        # With an unbatched (None) argument.
+        out = sj.StatefulMapping(lambda v: v * c.value, in_axes=None, axis_size=3)(
+            jnp.arange(2.0))
+        np.testing.assert_allclose(out, np.tile(np.arange(2.0) * 2, (3, 1)))
+        with self.assertRaises(ValueError):
+            sj.StatefulMapping(lambda: c.value * 2)()
+
+    def test_inconsistent_batch_sizes_list_all(self):
+        odd = sj.State(jnp.zeros((13, 2)), name='odd_sized_state')
+        keep = sj.State(jnp.ones(3), name='keep')
+        snap = _snapshot([odd, keep])
+
+        def f(x, zeta_kw=None):
+            odd.value = odd.value + 1
+            keep.value = keep.value * 2
+            return x + zeta_kw
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: lambda p, s: s is odd})
+        with self.assertRaises(ValueError) as cm:
+            sm(jnp.zeros(7), zeta_kw=jnp.zeros(11))
+        msg = str(cm.exception)
+        for piece in ('7', '11', '13', 'zeta_kw', 'odd_sized_state'):
+            self.assertIn(piece, msg)
+        _assert_unchanged(self, [odd, keep], snap)
+        # Two positional arguments and axis_size.
+        with self.assertRaises(ValueError) as cm:
+            sj.StatefulMapping(lambda a, b: a + b, axis_size=17)(jnp.zeros(7), jnp.zeros(11))
+        for piece in ('7', '11', '17'):
+            self.assertIn(piece, str(cm.exception))
+
+    def test_axis_name_collectives(self):
+        mean = sj.State(jnp.array(0.0), name='mean_state')
+
+        def f(x):
+            total = lax.psum(x, 'lanes')
+            mean.value = lax.pmean(x, 'lanes')     # unbatched: same on every lane
+            return x / total
+
+        sm = sj.StatefulMapping(f, in_axes=0, axis_name='lanes',
+                                unexpected_out_state_mapping='raise')
+        x = jnp.array([1.0, 2.0, 3.0, 4.0])
+        out = sm(x)
+        np.testing.assert_allclose(out, np.asarray(x) / 10.0)
+        self.assertEqual(mean.value.shape, ())
+        np.testing.assert_allclose(mean.value, 2.5)
+
+    def test_axis_name_with_batched_state_only(self):
+        h = sj.State(jnp.array([1.0, 2.0, 3.0]), name='h_coll')
+
+        def f():
+            h.value = h.value / lax.psum(h.value, 'i')
+            return lax.axis_index('i')
+
+        sm = sj.StatefulMapping(f, state_in_axes={0: lambda p, s: s is h}, axis_name='i')
+        out = sm()
+        np.testing.assert_array_equal(out, [0, 1, 2])
+        np.testing.assert_allclose(h.value, np.array([1.0, 2.0, 3.0]) / 6.0)
+
+    def test_out_axes(self):
+        out = sj.StatefulMapping(lambda v: v * 2, in_axes=0, out_axes=1)(
+            jnp.arange(12.0).reshape(4, 3))
+        np.testing.assert_allclose(out, np.arange(12.0).reshape(4, 3).T * 2)
+
+
+# -- composition with other transformations -------------------------------------
+
+class MappingNestingTest(unittest.TestCase):
+
+    def _writing(self):
+        h = sj.HiddenState(jnp.arange(12.0).reshape(4, 3), name='h_nest')
+        rng = sj.RandomState(21, name='rng_nest')
+
+        def f(x):
+            h.value = h.value * 0.5 + x + jax.random.uniform(rng.split_key(), (3,))
+            return h.value.sum()
+
+        return h, rng, sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
+
+    def test_inside_stateful_function(self):
+        h, rng, sm = self._writing()
+        x = jnp.arange(12.0).reshape(4, 3) / 7
+        h0, k0 = h.value, rng.value
+        direct = np.asarray(sm(x))
+        h_direct, k_direct = np.asarray(h.value), _host(rng.value)
+        h.value, rng.value = h0, k0
+        sf = sj.StatefulFunction(lambda v: sm(v).sum() * 2)
+        out = sf(x)
+        np.testing.assert_allclose(out, direct.sum() * 2, rtol=1e-6)
+        np.testing.assert_allclose(h.value, h_direct, rtol=1e-6)
+        np.testing.assert_array_equal(_host(rng.value), k_direct)
+        states = sf.get_states(x)
+        self.assertIn(h, states)
+        self.assertIn(rng, states)
+        self.assertIn(h, sf.get_write_states(x))
+        self.assertIn(rng, sf.get_write_states(x))
+        _mp_assert_no_tracer(self, [h, rng])
+        # Second call continues from the new values.
+        sf(x)
+        self.assertFalse(np.allclose(h.value, h_direct))
+
+    def _reading(self):
+        w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w_read')
+        bias = sj.State(jnp.array(1.5), name='bias_read')
+        sm = sj.StatefulMapping(lambda x: (w.value * x).sum() + bias.value,
+                                in_axes=0, state_in_axes={0: sj.ParamState})
+        return w, bias, sm
+
+    def test_read_only_inside_stateful_function_through_jit(self):
+        w, bias, sm = self._reading()
+        sf = sj.StatefulFunction(lambda v: jax.jit(lambda u: sm(u) * 2)(v))
+        x = jnp.ones((4, 3))
+        np.testing.assert_allclose(sf(x), (np.arange(12.0).reshape(4, 3).sum(1) + 1.5) * 2)
+        self.assertIn(w, sf.get_states(x))
+        self.assertIn(bias, sf.get_states(x))
+        w.value = w.value * 0 + 1.0        # not baked into the compiled program
+        np.testing.assert_allclose(sf(x), (3.0 + 1.5) * 2 * np.ones(4))
+
+    def test_read_only_inside_stateful_function_through_scan(self):
+        w, bias, sm = self._reading()
+        acc = sj.State(jnp.zeros(4), name='acc_scan')
+
+        def outer(xs):
+            def body(c, x):
+                return c + sm(x), None
+            total, _ = lax.scan(body, jnp.zeros(4), xs)
+            acc.value = acc.value + total      # written at the top level
+            return total
+
+        sf = sj.StatefulFunction(outer)
+        xs = jnp.ones((2, 4, 3))
+        expected = 2 * (np.arange(12.0).reshape(4, 3).sum(1) + 1.5)
+        np.testing.assert_allclose(sf(xs), expected)
+        np.testing.assert_allclose(acc.value, expected)
+        self.assertIn(w, sf.get_states(xs))
+        bias.value = jnp.array(0.0)
+        np.testing.assert_allclose(sf(xs), expected - 3.0)
+
+    def test_writing_mapping_at_top_level_next_to_scan(self):
+        h, rng, sm = self._writing()
+        h0, k0 = h.value, rng.value
+        x = jnp.ones((4, 3))
+        direct = np.asarray(sm(x))
+        h_direct, k_direct = np.asarray(h.value), _host(rng.value)
+        h.value, rng.value = h0, k0
+
+        def outer(v):
+            y = sm(v)
+            s, _ = lax.scan(lambda c, t: (c + t, None), 0.0, y)
+            return s
+
+        out = sj.StatefulFunction(outer)(x)
+        np.testing.assert_allclose(out, direct.sum(), rtol=1e-6)
+        np.testing.assert_allclose(h.value, h_direct, rtol=1e-6)
+        np.testing.assert_array_equal(_host(rng.value), k_direct)
+
+    def test_mapping_inside_mapping(self):
+        W = sj.State(jnp.arange(24.0).reshape(2, 3, 4), name='W2')
+        rng = sj.RandomState(4, name='rng2')
+        k0 = _host(rng.value)
+        pick = {0: lambda p, s: s is W}
+
+        def inner_fn(x):
+            W.value = W.value + x
+            return x * 10 + jax.random.uniform(rng.split_key(), ())
+
+        inner = sj.StatefulMapping(inner_fn, in_axes=0, state_in_axes=pick)
+        outer = sj.StatefulMapping(lambda xs: inner(xs), in_axes=0, state_in_axes=pick)
+        x = jnp.arange(6.0).reshape(2, 3)
+        out = np.asarray(outer(x))
+        self.assertEqual(out.shape, (2, 3))
+        frac = out - np.asarray(x) * 10
+        self.assertTrue(np.all((frac >= 0) & (frac < 1)), frac)
+        self.assertEqual(len(set(frac.ravel().tolist())), 6)   # 6 independent lanes
+        np.testing.assert_allclose(
+            W.value, np.arange(24.0).reshape(2, 3, 4) + np.asarray(x)[:, :, None])
+        self.assertEqual(rng.value.shape, (2,))
+        self.assertFalse(np.array_equal(_host(rng.value), k0))
+        _mp_assert_no_tracer(self, [W, rng])
+
+    def test_collectives_over_both_axes_of_nested_mappings(self):
+        tot = sj.State(jnp.array(0.0), name='tot2')
+
+        def inner_fn(x):
+            tot.value = lax.psum(x, ('i', 'j'))     # unbatched: reduced over both axes
+            return x / lax.psum(x, 'i')
+
+        inner = sj.StatefulMapping(inner_fn, axis_name='j', unexpected_out_state_mapping='raise')
+        outer = sj.StatefulMapping(lambda xs: inner(xs), axis_name='i',
+                                   unexpected_out_state_mapping='raise')
+        x = np.arange(1.0, 7.0, dtype=np.float32).reshape(2, 3)
+        np.testing.assert_allclose(outer(jnp.asarray(x)), x / x.sum(0), rtol=1e-6)
+        self.assertEqual(tot.value.shape, ())
+        np.testing.assert_allclose(tot.value, 21.0)
+
+    def test_read_only_under_plain_jit_and_grad(self):
+        w, bias, sm = self._reading()
+        x = jnp.arange(12.0).reshape(4, 3) / 3
+        expected = (np.arange(12.0).reshape(4, 3) * np.asarray(x)).sum(1) + 1.5
+        np.testing.assert_allclose(sm(x), expected, rtol=1e-6)
+        np.testing.assert_allclose(w.value, np.arange(12.0).reshape(4, 3))   # only read
+        np.testing.assert_allclose(jax.jit(sm)(x), expected, rtol=1e-6)
+        np.testing.assert_allclose(jax.jit(lambda v: sm(v) + 1)(x), expected + 1, rtol=1e-6)
+        g = jax.grad(lambda v: sm(v).sum())(x)
+        np.testing.assert_allclose(g, np.arange(12.0).reshape(4, 3))
+        self.assertEqual(w.value.shape, (4, 3))
+        _mp_assert_no_tracer(self, [w, bias])
+
+    def test_writing_under_plain_jit_and_grad_raises(self):
+        h, rng, sm = self._writing()
+        x = jnp.ones((4, 3))
+        snap = _snapshot([h, rng])
+        with self.assertRaises(sj.TraceContextError):
+            jax.jit(lambda v: sm(v))(x)
+        _assert_unchanged(self, [h, rng], snap)
+        with self.assertRaises(sj.TraceContextError):
+            jax.grad(lambda v: sm(v).sum())(x)
+        _assert_unchanged(self, [h, rng], snap)
+        # Drawing random numbers writes the RandomState too.
+        rng2 = sj.RandomState(0, name='only_draws')
+        draw = sj.StatefulMapping(lambda v: v + jax.random.normal(rng2.split_key(), ()))
+        snap2 = _snapshot([rng2])
+        with self.assertRaises(sj.TraceContextError):
+            jax.jit(draw)(jnp.zeros(3))
+        _assert_unchanged(self, [rng2], snap2)
+        # The mapping still works afterwards.
+        sm(x)
+        self.assertFalse(np.array_equal(np.asarray(h.value), snap[0][1][0]))
+
+
+# -- 8 devices (pmap and shard_map) ---------------------------------------------
+
+class MappingDevicesTest(unittest.TestCase):
+
+    def _run(self, mapping_fn):
+        h = sj.HiddenState(jnp.arange(24.0).reshape(8, 3), name='h_dev')
+        v = sj.State(jnp.arange(16.0).reshape(2, 8), name='v_dev')   # batched on axis 1
+        shared = sj.State(jnp.array([1.0, 2.0, 3.0]), name='shared_dev')
+        rng = sj.RandomState(8, name='rng_dev')
+
+        def f(x):
+            h.value = h.value + x * shared.value
+            v.value = v.value * 2
+            noise = _mp_bits(rng.split_key())
+            return lax.psum(x.sum(), 'dev'), noise
+
+        sm = sj.StatefulMapping(f, in_axes=0, axis_name='dev', mapping_fn=mapping_fn,
+                                state_in_axes={0: sj.HiddenState, 1: lambda p, s: s is v})
+        x = jnp.arange(24.0).reshape(8, 3) / 10
+        outs = [sm(x), sm(x)]
+        return outs, [h, v, shared, rng]
+
+    def _compare(self, mapping_fn):
+        _mp_need_8_devices(self)
+        ref_outs, ref_states = self._run(jax.vmap)
+        outs, states = self._run(mapping_fn)
+        for (o, n), (ro, rn) in zip(outs, ref_outs):
+            np.testing.assert_allclose(np.asarray(o), np.asarray(ro), rtol=1e-6)
+            np.testing.assert_array_equal(_host(n), _host(rn))
+        for s, r in zip(states, ref_states):
+            self.assertEqual(s.value.shape, r.value.shape, s)
+            self.assertEqual(s.value.dtype, r.value.dtype, s)
+            np.testing.assert_allclose(_host(s.value), _host(r.value), rtol=1e-6)
+        self.assertEqual(states[1].value.shape, (2, 8))
+        self.assertEqual(len(set(map(tuple, _host(outs[0][1]).tolist()))), 8)
+        self.assertEqual(len(outs[0][1].sharding.device_set), 8)   # ran on 8 devices
+
+    def test_pmap(self):
+        self._compare(jax.pmap)
+
+    def test_shard_map_mapper(self):
+        self._compare(_mp_shard_mapper)
+
+    def test_shard_map_mapper_is_sharded(self):
+        _mp_need_8_devices(self)
+        seen = []
+
+        def f(x):
+            seen.append(x.shape)
+            return x * 2
+
+        out = sj.StatefulMapping(f, mapping_fn=_mp_shard_mapper)(jnp.arange(8.0))
+        np.testing.assert_allclose(out, np.arange(8.0) * 2)
+        self.assertEqual(seen, [()])                        # traced once, per lane
+        self.assertEqual(len(out.sharding.device_set), 8)   # ran on 8 devices
+
+
+# -- failures, cache ------------------------------------------------------------
+
+class MappingFailureTest(unittest.TestCase):
+
+    def _setup(self, mapping_fn=jax.vmap):
+        h = sj.HiddenState(jnp.arange(6.0).reshape(2, 3), name='h_fail')
+        c = sj.State(jnp.array(1.0), name='c_fail')
+        rng = sj.RandomState(12, name='rng_fail')
+        typed = sj.RandomState(jax.random.key(13), name='typed_fail')
+        fail = [True]
+        calls = [0]
+
+        def f(x):
+            calls[0] += 1
+            h.value = h.value + x + jax.random.uniform(rng.split_key(), ())
+            c.value = c.value + 1
+            y = jax.random.normal(typed.split_key(), ())
+            if fail[0]:
+                raise RuntimeError('boom in lane')
+            return x.sum() + y
+
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState},
+                                mapping_fn=mapping_fn)
+        return sm, [h, c, rng, typed], fail, calls
+
+    def test_failure_leaves_states_then_clear_cache(self):
+        sm, states, fail, _ = self._setup()
+        snap = _snapshot(states)
+        x = jnp.ones((2, 3))
+        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
+            sm(x)
+        _assert_unchanged(self, states, snap)
+        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
+            sm(x)
+        _assert_unchanged(self, states, snap)
+        sm.clear_cache()
+        fail[0] = False
+        sm(x)
+        _mp_assert_no_tracer(self, states)
+        h, c, rng, typed = states
+        self.assertEqual(float(c.value), 2.0)
+        self.assertFalse(np.array_equal(_host(rng.value), snap[2][1][0]))
+        self.assertFalse(np.array_equal(_host(typed.value), snap[3][1][0]))
+        self.assertTrue(_is_key(typed.value))      # still a typed key
+
+    def test_failure_on_retrace_after_success(self):
+        sm, states, fail, _ = self._setup()
+        fail[0] = False
+        sm(jnp.ones((2, 3)))
+        snap = _snapshot(states)
+        fail[0] = True
+        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
+            sm(jnp.ones((2, 1)))        # new shape: traced again, fails
+        _assert_unchanged(self, states, snap)
+        sm.clear_cache()
+        fail[0] = False
+        sm(jnp.ones((2, 3)))
+        self.assertEqual(float(states[1].value), 3.0)
+
+    def test_failure_in_mapping_fn_keeps_random_states(self):
+        broken = [True]
+
+        def mapper(f, *a, **kw):
+            mapped = jax.vmap(f, *a, **kw)
+
+            def call(*args):
+                out = mapped(*args)
+                if broken[0]:
+                    raise RuntimeError('mapper broke')
+                return out
+            return call
+
+        sm, states, fail, _ = self._setup(mapper)
+        fail[0] = False
+        snap = _snapshot(states)
+        with self.assertRaisesRegex(RuntimeError, 'mapper broke'):
+            sm(jnp.ones((2, 3)))
+        _assert_unchanged(self, states, snap)
+        sm.clear_cache()
+        broken[0] = False
+        sm(jnp.ones((2, 3)))
+        self.assertEqual(float(states[1].value), 2.0)
+        self.assertFalse(np.array_equal(_host(states[2].value), snap[2][1][0]))
+
+    def test_failure_inside_stateful_function(self):
+        sm, states, fail, _ = self._setup()
+        sf = sj.StatefulFunction(lambda v: sm(v) * 2)
+        snap = _snapshot(states)
+        with self.assertRaisesRegex(RuntimeError, 'boom in lane'):
+            sf(jnp.ones((2, 3)))
+        _assert_unchanged(self, states, snap)
+        sm.clear_cache()
+        sf.clear_cache()
+        fail[0] = False
+        sf(jnp.ones((2, 3)))
+        _mp_assert_no_tracer(self, states)
+        self.assertEqual(float(states[1].value), 2.0)
+
+    def test_warm_call_does_no_discovery(self):
+        sm, states, fail, calls = self._setup()
+        fail[0] = False
+        x = jnp.ones((2, 3))
+        sm(x)
+        after_first = calls[0]
+        self.assertGreaterEqual(after_first, 1)
+        sm(x)
+        sm(x * 3)                                   # same shapes, new values
+        states[0].value = states[0].value * 0       # same shape, new state value
+        sm(x)
+        self.assertEqual(calls[0], after_first)
+        self.assertEqual(float(states[1].value), 5.0)
+        states[0].value = jnp.zeros((2, 5))        # new state shape: traced again
+        sm(jnp.ones((2, 5)))
+        self.assertGreater(calls[0], after_first)
+
+    def test_warm_call_does_no_discovery_pmap(self):
+        _mp_need_8_devices(self)
+        calls = [0]
+        w = sj.State(jnp.zeros((8, 2)), name='w_pm')
+
+        def f(x):
+            calls[0] += 1
+            w.value = w.value + x
+            return x
+
+        sm = sj.StatefulMapping(f, state_in_axes={0: lambda p, s: s is w},
+                                mapping_fn=jax.pmap)
+        sm(jnp.ones((8, 2)))
+        n = calls[0]
+        sm(jnp.ones((8, 2)))
+        self.assertEqual(calls[0], n)
+        np.testing.assert_allclose(w.value, 2 * np.ones((8, 2)))
+
+
+# -- StatefulMapping --------------------------------------------------------------
+class ErrorsMapping(ErrorsBase):
+
+    def test_inconsistent_batch_sizes_between_arguments(self):
+        acc = sj.State(jnp.zeros(()), name='er_acc_bs')
+
+        def f(a, b):
+            acc.value = acc.value + 1
+            return a + b
+        sm = sj.StatefulMapping(f, in_axes=(0, 0))
+        self.check(ValueError, lambda: sm(jnp.ones((4, 2)), jnp.ones((3, 2))), [acc],
+                   culprit=['argument [0] (axis 0): 4', 'argument [1] (axis 0): 3'],
+                   fix=['must share one batch size'])
+
+    def test_inconsistent_batch_sizes_argument_and_state(self):
+        h = sj.HiddenState(jnp.zeros((4, 2)), name='er_h_bs')
+
+        def f(x):
+            h.value = h.value + x
+            return x
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
+        self.check(ValueError, lambda: sm(jnp.ones((5, 2))), [h],
+                   culprit=self.site('er_h_bs') + ['argument [0] (axis 0): 5', ') (axis 0): 4'],
+                   fix=['must share one batch size'])
+
+    def test_in_axes_length_mismatch(self):
+        acc = sj.State(jnp.zeros(()), name='er_acc_len')
+
+        def f(x):
+            acc.value = acc.value + x.sum()
+            return x
+        sm = sj.StatefulMapping(f, in_axes=(0, None))
+        self.check(ValueError, lambda: sm(jnp.ones((4, 2))), [acc],
+                   culprit=['in_axes', '2 entries', '1 positional'],
+                   fix=['one axis'])
+
+    def test_in_axes_out_of_range(self):
+        sm = sj.StatefulMapping(lambda x: x * 2, in_axes=2)
+        self.check(ValueError, lambda: sm(jnp.ones((4, 2))),
+                   culprit=['in_axes=2', 'argument', '(4, 2)'], fix=('out of range',))
+
+    def test_nothing_batched_and_no_axis_size(self):
+        acc = sj.State(jnp.zeros(()), name='er_acc_none')
+
+        def f(x):
+            acc.value = acc.value + x
+            return x
+        sm = sj.StatefulMapping(f, in_axes=None)
+        self.check(ValueError, lambda: sm(1.0), [acc],
+                   culprit=['nothing is batched'], fix=['axis_size'])
+
+    def test_state_in_axes_out_of_range_for_state(self):
+        h = sj.HiddenState(jnp.zeros(4), name='er_h_axis')
+
+        def f(x):
+            h.value = h.value + x
+            return x
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={1: sj.HiddenState})
+        self.check(sj.BatchAxisError, lambda: sm(jnp.ones(4)), [h],
+                   culprit=self.site('er_h_axis') + ['along axis 1', 'has shape (4,)'],
+                   fix=['fix state_in_axes'])
+
+    def test_unexpected_batched_write_with_raise_policy(self):
+        acc = sj.State(jnp.zeros(()), name='er_acc_raise')
+        rng = sj.RandomState(0, name='er_rng_raise')
+
+        def f(x):
+            acc.value = acc.value + x + jax.random.uniform(rng.split_key())
+            return x
+        sm = sj.StatefulMapping(f, in_axes=0, unexpected_out_state_mapping='raise')
+        self.check(sj.BatchAxisError, lambda: sm(jnp.ones(4)), [acc, rng],
+                   culprit=self.site('er_acc_raise'),
+                   fix=['state_in_axes', 'state_out_axes'])
+
+    def test_collective_without_axis_name(self):
+        acc = sj.State(jnp.zeros(()), name='er_acc_coll')
+
+        def f(x):
+            acc.value = acc.value + x
+            return lax.psum(x, 'er_i')
+        sm = sj.StatefulMapping(f, in_axes=0)
+        self.check(NameError, lambda: sm(jnp.ones(4)), [acc],
+                   culprit=['er_i'], fix=['axis_name'])
+
+
+# =============================================================================
+# 10. Inspecting and shipping
+# =============================================================================
 
 
 def _line_of(marker):
@@ -7232,6 +6747,8 @@ def _export_problem():
 
 
 _EXPORT_PROBLEM = _export_problem()
+
+
 _VJP_EXPORT = _EXPORT_PROBLEM is None and 'vjp_order' in inspect.signature(
     sj._jax_export().Exported.serialize).parameters
 
@@ -7413,7 +6930,498 @@ class ExportTest(unittest.TestCase):
 
 
 # =============================================================================
-# Fidelity to brainstate 0.2.1
+# 11. Jaxpr passes: constant folding
+# =============================================================================
+
+
+_mp_Tracer = jax.core.Tracer
+
+
+_mp_jaxpr_as_fun = jax.extend.core.jaxpr_as_fun
+
+
+_mp_ClosedJaxpr = jax.extend.core.ClosedJaxpr
+
+
+_mp_Jaxpr = jax.extend.core.Jaxpr
+
+
+_mp_Literal = jax.extend.core.Literal
+
+
+# From JAX 0.11 a Jaxpr carries its consts (ClosedJaxpr is the same class), so
+# a jaxpr folded "bare" is already closed; before, it is closed by hand.
+_mp_JAXPR_CARRIES_CONSTS = _mp_ClosedJaxpr is _mp_Jaxpr
+
+
+def _mp_reclose(bare, consts):
+    return bare if _mp_JAXPR_CARRIES_CONSTS else _mp_ClosedJaxpr(bare, consts)
+
+
+def _mp_subjaxprs(params):
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, _mp_ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, _mp_Jaxpr):
+                yield item
+
+
+def _mp_jaxpr_of(j):
+    return j.jaxpr if isinstance(j, _mp_ClosedJaxpr) else j
+
+
+def _mp_count_eqns(j):
+    j = _mp_jaxpr_of(j)
+    return sum(1 + sum(_mp_count_eqns(s) for s in _mp_subjaxprs(e.params)) for e in j.eqns)
+
+
+def _mp_prims(j):
+    """Primitive names of every equation, nested bodies included."""
+    out = []
+    for e in _mp_jaxpr_of(j).eqns:
+        out.append(e.primitive.name)
+        for s in _mp_subjaxprs(e.params):
+            out += _mp_prims(s)
+    return out
+
+
+def _mp_big_values(j, limit):
+    """Sizes of constants/literals in ``j`` (nested too) with more than ``limit`` elements."""
+    found = []
+    if isinstance(j, _mp_ClosedJaxpr):
+        found += [np.size(c) for c in j.consts if np.size(c) > limit]
+    for e in _mp_jaxpr_of(j).eqns:
+        for v in e.invars:
+            if isinstance(v, _mp_Literal) and np.size(v.val) > limit:
+                found.append(np.size(v.val))
+        for s in _mp_subjaxprs(e.params):
+            found += _mp_big_values(s, limit)
+        for value in e.params.values():
+            if isinstance(value, _mp_ClosedJaxpr):
+                found += [np.size(c) for c in value.consts if np.size(c) > limit]
+    return found
+
+
+def _mp_bind_closed_call(call_jaxpr, *args):
+    prim = jax.extend.core.primitives.closed_call_p
+    got = prim.get_bind_params({'call_jaxpr': call_jaxpr})
+    if isinstance(got, tuple):      # JAX < 0.7: bind(*subfuns, *args, **params)
+        subfuns, params = got
+        return prim.bind(*subfuns, *args, **params)
+    return prim.bind(*args, **got)
+
+
+class FoldInterfaceTest(unittest.TestCase):
+
+    def _check_interface(self, orig, folded):
+        self.assertIs(type(folded), type(orig))
+        oj, fj = _mp_jaxpr_of(orig), _mp_jaxpr_of(folded)
+        self.assertEqual(len(fj.invars), len(oj.invars))
+        for a, b in zip(oj.invars, fj.invars):
+            self.assertEqual(a.aval, b.aval)
+        self.assertEqual(list(fj.invars), list(oj.invars))
+        self.assertEqual([v.aval for v in fj.outvars], [v.aval for v in oj.outvars])
+        if hasattr(oj, 'debug_info'):
+            self.assertEqual(fj.debug_info, oj.debug_info)
+
+    def test_closed_jaxpr(self):
+        C = jnp.arange(6.0).reshape(2, 3)
+
+        def f(x, y):
+            c = lax.mul(lax.sin(C), lax.cos(np.float32(0.5)))
+            return x * c + y, c.sum()
+
+        args = (jnp.ones((2, 3)), jnp.float32(2.0))
+        cj = jax.make_jaxpr(f)(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', DeprecationWarning)
+            folded = sj.constant_fold_jaxpr(cj)
+            self._check_interface(cj, folded)
+            self.assertLess(len(folded.jaxpr.eqns), len(cj.jaxpr.eqns))
+            for a, b in zip(_eval_closed(cj, *args), _eval_closed(folded, *args)):
+                np.testing.assert_array_equal(a, b)
+            # It also compiles.
+            out = jax.jit(_mp_jaxpr_as_fun(folded))(*args)
+            np.testing.assert_allclose(out[0], _eval_closed(cj, *args)[0], rtol=1e-6)
+        self.assertNotIn('sin', _mp_prims(folded))
+        self.assertNotIn('reduce_sum', _mp_prims(folded))
+
+    def test_bare_jaxpr(self):
+        C = jnp.arange(3.0)
+
+        def f(x):
+            k = lax.exp(lax.cos(np.float32(2.0)))      # literal-only: foldable
+            return x * k + C
+
+        x = jnp.arange(3.0)
+        cj = jax.make_jaxpr(f)(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', DeprecationWarning)
+            folded = sj.constant_fold_jaxpr(cj.jaxpr)
+            self._check_interface(cj.jaxpr, folded)
+            self.assertIsInstance(folded, _mp_Jaxpr)
+            self.assertLess(len(folded.eqns), len(cj.jaxpr.eqns))
+            if not _mp_JAXPR_CARRIES_CONSTS:    # bare: folded values become literals
+                self.assertEqual(list(folded.constvars), list(cj.jaxpr.constvars))
+            got = _eval_closed(_mp_reclose(folded, cj.consts), x)
+        np.testing.assert_array_equal(got[0], _eval_closed(cj, x)[0])
+        self.assertNotIn('cos', _mp_prims(folded))
+
+    def test_debug_info_kept_no_deprecation(self):
+        def f(alpha, beta):
+            # The last output folds to a scalar constant.
+            return alpha * lax.sin(np.float32(1.0)), beta, lax.cos(np.float32(2.0))
+
+        cj = jax.make_jaxpr(f)(1.0, jnp.ones(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', DeprecationWarning)
+            folded = sj.constant_fold_jaxpr(cj)
+            bare = sj.constant_fold_jaxpr(cj.jaxpr)
+            jax.jit(_mp_jaxpr_as_fun(folded)).lower(1.0, jnp.ones(2))
+        self.assertNotIn('cos', _mp_prims(folded))
+        for j in (folded.jaxpr, bare):
+            if _JAX_VERSION >= (0, 5):
+                self.assertIsNotNone(j.debug_info)
+                self.assertEqual(tuple(cj.jaxpr.debug_info.arg_names), ('alpha', 'beta'))
+                self.assertEqual(j.debug_info.arg_names, cj.jaxpr.debug_info.arg_names)
+                self.assertEqual(j.debug_info.result_paths, cj.jaxpr.debug_info.result_paths)
+            self._check_interface(cj.jaxpr, j)
+
+    def test_unused_and_passthrough_inputs(self):
+        C = jnp.arange(4.0)
+
+        def f(x, unused, y, z):
+            const_out = lax.mul(C, np.float32(2.0)) + 1     # output fully constant
+            return x, y + const_out, const_out, x, z
+
+        args = (jnp.float32(3.0), jnp.ones(5), jnp.ones(4), jnp.arange(2))
+        cj = jax.make_jaxpr(f)(*args)
+        folded = sj.constant_fold_jaxpr(cj)
+        self._check_interface(cj, folded)
+        self.assertLess(len(folded.jaxpr.eqns), len(cj.jaxpr.eqns))
+        got = _eval_closed(folded, *args)
+        for a, b in zip(_eval_closed(cj, *args), got):
+            np.testing.assert_array_equal(a, b)
+            self.assertEqual(a.dtype, b.dtype)
+        np.testing.assert_array_equal(got[2], np.arange(4.0) * 2 + 1)
+        # Bare jaxpr too.
+        bare = sj.constant_fold_jaxpr(cj.jaxpr)
+        self._check_interface(cj.jaxpr, bare)
+        for a, b in zip(_eval_closed(cj, *args), _eval_closed(_mp_reclose(bare, cj.consts), *args)):
+            np.testing.assert_array_equal(a, b)
+
+    def test_nested_jit_body_folded(self):
+        K = jnp.arange(3.0) + 1
+
+        def f(x):
+            inner = jax.jit(lambda a: a * lax.cos(np.float32(0.25)) + lax.sin(K))
+            return inner(x) * 2
+
+        x = jnp.ones(3)
+        cj = jax.make_jaxpr(f)(x)
+        folded = sj.constant_fold_jaxpr(cj)
+        self._check_interface(cj, folded)
+        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
+        self.assertNotIn('cos', _mp_prims(folded))
+        self.assertNotIn('sin', _mp_prims(folded))
+        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+
+    def test_closed_call_body_folded(self):
+        inner = jax.make_jaxpr(lambda a: a * lax.cos(np.float32(2.0)) + lax.exp(np.float32(1.0)))(
+            jnp.ones(3))
+        cj = jax.make_jaxpr(lambda x: _mp_bind_closed_call(inner, x))(jnp.ones(3))
+        # The primitive is 'closed_call' up to JAX 0.10 and 'eval_jaxpr' from 0.11.
+        self.assertIn(jax.extend.core.primitives.closed_call_p.name, ('closed_call', 'eval_jaxpr'))
+        self.assertIn(jax.extend.core.primitives.closed_call_p.name, _mp_prims(cj))
+        folded = sj.constant_fold_jaxpr(cj)
+        self._check_interface(cj, folded)
+        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
+        self.assertNotIn('cos', _mp_prims(folded))
+        x = jnp.arange(3.0)
+        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+
+    def test_jit_of_known_inputs_folded(self):
+        C = jnp.arange(4.0)
+
+        def f(x):
+            return x + jax.jit(lambda c: lax.sin(c) * 2)(C)
+
+        x = jnp.ones(4)
+        cj = jax.make_jaxpr(f)(x)
+        folded = sj.constant_fold_jaxpr(cj)
+        self._check_interface(cj, folded)
+        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
+        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+
+
+class FoldNeverTest(unittest.TestCase):
+
+    def _fold(self, f, *args):
+        cj = jax.make_jaxpr(f)(*args)
+        folded = sj.constant_fold_jaxpr(cj)
+        self.assertEqual([v.aval for v in folded.jaxpr.invars],
+                         [v.aval for v in cj.jaxpr.invars])
+        return cj, folded
+
+    def _count(self, j, names):
+        return sum(1 for p in _mp_prims(j) if p in names or any(n in p for n in names))
+
+    def test_zero_input_equations_kept(self):
+        def f(x):
+            return x + lax.iota(np.float32, 5) + lax.cos(np.float32(1.0))
+
+        x = jnp.ones(5)
+        cj, folded = self._fold(f, x)
+        self.assertEqual(_mp_prims(folded).count('iota'), _mp_prims(cj).count('iota'))
+        self.assertGreaterEqual(_mp_prims(folded).count('iota'), 1)
+        self.assertNotIn('cos', _mp_prims(folded))   # the literal-only one is folded
+        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+
+    def test_random_primitives_kept(self):
+        def f(x):
+            k = jax.random.PRNGKey(3)
+            a = jax.random.normal(k, (3,))
+            tk = jax.random.key(4)
+            b = jax.random.uniform(jax.random.split(tk)[1], (3,))
+            key = jnp.array([1, 2, 3, 4], dtype=jnp.uint32)
+            _, bits = lax.rng_bit_generator(key, (3,), dtype=jnp.uint32)
+            return x + a + b + bits.astype(jnp.float32)
+
+        names = ('random_', 'threefry', 'rng_bit_generator')
+        x = jnp.ones(3)
+        cj, folded = self._fold(f, x)
+        self.assertGreater(self._count(cj, names), 0)
+        self.assertEqual(self._count(folded, names), self._count(cj, names))
+        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+
+    def test_control_flow_kept(self):
+        C = jnp.arange(3.0)
+
+        def f(x):
+            a = lax.cond(True, lambda c: c * 2, lambda c: c * 3, C)
+            b = lax.while_loop(lambda c: c[0] < 10, lambda c: c + 1, C)
+            s, ys = lax.scan(lambda c, t: (c + t, c * t), 0.0, C)
+            i = lax.fori_loop(0, 3, lambda j, c: c * 2, C)
+            return x + a + b + s + ys + i
+
+        x = jnp.ones(3)
+        cj, folded = self._fold(f, x)
+        for name in ('cond', 'while', 'scan'):
+            with self.subTest(primitive=name):
+                n = _mp_prims(cj).count(name)
+                self.assertGreaterEqual(n, 1)
+                self.assertEqual(_mp_prims(folded).count(name), n)
+        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+
+    def test_callbacks_kept(self):
+        calls = []
+        C = jnp.arange(3.0)
+
+        def host(v):
+            calls.append('pure')
+            return np.asarray(v) * 2
+
+        def f(x):
+            jax.debug.callback(lambda v: calls.append('debug'), C)
+            y = jax.pure_callback(host, jax.ShapeDtypeStruct((3,), jnp.float32), C)
+            return x + y
+
+        x = jnp.ones(3)
+        cj, folded = self._fold(f, x)
+        self.assertEqual(calls, [], 'folding ran a callback')
+        for name in ('debug_callback', 'pure_callback'):
+            with self.subTest(primitive=name):
+                n = _mp_prims(cj).count(name)
+                self.assertEqual(n, 1)
+                self.assertEqual(_mp_prims(folded).count(name), n)
+        out = _eval_closed(folded, x)[0]
+        jax.effects_barrier()
+        np.testing.assert_array_equal(out, np.ones(3) + np.arange(3.0) * 2)
+        self.assertIn('debug', calls)
+        self.assertIn('pure', calls)
+
+    def test_io_callback_kept(self):
+        from jax.experimental import io_callback
+        calls = []
+        C = jnp.arange(2.0)
+
+        def host(v):
+            calls.append(1)
+            return np.asarray(v) + 1
+
+        def f(x):
+            return x + io_callback(host, jax.ShapeDtypeStruct((2,), jnp.float32), C)
+
+        cj, folded = self._fold(f, jnp.ones(2))
+        self.assertEqual(calls, [])
+        self.assertEqual(_mp_prims(folded).count('io_callback'), 1)
+        np.testing.assert_array_equal(_eval_closed(folded, jnp.ones(2))[0], [2.0, 3.0])
+
+    def test_large_broadcast_not_materialised(self):
+        def f(x):
+            big = lax.broadcast_in_dim(np.float32(2.0), (256, 256), ())
+            big2 = jnp.zeros((300, 300), jnp.float32) + lax.cos(np.float32(0.0))
+            return x + big, big2
+
+        x = jnp.ones((256, 256))
+        cj, folded = self._fold(f, x)
+        self.assertEqual(_mp_big_values(folded, 4096), [])
+        self.assertGreaterEqual(_mp_prims(folded).count('broadcast_in_dim'), 2)
+        for a, b in zip(_eval_closed(cj, x), _eval_closed(folded, x)):
+            np.testing.assert_array_equal(a, b)
+
+
+# -- a seeded generator of jaxprs ------------------------------------------------
+def _mp_gen_program(seed):
+    """A random function of args and closed-over constants.
+
+    Returns ``(fun, args, foldable, literal_foldable, has_jit)``: ``foldable``
+    says that some equation depends only on constants/literals (something can
+    be folded in the ClosedJaxpr), ``literal_foldable`` that some depends on
+    literals only (something can be folded in the bare Jaxpr, whose constvars
+    are unknown), ``has_jit`` that there is a nested ``jax.jit``.
+    """
+    r = random.Random(seed)
+    nr = np.random.RandomState(seed)
+    n_args, n_consts = r.randint(1, 3), r.randint(1, 3)
+    args = [jnp.asarray(nr.randn(3, 4).astype(np.float32)) for _ in range(n_args)]
+    consts = [jnp.asarray(nr.randn(3, 4).astype(np.float32)) for _ in range(n_consts)]
+    is_const = [False] * n_args + [True] * n_consts
+    steps = []
+    flags = {'fold': False, 'literal': False, 'jit': False}
+    unary = [lax.sin, lax.cos, lax.tanh, lax.neg, lax.abs, lambda v: lax.exp(lax.tanh(v))]
+    binary = [lax.add, lax.sub, lax.mul, lax.max, lax.min]
+    kinds = ['unary', 'binary', 'reduce', 'reshape', 'convert', 'scalar', 'literal', 'jit']
+    for _ in range(r.randint(3, 9)):
+        kind = r.choice(kinds)
+        if kind == 'jit':
+            ops = [r.choice([i for i, c in enumerate(is_const) if not c])]
+            K = consts[r.randrange(n_consts)]
+            k = float(r.randint(1, 5))
+            if r.random() < 0.5:
+                fn = jax.jit(lambda a, K=K: lax.mul(a, lax.sin(K)) + 1.0)
+            else:
+                fn = jax.jit(lambda a, k=k: lax.add(a, lax.cos(np.float32(k))))
+                flags['literal'] = True
+            flags['fold'] = True      # the body holds a constant-only subexpression
+            flags['jit'] = True
+            const = False
+        else:
+            n = 2 if kind == 'binary' else 1
+            ops = [r.randrange(len(is_const)) for _ in range(n)]
+            const = all(is_const[i] for i in ops)
+            if kind == 'unary':
+                fn = r.choice(unary)
+            elif kind == 'binary':
+                fn = r.choice(binary)
+            elif kind == 'reduce':
+                axis = r.randint(0, 1)
+                fn = lambda v, axis=axis: lax.broadcast_in_dim(
+                    jnp.sum(v, axis=axis), (3, 4), (1 - axis,))
+            elif kind == 'reshape':
+                if r.random() < 0.5:
+                    fn = lambda v: lax.reshape(lax.reshape(v, (12,)), (3, 4))
+                else:
+                    fn = lambda v: lax.reshape(lax.transpose(v, (1, 0)), (3, 4))
+            elif kind == 'convert':
+                if r.random() < 0.5:
+                    fn = lambda v: lax.convert_element_type(
+                        lax.convert_element_type(v, jnp.float16), jnp.float32)
+                else:
+                    fn = lambda v: lax.convert_element_type(
+                        lax.convert_element_type(lax.mul(lax.tanh(v), np.float32(7.0)),
+                                                 jnp.int32), jnp.float32)
+            elif kind == 'scalar':
+                k = np.float32(r.choice([0.5, 2.0, -1.5, 3.0]))
+                fn = lambda v, k=k: lax.mul(v, k)
+            else:   # 'literal': combine with a subexpression of literals only
+                k = np.float32(r.choice([0.5, 2.0, 1.5]))
+                fn = lambda v, k=k: lax.add(v, lax.exp(lax.cos(k)))
+                flags['literal'] = True
+                flags['fold'] = True
+            if const:
+                flags['fold'] = True
+        steps.append((fn, ops))
+        is_const.append(const)
+    n_pool = len(is_const)
+    outs = sorted(set([n_pool - 1] + [r.randrange(n_pool) for _ in range(r.randint(0, 2))]))
+
+    def program(*xs):
+        pool = list(xs) + list(consts)
+        for fn, ops in steps:
+            pool.append(fn(*[pool[i] for i in ops]))
+        return tuple(pool[i] for i in outs)
+
+    return program, args, flags['fold'], flags['literal'], flags['jit']
+
+
+class FoldGeneratedTest(unittest.TestCase):
+
+    def test_generated_jaxprs(self):
+        n_foldable = n_checked = 0
+        for seed in range(52):
+            program, args, foldable, literal_foldable, has_jit = _mp_gen_program(seed)
+            with self.subTest(seed=seed):
+                cj = jax.make_jaxpr(program)(*args)
+                with warnings.catch_warnings():
+                    warnings.simplefilter('error', DeprecationWarning)
+                    folded = sj.constant_fold_jaxpr(cj)
+                    bare = sj.constant_fold_jaxpr(cj.jaxpr)
+                self.assertIsInstance(folded, _mp_ClosedJaxpr)
+                self.assertIsInstance(bare, _mp_Jaxpr)
+                for f in (folded.jaxpr, bare):
+                    self.assertEqual(list(f.invars), list(cj.jaxpr.invars))
+                    self.assertEqual([v.aval for v in f.outvars],
+                                     [v.aval for v in cj.jaxpr.outvars])
+                    if hasattr(cj.jaxpr, 'debug_info'):
+                        self.assertEqual(f.debug_info, cj.jaxpr.debug_info)
+                expected = _eval_closed(cj, *args)
+                for got in (_eval_closed(folded, *args),
+                            _eval_closed(_mp_reclose(bare, cj.consts), *args)):
+                    self.assertEqual(len(got), len(expected))
+                    for e, g in zip(expected, got):
+                        self.assertEqual(e.dtype, g.dtype)
+                        self.assertEqual(e.shape, g.shape)
+                        if has_jit:
+                            # XLA may fuse a nested jit body and evaluate e.g.
+                            # sin with another approximation than op-by-op.
+                            np.testing.assert_allclose(e, g, rtol=4e-7, atol=1e-7)
+                        else:
+                            np.testing.assert_array_equal(e, g)
+                before = _mp_count_eqns(cj)
+                self.assertLessEqual(_mp_count_eqns(folded), before)
+                self.assertLessEqual(_mp_count_eqns(bare), before)
+                if foldable:
+                    n_foldable += 1
+                    self.assertLess(_mp_count_eqns(folded), before)
+                if literal_foldable:
+                    self.assertLess(_mp_count_eqns(bare), before)
+                n_checked += 1
+        self.assertGreaterEqual(n_checked, 50)
+        self.assertGreaterEqual(n_foldable, 25)      # the generator is not degenerate
+        self.assertLess(n_foldable, n_checked)      # ... and some programs have nothing to fold
+
+
+# =============================================================================
+# 12. Demo (`main()`)
+# =============================================================================
+
+
+class DemoTest(unittest.TestCase):
+    def test_demo_runs(self):
+        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning',
+                               'stateful_jaxpr.py'], cwd=HERE, capture_output=True, text=True,
+                              timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        for part in ("state 'trace' (LongTermState), read and written", "state 'count': new value",
+                     "state 'weight' (ParamState), read,", 'argument 0',
+                     'cache statistics', 'hit_rate', 'StatefulMapping'):
+            self.assertIn(part, proc.stdout)
+
+
+# =============================================================================
+# Agreement with brainstate 0.2.1
 #
 # The same programs run on brainstate 0.2.1 and on this module; outputs,
 # state values, accessor results (down to tuple / list / None placeholders),
@@ -7422,6 +7430,7 @@ class ExportTest(unittest.TestCase):
 # from brainstate").  Runs where brainstate 0.2.1 is importable (a Python
 # 3.11 venv with jax 0.7.2, as CI builds); skipped elsewhere.
 # =============================================================================
+
 
 try:
     with warnings.catch_warnings():
@@ -7436,18 +7445,21 @@ try:
 except Exception:   # not installed, or an install that does not import here
     bst = bst_t = bst_filter = bst_state = bst_mj = None
 
+
 _BS_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
+
+
 # CI's brainstate venv sets this, so that a broken install fails instead of skipping.
 _BS_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
+
+
 _BS_SKIP_REASON = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
                    'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
 
 
-# ---------------------------------------------------------------------------
 # Every accepted difference from brainstate 0.2.1, with its reason.  A
 # comparison whose key is listed here may differ; any other difference fails.
 # (Keys are the names the checks below record under, without program seeds.)
-# ---------------------------------------------------------------------------
 _BRAINSTATE_DIFFERENCES = {
     # -- design choices (README "Differences from brainstate") --
     'cache_stats.counts': 'one cache entry per key: the four get_cache_stats() names report the '
@@ -7496,9 +7508,7 @@ _BRAINSTATE_DIFFERENCES = {
 }
 
 
-# ---------------------------------------------------------------------------
-# _bs_ helpers
-# ---------------------------------------------------------------------------
+# -- helpers ------------------------------------------------------------------
 
 _BS_RANDOM_SAMPLERS = (
     'rand', 'randint', 'random_integers', 'randn', 'random', 'random_sample', 'ranf', 'sample',
@@ -7510,6 +7520,7 @@ _BS_RANDOM_SAMPLERS = (
     'maxwell', 'negative_binomial', 'wald', 't', 'orthogonal', 'noncentral_chisquare',
     'loggamma', 'categorical', 'zipf', 'power', 'f', 'hypergeometric', 'logseries',
     'noncentral_f', 'rand_like', 'randn_like', 'randint_like')
+
 
 _SURFACE_EXCEPTIONS = {
     ('RandomState', name): 'sampling methods are out of scope: use '
@@ -7797,7 +7808,6 @@ def _bs_accessors(rec, key, sf, args, kwargs=None):
 
 
 # -- fuzz programs ------------------------------------------------------------------
-
 def _bs_fuzz_module():
     """The module holding the fuzz generator (this one, once pasted into the test file)."""
     here = sys.modules[__name__]
@@ -7886,9 +7896,7 @@ def _bs_fuzz_program(T, prog):
     return program
 
 
-# ---------------------------------------------------------------------------
-# 1. Surface
-# ---------------------------------------------------------------------------
+# -- surface --------------------------------------------------------------------
 
 def _bs_counterparts():
     """``(name, brainstate object, our object)`` for every counterpart."""
@@ -8086,9 +8094,7 @@ class BrainstateSurfaceTest(_bs_Case):
                          + '\n  '.join(problems))
 
 
-# ---------------------------------------------------------------------------
-# 2. Differential behaviour
-# ---------------------------------------------------------------------------
+# -- differential behaviour -----------------------------------------------------
 
 @unittest.skipUnless(_BS_AVAILABLE or _BS_REQUIRED, _BS_SKIP_REASON)
 class BrainstateFidelityTest(_bs_Checks, _bs_Case):
