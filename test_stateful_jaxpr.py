@@ -665,21 +665,6 @@ class StateTraceStackTest(unittest.TestCase):
         self.assertEqual(outer.states, [a])
         self.assertEqual(inner.states, [a])
 
-    def test_thread_local(self):
-        a = State(1.0)
-        seen = []
-
-        def other():
-            with StateTraceStack() as st:
-                _ = a.value
-            seen.append(st.states)
-        with StateTraceStack() as mine:
-            t = threading.Thread(target=other)
-            t.start()
-            t.join()
-        self.assertEqual(mine.states, [])
-        self.assertEqual(seen, [[a]])
-
     def test_queries(self):
         a, b = State(1.0), State(2.0)
         with StateTraceStack() as st:
@@ -1055,26 +1040,6 @@ class BoundedCacheTest(unittest.TestCase):
         for bad in (0, -1, 1.5, 'x', True):
             with self.assertRaises(ValueError, msg=repr(bad)):
                 sj.BoundedCache(bad)
-
-    def test_thread_safety(self):
-        c = sj.BoundedCache(maxsize=50)
-
-        def work(i):
-            for j in range(200):
-                k = (i, j % 60)
-                if c.get(k) is None:
-                    try:
-                        c.set(k, j)
-                    except ValueError:
-                        pass
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.assertLessEqual(len(c), 50)
-        stats = c.get_stats()
-        self.assertEqual(stats['hits'] + stats['misses'], 8 * 200)
 
     def test_make_hashable(self):
         self.assertEqual(sj.make_hashable([1, [2, 3]]), (1, (2, 3)))
@@ -1589,31 +1554,6 @@ class NestedWriteTest(unittest.TestCase):
         fail[0] = False
         self.assertEqual(float(sf(jnp.ones(2))), 2.0)
         self.assertEqual(float(t.value), 2.0)
-
-    def test_threads_tracing_nested_writes(self):
-        # 8 threads make first calls with different shapes (so traces, retraces
-        # and Ref lifting overlap), then cached calls; each thread's states are
-        # its own, the function is shared.
-        sf_states = [State(jnp.zeros(()), name=f'nw_th{i}') for i in range(8)]
-        shared = State(jnp.float32(1.0), name='nw_th_scale')
-
-        def f(xs, i):
-            def body(c, x):
-                sf_states[i].value = sf_states[i].value + x.sum() * shared.value
-                return c, None
-            lax.scan(body, 0.0, xs)
-            return sf_states[i].value
-        sf = StatefulFunction(f, static_argnums=1)
-
-        def work(i):
-            xs = jnp.ones((i + 1, i + 2))
-            for _ in range(5):
-                sf(xs, i)
-        errors = _th_run_threads([work] * 8)
-        self.assertFalse(errors, _th_format_errors(errors))
-        for i, s in enumerate(sf_states):
-            self.assertEqual(float(s.value), 5.0 * (i + 1) * (i + 2), s.name)
-        self.assertEqual(float(shared.value), 1.0)
 
     def test_stateful_mapping_with_scan_written_state(self):
         s = State(jnp.zeros(4), name='nw_map')
@@ -4382,66 +4322,7 @@ class ErrorsCalls(ErrorsBase):
 _add_with_checks(CachingTest, CallingTest)
 
 
-class ThreadTest(unittest.TestCase):
-
-    def test_concurrent_first_calls_one_entry_per_key(self):
-        s = State(jnp.ones(()), name='scale')
-        sf = StatefulFunction(lambda x: x * s.value)
-        barrier = threading.Barrier(8)
-        errors, results = [], {}
-
-        def work(i):
-            try:
-                barrier.wait()
-                x = jnp.arange(float(i + 1))
-                for _ in range(20):
-                    results[i] = np.asarray(sf(x))
-            except Exception as err:  # pragma: no cover - reported below
-                errors.append(err)
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.assertEqual(errors, [])
-        for i in range(8):
-            np.testing.assert_array_equal(results[i], np.arange(float(i + 1)))
-        stats = sf.get_cache_stats()['jaxpr_cache']
-        self.assertEqual(stats['size'], 8)
-        self.assertEqual(stats['misses'], 8)
-        self.assertEqual(stats['hits'] + stats['misses'], 160)
-
-    def test_tracing_never_exposes_tracers_to_other_threads(self):
-        # The traced function writes the shared State, then blocks inside the
-        # trace while the main thread reads it: the read gets the real value.
-        shared = State(jnp.full((), 3.0), name='shared')
-        written = threading.Event()
-        done = threading.Event()
-        seen = []
-
-        def slow(x):
-            shared.value = shared.value * x         # a write, inside the trace
-            written.set()
-            done.wait(30)
-            return shared.value
-        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)))
-        t.start()
-        try:
-            self.assertTrue(written.wait(30), 'the trace never reached its write')
-            self.assertTrue(t.is_alive())            # still blocked inside the trace
-            self.assertEqual(seen, [])
-            observed = shared.value                  # read while the write is pending
-            stored = shared._value
-        finally:
-            done.set()
-            t.join(60)
-        self.assertFalse(t.is_alive())
-        self.assertNotIsInstance(observed, jax.core.Tracer)
-        self.assertFalse(_contains_tracer(stored))
-        self.assertEqual(float(observed), 3.0)
-        self.assertEqual(float(seen[0]), 6.0)
-        self.assertEqual(float(shared.value), 6.0)   # afterwards the write landed
-        self.assertFalse(_tracer_in(shared))
+# -- threads --------------------------------------------------------------------
 
 
 _th_N_THREADS = 8
@@ -4487,7 +4368,7 @@ def _th_stats(fn):
     return fn.get_cache_stats()['jaxpr_cache']
 
 
-class Concurrency(unittest.TestCase):
+class ThreadSafetyTest(unittest.TestCase):
     """Thread safety: shared callables, caches and States under many threads."""
 
     def assertNoThreadErrors(self, errors):
@@ -4886,6 +4767,93 @@ class Concurrency(unittest.TestCase):
         self.assertEqual(record['states'], (s_a,))
         self.assertEqual(record['b_states'], [s_b])
         self.assertEqual(float(s_a.value), 1.0)
+
+    def test_tracing_never_exposes_tracers_to_other_threads(self):
+        # The traced function writes the shared State, then blocks inside the
+        # trace while the main thread reads it: the read gets the real value.
+        shared = State(jnp.full((), 3.0), name='shared')
+        written = threading.Event()
+        done = threading.Event()
+        seen = []
+
+        def slow(x):
+            shared.value = shared.value * x         # a write, inside the trace
+            written.set()
+            done.wait(30)
+            return shared.value
+        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)))
+        t.start()
+        try:
+            self.assertTrue(written.wait(30), 'the trace never reached its write')
+            self.assertTrue(t.is_alive())            # still blocked inside the trace
+            self.assertEqual(seen, [])
+            observed = shared.value                  # read while the write is pending
+            stored = shared._value
+        finally:
+            done.set()
+            t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assertNotIsInstance(observed, jax.core.Tracer)
+        self.assertFalse(_contains_tracer(stored))
+        self.assertEqual(float(observed), 3.0)
+        self.assertEqual(float(seen[0]), 6.0)
+        self.assertEqual(float(shared.value), 6.0)   # afterwards the write landed
+        self.assertFalse(_tracer_in(shared))
+
+    def test_bounded_cache_thread_safety(self):
+        c = sj.BoundedCache(maxsize=50)
+
+        def work(i):
+            for j in range(200):
+                k = (i, j % 60)
+                if c.get(k) is None:
+                    try:
+                        c.set(k, j)
+                    except ValueError:
+                        pass
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertLessEqual(len(c), 50)
+        stats = c.get_stats()
+        self.assertEqual(stats['hits'] + stats['misses'], 8 * 200)
+
+    def _threads_tracing_nested_writes(self):
+        # 8 threads make first calls with different shapes (so traces, retraces
+        # and Ref lifting overlap), then cached calls; each thread's states are
+        # its own, the function is shared.
+        sf_states = [State(jnp.zeros(()), name=f'nw_th{i}') for i in range(8)]
+        shared = State(jnp.float32(1.0), name='nw_th_scale')
+
+        def f(xs, i):
+            def body(c, x):
+                sf_states[i].value = sf_states[i].value + x.sum() * shared.value
+                return c, None
+            lax.scan(body, 0.0, xs)
+            return sf_states[i].value
+        sf = StatefulFunction(f, static_argnums=1)
+
+        def work(i):
+            xs = jnp.ones((i + 1, i + 2))
+            for _ in range(5):
+                sf(xs, i)
+        errors = _th_run_threads([work] * 8)
+        self.assertFalse(errors, _th_format_errors(errors))
+        for i, s in enumerate(sf_states):
+            self.assertEqual(float(s.value), 5.0 * (i + 1) * (i + 2), s.name)
+        self.assertEqual(float(shared.value), 1.0)
+
+    def test_threads_tracing_nested_writes(self):
+        self._threads_tracing_nested_writes()
+
+    def test_threads_tracing_nested_writes_with_checks(self):
+        # The same with jax_enable_checks on (JAX type checks every jaxpr built,
+        # the discharged Ref programs included).
+        self.addCleanup(jax.config.update, 'jax_enable_checks', jax.config.jax_enable_checks)
+        jax.config.update('jax_enable_checks', True)
+        self._threads_tracing_nested_writes()
 
 
 # -- memory ---------------------------------------------------------------------
