@@ -126,7 +126,7 @@ def _add_with_checks(*bases):
         globals()[name] = type(name, (_WithEnableChecks, base), {'__module__': __name__})
 
 
-def _mp_need_8_devices(tc):
+def _need_8_devices(tc):
     if jax.device_count() >= 8:
         return
     if jax.default_backend() == 'cpu':
@@ -153,10 +153,10 @@ def _legend(text):
 # the exception type, that the message names the culprit (argument index/name,
 # or State name *and* its creation site in this file) and the remedy, and that
 # no State changed or kept a tracer.
-_ER_FILE = os.path.basename(__file__)
+_THIS_FILE = os.path.basename(__file__)
 
 
-class ErrorsBase(unittest.TestCase):
+class _ErrorsCase(unittest.TestCase):
     """Shared checker for the bad-input catalogue (holds no tests)."""
 
     def check(self, exc_type, fn, states=(), culprit=(), fix=()):
@@ -182,7 +182,7 @@ class ErrorsBase(unittest.TestCase):
     @staticmethod
     def site(name):
         """Words that identify a State: its quoted name and this file (creation site)."""
-        return [repr(name), _ER_FILE]
+        return [repr(name), _THIS_FILE]
 
 
 # =============================================================================
@@ -731,7 +731,7 @@ class StateTraceStackTest(unittest.TestCase):
 
 
 # -- States passed, returned or stored where they do not belong -----------------
-class ErrorsStateMisuse(ErrorsBase):
+class ErrorsStateMisuseTest(_ErrorsCase):
 
     def test_state_as_positional_argument(self):
         s = sj.State(jnp.ones(2), name='er_arg')
@@ -1706,7 +1706,7 @@ class FailureSafetyTest(unittest.TestCase):
 
 
 # -- tracers escaping their trace, and the trace stack --------------------------
-class ErrorsTracing(ErrorsBase):
+class ErrorsTracingTest(_ErrorsCase):
 
     def test_trace_stack_exited_out_of_order(self):
         s = sj.State(jnp.ones(2), name='er_stack')
@@ -1834,7 +1834,7 @@ _add_with_checks(TracingTest, NestedWriteTest, FailureSafetyTest)
 # A traced function is made to raise at its k-th State access (a State
 # subclass whose ``value`` property counts reads and writes) and at its k-th
 # JAX operation (every operation of the test programs goes through
-# ``_fz_op``), for every k, with the failing access at top level and inside
+# ``_counted_op``), for every k, with the failing access at top level and inside
 # ``lax.scan``, ``lax.cond``, ``jax.grad``, an inner ``jax.jit``, a nested
 # StatefulFunction and a StatefulMapping.  After each failure the test checks
 # that the injected exception type propagates, that every State (RandomStates
@@ -1843,27 +1843,27 @@ _add_with_checks(TracingTest, NestedWriteTest, FailureSafetyTest)
 # next call (no fault) returns the numbers of a fault-free twin run.
 
 
-class _fz_Injected(Exception):
+class _Injected(Exception):
     """The fault the harness injects."""
 
 
-class _fz_InjectedValueError(ValueError):
+class _InjectedValueError(ValueError):
     """An injected fault of a type the module's fast path catches and inspects."""
 
 
-class _fz_InjectedTypeError(TypeError):
+class _InjectedTypeError(TypeError):
     """Likewise (``TypeError`` is also caught by the fast path)."""
 
 
-_fz_EXCEPTIONS = (_fz_Injected, _fz_InjectedValueError, _fz_InjectedTypeError)
+_INJECTED_EXCEPTIONS = (_Injected, _InjectedValueError, _InjectedTypeError)
 
 
 # At an operation the fault can also be JAX's own error, raised by JAX itself:
 # the program converts a traced value to a Python bool.
-_fz_JAX_ERROR = jax.errors.TracerBoolConversionError
+_INJECTED_JAX_ERROR = jax.errors.TracerBoolConversionError
 
 
-class _fz_FaultPlan:
+class _FaultPlan:
     """Counts State accesses and operations; raises at the armed k-th one."""
 
     def __init__(self):
@@ -1882,40 +1882,40 @@ class _fz_FaultPlan:
         n = self.counts[kind] = self.counts[kind] + 1
         if kind == self.kind and n == self.at:
             self.fired += 1
-            if self.exc is _fz_JAX_ERROR:
+            if self.exc is _INJECTED_JAX_ERROR:
                 return True
             raise self.exc(f'injected fault at {kind} event #{n}')
         return False
 
 
-_fz_FAULTS = _fz_FaultPlan()
+_FAULTS = _FaultPlan()
 
 
-def _fz_counted_get(self):
-    _fz_FAULTS.tick('state')
+def _counted_get(self):
+    _FAULTS.tick('state')
     return sj.State.value.fget(self)
 
 
-def _fz_counted_set(self, v):
-    _fz_FAULTS.tick('state')
+def _counted_set(self, v):
+    _FAULTS.tick('state')
     sj.State.value.fset(self, v)
 
 
-class _fz_CountingState(sj.State):
+class _CountingState(sj.State):
     """A State whose every ``value`` read and write is a fault-injection point."""
     __slots__ = ()
-    value = property(_fz_counted_get, _fz_counted_set)
+    value = property(_counted_get, _counted_set)
 
 
-class _fz_CountingRandomState(sj.RandomState):
+class _CountingRandomState(sj.RandomState):
     """Likewise for a RandomState (``split_key`` reads and writes ``value``)."""
     __slots__ = ()
-    value = property(_fz_counted_get, _fz_counted_set)
+    value = property(_counted_get, _counted_set)
 
 
-def _fz_op(fn, *args, **kwargs):
+def _counted_op(fn, *args, **kwargs):
     """Every JAX operation of the fault-injection programs: an injection point."""
-    if _fz_FAULTS.tick('op'):   # a user bug JAX reports: bool() of a traced value
+    if _FAULTS.tick('op'):   # a user bug JAX reports: bool() of a traced value
         x = args[0]
         if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
@@ -1928,7 +1928,7 @@ def _fz_op(fn, *args, **kwargs):
 # jax.random's threefry expands to ~100 HLO ops per split/draw, and XLA CPU
 # compile time then dominates these tests; this counter-based hash compiles
 # in a fraction of it.  Threefry keys (raw and typed) are still used, less often.
-def _fz_mix(h):
+def _mix_hash(h):
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x85EBCA6B)
     h = h ^ (h >> 13)
@@ -1936,53 +1936,53 @@ def _fz_mix(h):
     return h ^ (h >> 16)
 
 
-def _fz_cheap_stream(key, n, salt):
+def _cheap_stream(key, n, salt):
     i = jnp.arange(n, dtype=jnp.uint32)
-    return _fz_mix(key[0] ^ _fz_mix(i * jnp.uint32(0x9E3779B9) + key[1] + jnp.uint32(salt)))
+    return _mix_hash(key[0] ^ _mix_hash(i * jnp.uint32(0x9E3779B9) + key[1] + jnp.uint32(salt)))
 
 
-def _fz_cheap_seed(seed):
+def _cheap_seed(seed):
     s = jnp.asarray(seed).astype(jnp.uint32)
-    return jnp.stack([_fz_mix(s ^ jnp.uint32(0x9E3779B9)), _fz_mix(s + jnp.uint32(0x7F4A7C15))])
+    return jnp.stack([_mix_hash(s ^ jnp.uint32(0x9E3779B9)), _mix_hash(s + jnp.uint32(0x7F4A7C15))])
 
 
-def _fz_cheap_split(key, shape):
+def _cheap_split(key, shape):
     n = int(np.prod(shape, dtype=np.int64))
-    pair = jnp.stack([_fz_cheap_stream(key, n, 1), _fz_cheap_stream(key, n, 2)], axis=-1)
+    pair = jnp.stack([_cheap_stream(key, n, 1), _cheap_stream(key, n, 2)], axis=-1)
     return pair.reshape(tuple(shape) + (2,))
 
 
-def _fz_cheap_bits(key, bit_width, shape):
+def _cheap_bits(key, bit_width, shape):
     n = int(np.prod(shape, dtype=np.int64))
-    bits = _fz_cheap_stream(key, n, 3)
+    bits = _cheap_stream(key, n, 3)
     if bit_width == 64:
-        hi = _fz_cheap_stream(key, n, 4).astype(jnp.uint64)
+        hi = _cheap_stream(key, n, 4).astype(jnp.uint64)
         return ((hi << 32) | bits.astype(jnp.uint64)).reshape(shape)
     if bit_width < 32:
         bits = (bits >> (32 - bit_width)).astype(jnp.dtype(f'uint{bit_width}'))
     return bits.reshape(shape)
 
 
-def _fz_cheap_fold_in(key, data):
+def _cheap_fold_in(key, data):
     d = jnp.asarray(data).astype(jnp.uint32)
-    return jnp.stack([_fz_mix(key[0] ^ d), _fz_mix(key[1] + d * jnp.uint32(0x9E3779B9))])
+    return jnp.stack([_mix_hash(key[0] ^ d), _mix_hash(key[1] + d * jnp.uint32(0x9E3779B9))])
 
 
-_fz_CHEAP_PRNG = jax.extend.random.define_prng_impl(
-    key_shape=(2,), seed=_fz_cheap_seed, split=_fz_cheap_split, random_bits=_fz_cheap_bits,
-    fold_in=_fz_cheap_fold_in, name='fz_cheap', tag='fzc')
+_CHEAP_PRNG = jax.extend.random.define_prng_impl(
+    key_shape=(2,), seed=_cheap_seed, split=_cheap_split, random_bits=_cheap_bits,
+    fold_in=_cheap_fold_in, name='fz_cheap', tag='fzc')
 
 
-def _fz_key(seed, kind='cheap'):
+def _make_key(seed, kind='cheap'):
     """A PRNG key: 'cheap' (typed, the hash above), 'raw' or 'typed' threefry."""
     if kind == 'cheap':
-        return jax.random.key(seed, impl=_fz_CHEAP_PRNG)
+        return jax.random.key(seed, impl=_CHEAP_PRNG)
     if kind == 'typed':
         return jax.random.key(seed)
     return jax.random.PRNGKey(seed)
 
 
-def _fz_key_bits(key, shape):
+def _key_bits(key, shape):
     """Integers in [0, 1000) of ``shape`` hashed from a PRNG key's bits.
 
     Cheap to compile, for raw threefry keys too (a ``jax.random`` sampler on
@@ -1999,40 +1999,40 @@ def _fz_key_bits(key, shape):
     return lax.rem(h, jnp.uint32(1000)).astype(jnp.int32).reshape(shape)
 
 
-def _fz_key_uniform(key, shape):
-    """Floats in [-1, 1) hashed from a key (see ``_fz_key_bits``)."""
-    return _fz_key_bits(key, shape).astype(jnp.float32) * (2.0 / 1000) - 1.0
+def _key_uniform(key, shape):
+    """Floats in [-1, 1) hashed from a key (see ``_key_bits``)."""
+    return _key_bits(key, shape).astype(jnp.float32) * (2.0 / 1000) - 1.0
 
 
-def _fz_set_raw(state, value):
+def _set_raw(state, value):
     """Sets a value without counting (outside any trace)."""
     sj.State.value.fset(state, value)
 
 
-class _fz_Scn:
+class _Scenario:
     """The States one fault-injection scenario works on (fresh per instance)."""
 
     def __init__(self):
         f32 = jnp.float32
-        self.a = _fz_CountingState(jnp.linspace(-1.0, 1.0, 3, dtype=f32), name='a')
-        self.b = _fz_CountingState(jnp.array(2, jnp.int32), name='b')
-        self.w = _fz_CountingState(jnp.array([0.5, -0.25, 1.0], f32), name='w')
-        self.t = _fz_CountingState(
+        self.a = _CountingState(jnp.linspace(-1.0, 1.0, 3, dtype=f32), name='a')
+        self.b = _CountingState(jnp.array(2, jnp.int32), name='b')
+        self.w = _CountingState(jnp.array([0.5, -0.25, 1.0], f32), name='w')
+        self.t = _CountingState(
             {'m': jnp.full((3,), 0.1, f32),
              'n': (jnp.array([True, False, True]), jnp.array(0.3 + 0.4j, jnp.complex64))},
             name='t')
-        self.h = _fz_CountingState(jnp.arange(6, dtype=f32).reshape(2, 3) / 6, name='h',
+        self.h = _CountingState(jnp.arange(6, dtype=f32).reshape(2, 3) / 6, name='h',
                                    tag='lane')
-        self.rng = _fz_CountingRandomState(_fz_key(7), name='rng')   # cheap typed key
-        self.key = _fz_CountingRandomState(3, name='key')            # raw threefry key
+        self.rng = _CountingRandomState(_make_key(7), name='rng')   # cheap typed key
+        self.key = _CountingRandomState(3, name='key')            # raw threefry key
         self.all = [self.a, self.b, self.w, self.t, self.h, self.rng, self.key]
 
 
 # Each scenario: make(S) -> a fresh top-level stateful callable f(x, tag=...).
 # ``tag`` is static and unused by the numbers: a new tag is a new cache key
 # with the same result, so every injection point traces afresh.
-def _fz_scn_top(S):
-    op = _fz_op
+def _scenario_top(S):
+    op = _counted_op
 
     def f(x, tag):
         S.a.value = op(jnp.add, S.a.value, x)
@@ -2045,8 +2045,8 @@ def _fz_scn_top(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_scan(S):
-    op = _fz_op
+def _scenario_scan(S):
+    op = _counted_op
 
     def f(x, tag):
         def body(c, i):
@@ -2059,8 +2059,8 @@ def _fz_scn_scan(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_cond(S):
-    op = _fz_op
+def _scenario_cond(S):
+    op = _counted_op
 
     def f(x, tag):
         pred = op(jnp.greater, S.b.value, 0)
@@ -2071,8 +2071,8 @@ def _fz_scn_cond(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_grad(S):
-    op = _fz_op
+def _scenario_grad(S):
+    op = _counted_op
 
     def f(x, tag):
         def loss(p):
@@ -2083,8 +2083,8 @@ def _fz_scn_grad(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_jit(S):
-    op = _fz_op
+def _scenario_jit(S):
+    op = _counted_op
 
     def f(x, tag):
         y = jax.jit(lambda v: op(jnp.multiply, v, S.w.value) + S.b.value)(x)
@@ -2093,13 +2093,13 @@ def _fz_scn_jit(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_nested(S):
-    op = _fz_op
+def _scenario_nested(S):
+    op = _counted_op
 
     def inner(v, tag):
         S.a.value = op(jnp.add, S.a.value, v)
         k = S.key.split_key()
-        return op(_fz_key_uniform, k, (3,)) + S.w.value
+        return op(_key_uniform, k, (3,)) + S.w.value
     isf = sj.StatefulFunction(inner, static_argnames='tag')
 
     def f(x, tag):
@@ -2110,8 +2110,8 @@ def _fz_scn_nested(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_nested_in_scan(S):
-    op = _fz_op
+def _scenario_nested_in_scan(S):
+    op = _counted_op
 
     def inner(v, tag):   # read-only: may run inside a scan body
         return op(jnp.sin, v * S.w.value) + S.t.value['m']
@@ -2126,8 +2126,8 @@ def _fz_scn_nested_in_scan(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_scan_write(S):
-    op = _fz_op
+def _scenario_scan_write(S):
+    op = _counted_op
 
     def f(x, tag):
         def body(c, i):   # writes inside the body: a pytree state and a key
@@ -2142,8 +2142,8 @@ def _fz_scn_scan_write(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_cond_jit_write(S):
-    op = _fz_op
+def _scenario_cond_jit_write(S):
+    op = _counted_op
 
     def f(x, tag):
         def yes(v):
@@ -2163,12 +2163,12 @@ def _fz_scn_cond_jit_write(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_scn_nested_writer_in_scan(S):
-    op = _fz_op
+def _scenario_nested_writer_in_scan(S):
+    op = _counted_op
 
     def inner(v, tag):   # writes, called inside a scan body
         S.a.value = op(jnp.add, S.a.value, v)
-        return op(_fz_key_uniform, S.key.split_key(), (3,)) + S.w.value
+        return op(_key_uniform, S.key.split_key(), (3,)) + S.w.value
     isf = sj.StatefulFunction(inner, static_argnames='tag')
 
     def f(x, tag):
@@ -2179,8 +2179,8 @@ def _fz_scn_nested_writer_in_scan(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-def _fz_lane_fn(S, draw):
-    op = _fz_op
+def _lane_fn(S, draw):
+    op = _counted_op
 
     def lane(x, tag):
         S.h.value = op(jnp.add, S.h.value, x * S.w.value)
@@ -2191,14 +2191,14 @@ def _fz_lane_fn(S, draw):
     return lane
 
 
-def _fz_scn_mapping(S):
-    return sj.StatefulMapping(_fz_lane_fn(S, True), in_axes=0, state_in_axes={0: 'lane'},
+def _scenario_mapping(S):
+    return sj.StatefulMapping(_lane_fn(S, True), in_axes=0, state_in_axes={0: 'lane'},
                               static_argnames='tag')
 
 
-def _fz_scn_mapping_in_sf(S):
-    op = _fz_op
-    sm = sj.StatefulMapping(_fz_lane_fn(S, False), in_axes=0, state_in_axes={0: 'lane'},
+def _scenario_mapping_in_sf(S):
+    op = _counted_op
+    sm = sj.StatefulMapping(_lane_fn(S, False), in_axes=0, state_in_axes={0: 'lane'},
                             static_argnames='tag')
 
     def f(x, tag):
@@ -2208,35 +2208,35 @@ def _fz_scn_mapping_in_sf(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
-_fz_X3 = np.array([0.3, -0.7, 1.1], np.float32)
+_X3 = np.array([0.3, -0.7, 1.1], np.float32)
 
 
-_fz_X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
+_X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
 
 
-_fz_SCENARIOS = [
-    ('top', _fz_scn_top, _fz_X3),
-    ('scan', _fz_scn_scan, _fz_X3),
-    ('cond', _fz_scn_cond, _fz_X3),
-    ('grad', _fz_scn_grad, _fz_X3),
-    ('inner_jit', _fz_scn_jit, _fz_X3),
-    ('nested_sf', _fz_scn_nested, _fz_X3),
-    ('nested_sf_in_scan', _fz_scn_nested_in_scan, _fz_X3),
-    ('scan_write', _fz_scn_scan_write, _fz_X3),
-    ('cond_jit_write', _fz_scn_cond_jit_write, _fz_X3),
-    ('nested_writer_in_scan', _fz_scn_nested_writer_in_scan, _fz_X3),
-    ('mapping', _fz_scn_mapping, _fz_X23),
-    ('mapping_in_sf', _fz_scn_mapping_in_sf, _fz_X23),
+_SCENARIOS = [
+    ('top', _scenario_top, _X3),
+    ('scan', _scenario_scan, _X3),
+    ('cond', _scenario_cond, _X3),
+    ('grad', _scenario_grad, _X3),
+    ('inner_jit', _scenario_jit, _X3),
+    ('nested_sf', _scenario_nested, _X3),
+    ('nested_sf_in_scan', _scenario_nested_in_scan, _X3),
+    ('scan_write', _scenario_scan_write, _X3),
+    ('cond_jit_write', _scenario_cond_jit_write, _X3),
+    ('nested_writer_in_scan', _scenario_nested_writer_in_scan, _X3),
+    ('mapping', _scenario_mapping, _X23),
+    ('mapping_in_sf', _scenario_mapping_in_sf, _X23),
 ]
 
 
-def _fz_stack(xs, axis):
+def _stack_lanes(xs, axis):
     """Lane values stacked along ``axis``, in numpy (Python scalars keep their
     loose typing: a 64-bit result is compared by value)."""
     return np.stack([_host(x) for x in xs], axis=axis)
 
 
-def _fz_assert_close(expected, got, what, rtol=1e-5, atol=1e-5):
+def _assert_close(expected, got, what, rtol=1e-5, atol=1e-5):
     """Same pytree structure; integer/bool leaves equal, float leaves close."""
     el, et = jax.tree_util.tree_flatten(expected)
     gl, gt = jax.tree_util.tree_flatten(got)
@@ -2246,7 +2246,7 @@ def _fz_assert_close(expected, got, what, rtol=1e-5, atol=1e-5):
         loose = isinstance(a, (bool, int, float, complex)) or isinstance(b, (bool, int, float,
                                                                              complex))
         a, b = _host(a), _host(b)
-        # 64-bit values only come from Python scalars (stacked by _fz_stack).
+        # 64-bit values only come from Python scalars (stacked by _stack_lanes).
         loose = loose or a.dtype in (np.int64, np.float64, np.complex128)
         if loose:   # a Python scalar: its value counts, not its (default) dtype
             b = b.astype(a.dtype)
@@ -2261,7 +2261,7 @@ def _fz_assert_close(expected, got, what, rtol=1e-5, atol=1e-5):
             raise AssertionError(f'{what}, leaf {i}: values differ\nexpected {a!r}\ngot      {b!r}')
 
 
-class _fz_Either:
+class _Either:
     """Expected value of an unbatched state written under a mapping: stacked
     over the lanes, or (only when every lane wrote the same value) that value."""
 
@@ -2269,22 +2269,22 @@ class _fz_Either:
         self.stacked, self.single = stacked, single
 
 
-def _fz_assert_states(expected, got, what):
-    """``_fz_assert_close`` per state, resolving ``_fz_Either`` by the shape found."""
+def _assert_states(expected, got, what):
+    """``_assert_close`` per state, resolving ``_Either`` by the shape found."""
     if len(expected) != len(got):
         raise AssertionError(f'{what}: {len(got)} states, expected {len(expected)}')
     for i, (e, g) in enumerate(zip(expected, got)):
-        if isinstance(e, _fz_Either):
+        if isinstance(e, _Either):
             shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(g)]
             if e.single is None or shapes == [np.shape(x) for x in
                                               jax.tree_util.tree_leaves(e.stacked)]:
                 e = e.stacked
             else:
                 e = e.single
-        _fz_assert_close(e, g, f'{what}, state {i}')
+        _assert_close(e, g, f'{what}, state {i}')
 
 
-def _fz_tracer_leaves(state):
+def _tracer_leaves(state):
     found = [x for x in jax.tree_util.tree_leaves(state._value) if isinstance(x, jax.core.Tracer)]
     backup = getattr(state, '_backup', None)
     found += [x for x in jax.tree_util.tree_leaves(backup) if isinstance(x, jax.core.Tracer)]
@@ -2299,14 +2299,14 @@ class FaultInjectionTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         print(f'\n[fault injection] {cls.points} injection points ran over '
-              f'{len(_fz_SCENARIOS)} scenarios', file=sys.stderr)
+              f'{len(_SCENARIOS)} scenarios', file=sys.stderr)
 
     def _check_clean(self, S, before, stats_before, call, where):
         frames = getattr(getattr(sj, '_ctx', None), 'frames', [])
         self.assertEqual(list(frames), [], f'{where}: a state trace frame is still active')
         for s, v0 in zip(S.all, before):
             self.assertIs(s._value, v0, f'{where}: {s.name} does not hold its old value object')
-            self.assertEqual(_fz_tracer_leaves(s), [], f'{where}: {s.name} holds a tracer')
+            self.assertEqual(_tracer_leaves(s), [], f'{where}: {s.name} holds a tracer')
             self.assertNotIn('Trace', repr(s), f'{where}: repr of {s.name} shows a tracer')
             self.assertIsNone(getattr(s, '_broken', None), f'{where}: {s.name} flagged as leaking')
             self.assertIs(sj.State.value.fget(s), v0,
@@ -2338,29 +2338,29 @@ class FaultInjectionTest(unittest.TestCase):
 
     def _run(self, name, make, x):
         # Fault-free twin: the expected numbers, and the number of events per kind.
-        twin = _fz_Scn()
+        twin = _Scenario()
         tcall = make(twin)
-        _fz_FAULTS.arm(None, 0, None)
+        _FAULTS.arm(None, 0, None)
         tcall(x, tag='warm')
         v0_twin = [s._value for s in twin.all]
-        _fz_FAULTS.arm(None, 0, None)
+        _FAULTS.arm(None, 0, None)
         expected_out = tcall(x, tag='dry')
-        counts = {'warm': dict(_fz_FAULTS.counts)}
+        counts = {'warm': dict(_FAULTS.counts)}
         expected_states = [s._value for s in twin.all]
         for s, v in zip(twin.all, v0_twin):
-            _fz_set_raw(s, v)
-        _fz_FAULTS.arm(None, 0, None)
+            _set_raw(s, v)
+        _FAULTS.arm(None, 0, None)
         cold_out = make(twin)(x, tag='dry')
-        counts['cold'] = dict(_fz_FAULTS.counts)
-        _fz_assert_close(expected_out, cold_out, f'{name}: cold vs warm fault-free run')
+        counts['cold'] = dict(_FAULTS.counts)
+        _assert_close(expected_out, cold_out, f'{name}: cold vs warm fault-free run')
         self.assertGreater(counts['warm']['state'], 0)
         self.assertGreater(counts['warm']['op'], 0)
 
-        S = _fz_Scn()
+        S = _Scenario()
         warm = make(S)
         warm(x, tag='warm')
         before = [s._value for s in S.all]
-        _fz_assert_close(v0_twin, before, f'{name}: warm-up')
+        _assert_close(v0_twin, before, f'{name}: warm-up')
         n = 0
         for kind in ('state', 'op'):
             top = max(counts['warm'][kind], counts['cold'][kind])
@@ -2375,13 +2375,13 @@ class FaultInjectionTest(unittest.TestCase):
                 retrace = mode == 'cold' or k % 4 == 2 or k == top
                 call = warm if mode == 'warm' else make(S)
                 for s, v in zip(S.all, before):
-                    _fz_set_raw(s, v)
+                    _set_raw(s, v)
                 stats_before = call.get_cache_stats()
-                kinds = _fz_EXCEPTIONS + ((_fz_JAX_ERROR,) if kind == 'op' else ())
+                kinds = _INJECTED_EXCEPTIONS + ((_INJECTED_JAX_ERROR,) if kind == 'op' else ())
                 exc = kinds[k % len(kinds)]
                 where = f'{name}/{mode}: {kind} #{k} ({exc.__name__})'
                 tag = f'{kind}{k}'
-                _fz_FAULTS.arm(kind, k, exc)
+                _FAULTS.arm(kind, k, exc)
                 try:
                     call(x, tag=tag)
                 except BaseException as err:  # noqa: B902 -- checked right below
@@ -2389,49 +2389,49 @@ class FaultInjectionTest(unittest.TestCase):
                 else:
                     raised = None
                 finally:
-                    _fz_FAULTS.disarm()
-                if raised is None and _fz_FAULTS.counts[kind] < k:
+                    _FAULTS.disarm()
+                if raised is None and _FAULTS.counts[kind] < k:
                     # This run had fewer events than the counted one (how often a
                     # trace is redone depends on what earlier traces left, e.g. a
                     # State a plain JAX trace read): the fault was never reached.
-                    _fz_assert_close(expected_states, [s._value for s in S.all],
+                    _assert_close(expected_states, [s._value for s in S.all],
                                      f'{where}: states after a run the fault missed')
                     continue
                 self.assertIsNotNone(raised, f'{where}: the injected fault did not propagate')
                 self.assertIs(type(raised), exc,
                               f'{where}: expected {exc.__name__}, got {type(raised).__name__}: '
                               f'{raised}')
-                self.assertEqual(_fz_FAULTS.fired, 1, where)
+                self.assertEqual(_FAULTS.fired, 1, where)
                 self._check_clean(S, before, stats_before, call, where)
                 out = call(x, tag=tag if retrace else 'warm')   # the next call, no fault
-                _fz_assert_close(expected_out, out, f'{where}: output after recovery')
-                _fz_assert_close(expected_states, [s._value for s in S.all],
+                _assert_close(expected_out, out, f'{where}: output after recovery')
+                _assert_close(expected_states, [s._value for s in S.all],
                                  f'{where}: states after recovery')
                 n += 1
         type(self).points += n
         return n
 
 
-def _fz_scenario_test(name, make, x):
+def _scenario_test(name, make, x):
     def test(self):
         self.assertGreater(self._run(name, make, x), 0)
     test.__name__ = f'test_fault_injection_{name}'
     return test
 
 
-for _fz_name, _fz_make, _fz_x in _fz_SCENARIOS:
-    setattr(FaultInjectionTest, f'test_fault_injection_{_fz_name}',
-            _fz_scenario_test(_fz_name, _fz_make, _fz_x))
+for _name, _make, _x in _SCENARIOS:
+    setattr(FaultInjectionTest, f'test_fault_injection_{_name}',
+            _scenario_test(_name, _make, _x))
 
 
-del _fz_name, _fz_make, _fz_x
+del _name, _make, _x
 
 
 # -- Differential fuzzing -------------------------------------------------------
 #
-# ``_fz_generate(seed)`` builds a random stateful program as plain data
-# (nested tuples and dicts; print it to read it) and ``_fz_make_main``
-# interprets it.  ``_fz_check_program(seed)`` runs it
+# ``_generate_program(seed)`` builds a random stateful program as plain data
+# (nested tuples and dicts; print it to read it) and ``_make_main``
+# interprets it.  ``_check_program(seed)`` runs it
 #   (a)   eagerly, as plain Python under ``jax.disable_jit()`` (the reference),
 #   (b)   through ``StatefulFunction.__call__`` (twice: first call, cache hit),
 #   (c)   through ``jax.jit`` over ``jaxpr_call`` with explicit state values,
@@ -2474,59 +2474,59 @@ del _fz_name, _fz_make, _fz_x
 #   ('pyif', stmts, stmts) [Python-level branch on the static argument].
 
 
-_FZ_M = 1023   # integers are kept in [0, 1023] with ``& _FZ_M`` (one cheap op)
+_INT_MASK = 1023   # integers are kept in [0, 1023] with ``& _INT_MASK`` (one cheap op)
 
 
-_FZ_DOM = {'f32': 'f', 'c64': 'f', 'i32': 'i', 'bool': 'i'}
+_DOMAIN = {'f32': 'f', 'c64': 'f', 'i32': 'i', 'bool': 'i'}
 
 
-_FZ_NP = {'f32': np.float32, 'i32': np.int32, 'bool': np.bool_, 'c64': np.complex64}
+_NP_DTYPE = {'f32': np.float32, 'i32': np.int32, 'bool': np.bool_, 'c64': np.complex64}
 
 
-_FZ_SINGLE_CLASSES = ('State', 'ShortTermState', 'LongTermState', 'ParamState',
+_SINGLE_STATE_CLASSES = ('State', 'ShortTermState', 'LongTermState', 'ParamState',
                       'BatchState', 'HiddenState')
 
 
-_FZ_TREE_CLASSES = ('State', 'LongTermState', 'ParamState')
+_TREE_STATE_CLASSES = ('State', 'LongTermState', 'ParamState')
 
 
-_FZ_FILTERS = ('dict', 'bare', 'predicate', 'combinator')
+_FILTER_KINDS = ('dict', 'bare', 'predicate', 'combinator')
 
 
-def _fz_leaf_specs(tree, path=()):
+def _leaf_specs(tree, path=()):
     """``[(path, dtype, shape_kind)]`` of a state's tree spec, in flatten order."""
     if tree[0] == 'leaf':
         return [(path, tree[1], tree[2])]
     out = []
     if tree[0] == 'dict':
         for k, sub in sorted(tree[1]):
-            out += _fz_leaf_specs(sub, path + (k,))
+            out += _leaf_specs(sub, path + (k,))
     else:
         for i, sub in enumerate(tree[1]):
-            out += _fz_leaf_specs(sub, path + (i,))
+            out += _leaf_specs(sub, path + (i,))
     return out
 
 
-def _fz_get(tree, path):
+def _tree_get(tree, path):
     for p in path:
         tree = tree[p]
     return tree
 
 
-def _fz_set(tree, path, leaf):
+def _tree_set(tree, path, leaf):
     if not path:
         return leaf
     p = path[0]
     if isinstance(tree, dict):
         new = dict(tree)
-        new[p] = _fz_set(tree[p], path[1:], leaf)
+        new[p] = _tree_set(tree[p], path[1:], leaf)
         return new
     items = list(tree)
-    items[p] = _fz_set(tree[p], path[1:], leaf)
+    items[p] = _tree_set(tree[p], path[1:], leaf)
     return tuple(items)
 
 
-class _fz_Gen:
+class _ProgramGenerator:
     """Seeded random program generator (the program is plain data)."""
 
     def __init__(self, seed):
@@ -2550,7 +2550,7 @@ class _fz_Gen:
         cands = [('arg', j) for j, d in enumerate(sc['args']) if d == dom]
         cands += [('var', v) for v, d in sc['vars'] if d == dom]
         cands += [('loc', u, nm) for (u, nm), d in sc['locs'] if d == dom] * 2
-        cands += [('read', si, path) for si, path, dt, sk in self.leaves if _FZ_DOM[dt] == dom] * 2
+        cands += [('read', si, path) for si, path, dt, sk in self.leaves if _DOMAIN[dt] == dom] * 2
         if dom == 'f' and self.nrngs and r.random() < 0.15:   # read a key, no split
             return ('peek', r.randrange(self.nrngs))
         if dom == 'f':
@@ -2576,7 +2576,7 @@ class _fz_Gen:
             return self.leaf(dom, sc)
         if self.writable and not sc.get('nowrite') and r.random() < 0.07:
             si, path, dt, sk = r.choice(self.writable)
-            return ('wseq', dom, si, path, self.expr(_FZ_DOM[dt], depth - 1, sc),
+            return ('wseq', dom, si, path, self.expr(_DOMAIN[dt], depth - 1, sc),
                     self.expr(dom, depth - 1, sc))
         if self.cf_left > 0 and r.random() < 0.25:
             self.cf_left -= 1
@@ -2644,18 +2644,18 @@ class _fz_Gen:
         if kind == 'scan':
             inner = dict(sc, locs=sc['locs'] + [((u, 'cf'), 'f'), ((u, 'ci'), 'i'),
                                                 ((u, 'x'), 'i')])
-            write = ('wseq', 'f', si, path, self.expr(_FZ_DOM[dt], 1, inner),
+            write = ('wseq', 'f', si, path, self.expr(_DOMAIN[dt], 1, inner),
                      self.expr('f', 1, inner))
             e = ('scan', dom, r.choice((1, 2, ('static',))), u, self.expr('f', 1, sc),
                  self.expr('i', 1, sc), write, self.expr('i', 1, inner))
         elif kind == 'fori':
             inner = dict(sc, locs=sc['locs'] + [((u, 'acc'), dom), ((u, 'k'), 'i')])
-            write = ('wseq', dom, si, path, self.expr(_FZ_DOM[dt], 1, inner),
+            write = ('wseq', dom, si, path, self.expr(_DOMAIN[dt], 1, inner),
                      self.expr(dom, 1, inner))
             e = ('fori', dom, self.length(dict(sc, no_while=True), 2), u,
                  self.expr(dom, 1, sc), write)
         else:
-            write = ('wseq', dom, si, path, self.expr(_FZ_DOM[dt], 1, sc),
+            write = ('wseq', dom, si, path, self.expr(_DOMAIN[dt], 1, sc),
                      self.expr(dom, 1, sc))
             if kind == 'jit':
                 e = ('jit', dom, write)
@@ -2699,7 +2699,7 @@ class _fz_Gen:
                 sc['vars'].append((v, dom))
             elif kind == 'write':
                 si, path, dt, sk = r.choice(self.writable)
-                out.append(('write', si, path, self.expr(_FZ_DOM[dt], depth, sc)))
+                out.append(('write', si, path, self.expr(_DOMAIN[dt], depth, sc)))
             elif kind == 'draw':
                 dk = r.choice(('bits', 'ibits', 'split2', 'normal', 'uniform', 'randint',
                                'bernoulli'))
@@ -2729,12 +2729,12 @@ class _fz_Gen:
         states = []
         for _ in range(r.randint(1, 4)):
             tree = self.tree(2)
-            classes = _FZ_SINGLE_CLASSES if tree[0] == 'leaf' else _FZ_TREE_CLASSES
+            classes = _SINGLE_STATE_CLASSES if tree[0] == 'leaf' else _TREE_STATE_CLASSES
             batched = mapped and r.random() < 0.6
             axis = None
             if batched:   # axis 1 needs every leaf to have a dimension per lane
                 lane_nd = [{'W': len(W), 'S': 0, 'L': len(W) + 1}[sk]
-                           for _, _, sk in _fz_leaf_specs(tree)]
+                           for _, _, sk in _leaf_specs(tree)]
                 axis = 1 if min(lane_nd) >= 1 and r.random() < 0.3 else 0
             states.append({'tree': tree, 'cls': r.choice(classes), 'batched': batched,
                            'axis': axis})
@@ -2770,7 +2770,7 @@ class _fz_Gen:
                        'out_axis': r.choice((0, 0, -1)) if W else 0,
                        'axis_size': unbatched or r.random() < 0.2}
         self.leaves = [(si, path, dt, sk) for si, st in enumerate(states)
-                       for path, dt, sk in _fz_leaf_specs(st['tree'])]
+                       for path, dt, sk in _leaf_specs(st['tree'])]
         self.writable = [lf for lf in self.leaves if not mapped or states[lf[0]]['batched']
                          or mapping['unbatched_writes']]
         # Most programs are small (XLA compile time dominates the cost of a
@@ -2807,17 +2807,17 @@ class _fz_Gen:
             'eager_sf': r.random() < 0.1, 'restatic': r.random() < 0.12,
             'stale': r.random() < 0.15,
             'return_only_write': r.random() < 0.8, 'check_tree': r.random() < 0.2,
-            'filter': r.choice(_FZ_FILTERS), 'compose': r.random() < 0.4, 'map': mapping,
+            'filter': r.choice(_FILTER_KINDS), 'compose': r.random() < 0.4, 'map': mapping,
         }
 
 
-def _fz_generate(seed):
+def _generate_program(seed):
     """The program for ``seed`` (deterministic: replay by seed)."""
-    return _fz_Gen(seed).program()
+    return _ProgramGenerator(seed).program()
 
 
 # -- interpreter ------------------------------------------------------------------
-class _fz_Env:
+class _Env:
     __slots__ = ('prog', 'W', 'states', 'rngs', 'args', 'static', 'c', 'cf', 'vars', 'locs',
                  'subs', 'specs')
 
@@ -2832,23 +2832,23 @@ class _fz_Env:
             self.c, self.cf = static
         self.vars, self.locs = {}, {}
         self.specs = {(si, path): (dt, sk) for si, st in enumerate(prog['states'])
-                      for path, dt, sk in _fz_leaf_specs(st['tree'])}
+                      for path, dt, sk in _leaf_specs(st['tree'])}
 
     def child(self, locs):
-        env = _fz_Env.__new__(_fz_Env)
-        for name in _fz_Env.__slots__:
+        env = _Env.__new__(_Env)
+        for name in _Env.__slots__:
             setattr(env, name, getattr(self, name))
         env.locs = {**self.locs, **locs}
         return env
 
 
-def _fz_i32(x):
+def _i32(x):
     return jnp.asarray(x).astype(jnp.int32)
 
 
-def _fz_to_work(leaf, dt, sk, W):
+def _to_work(leaf, dt, sk, W):
     """A state leaf as a work-shaped value of its domain."""
-    M = _FZ_M
+    M = _INT_MASK
     if dt in ('f32', 'c64'):
         if sk == 'L':
             z = leaf[0] - 0.5 * leaf[1]
@@ -2861,16 +2861,16 @@ def _fz_to_work(leaf, dt, sk, W):
         return z.astype(jnp.float32)
     if dt == 'i32':
         if sk == 'L':
-            return _fz_i32((leaf[0] + 2 * leaf[1]) & M)
-        return _fz_i32(jnp.broadcast_to(leaf, W))
+            return _i32((leaf[0] + 2 * leaf[1]) & M)
+        return _i32(jnp.broadcast_to(leaf, W))
     if sk == 'L':
-        return _fz_i32(jnp.logical_xor(leaf[0], leaf[1]))
-    return _fz_i32(jnp.broadcast_to(leaf, W))
+        return _i32(jnp.logical_xor(leaf[0], leaf[1]))
+    return _i32(jnp.broadcast_to(leaf, W))
 
 
-def _fz_from_work(e, old, dt, sk):
+def _from_work(e, old, dt, sk):
     """The new value of a state leaf written with work value ``e``."""
-    M = _FZ_M
+    M = _INT_MASK
     if dt == 'f32':
         n = jnp.tanh(e)
         new = jnp.mean(n) if sk == 'S' else n
@@ -2887,21 +2887,21 @@ def _fz_from_work(e, old, dt, sk):
         new = jnp.any(n) if sk == 'S' else n
     if sk == 'L':
         new = jnp.stack([new, old[0]])
-    return jnp.asarray(new).astype(_FZ_NP[dt])
+    return jnp.asarray(new).astype(_NP_DTYPE[dt])
 
 
-def _fz_length(L, env):
+def _loop_length(L, env):
     if isinstance(L, int):
         return L
     if L[0] == 'static':
         return env.c
-    return _fz_i32(jnp.sum(_fz_eval(L[1], env)) & 3)
+    return _i32(jnp.sum(_eval_expr(L[1], env)) & 3)
 
 
-def _fz_eval(e, env):
+def _eval_expr(e, env):
     op = e[0]
     W = env.W
-    M = _FZ_M
+    M = _INT_MASK
     if op == 'arg':   # (Python-scalar or weak-typed arguments made strong here)
         a = env.args[e[1]]
         return jnp.asarray(a, jnp.int32 if jnp.issubdtype(jnp.result_type(a), jnp.integer)
@@ -2912,7 +2912,7 @@ def _fz_eval(e, env):
         return env.locs[(e[1], e[2])]
     if op == 'read':
         dt, sk = env.specs[(e[1], e[2])]
-        return _fz_to_work(_fz_get(env.states[e[1]].value, e[2]), dt, sk, W)
+        return _to_work(_tree_get(env.states[e[1]].value, e[2]), dt, sk, W)
     if op == 'fconst':
         return jnp.full(W, e[1], jnp.float32)
     if op == 'iconst':
@@ -2922,90 +2922,90 @@ def _fz_eval(e, env):
     if op == 'staticf':
         return jnp.full(W, env.cf, jnp.float32)
     if op == 'fadd':
-        return (_fz_eval(e[1], env) + _fz_eval(e[2], env)) * 0.5
+        return (_eval_expr(e[1], env) + _eval_expr(e[2], env)) * 0.5
     if op == 'fsub':
-        return (_fz_eval(e[1], env) - _fz_eval(e[2], env)) * 0.5
+        return (_eval_expr(e[1], env) - _eval_expr(e[2], env)) * 0.5
     if op == 'fmul':
-        return _fz_eval(e[1], env) * jnp.tanh(_fz_eval(e[2], env))
+        return _eval_expr(e[1], env) * jnp.tanh(_eval_expr(e[2], env))
     if op == 'sin':
-        return jnp.sin(_fz_eval(e[1], env))
+        return jnp.sin(_eval_expr(e[1], env))
     if op == 'tanh':
-        return jnp.tanh(_fz_eval(e[1], env))
+        return jnp.tanh(_eval_expr(e[1], env))
     if op == 'fmean':
-        return jnp.broadcast_to(jnp.mean(_fz_eval(e[1], env)), W).astype(jnp.float32)
+        return jnp.broadcast_to(jnp.mean(_eval_expr(e[1], env)), W).astype(jnp.float32)
     if op == 'fcum':
-        a = _fz_eval(e[1], env)
+        a = _eval_expr(e[1], env)
         return jnp.cumsum(a, axis=-1) / W[-1] if W else a
     if op == 'itof':
-        return (_fz_eval(e[1], env) & M).astype(jnp.float32) * (1.0 / M)
+        return (_eval_expr(e[1], env) & M).astype(jnp.float32) * (1.0 / M)
     if op in ('fwhere', 'iwhere'):
-        c = (_fz_eval(e[1], env) & 1) == 1
-        return jnp.where(c, _fz_eval(e[2], env), _fz_eval(e[3], env))
+        c = (_eval_expr(e[1], env) & 1) == 1
+        return jnp.where(c, _eval_expr(e[2], env), _eval_expr(e[3], env))
     if op == 'iadd':
-        return _fz_i32((_fz_eval(e[1], env) + _fz_eval(e[2], env)) & M)
+        return _i32((_eval_expr(e[1], env) + _eval_expr(e[2], env)) & M)
     if op == 'imul':
-        return _fz_i32((_fz_eval(e[1], env) * _fz_eval(e[2], env)) & M)
+        return _i32((_eval_expr(e[1], env) * _eval_expr(e[2], env)) & M)
     if op == 'imax':
-        return jnp.maximum(_fz_eval(e[1], env), _fz_eval(e[2], env))
+        return jnp.maximum(_eval_expr(e[1], env), _eval_expr(e[2], env))
     if op == 'igt':
-        return _fz_i32(_fz_eval(e[1], env) > _fz_eval(e[2], env))
+        return _i32(_eval_expr(e[1], env) > _eval_expr(e[2], env))
     if op == 'isum':
-        return _fz_i32(jnp.broadcast_to(jnp.sum(_fz_eval(e[1], env)) & M, W))
+        return _i32(jnp.broadcast_to(jnp.sum(_eval_expr(e[1], env)) & M, W))
     if op == 'sfcall':
-        return env.subs[e[1]](_fz_eval(e[2], env), env.static)
+        return env.subs[e[1]](_eval_expr(e[2], env), env.static)
     if op == 'jit':
-        return jax.jit(lambda: _fz_eval(e[2], env))()
+        return jax.jit(lambda: _eval_expr(e[2], env))()
     if op == 'peek':
-        return _fz_key_uniform(env.rngs[e[1]].value, W)
+        return _key_uniform(env.rngs[e[1]].value, W)
     if op == 'wseq':
-        _fz_write(env, e[2], e[3], _fz_eval(e[4], env))
-        return _fz_eval(e[5], env)
+        _write_leaf(env, e[2], e[3], _eval_expr(e[4], env))
+        return _eval_expr(e[5], env)
     if op == 'vmapsf':
         sub = env.subs[e[1]]
-        rows = jnp.stack([_fz_eval(e[2], env), _fz_eval(e[3], env)])
+        rows = jnp.stack([_eval_expr(e[2], env), _eval_expr(e[3], env)])
         out = jax.vmap(lambda row: sub(row, env.static))(rows)
         return out[0] - 0.5 * out[1]
     if op == 'grad':
         _, u, at, body_e = e
 
         def loss(p):
-            return jnp.sum(jnp.sin(_fz_eval(body_e, env.child({(u, 'p'): p}))))
-        return jax.grad(loss)(_fz_eval(at, env))
+            return jnp.sum(jnp.sin(_eval_expr(body_e, env.child({(u, 'p'): p}))))
+        return jax.grad(loss)(_eval_expr(at, env))
     if op == 'cond':
-        pred = (jnp.sum(_fz_eval(e[2], env)) & 1) == 0
-        return lax.cond(pred, lambda _: _fz_eval(e[3], env), lambda _: _fz_eval(e[4], env),
+        pred = (jnp.sum(_eval_expr(e[2], env)) & 1) == 0
+        return lax.cond(pred, lambda _: _eval_expr(e[3], env), lambda _: _eval_expr(e[4], env),
                         jnp.int32(0))
     if op == 'scan':
         _, dom, L, u, init_f, init_i, body_f, body_i = e
-        n = _fz_length(L, env)
+        n = _loop_length(L, env)
 
         def body(carry, x):
             inner = env.child({(u, 'cf'): carry[0], (u, 'ci'): carry[1],
                                (u, 'x'): jnp.broadcast_to(x, W).astype(jnp.int32)})
-            cf = jnp.tanh(_fz_eval(body_f, inner))
-            ci = _fz_i32(_fz_eval(body_i, inner) & M)
+            cf = jnp.tanh(_eval_expr(body_f, inner))
+            ci = _i32(_eval_expr(body_i, inner) & M)
             return (cf, ci), cf
-        (cf, ci), ys = lax.scan(body, (_fz_eval(init_f, env), _fz_eval(init_i, env)),
+        (cf, ci), ys = lax.scan(body, (_eval_expr(init_f, env), _eval_expr(init_i, env)),
                                 jnp.arange(n, dtype=jnp.int32))
         return cf + 0.1 * jnp.mean(ys, axis=0) if dom == 'f' else ci
     if op == 'fori':
         _, dom, L, u, init, body_e = e
-        n = _fz_length(L, env)
+        n = _loop_length(L, env)
 
         def body(k, acc):
             inner = env.child({(u, 'acc'): acc,
                                (u, 'k'): jnp.broadcast_to(k, W).astype(jnp.int32)})
-            v = _fz_eval(body_e, inner)
-            return jnp.tanh(v) if dom == 'f' else _fz_i32(v & M)
-        return lax.fori_loop(0, n, body, _fz_eval(init, env))
+            v = _eval_expr(body_e, inner)
+            return jnp.tanh(v) if dom == 'f' else _i32(v & M)
+        return lax.fori_loop(0, n, body, _eval_expr(init, env))
     raise ValueError(f'unknown expression {op!r}')
 
 
-def _fz_draw(rng, kind, W):
+def _draw(rng, kind, W):
     if kind == 'bits':
-        return _fz_key_uniform(rng.split_key(), W)
+        return _key_uniform(rng.split_key(), W)
     if kind == 'ibits':
-        return _fz_key_bits(rng.split_key(), W)
+        return _key_bits(rng.split_key(), W)
     if kind == 'normal':
         return jax.random.normal(rng.split_key(), W, jnp.float32)
     if kind == 'uniform':
@@ -3013,20 +3013,20 @@ def _fz_draw(rng, kind, W):
     if kind == 'randint':
         return jax.random.randint(rng.split_key(), W, 0, 50, jnp.int32)
     if kind == 'bernoulli':
-        return _fz_i32(jax.random.bernoulli(rng.split_key(), 0.3, W))
+        return _i32(jax.random.bernoulli(rng.split_key(), 0.3, W))
     keys = rng.split_key(2)
-    return _fz_key_uniform(keys[0], W) - 0.5 * _fz_key_uniform(keys[1], W)
+    return _key_uniform(keys[0], W) - 0.5 * _key_uniform(keys[1], W)
 
 
-def _fz_write(env, si, path, val):
+def _write_leaf(env, si, path, val):
     """Writes work value ``val`` into leaf ``path`` of state ``si``."""
     dt, sk = env.specs[(si, path)]
     state = env.states[si]
     old = state.value
-    state.value = _fz_set(old, path, _fz_from_work(val, _fz_get(old, path), dt, sk))
+    state.value = _tree_set(old, path, _from_work(val, _tree_get(old, path), dt, sk))
 
 
-def _fz_wseq_states(tree) -> set:
+def _wseq_states(tree) -> set:
     """Indices of the states some ('wseq', ...) in the program may write."""
     found = set()
     if isinstance(tree, dict):
@@ -3035,34 +3035,34 @@ def _fz_wseq_states(tree) -> set:
         if len(tree) == 6 and tree[0] == 'wseq':
             found.add(tree[2])
         for item in tree:
-            found |= _fz_wseq_states(item)
+            found |= _wseq_states(item)
     return found
 
 
-def _fz_exec(stmts, env):
+def _exec_stmts(stmts, env):
     for s in stmts:
         kind = s[0]
         if kind == 'let':
-            env.vars[s[1]] = _fz_eval(s[2], env)
+            env.vars[s[1]] = _eval_expr(s[2], env)
         elif kind == 'write':
-            _fz_write(env, s[1], s[2], _fz_eval(s[3], env))
+            _write_leaf(env, s[1], s[2], _eval_expr(s[3], env))
         elif kind == 'draw':
-            env.vars[s[3]] = _fz_draw(env.rngs[s[1]], s[2], env.W)
+            env.vars[s[3]] = _draw(env.rngs[s[1]], s[2], env.W)
         elif kind == 'pyif':
-            _fz_exec(s[1] if env.c % 2 else s[2], env)
+            _exec_stmts(s[1] if env.c % 2 else s[2], env)
         elif kind == 'local':
             _, v, dom, e1, e2 = s
-            tmp = sj.State(_fz_eval(e1, env), name='tmp')
+            tmp = sj.State(_eval_expr(e1, env), name='tmp')
             if dom == 'f':
-                tmp.value = (tmp.value + jnp.tanh(_fz_eval(e2, env))) * 0.5
+                tmp.value = (tmp.value + jnp.tanh(_eval_expr(e2, env))) * 0.5
             else:
-                tmp.value = _fz_i32((tmp.value + _fz_eval(e2, env)) & _FZ_M)
+                tmp.value = _i32((tmp.value + _eval_expr(e2, env)) & _INT_MASK)
             env.vars[v] = tmp.value
         else:
-            env.vars[s[3]] = env.subs[s[1]](_fz_eval(s[2], env), env.static)
+            env.vars[s[3]] = env.subs[s[1]](_eval_expr(s[2], env), env.static)
 
 
-def _fz_unpack(prog, pos, kw):
+def _unpack_args(prog, pos, kw):
     """``(dynamic args in program order, static)`` from a call's args and kwargs."""
     call = prog['call']
     pos, kw = list(pos), dict(kw)
@@ -3079,7 +3079,7 @@ def _fz_unpack(prog, pos, kw):
     return pos, static
 
 
-def _fz_pack(prog, dyn, static):
+def _pack_args(prog, dyn, static):
     """``(positional, keyword)`` call arguments and the static_argnums/names to use."""
     call = prog['call']
     dyn = list(dyn)
@@ -3099,26 +3099,26 @@ def _fz_pack(prog, dyn, static):
     return pos, kw, (num,), ()
 
 
-def _fz_make_subs(prog, states, rngs, nested):
+def _make_subs(prog, states, rngs, nested):
     """The sub-programs, as plain functions or nested StatefulFunctions."""
     subs = []
     for sub in prog['subs']:
         def fn(x, static, _sub=sub):
-            env = _fz_Env(prog, states, rngs, [x], static, subs)
-            _fz_exec(_sub['body'], env)
-            return _fz_eval(_sub['ret'], env)
+            env = _Env(prog, states, rngs, [x], static, subs)
+            _exec_stmts(_sub['body'], env)
+            return _eval_expr(_sub['ret'], env)
         subs.append(sj.StatefulFunction(fn, static_argnums=(1,)) if nested else fn)
     return subs
 
 
-def _fz_make_main(prog, states, rngs, nested):
-    subs = _fz_make_subs(prog, states, rngs, nested)
+def _make_main(prog, states, rngs, nested):
+    subs = _make_subs(prog, states, rngs, nested)
 
     def main(*pos, **kw):
-        dyn, static = _fz_unpack(prog, pos, kw)
-        env = _fz_Env(prog, states, rngs, dyn, static, subs)
-        _fz_exec(prog['body'], env)
-        outs = [_fz_eval(e, env) for e in prog['outs']]
+        dyn, static = _unpack_args(prog, pos, kw)
+        env = _Env(prog, states, rngs, dyn, static, subs)
+        _exec_stmts(prog['body'], env)
+        outs = [_eval_expr(e, env) for e in prog['outs']]
         if prog['out_form'] == 'tuple':
             return tuple(outs)
         out = {f'o{i}': o for i, o in enumerate(outs)}
@@ -3129,7 +3129,7 @@ def _fz_make_main(prog, states, rngs, nested):
 
 
 # -- building values ---------------------------------------------------------------
-def _fz_leaf_value(nrng, dt, shape, forms=False):
+def _leaf_value(nrng, dt, shape, forms=False):
     """A random leaf; with ``forms``, sometimes a numpy array or a Python scalar."""
     if dt == 'f32':
         x = nrng.uniform(-1, 1, shape).astype(np.float32)
@@ -3148,7 +3148,7 @@ def _fz_leaf_value(nrng, dt, shape, forms=False):
     return jnp.asarray(x)
 
 
-def _fz_insert(shape, n, axis):
+def _insert_axis(shape, n, axis):
     """``shape`` with a lane axis of size ``n`` inserted at ``axis`` (None: none)."""
     if axis is None:
         return tuple(shape)
@@ -3156,56 +3156,56 @@ def _fz_insert(shape, n, axis):
     return tuple(shape[:axis]) + (n,) + tuple(shape[axis:])
 
 
-def _fz_tree_value(nrng, tree, W, n, axis):
+def _tree_value(nrng, tree, W, n, axis):
     if tree[0] == 'leaf':
         _, dt, sk = tree
         shape = {'W': W, 'S': (), 'L': (2,) + W}[sk]
-        return _fz_leaf_value(nrng, dt, _fz_insert(shape, n, axis), forms=True)
+        return _leaf_value(nrng, dt, _insert_axis(shape, n, axis), forms=True)
     if tree[0] == 'dict':
-        return {k: _fz_tree_value(nrng, sub, W, n, axis) for k, sub in tree[1]}
-    return tuple(_fz_tree_value(nrng, sub, W, n, axis) for sub in tree[1])
+        return {k: _tree_value(nrng, sub, W, n, axis) for k, sub in tree[1]}
+    return tuple(_tree_value(nrng, sub, W, n, axis) for sub in tree[1])
 
 
-def _fz_build(prog):
+def _build_program(prog):
     """``(states, rngs, initial values, dynamic args)`` for a program."""
     nrng = np.random.default_rng(prog['seed'])
     W, n = prog['W'], prog['lanes']
     states, inits = [], []
     for i, st in enumerate(prog['states']):
         axis = st['axis'] if st['batched'] else None
-        value = _fz_tree_value(nrng, st['tree'], W, n, axis)
+        value = _tree_value(nrng, st['tree'], W, n, axis)
         meta = {'tag': 'lane' if axis == 0 else 'lane1'} if st['batched'] else {}
         states.append(getattr(sj, st['cls'])(value, name=f's{i}', **meta))
         inits.append(value)
     rngs = []
     for i, spec in enumerate(prog['rngs']):
-        key = _fz_key(spec['seed'], spec['kind'])
+        key = _make_key(spec['seed'], spec['kind'])
         rngs.append(sj.RandomState(key, name=f'rng{i}'))
         inits.append(key)
     axes = prog['map']['arg_axes'] if n else [None] * len(prog['args'])
     dyn = []
     for d, axis in zip(prog['args'], axes):
-        x = _fz_leaf_value(nrng, 'f32' if d == 'f' else 'i32', _fz_insert(W, n, axis))
+        x = _leaf_value(nrng, 'f32' if d == 'f' else 'i32', _insert_axis(W, n, axis))
         if prog['call']['pyargs'] and nrng.random() < 0.7:
             x = float(x) if d == 'f' else int(x)   # a weakly typed Python scalar
         dyn.append(x)
     return states, rngs, inits, dyn
 
 
-def _fz_reset(all_states, values):
+def _reset_states(all_states, values):
     for s, v in zip(all_states, values):
         s.value = v
 
 
-def _fz_values(all_states):
+def _state_values(all_states):
     return [s.value for s in all_states]
 
 
-def _fz_rngs_used(prog):
+def _rngs_used(prog):
     """RandomStates the trace touches: drawn or peeked anywhere (every lax branch is
     traced), except in the Python-level branch the static argument skips."""
     used, subs, seen = set(), [], set()
-    odd = _fz_Env(prog, [], [], [], prog['static'], []).c % 2
+    odd = _Env(prog, [], [], [], prog['static'], []).c % 2
 
     def walk(node):
         if isinstance(node, list):
@@ -3231,33 +3231,33 @@ def _fz_rngs_used(prog):
     return used
 
 
-def _fz_nested_write(node, odd, inside=False):
+def _nested_write(node, odd, inside=False):
     """Whether ``node`` writes a State inside a lax body or an inner jit (in
     the Python-level branch that ``odd``, the static argument's parity, runs)."""
     if isinstance(node, list):
-        return any(_fz_nested_write(x, odd, inside) for x in node)
+        return any(_nested_write(x, odd, inside) for x in node)
     if not (isinstance(node, tuple) and node and isinstance(node[0], str)):
         return False
     op = node[0]
     if op == 'pyif':
-        return _fz_nested_write(node[1] if odd else node[2], odd, inside)
+        return _nested_write(node[1] if odd else node[2], odd, inside)
     if op == 'wseq' and inside:
         return True
     bodies = {'scan': (6, 7), 'fori': (5,), 'cond': (3, 4), 'jit': (2,)}.get(op, ())
-    return any(_fz_nested_write(x, odd, inside or i in bodies)
+    return any(_nested_write(x, odd, inside or i in bodies)
                for i, x in enumerate(node) if i)
 
 
-def _fz_features(prog) -> dict:
+def _program_features(prog) -> dict:
     """What a program exercises, for the fuzzer's coverage shares."""
-    odd = _fz_Env(prog, [], [], [], prog['static'], []).c % 2
-    return {'nested_write': _fz_nested_write([prog['body'], prog['outs']], odd),
+    odd = _Env(prog, [], [], [], prog['static'], []).c % 2
+    return {'nested_write': _nested_write([prog['body'], prog['outs']], odd),
             'batched': bool(prog['lanes']),
             'mapping_in_sf': bool(prog['lanes']) and prog['compose']}
 
 
 @contextlib.contextmanager
-def _fz_reference():
+def _reference_mode():
     """Eager evaluation for the reference run.  Its reads under jax.grad /
     jax.vmap enter the module's registry of States read by plain JAX traces,
     which switches later stateful traces into their isolated mode; the
@@ -3273,13 +3273,13 @@ def _fz_reference():
                 sj._BAKED_STATES.discard(state)
 
 
-def _fz_assert_user_path(what):
+def _assert_user_path(what):
     if len(sj._BAKED_STATES):
         raise AssertionError(f'{what}: the module is in isolated mode ({len(sj._BAKED_STATES)} '
                              'States read by plain JAX traces are alive)')
 
 
-def _fz_state_filter(kind, axis1):
+def _state_filter(kind, axis1):
     """state_in_axes in one of several spellings: axis 0 for tag 'lane', 1 for 'lane1'."""
     if kind == 'dict' or (kind == 'bare' and axis1):
         f0 = 'lane'
@@ -3293,34 +3293,34 @@ def _fz_state_filter(kind, axis1):
 
 
 # -- the differential check ------------------------------------------------------------
-def _fz_check_program(seed, extras=True):
+def _check_program(seed, extras=True):
     """Runs every path for the program of ``seed``; raises AssertionError on a mismatch.
 
     ``extras=False`` skips the extra calls a program may ask for (another static
     value, a state changing shape, the eager debugging mode): each costs one
     more XLA compile.
     """
-    prog = _fz_generate(seed)
+    prog = _generate_program(seed)
     if not extras:
         prog.update(restatic=False, stale=False, eager_sf=False)
     if prog['lanes']:
-        return _fz_check_mapped(prog)
-    states, rngs, inits, dyn = _fz_build(prog)
+        return _check_mapped(prog)
+    states, rngs, inits, dyn = _build_program(prog)
     every = states + rngs
-    pos, kw, argnums, argnames = _fz_pack(prog, dyn, prog['static'])
+    pos, kw, argnums, argnames = _pack_args(prog, dyn, prog['static'])
 
     # (a) the reference: plain Python, eager, real values; two steps.
-    ref = _fz_make_main(prog, states, rngs, nested=False)
-    with _fz_reference():
+    ref = _make_main(prog, states, rngs, nested=False)
+    with _reference_mode():
         out1 = ref(*pos, **kw)
-        fin1 = _fz_values(every)
+        fin1 = _state_values(every)
         out2 = ref(*pos, **kw)
-        fin2 = _fz_values(every)
-    _fz_reset(every, inits)
+        fin2 = _state_values(every)
+    _reset_states(every, inits)
 
     # (b) StatefulFunction.__call__: a first call, then a cache hit.
-    _fz_assert_user_path('(b) sf()')
-    main = _fz_make_main(prog, states, rngs, nested=True)
+    _assert_user_path('(b) sf()')
+    main = _make_main(prog, states, rngs, nested=True)
     sf = sj.StatefulFunction(main, static_argnums=argnums, static_argnames=argnames,
                              return_only_write=prog['return_only_write'])
     if prog['check_tree']:
@@ -3328,11 +3328,11 @@ def _fz_check_program(seed, extras=True):
             got1 = sf(*pos, **kw)
     else:
         got1 = sf(*pos, **kw)
-    _fz_assert_close(out1, got1, '(b) sf() output, call 1')
-    _fz_assert_close(fin1, _fz_values(every), '(b) sf() states, call 1')
+    _assert_close(out1, got1, '(b) sf() output, call 1')
+    _assert_close(fin1, _state_values(every), '(b) sf() states, call 1')
     got2 = sf(*pos, **kw)
-    _fz_assert_close(out2, got2, '(b) sf() output, call 2')
-    _fz_assert_close(fin2, _fz_values(every), '(b) sf() states, call 2')
+    _assert_close(out2, got2, '(b) sf() output, call 2')
+    _assert_close(fin2, _state_values(every), '(b) sf() states, call 2')
     stats = sf.get_cache_stats()['jaxpr_cache']
     # A state that started as a (weakly typed) Python scalar and was written has a
     # new signature: the second call may retrace (API: a stale entry is retraced).
@@ -3347,41 +3347,41 @@ def _fz_check_program(seed, extras=True):
     # (the cached entry is stale and must be retraced).
     def against_reference(start, pos_, kw_, what):
         """Runs the reference and ``sf`` from the state values ``start``; compares them."""
-        _fz_reset(every, start)
-        with _fz_reference():
+        _reset_states(every, start)
+        with _reference_mode():
             out_ref = ref(*pos_, **kw_)
-            fin_ref = _fz_values(every)
-        _fz_reset(every, start)
-        _fz_assert_close(out_ref, sf(*pos_, **kw_), f"(b'') sf() output, {what}")
-        _fz_assert_close(fin_ref, _fz_values(every), f"(b'') sf() states, {what}")
+            fin_ref = _state_values(every)
+        _reset_states(every, start)
+        _assert_close(out_ref, sf(*pos_, **kw_), f"(b'') sf() output, {what}")
+        _assert_close(fin_ref, _state_values(every), f"(b'') sf() states, {what}")
         return fin_ref
 
     base = fin2
     if prog['restatic']:
-        c = _fz_Env(prog, [], [], [], prog['static'], []).c
-        static2 = _fz_restatic(prog['static'], c % 3 + 1)
-        pos2, kw2, _, _ = _fz_pack(prog, dyn, static2)
+        c = _Env(prog, [], [], [], prog['static'], []).c
+        static2 = _restatic(prog['static'], c % 3 + 1)
+        pos2, kw2, _, _ = _pack_args(prog, dyn, static2)
         base = against_reference(base, pos2, kw2, 'other static')
-    stale = _fz_stale_target(prog) if prog['stale'] else None
+    stale = _stale_target(prog) if prog['stale'] else None
     if stale is not None:
         si, path, dt = stale
-        leaf = np.array(np.broadcast_to(np.asarray(_fz_get(base[si], path), _FZ_NP[dt]),
+        leaf = np.array(np.broadcast_to(np.asarray(_tree_get(base[si], path), _NP_DTYPE[dt]),
                                         prog['W']))
         base = list(base)
-        base[si] = _fz_set(base[si], path, leaf)
+        base[si] = _tree_set(base[si], path, leaf)
         against_reference(base, pos, kw, 'state changed shape')
-    _fz_reset(every, inits)
+    _reset_states(every, inits)
 
     # (b') the module's eager debugging mode: a fresh StatefulFunction under
     # jax.disable_jit() (one in ten programs).
     if prog['eager_sf']:
-        sf_eager = sj.StatefulFunction(_fz_make_main(prog, states, rngs, nested=True),
+        sf_eager = sj.StatefulFunction(_make_main(prog, states, rngs, nested=True),
                                        static_argnums=argnums, static_argnames=argnames)
         with jax.disable_jit():
             got = sf_eager(*pos, **kw)
-        _fz_assert_close(out1, got, "(b') sf() under disable_jit output")
-        _fz_assert_close(fin1, _fz_values(every), "(b') sf() under disable_jit states")
-        _fz_reset(every, inits)
+        _assert_close(out1, got, "(b') sf() under disable_jit output")
+        _assert_close(fin1, _state_values(every), "(b') sf() under disable_jit states")
+        _reset_states(every, inits)
 
     # (c) jax.jit over jaxpr_call with explicit state values, and (d) the
     # constant-folded jaxpr under jaxpr_as_fun.  Both run in one jax.jit (one
@@ -3419,9 +3419,9 @@ def _fz_check_program(seed, extras=True):
     compiled = jax.jit(pure).lower(vals, dyn_pos, dyn_kw).compile(
         {'xla_backend_optimization_level': 0})
     (new_vals, got), outs, made_outs = compiled(vals, dyn_pos, dyn_kw)
-    _fz_assert_close(out1, got, '(c) jit(jaxpr_call) output')
+    _assert_close(out1, got, '(c) jit(jaxpr_call) output')
     returned = (sf.get_write_states(*pos, **kw) if prog['return_only_write'] else touched)
-    _fz_assert_close([fin1[index[id(s)]] if s in returned else None for s in touched],
+    _assert_close([fin1[index[id(s)]] if s in returned else None for s in touched],
                      list(new_vals), '(c) jit(jaxpr_call) state values')
     for s, v in zip(every, inits):
         if s._value is not v:
@@ -3430,17 +3430,17 @@ def _fz_check_program(seed, extras=True):
     out_tree = sf.get_out_treedef(*pos, **kw)
     n_out = out_tree.children()[0].num_leaves
     got_out, got_states = out_tree.unflatten(outs)
-    _fz_assert_close(out1, got_out, '(d) folded jaxpr output')
+    _assert_close(out1, got_out, '(d) folded jaxpr output')
     expected = tuple(fin1[index[id(s)]] if s in returned else None for s in touched)
-    _fz_assert_close(expected, got_states, '(d) folded jaxpr state values')
-    _fz_assert_close(out1, jax.tree_util.tree_unflatten(out_tree.children()[0],
+    _assert_close(expected, got_states, '(d) folded jaxpr state values')
+    _assert_close(out1, jax.tree_util.tree_unflatten(out_tree.children()[0],
                                                         made_outs[:n_out]),
                      "(d') make_jaxpr output")
     expected = [fin1[index[id(s)]] for s in touched]
-    _fz_assert_close(expected, jax.tree_util.tree_unflatten(
+    _assert_close(expected, jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(expected), list(made_outs[n_out:])),
         "(d') make_jaxpr state values")
-    _fz_check_shapes(made_shapes, got, "(d') make_jaxpr(return_shape=True)")
+    _check_shapes(made_shapes, got, "(d') make_jaxpr(return_shape=True)")
 
     # The accessors agree with each other and with what the program did: the
     # written states are those the reference run gave a new value, plus any
@@ -3452,7 +3452,7 @@ def _fz_check_program(seed, extras=True):
         raise AssertionError('get_states_by_cache(key) != get_states(args)')
     written = [s for s, a, b in zip(every, inits, fin1) if a is not b]
     got_written = sf.get_write_states_by_cache(key)
-    maybe = {id(states[i]) for i in _fz_wseq_states(prog)}
+    maybe = {id(states[i]) for i in _wseq_states(prog)}
     got_ids, wrote_ids = {id(s) for s in got_written}, {id(s) for s in written}
     if not wrote_ids <= got_ids <= wrote_ids | maybe:
         raise AssertionError(f'get_write_states: {[s.name for s in got_written]}, but the '
@@ -3463,12 +3463,12 @@ def _fz_check_program(seed, extras=True):
     if sf.validate_states(key) is not True or sf.validate_all_states().get(key) is not True:
         raise AssertionError('validate_states() does not accept the current state values')
     out_shapes, state_shapes = sf.get_out_shapes(*pos, **kw)
-    _fz_check_shapes(out_shapes, got, 'get_out_shapes() outputs')
-    _fz_check_shapes(state_shapes, got_states, 'get_out_shapes() states')
+    _check_shapes(out_shapes, got, 'get_out_shapes() outputs')
+    _check_shapes(state_shapes, got_states, 'get_out_shapes() states')
     return prog
 
 
-def _fz_check_shapes(structs, values, what):
+def _check_shapes(structs, values, what):
     """``ShapeDtypeStruct`` pytree ``structs`` describes the arrays ``values``."""
     sl, st = jax.tree_util.tree_flatten(structs)
     vl, vt = jax.tree_util.tree_flatten(values)
@@ -3480,7 +3480,7 @@ def _fz_check_shapes(structs, values, what):
                                  f'{b.dtype}{list(np.shape(b))}')
 
 
-def _fz_restatic(static, c):
+def _restatic(static, c):
     """``static`` in the same form with its int part replaced by ``c``."""
     if isinstance(static, int):
         return c
@@ -3489,37 +3489,37 @@ def _fz_restatic(static, c):
     return type(static)([c, static[1]])
 
 
-def _fz_stale_target(prog):
+def _stale_target(prog):
     """A scalar ('S') leaf that can grow to the work shape, or None."""
     if not prog['W']:
         return None
     for si, st in enumerate(prog['states']):
-        for path, dt, sk in _fz_leaf_specs(st['tree']):
+        for path, dt, sk in _leaf_specs(st['tree']):
             if sk == 'S':
                 return si, path, dt
     return None
 
 
-def _fz_check_mapped(prog):
-    states, rngs, inits, dyn = _fz_build(prog)
+def _check_mapped(prog):
+    states, rngs, inits, dyn = _build_program(prog)
     every = states + rngs
     n = prog['lanes']
     m = prog['map']
     axes = [st['axis'] if st['batched'] else None for st in prog['states']]
     axes += [None] * len(rngs)
-    used = _fz_rngs_used(prog)
-    pos, kw, argnums, argnames = _fz_pack(prog, dyn, prog['static'])
+    used = _rngs_used(prog)
+    pos, kw, argnums, argnames = _pack_args(prog, dyn, prog['static'])
 
     # (a) the reference: a Python loop over the lanes, two steps (one when an
     # unbatched state may be written: it may leave batched, and a second call
     # would then map a differently shaped state).  Every lane starts from the
     # same unbatched values, as under vmap.
-    ref = _fz_make_main(prog, states, rngs, nested=False)
+    ref = _make_main(prog, states, rngs, nested=False)
     ref_rngs = [sj.RandomState(k) for k in inits[len(states):]]
     values = list(inits)
     expected = []
     steps = 1 if m['unbatched_writes'] else 2
-    with _fz_reference():
+    with _reference_mode():
         for step in range(steps):
             keys = {i: ref_rngs[i].split_key(n) for i in sorted(used)}
             keys = {i: k if _is_key(k) else np.asarray(k) for i, k in keys.items()}
@@ -3534,32 +3534,32 @@ def _fz_check_mapped(prog):
                     rngs[i].value = keys[i][lane]
                 lane_args = [a if ax is None else np.take(np.asarray(a), lane, axis=ax)
                              for a, ax in zip(dyn, m['arg_axes'])]
-                lp, lk, _, _ = _fz_pack(prog, lane_args, prog['static'])
+                lp, lk, _, _ = _pack_args(prog, lane_args, prog['static'])
                 lane_outs.append(ref(*lp, **lk))
-                lane_states.append(_fz_values(states))
-            out = jax.tree_util.tree_map(lambda *xs: _fz_stack(xs, m['out_axis']), *lane_outs)
+                lane_states.append(_state_values(states))
+            out = jax.tree_util.tree_map(lambda *xs: _stack_lanes(xs, m['out_axis']), *lane_outs)
             new = []
             for i, (v, ax) in enumerate(zip(values[:len(states)], axes)):
                 lanes = [ls[i] for ls in lane_states]
                 if ax is not None:
-                    new.append(jax.tree_util.tree_map(lambda *xs: _fz_stack(xs, ax), *lanes))
+                    new.append(jax.tree_util.tree_map(lambda *xs: _stack_lanes(xs, ax), *lanes))
                 elif all(x is v for x in lanes):   # not written
                     new.append(v)
                 else:   # written: stacked on axis 0, or one value if it is lane-invariant
-                    stacked = jax.tree_util.tree_map(lambda *xs: _fz_stack(xs, 0), *lanes)
+                    stacked = jax.tree_util.tree_map(lambda *xs: _stack_lanes(xs, 0), *lanes)
                     same = all(np.array_equal(_host(a), _host(b))
                                for x in lanes[1:] for a, b in zip(
                                    jax.tree_util.tree_leaves(lanes[0]),
                                    jax.tree_util.tree_leaves(x)))
-                    new.append(_fz_Either(stacked, lanes[0] if same else None))
+                    new.append(_Either(stacked, lanes[0] if same else None))
             new += [ref_rngs[i].value for i in range(len(rngs))]
             values = new
             expected.append((out, values))
-    _fz_reset(every, inits)
+    _reset_states(every, inits)
 
     # (e) StatefulMapping, twice (first call and cache hit).
-    _fz_assert_user_path('(e) StatefulMapping')
-    main = _fz_make_main(prog, states, rngs, nested=True)
+    _assert_user_path('(e) StatefulMapping')
+    main = _make_main(prog, states, rngs, nested=True)
     if m['as_int']:
         in_axes = 0
     else:   # one entry per positional argument (the static one's is ignored)
@@ -3574,7 +3574,7 @@ def _fz_check_mapped(prog):
         static_at = None if argnames else argnums[0] % len(pos)
         in_axes = tuple(None if i == static_at else next(it) for i in range(len(pos)))
     sm = sj.StatefulMapping(main, in_axes=in_axes, out_axes=m['out_axis'],
-                            state_in_axes=_fz_state_filter(prog['filter'], 1 in axes),
+                            state_in_axes=_state_filter(prog['filter'], 1 in axes),
                             static_argnums=argnums, static_argnames=argnames,
                             axis_size=n if m['axis_size'] else None,
                             unexpected_out_state_mapping=m['policy'])
@@ -3582,10 +3582,10 @@ def _fz_check_mapped(prog):
         with warnings.catch_warnings():
             warnings.simplefilter('ignore', UserWarning)   # the 'warn' policy
             got = sm(*pos, **kw)
-        _fz_assert_close(expected[step][0], got, f'(e) StatefulMapping output, call {step + 1}')
-        _fz_assert_states(expected[step][1], _fz_values(every),
+        _assert_close(expected[step][0], got, f'(e) StatefulMapping output, call {step + 1}')
+        _assert_states(expected[step][1], _state_values(every),
                           f'(e) StatefulMapping states, call {step + 1}')
-    _fz_reset(every, inits)
+    _reset_states(every, inits)
 
     # (e') the mapping composed inside a StatefulFunction (two in five programs:
     # one more XLA compile).
@@ -3596,19 +3596,19 @@ def _fz_check_mapped(prog):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', UserWarning)
         got = outer(*pos, **kw)
-    _fz_assert_close(expected[0][0], got, "(e') sf(mapping) output")
-    _fz_assert_states(expected[0][1], _fz_values(every), "(e') sf(mapping) states")
+    _assert_close(expected[0][0], got, "(e') sf(mapping) output")
+    _assert_states(expected[0][1], _state_values(every), "(e') sf(mapping) states")
     return prog
 
 
-def _fz_failure_kind(err):
+def _failure_kind(err):
     """The exception type and the start of its message, numbers masked (to group)."""
     text = str(err).splitlines()[0] if str(err) else ''
     return re.sub(r'\d+', '#', f'{type(err).__name__}: {text}')[:90]
 
 
-def _fz_describe(seed):
-    return pprint.pformat(_fz_generate(seed), width=100, compact=True)
+def _describe_program(seed):
+    return pprint.pformat(_generate_program(seed), width=100, compact=True)
 
 
 class FuzzDifferentialTest(unittest.TestCase):
@@ -3631,12 +3631,12 @@ class FuzzDifferentialTest(unittest.TestCase):
         gc.collect()     # States other tests read under plain JAX traces are gone
         t0 = time.perf_counter()
         for seed in range(self.SEED, self.SEED + self.N):
-            for key, value in _fz_features(_fz_generate(seed)).items():
+            for key, value in _program_features(_generate_program(seed)).items():
                 counts[key] += value
             try:
                 # The extra calls (one more compile each) for one program in six;
                 # benchmarks/fuzz.py runs them for every program.
-                _fz_check_program(seed, extras=seed % 6 == 0)
+                _check_program(seed, extras=seed % 6 == 0)
             except Exception as err:  # report every failing seed, not just the first
                 failures.append((seed, err, traceback.format_exc()))
         dt = time.perf_counter() - t0
@@ -3650,14 +3650,14 @@ class FuzzDifferentialTest(unittest.TestCase):
         if failures:
             kinds = {}
             for seed, err, _ in failures:
-                kinds.setdefault(_fz_failure_kind(err), []).append(seed)
+                kinds.setdefault(_failure_kind(err), []).append(seed)
             listing = '\n'.join(f'  {len(v)} x {k}\n      seeds {v[:12]}'
                                 for k, v in sorted(kinds.items(), key=lambda kv: -len(kv[1])))
             seed, err, tb = failures[0]
             self.fail(f'{len(failures)} of {self.N} programs disagree, by kind:\n{listing}\n'
                       f'First failure (seed {seed}; replay with fuzz_main(["--replay", '
                       f'"{seed}"]) or benchmarks/fuzz.py --replay {seed}):\n{tb}\n'
-                      f'program:\n{_fz_describe(seed)}')
+                      f'program:\n{_describe_program(seed)}')
 
     def test_jaxpr_call_static_hashable_by_value(self):
         # Found by the fuzzer: a static argument hashable only by value (a list or
@@ -3684,19 +3684,19 @@ class FuzzDifferentialTest(unittest.TestCase):
         s = sj.State(jnp.float32(2.0), name='fz_ref')
         gc.collect()
         self.assertEqual(len(sj._BAKED_STATES), 0)
-        with _fz_reference():
+        with _reference_mode():
             self.assertEqual(float(jax.grad(lambda p: p * s.value)(1.0)), 2.0)
         self.assertEqual(len(sj._BAKED_STATES), 0)
-        _fz_assert_user_path('after the reference')
+        _assert_user_path('after the reference')
         with jax.disable_jit():                       # what the reset undoes
             jax.grad(lambda p: p * s.value)(1.0)
         self.assertIn(s, sj._BAKED_STATES)
         with self.assertRaisesRegex(AssertionError, 'isolated mode'):
-            _fz_assert_user_path('a plain eager grad')
+            _assert_user_path('a plain eager grad')
 
     def test_generator_is_deterministic(self):
         for seed in (0, 1, 12345):
-            self.assertEqual(_fz_generate(seed), _fz_generate(seed))
+            self.assertEqual(_generate_program(seed), _generate_program(seed))
 
 
 def fuzz_main(argv=None):
@@ -3715,9 +3715,9 @@ def fuzz_main(argv=None):
     args = parser.parse_args(argv)
     print(f'stateful_jaxpr fuzz on jax {jax.__version__}', flush=True)
     if args.replay is not None:
-        print(_fz_describe(args.replay), flush=True)
+        print(_describe_program(args.replay), flush=True)
         try:
-            _fz_check_program(args.replay)
+            _check_program(args.replay)
         except Exception:
             traceback.print_exc()
             print(f'FAIL seed {args.replay}', flush=True)
@@ -3729,10 +3729,10 @@ def fuzz_main(argv=None):
     done = 0
     for seed in range(args.seed, args.seed + args.n):
         try:
-            _fz_check_program(seed)
+            _check_program(seed)
         except Exception as err:
             failures.append(seed)
-            kind = _fz_failure_kind(err)
+            kind = _failure_kind(err)
             print(f'FAIL seed {seed} (replay: --replay {seed}): {kind}', flush=True)
             if args.verbose or kind not in kinds:
                 traceback.print_exc(file=sys.stdout)
@@ -4108,7 +4108,7 @@ class CallingTest(unittest.TestCase):
 
 
 # -- constructors and configuration --------------------------------------------
-class ErrorsConstruction(ErrorsBase):
+class ErrorsConstructionTest(_ErrorsCase):
 
     def test_non_callable(self):
         self.check(TypeError, lambda: sj.StatefulFunction(12345),
@@ -4222,7 +4222,7 @@ class ErrorsConstruction(ErrorsBase):
 
 
 # -- calls, static arguments, jaxpr_call and the cache --------------------------
-class ErrorsCalls(ErrorsBase):
+class ErrorsCallsTest(_ErrorsCase):
 
     def setUp(self):
         self.w = sj.State(jnp.ones(2), name='er_w')
@@ -4325,13 +4325,13 @@ _add_with_checks(CachingTest, CallingTest)
 # -- threads --------------------------------------------------------------------
 
 
-_th_N_THREADS = 8
+_N_THREADS = 8
 
 
-_th_JOIN_TIMEOUT = 120.0
+_JOIN_TIMEOUT = 120.0
 
 
-def _th_run_threads(targets, join_timeout=_th_JOIN_TIMEOUT):
+def _run_threads(targets, join_timeout=_JOIN_TIMEOUT):
     """Runs each ``target(index)`` in its own thread; returns the exceptions raised.
 
     Every thread is joined; a thread still alive after ``join_timeout`` counts as
@@ -4360,11 +4360,11 @@ def _th_run_threads(targets, join_timeout=_th_JOIN_TIMEOUT):
     return errors
 
 
-def _th_format_errors(errors):
+def _format_thread_errors(errors):
     return '\n'.join(f'thread {i}: {type(e).__name__}: {e}\n{tb}' for i, e, tb in errors[:3])
 
 
-def _th_stats(fn):
+def _jaxpr_cache_stats(fn):
     return fn.get_cache_stats()['jaxpr_cache']
 
 
@@ -4373,11 +4373,11 @@ class ThreadSafetyTest(unittest.TestCase):
 
     def assertNoThreadErrors(self, errors):
         if errors:
-            self.fail(f'{len(errors)} worker thread(s) failed:\n' + _th_format_errors(errors))
+            self.fail(f'{len(errors)} worker thread(s) failed:\n' + _format_thread_errors(errors))
 
     # -- first calls with different shapes, then cached calls -------------------
     def test_first_calls_distinct_shapes_then_cached_calls(self):
-        n_threads, n_cached = _th_N_THREADS, 30
+        n_threads, n_cached = _N_THREADS, 30
         w = sj.State(jnp.asarray(3.0, jnp.float32), name='w')          # shared, read only
         acc = {n: sj.State(jnp.zeros((), jnp.float32), name=f'acc{n}')  # one per thread
                for n in range(1, n_threads + 1)}
@@ -4408,7 +4408,7 @@ class ThreadSafetyTest(unittest.TestCase):
                         for k in range(1 + n_cached)]
             results[t] = (got, expected)
 
-        errors = _th_run_threads([worker] * n_threads)
+        errors = _run_threads([worker] * n_threads)
         self.assertNoThreadErrors(errors)
         for t, (got, expected) in results.items():
             for k, (g, e) in enumerate(zip(got, expected)):
@@ -4420,13 +4420,13 @@ class ThreadSafetyTest(unittest.TestCase):
         # one trace and one entry per key; a cache hit never re-runs Python
         self.assertEqual(traces, {n: 1 for n in acc})
         self.assertEqual(len(sf._cache), n_threads)
-        stats = _th_stats(sf)
+        stats = _jaxpr_cache_stats(sf)
         self.assertEqual(stats['size'], n_threads)
         self.assertEqual(stats['misses'], n_threads, stats)
         self.assertEqual(stats['hits'] + stats['misses'], n_threads * (1 + n_cached), stats)
 
     def test_simultaneous_first_calls_same_key_trace_once(self):
-        n_threads = _th_N_THREADS
+        n_threads = _N_THREADS
         w = sj.State(jnp.asarray(2.0, jnp.float32), name='w')
         traces = []
         traces_lock = threading.Lock()
@@ -4447,17 +4447,17 @@ class ThreadSafetyTest(unittest.TestCase):
             barrier.wait()
             outs[t] = np.asarray(sf(x))
 
-        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
+        self.assertNoThreadErrors(_run_threads([worker] * n_threads))
         for t, out in outs.items():
             np.testing.assert_array_equal(out, np.full((2,) if t % 2 else (5,), 2.0 * t))
         self.assertEqual(sorted(traces), [(2,), (5,)])
-        stats = _th_stats(sf)
+        stats = _jaxpr_cache_stats(sf)
         self.assertEqual((stats['size'], stats['misses'], stats['hits']), (2, 2, n_threads - 2),
                          stats)
 
     # -- 8 threads x 200 calls over shared functions and mappings ----------------
     def test_many_threads_many_calls_shared_functions_own_states(self):
-        n_threads, n_calls = _th_N_THREADS, 200
+        n_threads, n_calls = _N_THREADS, 200
         lens = (1, 2, 3)              # feature lengths: first calls interleave with hits
         w = sj.State(jnp.asarray(2.0, jnp.float32), name='w')        # shared, read only
         c = sj.State(jnp.asarray(1.0, jnp.float32), name='c')        # shared, read only
@@ -4522,7 +4522,7 @@ class ThreadSafetyTest(unittest.TestCase):
                 for name in keys:
                     keys[name] |= my_keys[name]
 
-        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
+        self.assertNoThreadErrors(_run_threads([worker] * n_threads))
         self.assertEqual(mismatches[:3], [], f'{len(mismatches)} wrong results')
         self.assertEqual(float(w.value), 2.0)
         self.assertEqual(float(c.value), 1.0)
@@ -4532,7 +4532,7 @@ class ThreadSafetyTest(unittest.TestCase):
         for i in range(n_calls):
             per_kind_calls[('sf', 'sr', 'sm')[i % 3]] += n_threads
         for name, fn in (('sf', sf), ('sr', sr), ('sm', sm)):
-            stats = _th_stats(fn)
+            stats = _jaxpr_cache_stats(fn)
             with self.subTest(name):
                 self.assertEqual(len(fn._cache), len(keys[name]), stats)
                 self.assertEqual(stats['size'], len(keys[name]), stats)
@@ -4541,7 +4541,7 @@ class ThreadSafetyTest(unittest.TestCase):
 
     # -- overlapping traces of different functions sharing one State -------------
     def _overlapping_traces(self, write):
-        n_threads = _th_N_THREADS
+        n_threads = _N_THREADS
         original = np.arange(3, dtype=np.float32) + 10.0
         shared = sj.State(jnp.asarray(original), name='shared')
         barrier = threading.Barrier(n_threads + 1)
@@ -4613,7 +4613,7 @@ class ThreadSafetyTest(unittest.TestCase):
                     if left[0] == 0:
                         tracing_done.set()
 
-        errors = _th_run_threads([tracer_then_signal] * n_threads + [reader])
+        errors = _run_threads([tracer_then_signal] * n_threads + [reader])
         tracing_done.set()
         self.assertNoThreadErrors(errors)
         self.assertEqual(seen_in_trace, {i: True for i in range(n_threads)})
@@ -4671,7 +4671,7 @@ class ThreadSafetyTest(unittest.TestCase):
     def test_concurrent_first_calls_sharing_a_state_are_correct(self):
         # Real calls (not only traces) of different functions that read one
         # shared State and each write their own.
-        n_threads = _th_N_THREADS
+        n_threads = _N_THREADS
         shared = sj.State(jnp.asarray(5.0, jnp.float32), name='shared')
         own = [sj.State(jnp.zeros((), jnp.float32), name=f'own{i}') for i in range(n_threads)]
 
@@ -4691,7 +4691,7 @@ class ThreadSafetyTest(unittest.TestCase):
             barrier.wait()
             outs[i] = [float(sfs[i](jnp.asarray(float(i + 1), jnp.float32))) for _ in range(3)]
 
-        self.assertNoThreadErrors(_th_run_threads([worker] * n_threads))
+        self.assertNoThreadErrors(_run_threads([worker] * n_threads))
         for i in range(n_threads):
             step = 5.0 * (i + 1)
             self.assertEqual(outs[i], [step + 5.0, 2 * step + 5.0, 3 * step + 5.0])
@@ -4728,7 +4728,7 @@ class ThreadSafetyTest(unittest.TestCase):
             b_done.set()
             a_exit.set()
 
-        self.assertNoThreadErrors(_th_run_threads([thread_a, thread_b]))
+        self.assertNoThreadErrors(_run_threads([thread_a, thread_b]))
         self.assertEqual(record['a_states'], [a])
         self.assertEqual(record['a_written'], [False])
         self.assertEqual(record['b_plain'], 3.0)
@@ -4763,7 +4763,7 @@ class ThreadSafetyTest(unittest.TestCase):
                 self.assertTrue(a_traced.wait(30))
             record['b_states'] = list(stack.states)
 
-        self.assertNoThreadErrors(_th_run_threads([thread_a, thread_b]))
+        self.assertNoThreadErrors(_run_threads([thread_a, thread_b]))
         self.assertEqual(record['states'], (s_a,))
         self.assertEqual(record['b_states'], [s_b])
         self.assertEqual(float(s_a.value), 1.0)
@@ -4839,8 +4839,8 @@ class ThreadSafetyTest(unittest.TestCase):
             xs = jnp.ones((i + 1, i + 2))
             for _ in range(5):
                 sf(xs, i)
-        errors = _th_run_threads([work] * 8)
-        self.assertFalse(errors, _th_format_errors(errors))
+        errors = _run_threads([work] * 8)
+        self.assertFalse(errors, _format_thread_errors(errors))
         for i, s in enumerate(sf_states):
             self.assertEqual(float(s.value), 5.0 * (i + 1) * (i + 2), s.name)
         self.assertEqual(float(shared.value), 1.0)
@@ -4857,7 +4857,7 @@ class ThreadSafetyTest(unittest.TestCase):
 
 
 # -- memory ---------------------------------------------------------------------
-def _th_referrer_chain(obj, max_depth=6):
+def _referrer_chain(obj, max_depth=6):
     """A short description of who keeps ``obj`` alive (for failure messages)."""
     import types
     lines, seen, frontier = [], {id(obj)}, [obj]
@@ -4882,7 +4882,7 @@ def _th_referrer_chain(obj, max_depth=6):
     return '\n'.join(lines)
 
 
-def _th_build_function_and_states():
+def _build_function_and_states():
     a = sj.State(jnp.zeros((3,), jnp.float32), name='mem_a')
     b = sj.State(jnp.ones((), jnp.float32), name='mem_b')
     rng = sj.RandomState(0)
@@ -4899,7 +4899,7 @@ def _th_build_function_and_states():
     return [weakref.ref(o) for o in (a, b, rng, sf)] + [weakref.ref(f)]
 
 
-def _th_build_mapping_and_states():
+def _build_mapping_and_states():
     h = sj.HiddenState(jnp.zeros((4,), jnp.float32), name='mem_h')
     w = sj.State(jnp.asarray(2.0, jnp.float32), name='mem_w')
     rng = sj.RandomState(1)
@@ -4914,7 +4914,7 @@ def _th_build_mapping_and_states():
     return [weakref.ref(o) for o in (h, w, rng, sm)] + [weakref.ref(lane)]
 
 
-def _th_build_nested():
+def _build_nested_functions():
     inner_state = sj.State(jnp.zeros(()), name='mem_inner')
     outer_state = sj.State(jnp.zeros(()), name='mem_outer')
 
@@ -4936,7 +4936,7 @@ def _th_build_nested():
     return [weakref.ref(o) for o in (inner_state, outer_state, inner_sf, reader_sf, outer_sf)]
 
 
-class Memory(unittest.TestCase):
+class MemoryTest(unittest.TestCase):
     """Objects that go out of scope are freed."""
 
     def assertAllFreed(self, refs):
@@ -4946,18 +4946,18 @@ class Memory(unittest.TestCase):
         if alive:
             obj = alive[0]
             del alive
-            chain = _th_referrer_chain(obj)
+            chain = _referrer_chain(obj)
             self.fail(f'{type(obj).__name__} {getattr(obj, "name", "")!r} still alive after '
                       f'gc.collect(); referrers:\n{chain}')
 
     def test_stateful_function_and_states_are_freed(self):
-        self.assertAllFreed(_th_build_function_and_states())
+        self.assertAllFreed(_build_function_and_states())
 
     def test_stateful_mapping_and_states_are_freed(self):
-        self.assertAllFreed(_th_build_mapping_and_states())
+        self.assertAllFreed(_build_mapping_and_states())
 
     def test_nested_stateful_functions_are_freed(self):
-        self.assertAllFreed(_th_build_nested())
+        self.assertAllFreed(_build_nested_functions())
 
     def test_freed_after_use_from_threads(self):
         def build():
@@ -4968,7 +4968,7 @@ class Memory(unittest.TestCase):
                 return x
 
             sf = sj.StatefulFunction(f)
-            errors = _th_run_threads(
+            errors = _run_threads(
                 [lambda i: [sf(jnp.ones((i % 2 + 1,), jnp.float32)) for _ in range(3)]] * 4)
             self.assertEqual(errors, [])
             return [weakref.ref(s), weakref.ref(sf)]
@@ -4992,18 +4992,18 @@ class Memory(unittest.TestCase):
 # -- many devices: layouts kept, buffers donated --------------------------------
 
 
-def _sd_mesh(shape, names, axis_types=None):
+def _mesh(shape, names, axis_types=None):
     devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
     if axis_types is None:
         return jax.sharding.Mesh(devices, names)
     return jax.sharding.Mesh(devices, names, axis_types=axis_types)
 
 
-def _sd_put(value, mesh, spec):
+def _put_sharded(value, mesh, spec):
     return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
 
 
-def _sd_same_layout(tc, value, expected, what):
+def _assert_same_layout(tc, value, expected, what):
     """``value`` (a pytree of arrays) is laid out like ``expected``, leaf by leaf,
     where ``expected`` spans several devices (a single-device leaf follows JAX's
     rules for uncommitted arrays)."""
@@ -5014,7 +5014,7 @@ def _sd_same_layout(tc, value, expected, what):
                       f'{what}: {got.sharding} is not laid out like {want.sharding}')
 
 
-def _sd_filler(state, extra=None):
+def _filler(state, extra=None):
     """A function writing ``state`` with a value XLA infers no sharding for
     (a broadcast of a reduction), so plain jax.jit would gather it."""
     def f(x):
@@ -5029,18 +5029,18 @@ class ShardingTest(unittest.TestCase):
     P = jax.sharding.PartitionSpec
 
     def setUp(self):
-        _mp_need_8_devices(self)
+        _need_8_devices(self)
 
     def _check_kept(self, value, calls=3, **sf_kwargs):
         """A state starting at ``value`` keeps its layout over several calls,
         where plain jax.jit of the same function would not (for sharded leaves)."""
         s = State(value, name='s_sharded')
-        f = _sd_filler(s)
+        f = _filler(s)
         sf = StatefulFunction(f, **sf_kwargs)
         x = jnp.arange(3.0)
         for i in range(calls):
             out = sf(x + i)
-            _sd_same_layout(self, s.value, value, f'call {i}')
+            _assert_same_layout(self, s.value, value, f'call {i}')
             for leaf in jax.tree_util.tree_leaves(s.value):
                 np.testing.assert_allclose(_host(leaf), np.full(leaf.shape, float(out)))
         return s
@@ -5054,35 +5054,35 @@ class ShardingTest(unittest.TestCase):
                                    jax.tree_util.tree_leaves(value)))
 
     def test_1d_mesh_replicated_and_sharded(self):
-        mesh = _sd_mesh((8,), ('d',))
+        mesh = _mesh((8,), ('d',))
         for spec, shape in [(self.P('d'), (16,)), (self.P(), (16,)),
                             (self.P(None, 'd'), (4, 8)), (self.P('d', None), (8, 3))]:
             with self.subTest(spec=spec):
-                value = _sd_put(jnp.zeros(shape), mesh, spec)
+                value = _put_sharded(jnp.zeros(shape), mesh, spec)
                 self._check_kept(value)
         # The check means something: plain jax.jit gathers the sharded one.
-        self.assertTrue(self._plain_jit_loses(_sd_put(jnp.zeros(16), mesh, self.P('d'))))
+        self.assertTrue(self._plain_jit_loses(_put_sharded(jnp.zeros(16), mesh, self.P('d'))))
 
     def test_2d_mesh_full_partial_and_replicated(self):
-        mesh = _sd_mesh((2, 4), ('a', 'b'))
+        mesh = _mesh((2, 4), ('a', 'b'))
         for spec in [self.P('a', 'b'), self.P('a', None), self.P(None, 'b'), self.P(),
                      self.P(('a', 'b'), None)]:
             with self.subTest(spec=spec):
-                self._check_kept(_sd_put(jnp.zeros((8, 4)), mesh, spec))
+                self._check_kept(_put_sharded(jnp.zeros((8, 4)), mesh, spec))
 
     def test_pytree_state_with_differently_sharded_leaves(self):
-        mesh = _sd_mesh((2, 4), ('a', 'b'))
-        value = {'w': _sd_put(jnp.zeros((8, 4)), mesh, self.P('a', 'b')),
-                 'b': _sd_put(jnp.zeros(4), mesh, self.P()),
-                 'h': (_sd_put(jnp.zeros((2, 8)), mesh, self.P(None, ('a', 'b'))),
+        mesh = _mesh((2, 4), ('a', 'b'))
+        value = {'w': _put_sharded(jnp.zeros((8, 4)), mesh, self.P('a', 'b')),
+                 'b': _put_sharded(jnp.zeros(4), mesh, self.P()),
+                 'h': (_put_sharded(jnp.zeros((2, 8)), mesh, self.P(None, ('a', 'b'))),
                        jnp.zeros(3))}      # an unsharded leaf stays where XLA puts it
         self._check_kept(value)
 
     def test_opt_out_lets_xla_choose(self):
-        mesh = _sd_mesh((8,), ('d',))
-        value = _sd_put(jnp.zeros(16), mesh, self.P('d'))
+        mesh = _mesh((8,), ('d',))
+        value = _put_sharded(jnp.zeros(16), mesh, self.P('d'))
         s = State(value, name='free')
-        StatefulFunction(_sd_filler(s), keep_sharding=False)(jnp.arange(3.0))
+        StatefulFunction(_filler(s), keep_sharding=False)(jnp.arange(3.0))
         self.assertFalse(s.value.sharding.is_equivalent_to(value.sharding, 1))
         # Per state: only the matching one keeps its layout.
         kept = State(value, name='kept', tag='layout')
@@ -5093,33 +5093,33 @@ class ShardingTest(unittest.TestCase):
             free.value = jnp.full(free.value.shape, x.sum())
             return x
         StatefulFunction(f, keep_sharding='layout')(jnp.arange(3.0))
-        _sd_same_layout(self, kept.value, value, 'kept')
+        _assert_same_layout(self, kept.value, value, 'kept')
         self.assertFalse(free.value.sharding.is_equivalent_to(value.sharding, 1))
 
     def test_new_layout_assigned_outside_is_kept(self):
-        mesh = _sd_mesh((8,), ('d',))
-        s = State(_sd_put(jnp.zeros((8, 8)), mesh, self.P('d', None)), name='relaid')
-        sf = StatefulFunction(_sd_filler(s))
+        mesh = _mesh((8,), ('d',))
+        s = State(_put_sharded(jnp.zeros((8, 8)), mesh, self.P('d', None)), name='relaid')
+        sf = StatefulFunction(_filler(s))
         sf(jnp.arange(3.0))
-        new = _sd_put(s.value, mesh, self.P(None, 'd'))
+        new = _put_sharded(s.value, mesh, self.P(None, 'd'))
         s.value = new                                   # the user's new layout
         sf(jnp.arange(3.0))
-        _sd_same_layout(self, s.value, new, 'after re-layout')
+        _assert_same_layout(self, s.value, new, 'after re-layout')
 
     def test_in_trace_path_and_mapping(self):
-        mesh = _sd_mesh((8,), ('d',))
-        value = _sd_put(jnp.zeros(16), mesh, self.P('d'))
+        mesh = _mesh((8,), ('d',))
+        value = _put_sharded(jnp.zeros(16), mesh, self.P('d'))
         s = State(value, name='inner_written')
-        inner = StatefulFunction(_sd_filler(s))
+        inner = StatefulFunction(_filler(s))
         outer = StatefulFunction(lambda x: inner(x) * 2)
         outer(jnp.arange(3.0))
-        _sd_same_layout(self, s.value, value, 'written by a nested call')
+        _assert_same_layout(self, s.value, value, 'written by a nested call')
         # StatefulMapping: a per-lane state sharded along its batch axis.
-        h = sj.HiddenState(_sd_put(jnp.zeros((8, 4)), mesh, self.P('d', None)), name='lanes')
-        g = sj.StatefulMapping(lambda x: _sd_filler(h)(x), in_axes=0,
+        h = sj.HiddenState(_put_sharded(jnp.zeros((8, 4)), mesh, self.P('d', None)), name='lanes')
+        g = sj.StatefulMapping(lambda x: _filler(h)(x), in_axes=0,
                                state_in_axes={0: sj.HiddenState})
         g(jnp.ones((8, 3)))
-        _sd_same_layout(self, h.value, _sd_put(jnp.zeros((8, 4)), mesh, self.P('d', None)),
+        _assert_same_layout(self, h.value, _put_sharded(jnp.zeros((8, 4)), mesh, self.P('d', None)),
                         'written by a StatefulMapping')
         np.testing.assert_allclose(_host(h.value), np.full((8, 4), 3.0))
 
@@ -5129,14 +5129,14 @@ class ShardingTest(unittest.TestCase):
         if axis_type is None or use is None or sj._reshard is None:
             self.skipTest(f'JAX {jax.__version__} has no explicit sharding mode '
                           '(AxisType.Explicit with jax.set_mesh / jax.sharding.use_mesh)')
-        mesh = _sd_mesh((8,), ('d',), axis_types=(axis_type,))
+        mesh = _mesh((8,), ('d',), axis_types=(axis_type,))
         with use(mesh):
-            value = _sd_put(jnp.zeros(16), mesh, self.P('d'))
+            value = _put_sharded(jnp.zeros(16), mesh, self.P('d'))
             self._check_kept(value)
 
     def test_unsharded_states_get_no_constraint(self):
         s = State(jnp.zeros(4), name='single')
-        sf = StatefulFunction(_sd_filler(s))
+        sf = StatefulFunction(_filler(s))
         sf(jnp.arange(3.0))
         dispatch = sf._fast[1]                      # the compiled call's jax.jit
         if not hasattr(dispatch, 'trace'):
@@ -5255,7 +5255,7 @@ class DonationTest(unittest.TestCase):
 # localhost, gloo collectives, 2 CPU devices each) or alone on 4 devices (the
 # reference).  It prints PROBE_OK once plain JAX has run a cross-process
 # jax.jit, then one JSON line with outputs, final states and their layouts.
-_MH_PROGRAM = r'''
+_MULTIHOST_PROGRAM = r'''
 import json, os, sys
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=%d' % (4 // nproc)
@@ -5332,7 +5332,7 @@ print(json.dumps({'outs': outs, 'states': {s.name: gather(s.value) for s in (w, 
 '''
 
 
-def _mh_free_port():
+def _free_port():
     import socket
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))
@@ -5350,7 +5350,7 @@ class MultiProcessTest(unittest.TestCase):
         env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
         env['PYTHONPATH'] = here + os.pathsep + env.get('PYTHONPATH', '')
         return [subprocess.Popen(
-            [sys.executable, '-W', 'ignore::DeprecationWarning', '-c', _MH_PROGRAM,
+            [sys.executable, '-W', 'ignore::DeprecationWarning', '-c', _MULTIHOST_PROGRAM,
              str(pid), str(nproc), str(port)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=here)
             for pid in range(nproc)]
@@ -5380,7 +5380,7 @@ class MultiProcessTest(unittest.TestCase):
         if 'jax_cpu_collectives_implementation' not in jax.config.values:
             self.skipTest(f'JAX {jax.__version__} has no CPU collectives across processes '
                           '(jax_cpu_collectives_implementation)')
-        runs = self._collect(self._launch(2, _mh_free_port()))
+        runs = self._collect(self._launch(2, _free_port()))
         if not all('PROBE_OK' in out for out, _, _ in runs):
             self.skipTest(f'JAX {jax.__version__} cannot run a plain jax.jit across two '
                           'processes here: ' + ' | '.join(err.strip().splitlines()[-1]
@@ -5475,7 +5475,7 @@ class MakeJaxprTest(unittest.TestCase):
         # 0.6.x give a dynamic-shape jaxpr for inspection and calling raises;
         # 0.7.x raise a NotImplementedError naming the version; from 0.8.2
         # jax.make_jaxpr has no abstracted_axes and the constructors refuse it
-        # (the message is checked in ErrorsConstruction).
+        # (the message is checked in ErrorsConstructionTest).
         s = State(jnp.zeros(()), name='s')
 
         def f(x):
@@ -5525,20 +5525,20 @@ _add_with_checks(MakeJaxprTest)
 
 
 # -- helpers: states ----------------------------------------------------------
-def _mp_assert_no_tracer(tc, states):
+def _assert_no_tracer(tc, states):
     for s in states:
         for x in jax.tree_util.tree_leaves(s.value):
-            tc.assertNotIsInstance(x, _mp_Tracer, f'{s!r} holds a tracer')
+            tc.assertNotIsInstance(x, jax.core.Tracer, f'{s!r} holds a tracer')
             tc.assertIsInstance(x, jax.Array, f'{s!r} holds {type(x)}')
 
 
-def _mp_bits(key):
+def _draw_bits(key):
     """Integer draws from a (raw or typed) key: compared exactly."""
     return jax.random.bits(key, (3,), jnp.uint32)
 
 
 # -- helpers: a shard_map based mapper with jax.vmap's signature --------------
-def _mp_flat_axes(prefix, tree):
+def _flat_axes(prefix, tree):
     """Per-leaf axes of ``tree`` for a vmap-style axes prefix."""
     out = []
     jax.tree_util.tree_map(
@@ -5547,7 +5547,7 @@ def _mp_flat_axes(prefix, tree):
     return out
 
 
-def _mp_shard_map(body, mesh, in_specs, out_specs):
+def _shard_map(body, mesh, in_specs, out_specs):
     if hasattr(jax, 'shard_map'):
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)
@@ -5556,9 +5556,9 @@ def _mp_shard_map(body, mesh, in_specs, out_specs):
                      check_rep=False)
 
 
-def _mp_shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
+def _shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
     """``jax.vmap``-like mapper over 8 devices: one lane per device via shard_map."""
-    name = axis_name if axis_name is not None else '_mp_lanes'
+    name = axis_name if axis_name is not None else '_shard_lanes'
     devices = jax.devices()[:8]
     mesh = jax.sharding.Mesh(np.array(devices), (name,))
     P = jax.sharding.PartitionSpec
@@ -5566,13 +5566,13 @@ def _mp_shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
     def mapped(*args):
         prefix = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
         leaves, tree = jax.tree_util.tree_flatten(args)
-        axes = _mp_flat_axes(prefix, args)
+        axes = _flat_axes(prefix, args)
         for x, a in zip(leaves, axes):
             if a is not None and x.shape[a] != len(devices):
-                raise ValueError(f'_mp_shard_mapper maps exactly {len(devices)} lanes, '
+                raise ValueError(f'_shard_mapper maps exactly {len(devices)} lanes, '
                                  f'got an axis of size {x.shape[a]}')
         if axis_size is not None and axis_size != len(devices):
-            raise ValueError(f'_mp_shard_mapper maps exactly {len(devices)} lanes')
+            raise ValueError(f'_shard_mapper maps exactly {len(devices)} lanes')
         moved = [x if a is None else jnp.moveaxis(x, a, 0) for x, a in zip(leaves, axes)]
         box = {}
 
@@ -5583,9 +5583,9 @@ def _mp_shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
             return [o[None] for o in out_leaves]
 
         in_specs = tuple(P() if a is None else P(name) for a in axes)
-        stacked = _mp_shard_map(body, mesh, in_specs, P(name))(*moved)
+        stacked = _shard_map(body, mesh, in_specs, P(name))(*moved)
         out = jax.tree_util.tree_unflatten(box['tree'], list(stacked))
-        oaxes = _mp_flat_axes(out_axes, out)
+        oaxes = _flat_axes(out_axes, out)
         res = [o[0] if a is None else jnp.moveaxis(o, 0, a)
                for o, a in zip(jax.tree_util.tree_leaves(out), oaxes)]
         return jax.tree_util.tree_unflatten(box['tree'], res)
@@ -5809,7 +5809,7 @@ class MappingRandomTest(unittest.TestCase):
                 out = np.asarray(sm(jnp.zeros(8)))
                 self.assertEqual(len(set(out.tolist())), 8, out)
                 k1 = rng.value
-                self.assertNotIsInstance(k1, _mp_Tracer)
+                self.assertNotIsInstance(k1, jax.core.Tracer)
                 self.assertEqual(k1.shape, shape0)
                 self.assertEqual(k1.dtype, dtype0)
                 self.assertFalse(np.array_equal(_host(k1), _host(k0)))
@@ -5838,7 +5838,7 @@ class MappingRandomTest(unittest.TestCase):
             rng = sj.RandomState(seed, name='loop_rng')
 
             def f(x):
-                a = _mp_bits(rng.split_key())               # two draws per lane
+                a = _draw_bits(rng.split_key())               # two draws per lane
                 b = jax.random.randint(rng.split_key(), (2,), 0, 1 << 30)
                 return a, b + x.astype(jnp.int32)
 
@@ -5879,12 +5879,12 @@ class MappingRandomTest(unittest.TestCase):
     def test_batched_random_state_uses_its_own_lane_keys(self):
         keys = jax.random.split(jax.random.PRNGKey(5), 4)
         rng = sj.RandomState(keys, name='stacked')
-        sm = sj.StatefulMapping(lambda: _mp_bits(rng.split_key()),
+        sm = sj.StatefulMapping(lambda: _draw_bits(rng.split_key()),
                                 state_in_axes={0: sj.RandomState})
         out = np.asarray(sm())
         for i in range(4):
             nk = jax.random.split(keys[i])
-            np.testing.assert_array_equal(out[i], _host(_mp_bits(nk[1])))
+            np.testing.assert_array_equal(out[i], _host(_draw_bits(nk[1])))
             np.testing.assert_array_equal(_host(rng.value)[i], _host(nk[0]))
         self.assertEqual(rng.value.shape, (4, 2))
 
@@ -6061,7 +6061,7 @@ class MappingNestingTest(unittest.TestCase):
         self.assertIn(rng, states)
         self.assertIn(h, sf.get_write_states(x))
         self.assertIn(rng, sf.get_write_states(x))
-        _mp_assert_no_tracer(self, [h, rng])
+        _assert_no_tracer(self, [h, rng])
         # Second call continues from the new values.
         sf(x)
         self.assertFalse(np.allclose(h.value, h_direct))
@@ -6143,7 +6143,7 @@ class MappingNestingTest(unittest.TestCase):
             W.value, np.arange(24.0).reshape(2, 3, 4) + np.asarray(x)[:, :, None])
         self.assertEqual(rng.value.shape, (2,))
         self.assertFalse(np.array_equal(_host(rng.value), k0))
-        _mp_assert_no_tracer(self, [W, rng])
+        _assert_no_tracer(self, [W, rng])
 
     def test_collectives_over_both_axes_of_nested_mappings(self):
         tot = sj.State(jnp.array(0.0), name='tot2')
@@ -6171,7 +6171,7 @@ class MappingNestingTest(unittest.TestCase):
         g = jax.grad(lambda v: sm(v).sum())(x)
         np.testing.assert_allclose(g, np.arange(12.0).reshape(4, 3))
         self.assertEqual(w.value.shape, (4, 3))
-        _mp_assert_no_tracer(self, [w, bias])
+        _assert_no_tracer(self, [w, bias])
 
     def test_writing_under_plain_jit_and_grad_raises(self):
         h, rng, sm = self._writing()
@@ -6208,7 +6208,7 @@ class MappingDevicesTest(unittest.TestCase):
         def f(x):
             h.value = h.value + x * shared.value
             v.value = v.value * 2
-            noise = _mp_bits(rng.split_key())
+            noise = _draw_bits(rng.split_key())
             return lax.psum(x.sum(), 'dev'), noise
 
         sm = sj.StatefulMapping(f, in_axes=0, axis_name='dev', mapping_fn=mapping_fn,
@@ -6218,7 +6218,7 @@ class MappingDevicesTest(unittest.TestCase):
         return outs, [h, v, shared, rng]
 
     def _compare(self, mapping_fn):
-        _mp_need_8_devices(self)
+        _need_8_devices(self)
         ref_outs, ref_states = self._run(jax.vmap)
         outs, states = self._run(mapping_fn)
         for (o, n), (ro, rn) in zip(outs, ref_outs):
@@ -6236,17 +6236,17 @@ class MappingDevicesTest(unittest.TestCase):
         self._compare(jax.pmap)
 
     def test_shard_map_mapper(self):
-        self._compare(_mp_shard_mapper)
+        self._compare(_shard_mapper)
 
     def test_shard_map_mapper_is_sharded(self):
-        _mp_need_8_devices(self)
+        _need_8_devices(self)
         seen = []
 
         def f(x):
             seen.append(x.shape)
             return x * 2
 
-        out = sj.StatefulMapping(f, mapping_fn=_mp_shard_mapper)(jnp.arange(8.0))
+        out = sj.StatefulMapping(f, mapping_fn=_shard_mapper)(jnp.arange(8.0))
         np.testing.assert_allclose(out, np.arange(8.0) * 2)
         self.assertEqual(seen, [()])                        # traced once, per lane
         self.assertEqual(len(out.sharding.device_set), 8)   # ran on 8 devices
@@ -6290,7 +6290,7 @@ class MappingFailureTest(unittest.TestCase):
         sm.clear_cache()
         fail[0] = False
         sm(x)
-        _mp_assert_no_tracer(self, states)
+        _assert_no_tracer(self, states)
         h, c, rng, typed = states
         self.assertEqual(float(c.value), 2.0)
         self.assertFalse(np.array_equal(_host(rng.value), snap[2][1][0]))
@@ -6347,7 +6347,7 @@ class MappingFailureTest(unittest.TestCase):
         sf.clear_cache()
         fail[0] = False
         sf(jnp.ones((2, 3)))
-        _mp_assert_no_tracer(self, states)
+        _assert_no_tracer(self, states)
         self.assertEqual(float(states[1].value), 2.0)
 
     def test_warm_call_does_no_discovery(self):
@@ -6368,7 +6368,7 @@ class MappingFailureTest(unittest.TestCase):
         self.assertGreater(calls[0], after_first)
 
     def test_warm_call_does_no_discovery_pmap(self):
-        _mp_need_8_devices(self)
+        _need_8_devices(self)
         calls = [0]
         w = sj.State(jnp.zeros((8, 2)), name='w_pm')
 
@@ -6387,7 +6387,7 @@ class MappingFailureTest(unittest.TestCase):
 
 
 # -- StatefulMapping --------------------------------------------------------------
-class ErrorsMapping(ErrorsBase):
+class ErrorsMappingTest(_ErrorsCase):
 
     def test_inconsistent_batch_sizes_between_arguments(self):
         acc = sj.State(jnp.zeros(()), name='er_acc_bs')
@@ -6902,76 +6902,61 @@ class ExportTest(unittest.TestCase):
 # =============================================================================
 
 
-_mp_Tracer = jax.core.Tracer
-
-
-_mp_jaxpr_as_fun = jax.extend.core.jaxpr_as_fun
-
-
-_mp_ClosedJaxpr = jax.extend.core.ClosedJaxpr
-
-
-_mp_Jaxpr = jax.extend.core.Jaxpr
-
-
-_mp_Literal = jax.extend.core.Literal
-
-
 # From JAX 0.11 a Jaxpr carries its consts (ClosedJaxpr is the same class), so
 # a jaxpr folded "bare" is already closed; before, it is closed by hand.
-_mp_JAXPR_CARRIES_CONSTS = _mp_ClosedJaxpr is _mp_Jaxpr
+_JAXPR_CARRIES_CONSTS = jax.extend.core.ClosedJaxpr is jax.extend.core.Jaxpr
 
 
-def _mp_reclose(bare, consts):
-    return bare if _mp_JAXPR_CARRIES_CONSTS else _mp_ClosedJaxpr(bare, consts)
+def _reclose(bare, consts):
+    return bare if _JAXPR_CARRIES_CONSTS else jax.extend.core.ClosedJaxpr(bare, consts)
 
 
-def _mp_subjaxprs(params):
+def _subjaxprs(params):
     for value in params.values():
         for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, _mp_ClosedJaxpr):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
                 yield item.jaxpr
-            elif isinstance(item, _mp_Jaxpr):
+            elif isinstance(item, jax.extend.core.Jaxpr):
                 yield item
 
 
-def _mp_jaxpr_of(j):
-    return j.jaxpr if isinstance(j, _mp_ClosedJaxpr) else j
+def _jaxpr_of(j):
+    return j.jaxpr if isinstance(j, jax.extend.core.ClosedJaxpr) else j
 
 
-def _mp_count_eqns(j):
-    j = _mp_jaxpr_of(j)
-    return sum(1 + sum(_mp_count_eqns(s) for s in _mp_subjaxprs(e.params)) for e in j.eqns)
+def _count_eqns(j):
+    j = _jaxpr_of(j)
+    return sum(1 + sum(_count_eqns(s) for s in _subjaxprs(e.params)) for e in j.eqns)
 
 
-def _mp_prims(j):
+def _prims(j):
     """Primitive names of every equation, nested bodies included."""
     out = []
-    for e in _mp_jaxpr_of(j).eqns:
+    for e in _jaxpr_of(j).eqns:
         out.append(e.primitive.name)
-        for s in _mp_subjaxprs(e.params):
-            out += _mp_prims(s)
+        for s in _subjaxprs(e.params):
+            out += _prims(s)
     return out
 
 
-def _mp_big_values(j, limit):
+def _big_values(j, limit):
     """Sizes of constants/literals in ``j`` (nested too) with more than ``limit`` elements."""
     found = []
-    if isinstance(j, _mp_ClosedJaxpr):
+    if isinstance(j, jax.extend.core.ClosedJaxpr):
         found += [np.size(c) for c in j.consts if np.size(c) > limit]
-    for e in _mp_jaxpr_of(j).eqns:
+    for e in _jaxpr_of(j).eqns:
         for v in e.invars:
-            if isinstance(v, _mp_Literal) and np.size(v.val) > limit:
+            if isinstance(v, jax.extend.core.Literal) and np.size(v.val) > limit:
                 found.append(np.size(v.val))
-        for s in _mp_subjaxprs(e.params):
-            found += _mp_big_values(s, limit)
+        for s in _subjaxprs(e.params):
+            found += _big_values(s, limit)
         for value in e.params.values():
-            if isinstance(value, _mp_ClosedJaxpr):
+            if isinstance(value, jax.extend.core.ClosedJaxpr):
                 found += [np.size(c) for c in value.consts if np.size(c) > limit]
     return found
 
 
-def _mp_bind_closed_call(call_jaxpr, *args):
+def _bind_closed_call(call_jaxpr, *args):
     prim = jax.extend.core.primitives.closed_call_p
     got = prim.get_bind_params({'call_jaxpr': call_jaxpr})
     if isinstance(got, tuple):      # JAX < 0.7: bind(*subfuns, *args, **params)
@@ -6984,7 +6969,7 @@ class FoldInterfaceTest(unittest.TestCase):
 
     def _check_interface(self, orig, folded):
         self.assertIs(type(folded), type(orig))
-        oj, fj = _mp_jaxpr_of(orig), _mp_jaxpr_of(folded)
+        oj, fj = _jaxpr_of(orig), _jaxpr_of(folded)
         self.assertEqual(len(fj.invars), len(oj.invars))
         for a, b in zip(oj.invars, fj.invars):
             self.assertEqual(a.aval, b.aval)
@@ -7010,10 +6995,10 @@ class FoldInterfaceTest(unittest.TestCase):
             for a, b in zip(_eval_closed(cj, *args), _eval_closed(folded, *args)):
                 np.testing.assert_array_equal(a, b)
             # It also compiles.
-            out = jax.jit(_mp_jaxpr_as_fun(folded))(*args)
+            out = jax.jit(jax.extend.core.jaxpr_as_fun(folded))(*args)
             np.testing.assert_allclose(out[0], _eval_closed(cj, *args)[0], rtol=1e-6)
-        self.assertNotIn('sin', _mp_prims(folded))
-        self.assertNotIn('reduce_sum', _mp_prims(folded))
+        self.assertNotIn('sin', _prims(folded))
+        self.assertNotIn('reduce_sum', _prims(folded))
 
     def test_bare_jaxpr(self):
         C = jnp.arange(3.0)
@@ -7028,13 +7013,13 @@ class FoldInterfaceTest(unittest.TestCase):
             warnings.simplefilter('error', DeprecationWarning)
             folded = sj.constant_fold_jaxpr(cj.jaxpr)
             self._check_interface(cj.jaxpr, folded)
-            self.assertIsInstance(folded, _mp_Jaxpr)
+            self.assertIsInstance(folded, jax.extend.core.Jaxpr)
             self.assertLess(len(folded.eqns), len(cj.jaxpr.eqns))
-            if not _mp_JAXPR_CARRIES_CONSTS:    # bare: folded values become literals
+            if not _JAXPR_CARRIES_CONSTS:    # bare: folded values become literals
                 self.assertEqual(list(folded.constvars), list(cj.jaxpr.constvars))
-            got = _eval_closed(_mp_reclose(folded, cj.consts), x)
+            got = _eval_closed(_reclose(folded, cj.consts), x)
         np.testing.assert_array_equal(got[0], _eval_closed(cj, x)[0])
-        self.assertNotIn('cos', _mp_prims(folded))
+        self.assertNotIn('cos', _prims(folded))
 
     def test_debug_info_kept_no_deprecation(self):
         def f(alpha, beta):
@@ -7046,8 +7031,8 @@ class FoldInterfaceTest(unittest.TestCase):
             warnings.simplefilter('error', DeprecationWarning)
             folded = sj.constant_fold_jaxpr(cj)
             bare = sj.constant_fold_jaxpr(cj.jaxpr)
-            jax.jit(_mp_jaxpr_as_fun(folded)).lower(1.0, jnp.ones(2))
-        self.assertNotIn('cos', _mp_prims(folded))
+            jax.jit(jax.extend.core.jaxpr_as_fun(folded)).lower(1.0, jnp.ones(2))
+        self.assertNotIn('cos', _prims(folded))
         for j in (folded.jaxpr, bare):
             if _JAX_VERSION >= (0, 5):
                 self.assertIsNotNone(j.debug_info)
@@ -7076,7 +7061,7 @@ class FoldInterfaceTest(unittest.TestCase):
         # Bare jaxpr too.
         bare = sj.constant_fold_jaxpr(cj.jaxpr)
         self._check_interface(cj.jaxpr, bare)
-        for a, b in zip(_eval_closed(cj, *args), _eval_closed(_mp_reclose(bare, cj.consts), *args)):
+        for a, b in zip(_eval_closed(cj, *args), _eval_closed(_reclose(bare, cj.consts), *args)):
             np.testing.assert_array_equal(a, b)
 
     def test_nested_jit_body_folded(self):
@@ -7090,22 +7075,22 @@ class FoldInterfaceTest(unittest.TestCase):
         cj = jax.make_jaxpr(f)(x)
         folded = sj.constant_fold_jaxpr(cj)
         self._check_interface(cj, folded)
-        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
-        self.assertNotIn('cos', _mp_prims(folded))
-        self.assertNotIn('sin', _mp_prims(folded))
+        self.assertLess(_count_eqns(folded), _count_eqns(cj))
+        self.assertNotIn('cos', _prims(folded))
+        self.assertNotIn('sin', _prims(folded))
         np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
 
     def test_closed_call_body_folded(self):
         inner = jax.make_jaxpr(lambda a: a * lax.cos(np.float32(2.0)) + lax.exp(np.float32(1.0)))(
             jnp.ones(3))
-        cj = jax.make_jaxpr(lambda x: _mp_bind_closed_call(inner, x))(jnp.ones(3))
+        cj = jax.make_jaxpr(lambda x: _bind_closed_call(inner, x))(jnp.ones(3))
         # The primitive is 'closed_call' up to JAX 0.10 and 'eval_jaxpr' from 0.11.
         self.assertIn(jax.extend.core.primitives.closed_call_p.name, ('closed_call', 'eval_jaxpr'))
-        self.assertIn(jax.extend.core.primitives.closed_call_p.name, _mp_prims(cj))
+        self.assertIn(jax.extend.core.primitives.closed_call_p.name, _prims(cj))
         folded = sj.constant_fold_jaxpr(cj)
         self._check_interface(cj, folded)
-        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
-        self.assertNotIn('cos', _mp_prims(folded))
+        self.assertLess(_count_eqns(folded), _count_eqns(cj))
+        self.assertNotIn('cos', _prims(folded))
         x = jnp.arange(3.0)
         np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
 
@@ -7119,7 +7104,7 @@ class FoldInterfaceTest(unittest.TestCase):
         cj = jax.make_jaxpr(f)(x)
         folded = sj.constant_fold_jaxpr(cj)
         self._check_interface(cj, folded)
-        self.assertLess(_mp_count_eqns(folded), _mp_count_eqns(cj))
+        self.assertLess(_count_eqns(folded), _count_eqns(cj))
         np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
 
 
@@ -7133,7 +7118,7 @@ class FoldNeverTest(unittest.TestCase):
         return cj, folded
 
     def _count(self, j, names):
-        return sum(1 for p in _mp_prims(j) if p in names or any(n in p for n in names))
+        return sum(1 for p in _prims(j) if p in names or any(n in p for n in names))
 
     def test_zero_input_equations_kept(self):
         def f(x):
@@ -7141,9 +7126,9 @@ class FoldNeverTest(unittest.TestCase):
 
         x = jnp.ones(5)
         cj, folded = self._fold(f, x)
-        self.assertEqual(_mp_prims(folded).count('iota'), _mp_prims(cj).count('iota'))
-        self.assertGreaterEqual(_mp_prims(folded).count('iota'), 1)
-        self.assertNotIn('cos', _mp_prims(folded))   # the literal-only one is folded
+        self.assertEqual(_prims(folded).count('iota'), _prims(cj).count('iota'))
+        self.assertGreaterEqual(_prims(folded).count('iota'), 1)
+        self.assertNotIn('cos', _prims(folded))   # the literal-only one is folded
         np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
 
     def test_random_primitives_kept(self):
@@ -7177,9 +7162,9 @@ class FoldNeverTest(unittest.TestCase):
         cj, folded = self._fold(f, x)
         for name in ('cond', 'while', 'scan'):
             with self.subTest(primitive=name):
-                n = _mp_prims(cj).count(name)
+                n = _prims(cj).count(name)
                 self.assertGreaterEqual(n, 1)
-                self.assertEqual(_mp_prims(folded).count(name), n)
+                self.assertEqual(_prims(folded).count(name), n)
         np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
 
     def test_callbacks_kept(self):
@@ -7200,9 +7185,9 @@ class FoldNeverTest(unittest.TestCase):
         self.assertEqual(calls, [], 'folding ran a callback')
         for name in ('debug_callback', 'pure_callback'):
             with self.subTest(primitive=name):
-                n = _mp_prims(cj).count(name)
+                n = _prims(cj).count(name)
                 self.assertEqual(n, 1)
-                self.assertEqual(_mp_prims(folded).count(name), n)
+                self.assertEqual(_prims(folded).count(name), n)
         out = _eval_closed(folded, x)[0]
         jax.effects_barrier()
         np.testing.assert_array_equal(out, np.ones(3) + np.arange(3.0) * 2)
@@ -7223,7 +7208,7 @@ class FoldNeverTest(unittest.TestCase):
 
         cj, folded = self._fold(f, jnp.ones(2))
         self.assertEqual(calls, [])
-        self.assertEqual(_mp_prims(folded).count('io_callback'), 1)
+        self.assertEqual(_prims(folded).count('io_callback'), 1)
         np.testing.assert_array_equal(_eval_closed(folded, jnp.ones(2))[0], [2.0, 3.0])
 
     def test_large_broadcast_not_materialised(self):
@@ -7234,14 +7219,14 @@ class FoldNeverTest(unittest.TestCase):
 
         x = jnp.ones((256, 256))
         cj, folded = self._fold(f, x)
-        self.assertEqual(_mp_big_values(folded, 4096), [])
-        self.assertGreaterEqual(_mp_prims(folded).count('broadcast_in_dim'), 2)
+        self.assertEqual(_big_values(folded, 4096), [])
+        self.assertGreaterEqual(_prims(folded).count('broadcast_in_dim'), 2)
         for a, b in zip(_eval_closed(cj, x), _eval_closed(folded, x)):
             np.testing.assert_array_equal(a, b)
 
 
 # -- a seeded generator of jaxprs ------------------------------------------------
-def _mp_gen_program(seed):
+def _gen_fold_program(seed):
     """A random function of args and closed-over constants.
 
     Returns ``(fun, args, foldable, literal_foldable, has_jit)``: ``foldable``
@@ -7329,15 +7314,15 @@ class FoldGeneratedTest(unittest.TestCase):
     def test_generated_jaxprs(self):
         n_foldable = n_checked = 0
         for seed in range(52):
-            program, args, foldable, literal_foldable, has_jit = _mp_gen_program(seed)
+            program, args, foldable, literal_foldable, has_jit = _gen_fold_program(seed)
             with self.subTest(seed=seed):
                 cj = jax.make_jaxpr(program)(*args)
                 with warnings.catch_warnings():
                     warnings.simplefilter('error', DeprecationWarning)
                     folded = sj.constant_fold_jaxpr(cj)
                     bare = sj.constant_fold_jaxpr(cj.jaxpr)
-                self.assertIsInstance(folded, _mp_ClosedJaxpr)
-                self.assertIsInstance(bare, _mp_Jaxpr)
+                self.assertIsInstance(folded, jax.extend.core.ClosedJaxpr)
+                self.assertIsInstance(bare, jax.extend.core.Jaxpr)
                 for f in (folded.jaxpr, bare):
                     self.assertEqual(list(f.invars), list(cj.jaxpr.invars))
                     self.assertEqual([v.aval for v in f.outvars],
@@ -7346,7 +7331,7 @@ class FoldGeneratedTest(unittest.TestCase):
                         self.assertEqual(f.debug_info, cj.jaxpr.debug_info)
                 expected = _eval_closed(cj, *args)
                 for got in (_eval_closed(folded, *args),
-                            _eval_closed(_mp_reclose(bare, cj.consts), *args)):
+                            _eval_closed(_reclose(bare, cj.consts), *args)):
                     self.assertEqual(len(got), len(expected))
                     for e, g in zip(expected, got):
                         self.assertEqual(e.dtype, g.dtype)
@@ -7357,14 +7342,14 @@ class FoldGeneratedTest(unittest.TestCase):
                             np.testing.assert_allclose(e, g, rtol=4e-7, atol=1e-7)
                         else:
                             np.testing.assert_array_equal(e, g)
-                before = _mp_count_eqns(cj)
-                self.assertLessEqual(_mp_count_eqns(folded), before)
-                self.assertLessEqual(_mp_count_eqns(bare), before)
+                before = _count_eqns(cj)
+                self.assertLessEqual(_count_eqns(folded), before)
+                self.assertLessEqual(_count_eqns(bare), before)
                 if foldable:
                     n_foldable += 1
-                    self.assertLess(_mp_count_eqns(folded), before)
+                    self.assertLess(_count_eqns(folded), before)
                 if literal_foldable:
-                    self.assertLess(_mp_count_eqns(bare), before)
+                    self.assertLess(_count_eqns(bare), before)
                 n_checked += 1
         self.assertGreaterEqual(n_checked, 50)
         self.assertGreaterEqual(n_foldable, 25)      # the generator is not degenerate
@@ -7414,14 +7399,14 @@ except Exception:   # not installed, or an install that does not import here
     bst = bst_t = bst_filter = bst_state = bst_mj = None
 
 
-_BS_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
+_BRAINSTATE_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
 
 
 # CI's brainstate venv sets this, so that a broken install fails instead of skipping.
-_BS_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
+_BRAINSTATE_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
 
 
-_BS_SKIP_REASON = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
+_BRAINSTATE_SKIP_REASON = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
                    'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
 
 
@@ -7478,7 +7463,7 @@ _BRAINSTATE_DIFFERENCES = {
 
 # -- helpers ------------------------------------------------------------------
 
-_BS_RANDOM_SAMPLERS = (
+_RANDOM_SAMPLERS = (
     'rand', 'randint', 'random_integers', 'randn', 'random', 'random_sample', 'ranf', 'sample',
     'choice', 'permutation', 'shuffle', 'beta', 'exponential', 'gamma', 'gumbel', 'laplace',
     'logistic', 'normal', 'pareto', 'poisson', 'standard_cauchy', 'standard_exponential',
@@ -7493,11 +7478,11 @@ _BS_RANDOM_SAMPLERS = (
 _SURFACE_EXCEPTIONS = {
     ('RandomState', name): 'sampling methods are out of scope: use '
                            f'jax.random.<sampler>(rng.split_key(), shape) instead of rng.{name}()'
-    for name in _BS_RANDOM_SAMPLERS
+    for name in _RANDOM_SAMPLERS
 }
 
 
-def _bs_random_state(seed_or_key=None, name=None, **metadata):
+def _brainstate_random_state(seed_or_key=None, name=None, **metadata):
     """brainstate's RandomState takes no name; set it afterwards (for comparisons)."""
     rng = bst.random.RandomState(seed_or_key)
     rng.name = name
@@ -7506,14 +7491,14 @@ def _bs_random_state(seed_or_key=None, name=None, **metadata):
     return rng
 
 
-def _bs_namespace(impl):
+def _implementation_namespace(impl):
     """The counterparts, by their shared public names, of 'bs' (brainstate) or 'sj'."""
     if impl == 'bs':
         return types.SimpleNamespace(
             impl='bs', State=bst.State, ShortTermState=bst.ShortTermState,
             LongTermState=bst.LongTermState, ParamState=bst.ParamState,
             BatchState=bst.BatchState, HiddenState=bst.HiddenState,
-            RandomState=_bs_random_state, RandomStateClass=bst.random.RandomState,
+            RandomState=_brainstate_random_state, RandomStateClass=bst.random.RandomState,
             StateTraceStack=bst.StateTraceStack, StatefulFunction=bst_t.StatefulFunction,
             StatefulMapping=bst_t.StatefulMapping, make_jaxpr=bst_t.make_jaxpr,
             catch_new_states=bst.catch_new_states,
@@ -7536,17 +7521,17 @@ def _bs_namespace(impl):
         constant_fold_jaxpr=sj.constant_fold_jaxpr)
 
 
-def _bs_accepted(name):
+def _is_accepted_difference(name):
     """Whether the comparison ``name`` (``prefix.key[path]``) is an accepted difference."""
     name = re.sub(r'(\[[^\]]*\])+$', '', name)
     return any(name == n or name.endswith('.' + n) for n in _BRAINSTATE_DIFFERENCES)
 
 
-def _bs_is_state(x):
+def _is_any_state(x):
     return isinstance(x, sj.State) or (bst is not None and isinstance(x, bst.State))
 
 
-class _bs_Raised:
+class _Raised:
     """What a call raised: its type and message (compared by type)."""
 
     def __init__(self, err):
@@ -7557,12 +7542,12 @@ class _bs_Raised:
         return f'raises {self.type.__name__}: {first[:160]}'
 
 
-def _bs_canon(x):
+def _canonical(x):
     """A comparable form of ``x``: containers keep their kind (tuple / list / dict / None),
     States become (class, name), arrays stay arrays (PRNG keys as their key data)."""
-    if isinstance(x, _bs_Raised):
+    if isinstance(x, _Raised):
         return x
-    if _bs_is_state(x):
+    if _is_any_state(x):
         return ('<State>', type(x).__name__, x.name)
     if x is None:
         return None
@@ -7573,11 +7558,11 @@ def _bs_canon(x):
     if isinstance(x, jax.core.AbstractValue):
         return ('<aval>', str(x))
     if isinstance(x, dict):
-        return ('<dict>', tuple((k, _bs_canon(v)) for k, v in sorted(x.items(), key=repr)))
+        return ('<dict>', tuple((k, _canonical(v)) for k, v in sorted(x.items(), key=repr)))
     if isinstance(x, tuple):
-        return ('<tuple>', tuple(_bs_canon(v) for v in x))
+        return ('<tuple>', tuple(_canonical(v) for v in x))
     if isinstance(x, list):
-        return ('<list>', tuple(_bs_canon(v) for v in x))
+        return ('<list>', tuple(_canonical(v) for v in x))
     if isinstance(x, (str, type)):
         return ('<const>', x)
     if isinstance(x, (bool, int, float, complex, np.generic, np.ndarray, jax.Array)):
@@ -7589,16 +7574,16 @@ def _bs_canon(x):
     return ('<obj>', type(x).__name__)
 
 
-def _bs_diff(a, b, path):
+def _first_difference(a, b, path):
     """The first difference between two canonical forms (``None`` if they agree)."""
-    if isinstance(a, _bs_Raised) or isinstance(b, _bs_Raised):
-        if isinstance(a, _bs_Raised) and isinstance(b, _bs_Raised) and issubclass(b.type, a.type):
+    if isinstance(a, _Raised) or isinstance(b, _Raised):
+        if isinstance(a, _Raised) and isinstance(b, _Raised) and issubclass(b.type, a.type):
             return None
         return f'{path}: brainstate {a!r}; ours {b!r}'
     if a is None or b is None:
         return None if a is b else f'{path}: brainstate {a!r}; ours {b!r}'
     if a[0] != b[0]:
-        return f'{path}: brainstate {_bs_show(a)}; ours {_bs_show(b)}'
+        return f'{path}: brainstate {_show_canonical(a)}; ours {_show_canonical(b)}'
     tag = a[0]
     if tag in ('<arr>', '<key>'):
         x, y = a[1], b[1]
@@ -7614,39 +7599,39 @@ def _bs_diff(a, b, path):
         if ka != kb:
             return f'{path}: brainstate keys {ka}; ours keys {kb}'
         for (k, va), (_, vb) in zip(a[1], b[1]):
-            d = _bs_diff(va, vb, f'{path}[{k!r}]')
+            d = _first_difference(va, vb, f'{path}[{k!r}]')
             if d:
                 return d
         return None
     if tag in ('<tuple>', '<list>'):
         if len(a[1]) != len(b[1]):
-            return f'{path}: brainstate {_bs_show(a)}; ours {_bs_show(b)}'
+            return f'{path}: brainstate {_show_canonical(a)}; ours {_show_canonical(b)}'
         for i, (va, vb) in enumerate(zip(a[1], b[1])):
-            d = _bs_diff(va, vb, f'{path}[{i}]')
+            d = _first_difference(va, vb, f'{path}[{i}]')
             if d:
                 return d
         return None
-    return None if a == b else f'{path}: brainstate {_bs_show(a)}; ours {_bs_show(b)}'
+    return None if a == b else f'{path}: brainstate {_show_canonical(a)}; ours {_show_canonical(b)}'
 
 
-def _bs_show(c):
+def _show_canonical(c):
     """A short readable form of a canonical value."""
-    if c is None or isinstance(c, _bs_Raised):
+    if c is None or isinstance(c, _Raised):
         return repr(c)
     tag = c[0]
     if tag in ('<arr>', '<key>'):
         return f'{tag[1:-1]} {c[1].dtype}{list(c[1].shape)}'
     if tag in ('<tuple>', '<list>'):
-        inner = ', '.join(_bs_show(v) for v in c[1])
+        inner = ', '.join(_show_canonical(v) for v in c[1])
         return f'({inner},)' if tag == '<tuple>' else f'[{inner}]'
     if tag == '<dict>':
-        return '{' + ', '.join(f'{k!r}: {_bs_show(v)}' for k, v in c[1]) + '}'
+        return '{' + ', '.join(f'{k!r}: {_show_canonical(v)}' for k, v in c[1]) + '}'
     if tag == '<State>':
         return f'{c[1]}({c[2]!r})'
     return ' '.join(str(v) for v in c[1:])
 
 
-class _bs_Recorder:
+class _Recorder:
     """Observations of one implementation, by key, in recording order."""
 
     def __init__(self):
@@ -7658,62 +7643,62 @@ class _bs_Recorder:
         try:
             value = fn()
         except Exception as err:   # a difference to report, not a test error
-            self.items[key] = _bs_Raised(err)
+            self.items[key] = _Raised(err)
             self.words[key] = words
             return None
-        self.items[key] = _bs_canon(value)
+        self.items[key] = _canonical(value)
         return value
 
     def value(self, key, value):
-        self.items[key] = _bs_canon(value)
+        self.items[key] = _canonical(value)
 
 
-class _bs_Checks:
+class _BrainstateChecks:
     """Runs one program against both implementations and compares what they record."""
 
-    _bs_last = None
+    _last_records = None
 
-    def _bs_compare(self, prefix, program):
+    def _compare_programs(self, prefix, program):
         """``program(ns, rec)`` runs once per implementation; every recorded key must
         agree, unless ``prefix.key`` ends with an accepted difference's name.  Returns the list of unaccepted differences."""
         recs = {}
         for impl in ('bs', 'sj'):
-            rec = _bs_Recorder()
+            rec = _Recorder()
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore')
                 try:
-                    program(_bs_namespace(impl), rec)
+                    program(_implementation_namespace(impl), rec)
                 except Exception as err:
-                    rec.items['<program raised>'] = _bs_Raised(err)
+                    rec.items['<program raised>'] = _Raised(err)
             recs[impl] = rec
         a, b = recs['bs'], recs['sj']
-        self._bs_last = recs
+        self._last_records = recs
         problems = []
         for key in list(dict.fromkeys(list(a.items) + list(b.items))):
-            if _bs_accepted(f'{prefix}.{key}'):
+            if _is_accepted_difference(f'{prefix}.{key}'):
                 continue
             if key not in a.items or key not in b.items:
                 problems.append(f'{prefix}.{key}: recorded only by '
                                 f'{"brainstate" if key in a.items else "ours"} '
-                                f'({_bs_show(a.items.get(key, b.items.get(key)))})')
+                                f'({_show_canonical(a.items.get(key, b.items.get(key)))})')
                 continue
-            d = _bs_diff(a.items[key], b.items[key], f'{prefix}.{key}')
+            d = _first_difference(a.items[key], b.items[key], f'{prefix}.{key}')
             if d:
                 problems.append(d)
                 continue
             ours = b.items[key]
             for w in a.words.get(key, ()):
-                if isinstance(ours, _bs_Raised) and w.lower() not in ours.message.lower():
+                if isinstance(ours, _Raised) and w.lower() not in ours.message.lower():
                     problems.append(f'{prefix}.{key}: our message lacks {w!r}: {ours!r}')
         return problems
 
-    def _bs_assert(self, problems):
+    def _assert_no_differences(self, problems):
         if problems:
             self.fail(f'{len(problems)} difference(s) from brainstate 0.2.1:\n  '
                       + '\n  '.join(problems))
 
 
-def _bs_stats(rec, key, sf):
+def _record_cache_stats(rec, key, sf):
     """Cache statistics: the names; sizes and maxsize of brainstate's four caches;
     hit/miss counts separately."""
     rec(f'{key}.cache_stats.names', lambda: sorted(sf.get_cache_stats()))
@@ -7727,7 +7712,7 @@ def _bs_stats(rec, key, sf):
                                                   caches().items()})
 
 
-def _bs_accessors(rec, key, sf, args, kwargs=None):
+def _record_accessors(rec, key, sf, args, kwargs=None):
     """Every StatefulFunction accessor, by arguments and by cache key."""
     kwargs = kwargs or {}
     rec(f'{key}.make_jaxpr_returns_self', lambda: sf.make_jaxpr(*args, **kwargs) is sf)
@@ -7776,47 +7761,47 @@ def _bs_accessors(rec, key, sf, args, kwargs=None):
 
 
 # -- fuzz programs ------------------------------------------------------------------
-def _bs_fuzz_module():
+def _fuzz_module():
     """The module holding the fuzz generator (this one, once pasted into the test file)."""
     here = sys.modules[__name__]
-    if hasattr(here, '_fz_generate'):
+    if hasattr(here, '_generate_program'):
         return here
     import test_stateful_jaxpr
     return test_stateful_jaxpr
 
 
-_BS_FUZZ_UNSUPPORTED = frozenset((
+_OPS_BRAINSTATE_LACKS = frozenset((
     # brainstate cannot thread state through plain JAX transformations, nor lift a
     # State first read inside one (its tracer escapes): no lax bodies, inner jit,
     # grad or vmap in the programs compared.
     'scan', 'fori', 'cond', 'jit', 'grad', 'vmapsf'))
 
 
-def _bs_fuzz_ops(node, found):
+def _fuzz_ops(node, found):
     if isinstance(node, dict):
         node = list(node.values())
     if isinstance(node, (list, tuple)):
         if node and isinstance(node[0], str):
             found.add(node[0])
         for x in node:
-            _bs_fuzz_ops(x, found)
+            _fuzz_ops(x, found)
     return found
 
 
-def _bs_fuzz_supported(prog):
+def _fuzz_supported_by_brainstate(prog):
     if prog['lanes']:       # StatefulMapping programs: see the hand-written cases
         return False
     # brainstate 0.2.1 treats a negative static_argnums as dynamic, and JAX refuses its
     # list / dict static arguments (see test_static_arguments)
     if prog['call']['style'] == 'neg' or isinstance(prog['static'], (list, dict)):
         return False
-    ops = _bs_fuzz_ops([prog['body'], prog['outs'], [s['body'] for s in prog['subs']],
+    ops = _fuzz_ops([prog['body'], prog['outs'], [s['body'] for s in prog['subs']],
                         [s['ret'] for s in prog['subs']]], set())
-    return not (ops & _BS_FUZZ_UNSUPPORTED)
+    return not (ops & _OPS_BRAINSTATE_LACKS)
 
 
 @contextlib.contextmanager
-def _bs_fuzz_with(T, ns):
+def _fuzz_with_namespace(T, ns):
     """The fuzz helpers build States through the module's ``sj``: point it at ``ns``."""
     saved = T.sj
     if ns.impl == 'bs':
@@ -7827,22 +7812,22 @@ def _bs_fuzz_with(T, ns):
         T.sj = saved
 
 
-def _bs_fuzz_program(T, prog):
+def _fuzz_program(T, prog):
     """``program(ns, rec)`` running a fuzz program through StatefulFunction and friends."""
 
     def program(ns, rec):
-        with _bs_fuzz_with(T, ns):
-            states, rngs, inits, dyn = T._fz_build(prog)
+        with _fuzz_with_namespace(T, ns):
+            states, rngs, inits, dyn = T._build_program(prog)
             every = states + rngs
-            pos, kw, argnums, argnames = T._fz_pack(prog, dyn, prog['static'])
-            main = T._fz_make_main(prog, states, rngs, nested=False)
+            pos, kw, argnums, argnames = T._pack_args(prog, dyn, prog['static'])
+            main = T._make_main(prog, states, rngs, nested=False)
             sf = ns.StatefulFunction(main, static_argnums=argnums, static_argnames=argnames,
                                      return_only_write=prog['return_only_write'])
             rec('out1', lambda: sf(*pos, **kw))
             rec('states1', lambda: [s.value for s in every])
             rec('out2', lambda: sf(*pos, **kw))
             rec('states2', lambda: [s.value for s in every])
-            _bs_stats(rec, 'sf', sf)
+            _record_cache_stats(rec, 'sf', sf)
             rec('get_states', lambda: sf.get_states(*pos, **kw))
             rec('get_read_states', lambda: sf.get_read_states(*pos, **kw))
             rec('get_write_states', lambda: sf.get_write_states(*pos, **kw))
@@ -7860,13 +7845,13 @@ def _bs_fuzz_program(T, prog):
                                                   r[1], r[2]))(
                 ns.make_jaxpr(main, static_argnums=argnums, static_argnames=argnames,
                               return_shape=True)(*pos, **kw)))
-            T._fz_reset(every, inits)
+            T._reset_states(every, inits)
     return program
 
 
 # -- surface --------------------------------------------------------------------
 
-def _bs_counterparts():
+def _counterparts():
     """``(name, brainstate object, our object)`` for every counterpart."""
     names = ['State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
              'HiddenState', 'StateTraceStack', 'catch_new_states', 'check_state_value_tree']
@@ -7883,10 +7868,10 @@ def _bs_counterparts():
     return out
 
 
-_BS_SIMPLE = (type(None), bool, int, float, str, tuple)
+_SIMPLE_VALUE_TYPES = (type(None), bool, int, float, str, tuple)
 
 
-def _bs_signature_problems(label, bs_fn, our_fn):
+def _signature_problems(label, bs_fn, our_fn):
     try:
         a = inspect.signature(bs_fn)
     except (TypeError, ValueError):
@@ -7927,20 +7912,20 @@ def _bs_signature_problems(label, bs_fn, our_fn):
             if q.default is inspect.Parameter.empty:
                 problems.append(f'{label}: {p.name!r} has default {p.default!r} in brainstate, '
                                 'none in ours')
-            elif isinstance(p.default, _BS_SIMPLE) and (
+            elif isinstance(p.default, _SIMPLE_VALUE_TYPES) and (
                     type(p.default) is not type(q.default) or p.default != q.default):
                 problems.append(f'{label}: default of {p.name!r}: brainstate {p.default!r}, '
                                 f'ours {q.default!r}')
     return problems
 
 
-def _bs_surface_problems():
+def _surface_problems():
     problems = []
-    for name, theirs, ours in _bs_counterparts():
+    for name, theirs, ours in _counterparts():
         if ours is None:
             problems.append(f'{name}: missing from stateful_jaxpr')
             continue
-        problems += _bs_signature_problems(name, theirs, ours)
+        problems += _signature_problems(name, theirs, ours)
         if not isinstance(theirs, type):
             continue
         if isinstance(ours, type) and theirs.__bases__ != (object,):
@@ -7972,12 +7957,12 @@ def _bs_surface_problems():
                 if isinstance(t, kind) != isinstance(o, kind):
                     problems.append(f'{name}.{attr}: {kind.__name__} mismatch')
             if callable(getattr(theirs, attr)) and not isinstance(t, property):
-                problems += _bs_signature_problems(f'{name}.{attr}', getattr(theirs, attr),
+                problems += _signature_problems(f'{name}.{attr}', getattr(theirs, attr),
                                                    getattr(ours, attr))
     return problems
 
 
-def _bs_instance_attrs():
+def _instance_attr_problems():
     """``(label, brainstate instance, our instance)`` pairs: public instance attributes
     (set in ``__init__``, so invisible to ``dir(cls)``) must exist on ours too."""
     def f(x):
@@ -8027,13 +8012,13 @@ class BrainstateDifferencesDocumentedTest(unittest.TestCase):
         self.assertEqual(sorted(set(named)), sorted(_BRAINSTATE_DIFFERENCES))
 
 
-class _bs_Case(unittest.TestCase):
+class _BrainstateCase(unittest.TestCase):
     """Runs only beside brainstate 0.2.1, whose own deprecation warnings it mutes."""
 
     @classmethod
     def setUpClass(cls):
-        if not _BS_AVAILABLE:
-            raise AssertionError(f'STATEFUL_JAXPR_REQUIRE_BRAINSTATE=1 but {_BS_SKIP_REASON}')
+        if not _BRAINSTATE_AVAILABLE:
+            raise AssertionError(f'STATEFUL_JAXPR_REQUIRE_BRAINSTATE=1 but {_BRAINSTATE_SKIP_REASON}')
 
     def setUp(self):
         guard = warnings.catch_warnings()
@@ -8042,8 +8027,8 @@ class _bs_Case(unittest.TestCase):
         warnings.filterwarnings('ignore', category=DeprecationWarning, module=r'brainstate\b')
 
 
-@unittest.skipUnless(_BS_AVAILABLE or _BS_REQUIRED, _BS_SKIP_REASON)
-class BrainstateSurfaceTest(_bs_Case):
+@unittest.skipUnless(_BRAINSTATE_AVAILABLE or _BRAINSTATE_REQUIRED, _BRAINSTATE_SKIP_REASON)
+class BrainstateSurfaceTest(_BrainstateCase):
     """Every public name of a brainstate 0.2.1 counterpart exists on ours, compatibly."""
 
     def test_surface_exceptions_name_real_brainstate_attributes(self):
@@ -8052,20 +8037,20 @@ class BrainstateSurfaceTest(_bs_Case):
             self.assertTrue(reason)
 
     def test_public_names_signatures_and_properties(self):
-        problems = _bs_surface_problems()
+        problems = _surface_problems()
         self.assertFalse(problems, f'{len(problems)} surface difference(s):\n  '
                          + '\n  '.join(problems))
 
     def test_public_instance_attributes(self):
-        problems = _bs_instance_attrs()
+        problems = _instance_attr_problems()
         self.assertFalse(problems, f'{len(problems)} surface difference(s):\n  '
                          + '\n  '.join(problems))
 
 
 # -- differential behaviour -----------------------------------------------------
 
-@unittest.skipUnless(_BS_AVAILABLE or _BS_REQUIRED, _BS_SKIP_REASON)
-class BrainstateFidelityTest(_bs_Checks, _bs_Case):
+@unittest.skipUnless(_BRAINSTATE_AVAILABLE or _BRAINSTATE_REQUIRED, _BRAINSTATE_SKIP_REASON)
+class BrainstateFidelityTest(_BrainstateChecks, _BrainstateCase):
     """The same programs on brainstate 0.2.1 and on ours agree."""
 
     FUZZ_PROGRAMS = 24
@@ -8093,13 +8078,13 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                 rec(f'{key}.hand', lambda: sf.get_out_treedef_by_cache(k).unflatten(
                     jax.core.eval_jaxpr(cj.jaxpr, cj.consts, *flat_args,
                                         *jax.tree_util.tree_leaves(state_vals))))
-                _bs_accessors(rec, key, sf, args)
+                _record_accessors(rec, key, sf, args)
                 rec(f'{key}.call', lambda: sf(*args))
                 rec(f'{key}.values', lambda: [a.value, b.value, c.value])
                 rec(f'{key}.call_kw', lambda: sf(*args, scale=jnp.float32(0.5)))
                 rec(f'{key}.kw.in_avals', lambda: list(sf.get_jaxpr(
                     *args, scale=jnp.float32(0.5)).in_avals))
-                _bs_stats(rec, key, sf)
+                _record_cache_stats(rec, key, sf)
                 rec(f'{key}.clear_cache', lambda: (sf.clear_cache(), {   # (names: above)
                     k2: v['size'] for k2, v in sf.get_cache_stats().items()
                     if k2 != 'miss_causes'})[1])
@@ -8116,7 +8101,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                 lambda x, n=1: x * n + a.value, static_argnames='n')(jnp.ones(3), n=3))
             rec('not_callable', lambda: ns.StatefulFunction(3)(1.0))
             rec('returns_state', lambda: ns.StatefulFunction(lambda: a)())
-        self._bs_assert(self._bs_compare('sf', program))
+        self._assert_no_differences(self._compare_programs('sf', program))
 
     # b: jaxpr_call inside lax.scan, carries from get_state_trace().get_state_values()
     def test_jaxpr_call_in_scan(self):
@@ -8144,7 +8129,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                 rec(f'row={row}.scan', lambda: lax.scan(body, tuple(init), jnp.ones((4, 3))))
                 rec(f'row={row}.jit', lambda: jax.jit(sf.jaxpr_call)(init, x0))
                 rec(f'row={row}.states_untouched', lambda: [w.value, h.value, rng.value])
-        self._bs_assert(self._bs_compare('scan', program))
+        self._assert_no_differences(self._compare_programs('scan', program))
 
     # c: jax.grad / jax.jvp / jax.linearize over jaxpr_call
     def test_autodiff_over_jaxpr_call(self):
@@ -8170,7 +8155,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             rec('linearize', lambda: (lambda r: (r[0], r[1](tang)))(
                 jax.linearize(lambda v: sf.jaxpr_call(v, x)[1], vals)))
             rec('vmap', lambda: jax.vmap(lambda xx: sf.jaxpr_call(vals, xx))(jnp.arange(3.0)))
-        self._bs_assert(self._bs_compare('autodiff', program))
+        self._assert_no_differences(self._compare_programs('autodiff', program))
 
     # d: a plain StateTraceStack recorder, inside a trace and outside
     def test_state_trace_stack(self):
@@ -8204,7 +8189,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             def kinds(v):   # tracers: only the container structure is compared
                 return jax.tree_util.tree_map(
                     lambda x: type(x).__name__ if isinstance(x, jax.core.Tracer) else x, v,
-                    is_leaf=_bs_is_state)
+                    is_leaf=_is_any_state)
             for k, v in seen.items():
                 rec(f'in_trace.{k}', lambda v=v: kinds(v))
             with ns.StateTraceStack(name='outer') as tr:
@@ -8237,7 +8222,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                 rec('new_arg.inside', lambda: c.value)
             rec('new_arg.after_exit', lambda: c.value)
             rec('new_arg.recovery', lambda: (t3.recovery_original_values(), c.value)[1])
-        self._bs_assert(self._bs_compare('StateTraceStack', program))
+        self._assert_no_differences(self._compare_programs('StateTraceStack', program))
 
     # e: catch_new_states
     def test_catch_new_states(self):
@@ -8270,7 +8255,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                     return x
                 ns.StatefulFunction(f).make_jaxpr(1.0)
             rec('inside_trace', lambda: len(c4.get_states()))
-        self._bs_assert(self._bs_compare('catch_new_states', program))
+        self._assert_no_differences(self._compare_programs('catch_new_states', program))
 
     # f + g: StatefulMapping with filters, tuple in_axes, axis_size; its accessors
     def test_stateful_mapping(self):
@@ -8290,8 +8275,8 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             rec('call2', lambda: sm(x))
             rec('values2', lambda: [w.value, v.value, rng.value])
             rec('is_stateful_function', lambda: isinstance(sm, ns.StatefulFunction))
-            _bs_accessors(rec, 'accessors', sm, (x,))
-            _bs_stats(rec, 'mapping', sm)
+            _record_accessors(rec, 'accessors', sm, (x,))
+            _record_cache_stats(rec, 'mapping', sm)
 
             for label, filt in (('tag', 'lane'), ('any', ns.Any('lane', ns.BatchState)),
                                 ('all_not', ns.All('lane', ns.Not(ns.OfType(
@@ -8342,7 +8327,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             rng4 = ns.RandomState(2, name='rng4')
             rec('per_lane_keys', lambda: (ns.StatefulMapping(
                 lambda: rng4.split_key(), in_axes=0, axis_size=3)(), rng4.value))
-        self._bs_assert(self._bs_compare('StatefulMapping', program))
+        self._assert_no_differences(self._compare_programs('StatefulMapping', program))
 
     # l: inconsistent batch sizes
     def test_stateful_mapping_batch_size_errors(self):
@@ -8358,7 +8343,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             m3 = ns.StatefulMapping(lambda: sc.value * 2, in_axes=0)
             rec('nothing_batched', lambda: m3())
             rec('bad_filter', lambda: ns.StatefulMapping(lambda x: x, state_in_axes=42))
-        self._bs_assert(self._bs_compare('StatefulMapping.errors', program))
+        self._assert_no_differences(self._compare_programs('StatefulMapping.errors', program))
 
     # i: State methods
     def test_state_methods(self):
@@ -8402,7 +8387,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                                                    type(getattr(ns, cls)(1.0)).__mro__
                                                    if c.__name__ in ('State', 'ShortTermState',
                                                                      'LongTermState')])
-        self._bs_assert(self._bs_compare('State', program))
+        self._assert_no_differences(self._compare_programs('State', program))
 
     # j: RandomState key management
     def test_random_state_keys(self):
@@ -8442,7 +8427,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             rec('in_trace', lambda: (lambda rr: (ns.StatefulFunction(
                 lambda: jax.random.uniform(rr.split_key(), (2,)))(), rr.value))(
                 ns.RandomState(5, name='rt')))
-        self._bs_assert(self._bs_compare('RandomState', program))
+        self._assert_no_differences(self._compare_programs('RandomState', program))
 
     # k: filters, BoundedCache, make_hashable, hashabledict, constant_fold_jaxpr
     def test_filters(self):
@@ -8472,7 +8457,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             rec('OfType.type', lambda: ns.OfType(ns.ParamState).type.__name__)
             rec('Any.predicates', lambda: len(ns.Any('a', 'b').predicates))
             rec('Not.predicate', lambda: type(ns.Not('a').predicate).__name__)
-        self._bs_assert(self._bs_compare('filters', program))
+        self._assert_no_differences(self._compare_programs('filters', program))
 
     def test_cache_helpers_and_constant_folding(self):
         def program(ns, rec):
@@ -8517,7 +8502,7 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
                 folded, closed.consts if folded.constvars else [], jnp.full(3, 2.0),
                 *([jnp.ones(2)] if len(folded.invars) == 2 else [])))
             rec('constant_fold_jaxpr.outvars', lambda: [v.aval for v in folded.outvars])
-        self._bs_assert(self._bs_compare('helpers', program))
+        self._assert_no_differences(self._compare_programs('helpers', program))
 
     def test_static_arguments(self):
         def program(ns, rec):
@@ -8542,23 +8527,23 @@ class BrainstateFidelityTest(_bs_Checks, _bs_Case):
             sf3 = ns.StatefulFunction(lambda x, k=1: x * k + a.value, static_argnames=('k',))
             rec('static_argnames', lambda: (sf3(jnp.ones(2), k=3), list(sf3.get_jaxpr(
                 jnp.ones(2), k=3).in_avals)))
-        self._bs_assert(self._bs_compare('static', program))
+        self._assert_no_differences(self._compare_programs('static', program))
 
     # the fuzz generator's programs (those brainstate can run)
     def test_generated_programs(self):
-        T = _bs_fuzz_module()
+        T = _fuzz_module()
         start = time.perf_counter()
         problems, seeds, seed, ran = [], [], 0, 0
         while len(seeds) < self.FUZZ_PROGRAMS and seed < 2000:
-            prog = T._fz_generate(seed)
-            if _bs_fuzz_supported(prog):
+            prog = T._generate_program(seed)
+            if _fuzz_supported_by_brainstate(prog):
                 seeds.append(seed)
-                problems += self._bs_compare(f'fuzz[{seed}]', _bs_fuzz_program(T, prog))
-                ran += not isinstance(self._bs_last['bs'].items.get('out2'), _bs_Raised)
+                problems += self._compare_programs(f'fuzz[{seed}]', _fuzz_program(T, prog))
+                ran += not isinstance(self._last_records['bs'].items.get('out2'), _Raised)
             seed += 1
         self.assertGreaterEqual(ran, 20, f'brainstate ran only {ran} of {len(seeds)} programs')
         elapsed = time.perf_counter() - start
-        self._bs_assert(problems)
+        self._assert_no_differences(problems)
         self.assertLess(elapsed, 120, f'{len(seeds)} programs took {elapsed:.0f} s')
 
 
