@@ -351,6 +351,120 @@ class ModuleTest(unittest.TestCase):
 class CompatTest(unittest.TestCase):
     """The JAX-internal shims and the rule that only they touch internals."""
 
+    def test_close_and_rebuild_give_the_releases_closed_jaxpr(self):
+        closed = jax.make_jaxpr(lambda x: (jnp.sin(x) + jnp.arange(3.0), x * 2.0))(1.0)
+        mine = sj._close(closed.jaxpr, closed.consts)
+        self.assertIs(type(mine), type(closed))     # ClosedJaxpr, or a Jaxpr from 0.11
+        self.assertIsInstance(mine, sj.ClosedJaxpr)
+        sin_plus, doubled = _eval_closed(mine, 0.5)
+        np.testing.assert_allclose(sin_plus, np.sin(0.5) + np.arange(3.0), rtol=1e-6)
+        self.assertEqual(float(doubled), 1.0)
+        swapped = sj._rebuild(closed.jaxpr, closed.consts, outvars=closed.jaxpr.outvars[::-1])
+        self.assertIs(type(swapped), type(closed))
+        self.assertEqual([a.shape for a in swapped.out_avals], [(), (3,)])
+        doubled, sin_plus = _eval_closed(swapped, 0.5)
+        self.assertEqual(float(doubled), 1.0)
+        np.testing.assert_allclose(sin_plus, np.sin(0.5) + np.arange(3.0), rtol=1e-6)
+        self.assertEqual(len(closed.out_avals), 2)    # the original is left as it was
+
+    def test_trace_to_jaxpr(self):
+        offset = jnp.arange(3.0)
+
+        def flat(x, y):
+            return [jnp.sin(x) * y + offset, x + 1.0]
+        avals = [jax.core.ShapedArray((3,), jnp.float32), jax.core.ShapedArray((), jnp.float32)]
+        jaxpr, out_avals, consts = sj._trace_to_jaxpr(flat, avals, flat, 'flat')
+        self.assertIsInstance(jaxpr, sj.Jaxpr)
+        self.assertEqual([(a.shape, a.dtype) for a in out_avals],
+                         [((3,), jnp.float32), ((3,), jnp.float32)])
+        closed = sj._close(jaxpr, consts)
+        self.assertEqual([(a.shape, a.dtype) for a in closed.in_avals],
+                         [((3,), jnp.float32), ((), jnp.float32)])
+        x = np.array([0.1, 0.2, 0.3], np.float32)
+        first, second = _eval_closed(closed, x, np.float32(2.0))
+        np.testing.assert_allclose(first, np.sin(x) * 2.0 + np.arange(3.0), rtol=1e-6)
+        np.testing.assert_allclose(second, x + 1.0, rtol=1e-6)
+
+    def test_axis_env_binds_named_axes_while_tracing(self):
+        sizes = []
+
+        def f(x):
+            sizes.append(lax.psum(1, 'i'))
+            return x + lax.axis_index('i')
+        with self.assertRaisesRegex(Exception, 'axis'):
+            jax.make_jaxpr(f)(1.0)                    # 'i' is unbound
+        sizes.clear()
+        with sj._axis_env([('i', 4)]):
+            closed = jax.make_jaxpr(f)(1.0)
+        self.assertEqual([int(s) for s in sizes], [4])
+        self.assertIn('axis_index', [e.primitive.name for e in closed.jaxpr.eqns])
+        for nothing in (None, []):
+            ctx = sj._axis_env(nothing)
+            self.assertIsInstance(ctx, contextlib.nullcontext)
+            with ctx, self.assertRaisesRegex(Exception, 'axis'):
+                jax.make_jaxpr(f)(1.0)
+
+    def test_typeof(self):
+        aval = sj._typeof(1.0)
+        self.assertEqual((aval.shape, aval.dtype, aval.weak_type), ((), jnp.float32, True))
+        aval = sj._typeof(jnp.ones((2, 3), jnp.int32))
+        self.assertEqual((aval.shape, aval.dtype, aval.weak_type), ((2, 3), jnp.int32, False))
+        aval = sj._typeof(np.zeros(4, np.float32))
+        self.assertEqual((aval.shape, aval.dtype, aval.weak_type), ((4,), jnp.float32, False))
+
+    def test_current_trace_id_and_under_jax_trace(self):
+        outside = sj._current_trace_id()
+        self.assertFalse(sj._under_jax_trace())
+        seen = []
+
+        def f(x):
+            seen.append((sj._current_trace_id(), sj._under_jax_trace()))
+            return x * 2.0
+        jax.make_jaxpr(f)(1.0)
+        (inside, under), = seen
+        self.assertIsNot(inside, outside)
+        self.assertTrue(under)
+        self.assertIs(sj._current_trace_id(), outside)
+        self.assertFalse(sj._under_jax_trace())
+
+    def test_refs_and_discharge(self):
+        if not sj._HAS_REFS:
+            self.skipTest(f'JAX {jax.__version__} has no mutable references')
+        aval = jax.core.ShapedArray((3,), jnp.float32)
+        ref_aval = sj._ref_aval(aval)
+        self.assertIsNot(type(ref_aval), type(aval))
+
+        def flat(ref, x):
+            old = sj._ref_get(ref)
+            sj._ref_set(ref, old + x)
+            return [old * 2.0]
+        jaxpr, out_avals, consts = sj._trace_to_jaxpr(flat, [ref_aval, aval], flat, 'refs')
+        self.assertEqual([a.shape for a in out_avals], [(3,)])
+        pure = sj._discharge(sj._close(jaxpr, consts))
+        self.assertIsInstance(pure, sj.ClosedJaxpr)
+        self.assertFalse(any(type(a) is type(ref_aval) for a in pure.in_avals))
+        self.assertEqual([a.shape for a in pure.out_avals], [(3,), (3,)])
+        result, final = _eval_closed(pure, np.arange(3.0, dtype=np.float32),
+                                     np.ones(3, np.float32))
+        np.testing.assert_array_equal(result, np.arange(3.0) * 2.0)
+        np.testing.assert_array_equal(final, np.arange(3.0) + 1.0)   # the Ref's final value
+
+    def test_call_primitives_cover_this_releases_jit(self):
+        closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x))(1.0)
+        names = [e.primitive.name for e in closed.jaxpr.eqns]
+        self.assertEqual(len(names), 1, names)
+        self.assertIn(names[0], sj._CALL_PRIMITIVES)
+        self.assertNotIn('sin', sj._CALL_PRIMITIVES)
+
+    def test_jaxpr_types_and_evaluation(self):
+        self.assertIs(sj.ClosedJaxpr, jax.extend.core.ClosedJaxpr)
+        self.assertIs(sj.Jaxpr, jax.extend.core.Jaxpr)
+        closed = jax.make_jaxpr(lambda x, y: x * y + 1.0)(2.0, 3.0)
+        self.assertIsInstance(closed, sj.ClosedJaxpr)
+        self.assertIsInstance(closed.jaxpr, sj.Jaxpr)
+        out, = sj._jaxpr_as_fun(closed)(2.0, 5.0)
+        self.assertEqual(float(out), 11.0)
+
     def test_internals_only_in_compat_section(self):
         with open(sj.__file__) as fh:
             source = fh.read()
@@ -414,6 +528,84 @@ class CompatTest(unittest.TestCase):
 # =============================================================================
 # 2. Errors and small helpers
 # =============================================================================
+
+
+class HelpersTest(unittest.TestCase):
+    """The error types and the small helpers every later section builds on."""
+
+    def test_error_types(self):
+        self.assertTrue(issubclass(sj.TraceContextError, RuntimeError))
+        self.assertTrue(issubclass(sj.BatchAxisError, ValueError))
+        self.assertFalse(issubclass(sj.TraceContextError, ValueError))
+        self.assertFalse(issubclass(sj.BatchAxisError, RuntimeError))
+        self.assertIs(TraceContextError, sj.TraceContextError)
+        with self.assertRaises(RuntimeError):
+            raise sj.TraceContextError('escaped')
+
+    def test_leaves(self):
+        self.assertEqual(sj._leaves({'b': (2, None, [3]), 'a': 1}), [1, 2, 3])
+        self.assertEqual(sj._leaves(None), [])
+
+    def test_aval_of(self):
+        aval = sj._aval_of(jnp.ones((2, 3), jnp.int32))
+        self.assertEqual((aval.shape, aval.dtype), ((2, 3), jnp.int32))
+        aval = sj._aval_of(1.0)
+        self.assertEqual((aval.shape, aval.dtype, aval.weak_type), ((), jnp.float32, True))
+        seen = []
+
+        def f(x):
+            seen.append(sj._aval_of(x) is x.aval)     # a tracer keeps its own aval
+            return x
+        jax.make_jaxpr(f)(jnp.ones(2))
+        self.assertEqual(seen, [True])
+        for not_jax in ('text', object()):
+            with self.assertRaises(TypeError):
+                sj._aval_of(not_jax)
+
+    def test_leaf_sig(self):
+        self.assertEqual(sj._leaf_sig(jnp.ones(2, jnp.float32)), ((2,), jnp.float32, False))
+        self.assertEqual(sj._leaf_sig(1.0), ((), jnp.float32, True))
+        self.assertNotEqual(sj._leaf_sig(jnp.ones(2, jnp.int32)), sj._leaf_sig(jnp.ones(2)))
+        seen = []
+
+        def f(x):
+            seen.append(sj._leaf_sig(x))
+            return x
+        jax.make_jaxpr(f)(jnp.ones(2))
+        self.assertEqual(seen, [sj._leaf_sig(jnp.zeros(2))])   # a tracer and an array agree
+
+    def test_value_sig(self):
+        def value(n=2, dtype=jnp.float32, fill=0.0):
+            return {'a': jnp.full((n,), fill, dtype), 'b': [jnp.zeros((), jnp.int32)]}
+        self.assertEqual(sj._value_sig(value()), sj._value_sig(value(fill=5.0)))
+        for other in (value(n=3), value(dtype=jnp.int32),
+                      {'a': jnp.zeros(2), 'b': (jnp.zeros((), jnp.int32),)},
+                      {'a': jnp.zeros(2), 'c': [jnp.zeros((), jnp.int32)]}):
+            self.assertNotEqual(sj._value_sig(other), sj._value_sig(value()))
+
+    def test_contains_tracer(self):
+        ones = jnp.ones(2)
+        self.assertFalse(sj._contains_tracer({'k': [ones, 1.0]}))
+        seen = []
+
+        def f(x):
+            seen.append((sj._contains_tracer({'k': [ones, x]}),
+                         sj._contains_tracer({'k': [ones, None]})))
+            return x
+        jax.make_jaxpr(f)(1.0)
+        self.assertEqual(seen, [(True, False)])
+
+    def test_user_site_and_format_site(self):
+        # A caller defined in the module's own file is skipped: the site is
+        # the first frame outside it, here this test.
+        namespace = {'_user_site': sj._user_site}
+        exec(compile('def inner():\n    return _user_site(1)\n', sj.__file__, 'exec'), namespace)
+        site, line = namespace['inner'](), inspect.currentframe().f_lineno
+        self.assertEqual(os.path.abspath(site[0]), os.path.abspath(__file__))
+        self.assertEqual(site[1:], (line, 'test_user_site_and_format_site'))
+        self.assertEqual(sj._format_site(site),
+                         f'{site[0]}:{line} (in test_user_site_and_format_site)')
+        self.assertEqual(sj._format_site(None), 'an unknown place')
 
 
 # =============================================================================
@@ -7406,7 +7598,7 @@ _BRAINSTATE_AVAILABLE = bst is not None and getattr(bst, '__version__', None) ==
 _BRAINSTATE_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
 
 
-_BRAINSTATE_SKIP_REASON = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
+_BRAINSTATE_SKIP = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
                    'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
 
 
@@ -8018,7 +8210,7 @@ class _BrainstateCase(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         if not _BRAINSTATE_AVAILABLE:
-            raise AssertionError(f'STATEFUL_JAXPR_REQUIRE_BRAINSTATE=1 but {_BRAINSTATE_SKIP_REASON}')
+            raise AssertionError(f'STATEFUL_JAXPR_REQUIRE_BRAINSTATE=1 but {_BRAINSTATE_SKIP}')
 
     def setUp(self):
         guard = warnings.catch_warnings()
@@ -8027,7 +8219,7 @@ class _BrainstateCase(unittest.TestCase):
         warnings.filterwarnings('ignore', category=DeprecationWarning, module=r'brainstate\b')
 
 
-@unittest.skipUnless(_BRAINSTATE_AVAILABLE or _BRAINSTATE_REQUIRED, _BRAINSTATE_SKIP_REASON)
+@unittest.skipUnless(_BRAINSTATE_AVAILABLE or _BRAINSTATE_REQUIRED, _BRAINSTATE_SKIP)
 class BrainstateSurfaceTest(_BrainstateCase):
     """Every public name of a brainstate 0.2.1 counterpart exists on ours, compatibly."""
 
@@ -8049,7 +8241,7 @@ class BrainstateSurfaceTest(_BrainstateCase):
 
 # -- differential behaviour -----------------------------------------------------
 
-@unittest.skipUnless(_BRAINSTATE_AVAILABLE or _BRAINSTATE_REQUIRED, _BRAINSTATE_SKIP_REASON)
+@unittest.skipUnless(_BRAINSTATE_AVAILABLE or _BRAINSTATE_REQUIRED, _BRAINSTATE_SKIP)
 class BrainstateFidelityTest(_BrainstateChecks, _BrainstateCase):
     """The same programs on brainstate 0.2.1 and on ours agree."""
 
