@@ -2048,8 +2048,6 @@ class _InjectedTypeError(TypeError):
 
 
 _INJECTED_EXCEPTIONS = (_Injected, _InjectedValueError, _InjectedTypeError)
-
-
 # At an operation the fault can also be JAX's own error, raised by JAX itself:
 # the program converts a traced value to a Python bool.
 _INJECTED_JAX_ERROR = jax.errors.TracerBoolConversionError
@@ -2214,7 +2212,7 @@ class _Scenario:
              'n': (jnp.array([True, False, True]), jnp.array(0.3 + 0.4j, jnp.complex64))},
             name='t')
         self.h = _CountingState(jnp.arange(6, dtype=f32).reshape(2, 3) / 6, name='h',
-                                   tag='lane')
+                                tag='lane')
         self.rng = _CountingRandomState(_make_key(7), name='rng')   # cheap typed key
         self.key = _CountingRandomState(3, name='key')            # raw threefry key
         self.all = [self.a, self.b, self.w, self.t, self.h, self.rng, self.key]
@@ -2401,10 +2399,7 @@ def _scenario_mapping_in_sf(S):
 
 
 _X3 = np.array([0.3, -0.7, 1.1], np.float32)
-
-
 _X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
-
 
 _SCENARIOS = [
     ('top', _scenario_top, _X3),
@@ -2587,7 +2582,7 @@ class FaultInjectionTest(unittest.TestCase):
                     # trace is redone depends on what earlier traces left, e.g. a
                     # State a plain JAX trace read): the fault was never reached.
                     _assert_close(expected_states, [s._value for s in S.all],
-                                     f'{where}: states after a run the fault missed')
+                                  f'{where}: states after a run the fault missed')
                     continue
                 self.assertIsNotNone(raised, f'{where}: the injected fault did not propagate')
                 self.assertIs(type(raised), exc,
@@ -2598,7 +2593,7 @@ class FaultInjectionTest(unittest.TestCase):
                 out = call(x, tag=tag if retrace else 'warm')   # the next call, no fault
                 _assert_close(expected_out, out, f'{where}: output after recovery')
                 _assert_close(expected_states, [s._value for s in S.all],
-                                 f'{where}: states after recovery')
+                              f'{where}: states after recovery')
                 n += 1
         type(self).points += n
         return n
@@ -2614,8 +2609,6 @@ def _scenario_test(name, make, x):
 for _name, _make, _x in _SCENARIOS:
     setattr(FaultInjectionTest, f'test_fault_injection_{_name}',
             _scenario_test(_name, _make, _x))
-
-
 del _name, _make, _x
 
 
@@ -2667,21 +2660,11 @@ del _name, _make, _x
 
 
 _INT_MASK = 1023   # integers are kept in [0, 1023] with ``& _INT_MASK`` (one cheap op)
-
-
 _DOMAIN = {'f32': 'f', 'c64': 'f', 'i32': 'i', 'bool': 'i'}
-
-
 _NP_DTYPE = {'f32': np.float32, 'i32': np.int32, 'bool': np.bool_, 'c64': np.complex64}
-
-
 _SINGLE_STATE_CLASSES = ('State', 'ShortTermState', 'LongTermState', 'ParamState',
-                      'BatchState', 'HiddenState')
-
-
+                         'BatchState', 'HiddenState')
 _TREE_STATE_CLASSES = ('State', 'LongTermState', 'ParamState')
-
-
 _FILTER_KINDS = ('dict', 'bare', 'predicate', 'combinator')
 
 
@@ -3614,7 +3597,7 @@ def _check_program(seed, extras=True):
     _assert_close(out1, got, '(c) jit(jaxpr_call) output')
     returned = (sf.get_write_states(*pos, **kw) if prog['return_only_write'] else touched)
     _assert_close([fin1[index[id(s)]] if s in returned else None for s in touched],
-                     list(new_vals), '(c) jit(jaxpr_call) state values')
+                  list(new_vals), '(c) jit(jaxpr_call) state values')
     for s, v in zip(every, inits):
         if s._value is not v:
             raise AssertionError(f'(c) jaxpr_call changed {s.name}')
@@ -3626,8 +3609,8 @@ def _check_program(seed, extras=True):
     expected = tuple(fin1[index[id(s)]] if s in returned else None for s in touched)
     _assert_close(expected, got_states, '(d) folded jaxpr state values')
     _assert_close(out1, jax.tree_util.tree_unflatten(out_tree.children()[0],
-                                                        made_outs[:n_out]),
-                     "(d') make_jaxpr output")
+                                                     made_outs[:n_out]),
+                  "(d') make_jaxpr output")
     expected = [fin1[index[id(s)]] for s in touched]
     _assert_close(expected, jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(expected), list(made_outs[n_out:])),
@@ -3776,7 +3759,7 @@ def _check_mapped(prog):
             got = sm(*pos, **kw)
         _assert_close(expected[step][0], got, f'(e) StatefulMapping output, call {step + 1}')
         _assert_states(expected[step][1], _state_values(every),
-                          f'(e) StatefulMapping states, call {step + 1}')
+                       f'(e) StatefulMapping states, call {step + 1}')
     _reset_states(every, inits)
 
     # (e') the mapping composed inside a StatefulFunction (two in five programs:
@@ -4518,8 +4501,6 @@ _add_with_checks(CachingTest, CallingTest)
 
 
 _N_THREADS = 8
-
-
 _JOIN_TIMEOUT = 120.0
 
 
@@ -5312,7 +5293,7 @@ class ShardingTest(unittest.TestCase):
                                state_in_axes={0: sj.HiddenState})
         g(jnp.ones((8, 3)))
         _assert_same_layout(self, h.value, _put_sharded(jnp.zeros((8, 4)), mesh, self.P('d', None)),
-                        'written by a StatefulMapping')
+                            'written by a StatefulMapping')
         np.testing.assert_allclose(_host(h.value), np.full((8, 4), 3.0))
 
     def test_explicit_sharding_mode(self):
@@ -6907,8 +6888,6 @@ def _export_problem():
 
 
 _EXPORT_PROBLEM = _export_problem()
-
-
 _VJP_EXPORT = _EXPORT_PROBLEM is None and 'vjp_order' in inspect.signature(
     sj._jax_export().Exported.serialize).parameters
 
@@ -7590,16 +7569,11 @@ try:
 except Exception:   # not installed, or an install that does not import here
     bst = bst_t = bst_filter = bst_state = bst_mj = None
 
-
 _BRAINSTATE_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
-
-
 # CI's brainstate venv sets this, so that a broken install fails instead of skipping.
 _BRAINSTATE_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
-
-
 _BRAINSTATE_SKIP = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
-                   'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
+                    'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
 
 
 # Every accepted difference from brainstate 0.2.1, with its reason.  A
@@ -7665,7 +7639,6 @@ _RANDOM_SAMPLERS = (
     'maxwell', 'negative_binomial', 'wald', 't', 'orthogonal', 'noncentral_chisquare',
     'loggamma', 'categorical', 'zipf', 'power', 'f', 'hypergeometric', 'logseries',
     'noncentral_f', 'rand_like', 'randn_like', 'randint_like')
-
 
 _SURFACE_EXCEPTIONS = {
     ('RandomState', name): 'sampling methods are out of scope: use '
@@ -7988,7 +7961,7 @@ def _fuzz_supported_by_brainstate(prog):
     if prog['call']['style'] == 'neg' or isinstance(prog['static'], (list, dict)):
         return False
     ops = _fuzz_ops([prog['body'], prog['outs'], [s['body'] for s in prog['subs']],
-                        [s['ret'] for s in prog['subs']]], set())
+                     [s['ret'] for s in prog['subs']]], set())
     return not (ops & _OPS_BRAINSTATE_LACKS)
 
 
@@ -8150,7 +8123,7 @@ def _surface_problems():
                     problems.append(f'{name}.{attr}: {kind.__name__} mismatch')
             if callable(getattr(theirs, attr)) and not isinstance(t, property):
                 problems += _signature_problems(f'{name}.{attr}', getattr(theirs, attr),
-                                                   getattr(ours, attr))
+                                                getattr(ours, attr))
     return problems
 
 
