@@ -126,6 +126,27 @@ def _add_with_checks(*bases):
         globals()[name] = type(name, (_WithEnableChecks, base), {'__module__': __name__})
 
 
+def _shard_map(body, mesh, in_specs, out_specs):
+    if hasattr(jax, 'shard_map'):
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map
+    return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                     check_rep=False)
+
+
+def _lane_body(f, tree, axes, box):
+    """The per-device body of a shard_map based mapper: calls ``f`` on one lane
+    (leaves ``tree``, a leading axis of 1 where ``axes`` is not None) and stacks
+    its results back; ``box['tree']`` receives their structure."""
+    def body(*local):
+        lane = [x if a is None else x[0] for x, a in zip(local, axes)]
+        out = f(*jax.tree_util.tree_unflatten(tree, lane))
+        out_leaves, box['tree'] = jax.tree_util.tree_flatten(out)
+        return [o[None] for o in out_leaves]
+    return body
+
+
 def _need_8_devices(tc):
     if jax.device_count() >= 8:
         return
@@ -2401,20 +2422,14 @@ def _scenario_mapping_in_sf(S):
 _X3 = np.array([0.3, -0.7, 1.1], np.float32)
 _X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
 
-_SCENARIOS = [
-    ('top', _scenario_top, _X3),
-    ('scan', _scenario_scan, _X3),
-    ('cond', _scenario_cond, _X3),
-    ('grad', _scenario_grad, _X3),
-    ('inner_jit', _scenario_jit, _X3),
-    ('nested_sf', _scenario_nested, _X3),
-    ('nested_sf_in_scan', _scenario_nested_in_scan, _X3),
-    ('scan_write', _scenario_scan_write, _X3),
-    ('cond_jit_write', _scenario_cond_jit_write, _X3),
-    ('nested_writer_in_scan', _scenario_nested_writer_in_scan, _X3),
-    ('mapping', _scenario_mapping, _X23),
-    ('mapping_in_sf', _scenario_mapping_in_sf, _X23),
-]
+# (test name, make, input): the mapping scenarios take a batch of two lanes.
+_SCENARIOS = [(name, make, _X3) for name, make in (
+    ('top', _scenario_top), ('scan', _scenario_scan), ('cond', _scenario_cond),
+    ('grad', _scenario_grad), ('inner_jit', _scenario_jit), ('nested_sf', _scenario_nested),
+    ('nested_sf_in_scan', _scenario_nested_in_scan), ('scan_write', _scenario_scan_write),
+    ('cond_jit_write', _scenario_cond_jit_write),
+    ('nested_writer_in_scan', _scenario_nested_writer_in_scan))] + [
+    ('mapping', _scenario_mapping, _X23), ('mapping_in_sf', _scenario_mapping_in_sf, _X23)]
 
 
 def _stack_lanes(xs, axis):
@@ -4541,6 +4556,16 @@ def _jaxpr_cache_stats(fn):
     return fn.get_cache_stats()['jaxpr_cache']
 
 
+@contextlib.contextmanager
+def _open_stack_reading(name, state, opened):
+    """A recording StateTraceStack named ``name`` that has read ``state``;
+    ``opened`` is set once it has (for the thread waiting on it)."""
+    with sj.StateTraceStack(name=name) as stack:
+        _ = state.value
+        opened.set()
+        yield stack
+
+
 class ThreadSafetyTest(unittest.TestCase):
     """Thread safety: shared callables, caches and States under many threads."""
 
@@ -4879,9 +4904,7 @@ class ThreadSafetyTest(unittest.TestCase):
         record = {}
 
         def thread_a(_):
-            with sj.StateTraceStack(name='A') as stack:
-                _ = a.value
-                entered.set()
+            with _open_stack_reading('A', a, entered) as stack:
                 self.assertTrue(b_done.wait(30))
                 record['a_states'] = list(stack.states)
                 record['a_written'] = list(stack.been_writen)
@@ -4930,9 +4953,7 @@ class ThreadSafetyTest(unittest.TestCase):
             a_traced.set()
 
         def thread_b(_):
-            with sj.StateTraceStack(name='B') as stack:
-                _ = s_b.value
-                b_open.set()
+            with _open_stack_reading('B', s_b, b_open) as stack:
                 self.assertTrue(a_traced.wait(30))
             record['b_states'] = list(stack.states)
 
@@ -5454,12 +5475,7 @@ probe = jax.jit(lambda x: x.sum())(put(np.arange(4.0, dtype=np.float32), P('d'))
 assert float(probe) == 6.0
 print('PROBE_OK', flush=True)
 
-try:
-    shard_map = jax.shard_map
-    extra = dict(check_vma=False)
-except AttributeError:
-    from jax.experimental.shard_map import shard_map
-    extra = dict(check_rep=False)
+# <helpers>
 
 def lanes(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
     """A jax.vmap-like mapper: one lane per global device, through shard_map."""
@@ -5468,13 +5484,8 @@ def lanes(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
         axes = [0 if a is not None else None for a in jax.tree_util.tree_leaves(
             (in_axes[0], in_axes[1]), is_leaf=lambda v: v is None)]
         box = {}
-        def body(*local):
-            lane = [x if a is None else x[0] for x, a in zip(local, axes)]
-            out = f(*jax.tree_util.tree_unflatten(tree, lane))
-            leaves, box['tree'] = jax.tree_util.tree_flatten(out)
-            return [o[None] for o in leaves]
         specs = tuple(P() if a is None else P('d') for a in axes)
-        out = shard_map(body, mesh=mesh, in_specs=specs, out_specs=P('d'), **extra)(*flat)
+        out = _shard_map(_lane_body(f, tree, axes, box), mesh, specs, P('d'))(*flat)
         return jax.tree_util.tree_unflatten(box['tree'], out)
     return mapped
 
@@ -5502,7 +5513,8 @@ layout = {s.name: [type(s.value.sharding).__name__, str(tuple(s.value.sharding.s
           for s in (w, h, c)}
 print(json.dumps({'outs': outs, 'states': {s.name: gather(s.value) for s in (w, h, c)},
                   'layout': layout}), flush=True)
-'''
+'''.replace(   # the shard_map helpers of this file, so that both use the same ones
+    '# <helpers>\n', '\n\n'.join(inspect.getsource(h) for h in (_shard_map, _lane_body)))
 
 
 def _free_port():
@@ -5720,15 +5732,6 @@ def _flat_axes(prefix, tree):
     return out
 
 
-def _shard_map(body, mesh, in_specs, out_specs):
-    if hasattr(jax, 'shard_map'):
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-    from jax.experimental.shard_map import shard_map
-    return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                     check_rep=False)
-
-
 def _shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
     """``jax.vmap``-like mapper over 8 devices: one lane per device via shard_map."""
     name = axis_name if axis_name is not None else '_shard_lanes'
@@ -5748,15 +5751,8 @@ def _shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
             raise ValueError(f'_shard_mapper maps exactly {len(devices)} lanes')
         moved = [x if a is None else jnp.moveaxis(x, a, 0) for x, a in zip(leaves, axes)]
         box = {}
-
-        def body(*local):
-            lane = [x if a is None else x[0] for x, a in zip(local, axes)]
-            out = f(*jax.tree_util.tree_unflatten(tree, lane))
-            out_leaves, box['tree'] = jax.tree_util.tree_flatten(out)
-            return [o[None] for o in out_leaves]
-
         in_specs = tuple(P() if a is None else P(name) for a in axes)
-        stacked = _shard_map(body, mesh, in_specs, P(name))(*moved)
+        stacked = _shard_map(_lane_body(f, tree, axes, box), mesh, in_specs, P(name))(*moved)
         out = jax.tree_util.tree_unflatten(box['tree'], list(stacked))
         oaxes = _flat_axes(out_axes, out)
         res = [o[0] if a is None else jnp.moveaxis(o, 0, a)
