@@ -559,9 +559,6 @@ class HelpersTest(unittest.TestCase):
         self.assertTrue(issubclass(sj.BatchAxisError, ValueError))
         self.assertFalse(issubclass(sj.TraceContextError, ValueError))
         self.assertFalse(issubclass(sj.BatchAxisError, RuntimeError))
-        self.assertIs(TraceContextError, sj.TraceContextError)
-        with self.assertRaises(RuntimeError):
-            raise sj.TraceContextError('escaped')
 
     def test_leaves(self):
         self.assertEqual(sj._leaves({'b': (2, None, [3]), 'a': 1}), [1, 2, 3])
