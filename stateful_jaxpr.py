@@ -3029,7 +3029,7 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     -------
     >>> s = State(jnp.zeros(2), name='s')
     >>> def f(x):
-    ...     s.value = s.value + x
+    ...     s.value += x                     # read and written
     ...     return s.value.sum()
     >>> jaxpr, states = make_jaxpr(f)(jnp.ones(2))
     >>> states == (s,), len(jaxpr.jaxpr.invars), len(jaxpr.jaxpr.outvars)

@@ -160,18 +160,24 @@ def interleaved(sides: dict, budget_s: float, min_calls: int, max_calls: int,
     measurement takes about ``budget_s`` seconds (between ``min_calls`` and
     ``max_calls`` calls per side).  Block order alternates each round.
     """
-    names = list(sides)
     calls = _calls_for(sides, warmup, lambda call, out: _timed(call, 10, out),
                        budget_s, min_calls, max_calls)
     rounds = 20 if calls >= 200 else max(2, calls // 10)
     block = max(1, calls // rounds)
+    return _alternate(sides, rounds, lambda call, out: _timed(call, block, out)) | {
+        '_calls': block * rounds}
+
+
+def _alternate(sides: dict, rounds: int, time_block) -> dict:
+    """Median µs per call of each side over ``rounds`` rounds of
+    ``time_block(call, samples)``, the order of the sides flipped each round."""
+    names = list(sides)
     samples = {name: [] for name in names}
     gc.collect()
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            _timed(sides[name], block, samples[name])
-    return {name: statistics.median(v) / 1e3 for name, v in samples.items()} | {
-        '_calls': block * rounds}
+            time_block(sides[name], samples[name])
+    return {name: statistics.median(v) / 1e3 for name, v in samples.items()}
 
 
 def _timed_loop(call, k: int, samples: list) -> None:
@@ -195,16 +201,10 @@ def interleaved_loop(sides: dict, budget_s: float, min_calls: int, max_calls: in
     time per call is the block's time / ``k``, and the figure is the median
     over blocks.  Blocks of the sides alternate, the order flipped each round.
     """
-    names = list(sides)
     calls = _calls_for(sides, warmup, lambda call, out: _timed_loop(call, k, out),
                        budget_s, min_calls, max_calls)
     rounds = max(6, calls // k)
-    samples = {name: [] for name in names}
-    gc.collect()
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            _timed_loop(sides[name], k, samples[name])
-    return {name: statistics.median(v) / 1e3 for name, v in samples.items()} | {
+    return _alternate(sides, rounds, lambda call, out: _timed_loop(call, k, out)) | {
         '_calls': k * rounds}
 
 
