@@ -427,7 +427,7 @@ _MISSING = object()
 def _innermost_isolating(frames):
     """The innermost stack with an overlay (see StateTraceStack), or None."""
     for frame in reversed(frames):
-        if frame._values is not None:
+        if frame._isolating:
             return frame
     return None
 
@@ -1000,7 +1000,8 @@ class StateTraceStack(_StackSurface):
         # With new_arg the stack *isolates*: what code inside sees and writes
         # lives in this overlay (state id -> value), and the States created
         # inside are its own until it closes.
-        self._values = None
+        self._isolating = False
+        self._values: dict = {}
         self._owned: list = []
         if new_arg is not None:
             if not callable(new_arg):
@@ -1012,7 +1013,7 @@ class StateTraceStack(_StackSurface):
     def set_new_arg(self, new_arg: Callable) -> None:
         """Makes this stack lift states through ``new_arg(state)`` (see class doc)."""
         self._new_arg = new_arg
-        self._values = {}
+        self._isolating = True
 
     def _lift(self, state, current):
         # ``current`` is the enclosing stack's view of the state, which a
@@ -1021,7 +1022,7 @@ class StateTraceStack(_StackSurface):
 
     def new_arg(self, state: State) -> None:
         """Lifts ``state`` through the ``new_arg`` function now (no-op without one)."""
-        if self._values is not None:
+        if self._isolating:
             self._values[id(state)] = self._lift(state, state._value)
 
     @property
@@ -1037,15 +1038,12 @@ class StateTraceStack(_StackSurface):
             self.states.append(state)
             self.been_writen.append(write)
             self._originals.append(current)
-            if self._values is not None:
-                current = self._lift(state, current)
-                self._values[id(state)] = current
+            if self._isolating:
+                current = self._values[id(state)] = self._lift(state, current)
             return current
         if write:
             self.been_writen[index] = True
-        if self._values is not None:
-            return self._values[id(state)]
-        return current
+        return self._values[id(state)] if self._isolating else current
 
     # -- context -------------------------------------------------------------
     def __enter__(self):
@@ -1064,8 +1062,7 @@ class StateTraceStack(_StackSurface):
                 f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
                 'be exited in the reverse order they were entered (use nested `with`)')
         frames.pop()
-        if self._values is not None:
-            self._close()
+        self._close()
         return False
 
     def _close(self):
@@ -1812,6 +1809,7 @@ def _reject_states(tree, what: str) -> None:
                 'return or pass its value instead (state.value)')
 
 
+# -- The trace frame ----------------------------------------------------------
 class _TraceFrame(StateTraceStack):
     """The frame of one stateful trace: a StateTraceStack with an overlay,
     whose first touch of a State adds jaxpr inputs for it.  It is built
@@ -1824,7 +1822,7 @@ class _TraceFrame(StateTraceStack):
     def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
                  speculated: list, isolated: bool):
         super().__init__(name=name)
-        self._values = {}
+        self._isolating = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
@@ -1910,6 +1908,7 @@ class _TraceFrame(StateTraceStack):
         self._originals = [None] * len(self.states)   # a finished trace's tracers
 
 
+# -- Traced reads and writes --------------------------------------------------
 def _owner_start(state, frames) -> int:
     """Index of the first frame for which ``state`` is not a local State."""
     owner = state._owner
@@ -1922,7 +1921,7 @@ def _owner_start(state, frames) -> int:
 
 def _traced_read(state, frames):
     top = frames[-1]
-    if top._values is not None:  # fast path: already lifted by the innermost frame
+    if top._isolating:  # fast path: already lifted by the innermost frame
         v = top._values.get(id(state), _MISSING)
         if v is not _MISSING:
             return _view(state, v, top)
@@ -1938,7 +1937,7 @@ def _touch_all(state, frames, write: bool):
     current, source = state._value, None
     for frame in frames[start:]:
         current = frame._touch(state, current, write)
-        if frame._values is not None:
+        if frame._isolating:
             source = frame
     return current, source
 
@@ -2010,6 +2009,7 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                 'thread the values explicitly with StatefulFunction.jaxpr_call().')
 
 
+# -- Writes inside nested transformations: Refs and their discharge -----------
 class _RefCell:
     """A State that a stateful trace lifted as Refs, one per leaf, because the
     function writes it inside a nested transformation.  Reads and writes bind
@@ -2105,6 +2105,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
+# -- Staying clear of JAX's trace caches --------------------------------------
 # States read under a plain JAX trace (outside stateful traces) while alive.
 _BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
 _EPOCH_AXES = itertools.count()
@@ -2132,6 +2133,7 @@ class _TraceEpoch:
             cm.__exit__(None, None, None)
 
 
+# -- Tracing, and tracing again -----------------------------------------------
 class _TraceHints:
     """What earlier traces of one function taught its later ones.
 
@@ -3605,7 +3607,7 @@ def _str_with_jaxpr(sf) -> str:
             + _pretty(sf._view(entry), keys[-1]))
 
 
-# -- why a function traced again ----------------------------------------------
+# -- Why a function traced again ----------------------------------------------
 
 _logger = logging.getLogger(__name__)
 _EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
@@ -3732,7 +3734,7 @@ def _note_miss(sf, key, stale, entry) -> None:
                     lines)
 
 
-# -- export --------------------------------------------------------------------
+# -- Export --------------------------------------------------------------------
 
 _EXPORT_MAGIC = b'stateful_jaxpr.export\n'
 _EXPORT_FORMAT = 1
