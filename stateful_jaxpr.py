@@ -424,10 +424,10 @@ _ctx = _Context()
 _MISSING = object()
 
 
-def _innermost_isolating(frames):
+def _innermost_overlay(frames):
     """The innermost stack with an overlay (see StateTraceStack), or None."""
     for frame in reversed(frames):
-        if frame._isolating:
+        if frame._overlays:
             return frame
     return None
 
@@ -544,7 +544,7 @@ class State(_StateSurface):
         self._stack_level = len(frames)
         self._owner = None
         self._creation_trace = _current_trace_id()
-        owner = _innermost_isolating(frames)
+        owner = _innermost_overlay(frames)
         if owner is not None:
             self._owner = owner
             owner._owned.append(self)
@@ -605,7 +605,7 @@ class State(_StateSurface):
                     'with the same structure or leave the check_state_value_tree() block')
 
     def _current_for_compare(self):
-        frame = _innermost_isolating(_ctx.frames)
+        frame = _innermost_overlay(_ctx.frames)
         v = _MISSING if frame is None else frame._values.get(id(self), _MISSING)
         if type(v) is _RefCell:
             return jax.tree_util.tree_unflatten(v.treedef, v.avals)
@@ -997,10 +997,10 @@ class StateTraceStack(_StackSurface):
         self.been_writen: list = []
         self._index: dict = {}
         self._originals: list = []
-        # With new_arg the stack *isolates*: what code inside sees and writes
+        # With new_arg the stack *overlays*: what code inside sees and writes
         # lives in this overlay (state id -> value), and the States created
         # inside are its own until it closes.
-        self._isolating = False
+        self._overlays = False
         self._values: dict = {}
         self._owned: list = []
         if new_arg is not None:
@@ -1013,7 +1013,7 @@ class StateTraceStack(_StackSurface):
     def set_new_arg(self, new_arg: Callable) -> None:
         """Makes this stack lift states through ``new_arg(state)`` (see class doc)."""
         self._new_arg = new_arg
-        self._isolating = True
+        self._overlays = True
 
     def _lift(self, state, current):
         # ``current`` is the enclosing stack's view of the state, which a
@@ -1022,7 +1022,7 @@ class StateTraceStack(_StackSurface):
 
     def new_arg(self, state: State) -> None:
         """Lifts ``state`` through the ``new_arg`` function now (no-op without one)."""
-        if self._isolating:
+        if self._overlays:
             self._values[id(state)] = self._lift(state, state._value)
 
     @property
@@ -1038,12 +1038,12 @@ class StateTraceStack(_StackSurface):
             self.states.append(state)
             self.been_writen.append(write)
             self._originals.append(current)
-            if self._isolating:
+            if self._overlays:
                 current = self._values[id(state)] = self._lift(state, current)
             return current
         if write:
             self.been_writen[index] = True
-        return self._values[id(state)] if self._isolating else current
+        return self._values[id(state)] if self._overlays else current
 
     # -- context -------------------------------------------------------------
     def __enter__(self):
@@ -1066,7 +1066,7 @@ class StateTraceStack(_StackSurface):
         return False
 
     def _close(self):
-        """Ends an isolating trace: drop its tracers, flag States that kept one."""
+        """Ends an overlay: drop its tracers, flag States that kept one."""
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
@@ -1822,7 +1822,7 @@ class _TraceFrame(StateTraceStack):
     def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
                  speculated: list, isolated: bool):
         super().__init__(name=name)
-        self._isolating = True
+        self._overlays = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
@@ -1921,7 +1921,7 @@ def _owner_start(state, frames) -> int:
 
 def _traced_read(state, frames):
     top = frames[-1]
-    if top._isolating:  # fast path: already lifted by the innermost frame
+    if top._overlays:  # fast path: already lifted by the innermost frame
         v = top._values.get(id(state), _MISSING)
         if v is not _MISSING:
             return _view(state, v, top)
@@ -1930,14 +1930,14 @@ def _traced_read(state, frames):
 
 def _touch_all(state, frames, write: bool):
     """Records ``state`` in every frame that sees it; returns the innermost
-    isolating frame's entry for it (a value or a ``_RefCell``) and that frame."""
+    overlaying frame's entry for it (a value or a ``_RefCell``) and that frame."""
     start = _owner_start(state, frames)
     if start == 0 and state._broken is not None:
         state._raise_broken()
     current, source = state._value, None
     for frame in frames[start:]:
         current = frame._touch(state, current, write)
-        if frame._isolating:
+        if frame._overlays:
             source = frame
     return current, source
 

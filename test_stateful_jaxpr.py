@@ -4930,7 +4930,7 @@ class ThreadSafetyTest(unittest.TestCase):
         self.assertEqual(float(b.value), 4.0)    # recording-only stacks write through
 
     def test_trace_in_one_thread_invisible_to_stack_in_another(self):
-        # Thread A traces a StatefulFunction (isolating frame) while thread B
+        # Thread A traces a StatefulFunction (an overlaying frame) while thread B
         # has a plain recording stack open: neither sees the other's touches.
         s_a = sj.State(jnp.asarray(1.0), name='s_a')
         s_b = sj.State(jnp.asarray(2.0), name='s_b')
