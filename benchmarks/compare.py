@@ -18,9 +18,10 @@ Method.  Before timing, every workload is run once on each side from the same
 start values; results and new state values must match plain JAX
 (``numpy.testing.assert_allclose``, rtol 1e-5), or the run stops naming the
 row (the first-call programs differ from the checked warm-call program only
-in their constant; the scan row checks the compiled call of its program).  Warm rows alternate blocks of calls (before, after, jax, order rotated
-each round) for a fixed wall-time budget (about 2 s per side and row, 0.5 s
-with ``--quick``); each block gives a time per call and the row reports the
+in their constant; the scan row checks the compiled call of its program).
+Warm rows alternate blocks of calls (before, after, jax, order rotated each
+round) for a fixed wall-time budget (about 2 s per side and row, 0.5 s with
+``--quick``); each block gives a time per call and the row reports the
 median over blocks.  "blocked" rows block on every call; "loop" rows dispatch
 100 calls back to back and block once, on the last.  First-call rows
 (``make_jaxpr`` of a fresh function, trace + compile + run of a fresh
