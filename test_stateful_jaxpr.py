@@ -15,6 +15,7 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 import argparse
 import contextlib
+import io
 import gc
 import inspect
 import json
@@ -228,7 +229,7 @@ class ModuleTest(unittest.TestCase):
 
     def test_docstring_examples(self):
         import doctest
-        result = doctest.testmod(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np},
+        result = doctest.testmod(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np}, verbose=False,
                                  optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         self.assertGreater(result.attempted, 40)
         self.assertEqual(result.failed, 0)
@@ -272,7 +273,9 @@ class ModuleTest(unittest.TestCase):
             block, = [b for b in blocks if marker in b]
             with self.subTest(block=marker):
                 g = {}
-                exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
+                with contextlib.redirect_stdout(io.StringIO()), \
+                        contextlib.redirect_stderr(io.StringIO()):   # they print and log
+                    exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
                 check(g)
 
     def _readme_check_sharding(self, g):
