@@ -2407,6 +2407,19 @@ def _kept_layout(state, new):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def _layout_token(sf, plan) -> int:
+    """``plan``'s dispatcher key for the layout its written states have now."""
+    layout = tuple(_multi_device(leaf) for state in plan.write_states
+                   for leaf in _leaves(state._value))
+    if not any(layout):
+        return plan.token
+    token = sf._layout_tokens.get((plan.token, layout))
+    if token is None:
+        token = sf._layout_tokens[(plan.token, layout)] = next(_plan_tokens)
+        sf._plans_by_token[token] = plan
+    return token
+
+
 def _donating(sf, jitted, plan):
     """Calls the donating ``jitted`` as the plain dispatcher is called."""
     def call(values, *args, **kwargs):
@@ -2651,24 +2664,12 @@ class _StatefulBase:
         donating = token > 0 and bool(entry.plan.donated)
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
-    def _layout_token(self, plan) -> int:
-        """``plan``'s dispatcher key for the layout its written states have now."""
-        layout = tuple(_multi_device(leaf) for state in plan.write_states
-                       for leaf in _leaves(state._value))
-        if not any(layout):
-            return plan.token
-        token = self._layout_tokens.get((plan.token, layout))
-        if token is None:
-            token = self._layout_tokens[(plan.token, layout)] = next(_plan_tokens)
-            self._plans_by_token[token] = plan
-        return token
-
     def _call_slow(self, args, kwargs):
         ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
-        epoch, token = _layout_epoch, self._layout_token(plan)
+        epoch, token = _layout_epoch, _layout_token(self, plan)
         out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves, token)
         _write_back(self, plan, new)
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
@@ -3330,16 +3331,12 @@ class StatefulMapping(StatefulFunction):
             raise ValueError(f'axis_size must be a positive int, got {axis_size!r}')
         if not callable(mapping_fn):
             raise TypeError(f'mapping_fn must be callable like jax.vmap, got {mapping_fn!r}')
-        self.in_axes = in_axes
-        self.out_axes = out_axes
-        self.state_in_axes = state_in_axes
-        self.state_out_axes = state_out_axes
+        self.in_axes, self.out_axes = in_axes, out_axes
+        self.state_in_axes, self.state_out_axes = state_in_axes, state_out_axes
         self._state_in = _normalize_state_axes(state_in_axes, 'state_in_axes')
         self._state_out = _normalize_state_axes(state_out_axes, 'state_out_axes')
         self.unexpected_out_state_mapping = unexpected_out_state_mapping
-        self.axis_size = axis_size
-        self.axis_name = axis_name
-        self.mapping_fn = mapping_fn
+        self.axis_size, self.axis_name, self.mapping_fn = axis_size, axis_name, mapping_fn
         # pmap compiles by itself, and jit-of-pmap warns: call it directly.
         self._compiled_dispatch = mapping_fn is not jax.pmap
 
