@@ -203,19 +203,19 @@ def _axis_env(axis_env, feature: str = 'axis_env'):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# Mutable references (``ref_get(ref, ())`` reads all of it) and the discharge
-# of a jaxpr using them into a pure one: jax._src.state, all releases.
+# Mutable references and the discharge into a pure jaxpr: jax._src.state, all releases.
 _ref_aval = _probe('jax._src.state.types:AbstractRef')
-_ref_get = _probe('jax._src.state.primitives:ref_get')
+_ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
 _ref_set = _probe('jax._src.state.primitives:ref_set')
 _discharge_state = _probe('jax._src.state.discharge:discharge_state')
 _HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state)
+_DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 
 
 def _discharge(closed):
     """``closed`` made pure: Ref inputs become values, final values extra outputs."""
-    if _takes(_discharge_state, 'closed_jaxpr'):   # 0.10 ..
+    if _DISCHARGE_TAKES_CLOSED:
         return _discharge_state(closed)
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
 
