@@ -2466,25 +2466,55 @@ def _donation_failed(sf, plan, values, err):
                 'buffer deleted by a failed donating call')
 
 
+def _warm_path(plan, dispatch, new):
+    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its state
+    reads and writes unrolled, as dataclasses generates ``__init__``.
+
+    ``[s0._value, s1._value]`` and ``s0._value, s1._value = new`` cost about
+    half of a loop over the plan's states: a microsecond of a 10-15 µs
+    jax.jit call at one state, several at ten.  ``new``, the values the call
+    just returned, gives the type a written value has outside any JAX trace;
+    another type (a tracer, a pytree) goes through _write_back's checks.
+    """
+    first = new[0] if new else None
+    leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
+    names = {'dispatch': dispatch, 'plan': plan, 'leaf_type': leaf_type,
+             '_write_back': _write_back}
+    slot = {}
+    for i, state in enumerate(plan.states):
+        slot[id(state)] = f's{i}'
+        names[f's{i}'] = state
+    reads = ''.join(f'{slot[id(s)]}._value, ' for s in plan.states)
+    lines = ['def warm(sf, args, kwargs):',
+             f'    out, new = dispatch([{reads}], *args, **kwargs)']
+    if plan.write_states:
+        writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
+        lines += ['    if type(new[0]) is leaf_type:',
+                  f'        {writes}= new',
+                  '    else:',
+                  '        _write_back(sf, plan, new)']
+    lines += ['    next(sf._cache._hits)', '    return out']
+    exec('\n'.join(lines), names)
+    return names['warm']
+
+
 def _call(sf, *args, **kwargs):
     """``sf(*args, **kwargs)``: bound as ``__call__`` of every stateful function.
 
     The warm path (outside any trace, same number of positional arguments
-    and same state layouts as the last call) is a handful of attribute reads
-    around one jax.jit call, about a microsecond of Python: jax.jit's C++
-    cache keys on the plan's state values and the arguments, which saves the
-    slow path's Python key, pytree walk and state-shape check on every call.
-    A call during which the dispatcher traced counts itself a miss in
-    _dispatch_body.
+    and same state layouts as the last call) is the last plan's _warm_path:
+    jax.jit's C++ cache keys on the state values and the arguments, which
+    saves the slow path's Python key, pytree walk and state-shape check on
+    every call.  A call during which the dispatcher traced counts itself a
+    miss in _dispatch_body.
     """
     if _frames_open and _ctx.frames:
         return sf._call_in_trace(args, kwargs)
     fast = sf._fast
-    if fast is None or fast[2] != len(args) or fast[3] != _layout_epoch:
+    if fast is None or fast[1] != len(args) or fast[2] != _layout_epoch:
         return sf._call_slow(args, kwargs)
-    plan = fast[0]
     try:
-        out, new = fast[1]([s._value for s in plan.states], *args, **kwargs)
+        return fast[0](sf, args, kwargs)
     except _PlanMismatch:
         # These arguments use other states.  Switching plans costs an aborted
         # trace, so a function that keeps switching gives up the fast path
@@ -2497,9 +2527,6 @@ def _call(sf, *args, **kwargs):
         # Raised by jax.jit's argument handling: the slow path gives a
         # clearer error, or copes (e.g. static args hashable only by value).
         return sf._call_slow(args, kwargs)
-    _write_back(sf, plan, new)
-    sf._cache._record(True)
-    return out
 
 
 _real_value = operator.attrgetter('_value')     # a State's own value
@@ -2545,9 +2572,10 @@ class _StatefulBase:
         self._plans: dict = {}
         self._plans_by_token: dict = {}
         self._layout_tokens: dict = {}   # (plan token, layout) -> dispatcher key
-        self._fast = None                # (plan, dispatcher, nargs, layout epoch)
+        self._fast = None                # (warm path, nargs, layout epoch)
         self._plan_switches = 0
         self._dispatchers: dict = {}
+        self._warm_paths: dict = {}      # dispatcher key -> its _warm_path
 
     # -- entries -----------------------------------------------------------------
     def _cache_key(self, args, kwargs):
@@ -2674,8 +2702,11 @@ class _StatefulBase:
         _write_back(self, plan, new)
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            self._fast = (plan, self._dispatcher(token, len(args), bool(plan.donated)),
-                          len(args), epoch)
+            key = (token, len(args), bool(plan.donated))
+            warm = self._warm_paths.get(key)
+            if warm is None:
+                warm = self._warm_paths[key] = _warm_path(plan, self._dispatcher(*key), new)
+            self._fast = (warm, len(args), epoch)
         else:
             self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)

@@ -4168,6 +4168,37 @@ class CallingTest(unittest.TestCase):
         self.assertGreater(spy.count, 0)
         np.testing.assert_array_equal(out, 8 * np.ones(3))
 
+    def test_warm_path_writes_arrays_pytrees_and_keyword_calls(self):
+        # The warm path unrolls each plan's reads and writes; a written pytree
+        # first in line goes through the checked write-back instead.
+        for tree_first in (False, True):
+            a = State(jnp.zeros(2), name='a')
+            tree = State({'n': jnp.zeros((), jnp.int32), 'v': jnp.ones(2)}, name='tree')
+            r = State(jnp.full(2, 3.0), name='r')
+
+            def write_a(x, scale):
+                a.value = a.value + x * scale
+
+            def write_tree():
+                tree.value = {'n': tree.value['n'] + 1, 'v': tree.value['v'] * 2}
+
+            def f(x, *, scale):
+                if tree_first:
+                    write_tree()
+                write_a(x, scale)
+                if not tree_first:
+                    write_tree()
+                return (a.value * r.value).sum()
+            sf = StatefulFunction(f)
+            outs = [float(sf(jnp.ones(2), scale=2.0)) for _ in range(3)]
+            self.assertIsNotNone(sf._fast)
+            self.assertEqual(outs, [12.0, 24.0, 36.0])
+            np.testing.assert_array_equal(a.value, np.full(2, 6.0))
+            self.assertEqual(int(tree.value['n']), 3)
+            np.testing.assert_array_equal(tree.value['v'], np.full(2, 8.0))
+            np.testing.assert_array_equal(r.value, np.full(2, 3.0))
+            self.assertEqual(sf.get_cache_stats()['jaxpr_cache']['hits'], 2)
+
     def test_asynchronous_dispatch_result_is_array(self):
         sf = StatefulFunction(lambda x: x * 2)
         self.assertIsInstance(sf(jnp.ones(2)), jax.Array)
