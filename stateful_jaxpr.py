@@ -2466,13 +2466,14 @@ def _donation_failed(sf, plan, values, err):
                 'buffer deleted by a failed donating call')
 
 
-def _warm_path(plan, dispatch, new):
+def _warm_path(plan, dispatch, nargs, new):
     """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its state
     reads and writes unrolled, as dataclasses generates ``__init__``.
 
-    ``[s0._value, s1._value]`` and ``s0._value, s1._value = new`` cost about
-    half of a loop over the plan's states: a microsecond of a 10-15 µs
-    jax.jit call at one state, several at ten.  ``new``, the values the call
+    ``[s0._value, s1._value]``, ``s0._value, s1._value = new`` and passing
+    ``args[0]`` itself rather than ``*args, **kwargs`` cost about half of a
+    loop over the plan's states: 1-2 µs of a 10-15 µs jax.jit call at one
+    state, several at ten (2-core machine).  ``new``, the values the call
     just returned, gives the type a written value has outside any JAX trace;
     another type (a tracer, a pytree) goes through _write_back's checks.
     """
@@ -2485,8 +2486,13 @@ def _warm_path(plan, dispatch, new):
         slot[id(state)] = f's{i}'
         names[f's{i}'] = state
     reads = ''.join(f'{slot[id(s)]}._value, ' for s in plan.states)
+    given = ''.join(f'args[{i}], ' for i in range(nargs))
     lines = ['def warm(sf, args, kwargs):',
-             f'    out, new = dispatch([{reads}], *args, **kwargs)']
+             f'    values = [{reads}]',
+             '    if kwargs:',
+             '        out, new = dispatch(values, *args, **kwargs)',
+             '    else:',
+             f'        out, new = dispatch(values, {given})']
     if plan.write_states:
         writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
         lines += ['    if type(new[0]) is leaf_type:',
@@ -2705,7 +2711,8 @@ class _StatefulBase:
             key = (token, len(args), bool(plan.donated))
             warm = self._warm_paths.get(key)
             if warm is None:
-                warm = self._warm_paths[key] = _warm_path(plan, self._dispatcher(*key), new)
+                warm = self._warm_paths[key] = _warm_path(plan, self._dispatcher(*key),
+                                                                len(args), new)
             self._fast = (warm, len(args), epoch)
         else:
             self._fast = None
