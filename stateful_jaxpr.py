@@ -177,6 +177,37 @@ def _new_arg(trace, aval):
     return trace.new_arg(aval)
 
 
+# Replaying a cached jaxpr into a jit trace.  ``inline_jaxpr_into_trace``
+# (all releases; ``src``, the call's source info, from 0.6) copies the
+# equations without redoing their abstract evaluation, as jax.jit does for an
+# inlined call: at 1,000 states that is a tenth of a first call.  The copies
+# keep their name stack; the source line they carry is the caller's.
+_inline_jaxpr = _probe('jax._src.interpreters.partial_eval:inline_jaxpr_into_trace')
+_INLINE_TAKES_SRC = _takes(_inline_jaxpr, 'src')
+_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')
+
+
+def _inlined(closed, args):
+    """``closed``'s outputs on ``args`` as equations of the jit trace whose
+    tracers ``args`` all are, with exactly the avals ``closed`` was traced
+    for (which is what makes skipping abstract evaluation sound); None
+    otherwise, and under dynamic shapes (as in jax.jit): then evaluate it."""
+    if _inline_jaxpr is None or not args or getattr(jax.config, 'jax_dynamic_shapes', False):
+        return None
+    trace = _find_top_trace(args)
+    if type(trace) is not _JaxprTrace:
+        return None
+    owner = trace if _STACKLESS else trace.main
+    jaxpr, consts = closed.jaxpr, closed.consts
+    for arg, var in zip(args, jaxpr.invars):
+        if not (isinstance(arg, jax.core.Tracer) and _tracer_trace_id(arg) is owner
+                and arg.aval == var.aval):
+            return None
+    if _INLINE_TAKES_SRC:
+        return _inline_jaxpr(trace, _siu.current(), jaxpr, consts, *args)
+    return _inline_jaxpr(trace, jaxpr, consts, *args)
+
+
 # ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..).  ``arg_names=None`` keeps
 # state inputs clear of jax_enable_checks' arity check; 0.5, 0.6 need names.
 _ARG_NAMES_MAY_BE_NONE = _probe(   # 0.7 ..
@@ -1758,12 +1789,19 @@ class _Traced:
             setattr(self, k, v)
 
     def runner(self) -> Callable:
-        """``run(flat_args, state_values) -> (out, returned_state_values)``."""
-        run, n_out = _jaxpr_as_fun(self.closed_jaxpr), self.n_out
-        out_tree, state_tree = self.out_tree, self.state_tree
+        """``run(flat_args, state_values) -> (out, returned_state_values)``.
+
+        Outside any stateful trace (in a dispatcher's jit trace) the jaxpr is
+        inlined rather than evaluated; inside one it is evaluated, so that the
+        enclosing jaxpr is what eval_jaxpr gives."""
+        closed, n_out = self.closed_jaxpr, self.n_out
+        run, out_tree, state_tree = _jaxpr_as_fun(closed), self.out_tree, self.state_tree
 
         def apply(flat_args, state_values):
-            outs = run(*flat_args, *_leaves(state_values))
+            args = [*flat_args, *_leaves(state_values)]
+            outs = None if _ctx.frames else _inlined(closed, args)
+            if outs is None:
+                outs = run(*args)
             return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
                     jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
         return apply
@@ -2306,7 +2344,8 @@ def _dynamic_shapes_problem():
 # ``jax.jit``.  Each entry's *plan* (which states it reads, writes, donates)
 # gets one jitted dispatcher, whose C++ cache keys on the state values and
 # arguments; its miss re-enters Python in ``_dispatch_body``, which consults
-# our own cache.  A call takes the *warm path* (``_call``: the last plan's
+# our own cache and inlines the entry's jaxpr into the jit trace (so that a
+# first call traces the function once, as jax.jit does).  A call takes the *warm path* (``_call``: the last plan's
 # dispatcher, no Python key), the *slow path* (key, entry, dispatcher), or,
 # inside an enclosing stateful trace, the *in-trace path*: the states go
 # through ``value`` so that the enclosing trace threads them.

@@ -4168,6 +4168,28 @@ class CallingTest(unittest.TestCase):
         self.assertGreater(spy.count, 0)
         np.testing.assert_array_equal(out, 8 * np.ones(3))
 
+    def test_dispatcher_inlines_the_cached_jaxpr_and_traces_evaluate_it(self):
+        # Compiling the dispatcher copies the cached jaxpr's equations into its
+        # jit trace (no add is bound again); a call inside another stateful
+        # trace evaluates it, so that trace's jaxpr is built by ordinary binds.
+        s = State(jnp.zeros(3), name='s')
+
+        def f(x):
+            s.value = s.value + x
+            return s.value * 2
+        sf = StatefulFunction(f)
+        sf.make_jaxpr(jnp.ones(3))
+        with _BindSpy() as spy:
+            out = sf(jnp.ones(3))
+        self.assertEqual(spy.count, 0)
+        np.testing.assert_array_equal(out, np.full(3, 2.0))
+        np.testing.assert_array_equal(s.value, np.ones(3))
+        outer = StatefulFunction(lambda x: sf(x))
+        with _BindSpy() as spy:
+            jaxpr = outer.get_jaxpr(jnp.ones(3))
+        self.assertGreater(spy.count, 0)
+        self.assertIn('add', str(jaxpr))
+
     def test_warm_path_writes_arrays_pytrees_and_keyword_calls(self):
         # The warm path unrolls each plan's reads and writes; a written pytree
         # first in line goes through the checked write-back instead.
