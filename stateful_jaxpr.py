@@ -2345,10 +2345,11 @@ def _dynamic_shapes_problem():
 # gets one jitted dispatcher, whose C++ cache keys on the state values and
 # arguments; its miss re-enters Python in ``_dispatch_body``, which consults
 # our own cache and inlines the entry's jaxpr into the jit trace (so that a
-# first call traces the function once, as jax.jit does).  A call takes the *warm path* (``_call``: the last plan's
-# dispatcher, no Python key), the *slow path* (key, entry, dispatcher), or,
-# inside an enclosing stateful trace, the *in-trace path*: the states go
-# through ``value`` so that the enclosing trace threads them.
+# first call traces the function once, as jax.jit does).  A call takes the
+# *warm path* (``_call``: the last plan's dispatcher, no Python key), the
+# *slow path* (key, entry, dispatcher), or, inside an enclosing stateful
+# trace, the *in-trace path*: the states go through ``value`` so that the
+# enclosing trace threads them.
 # =============================================================================
 
 class _PlanMismatch(Exception):
@@ -2750,8 +2751,8 @@ class _StatefulBase:
             key = (token, len(args), bool(plan.donated))
             warm = self._warm_paths.get(key)
             if warm is None:
-                warm = self._warm_paths[key] = _warm_path(plan, self._dispatcher(*key),
-                                                                len(args), new)
+                warm = _warm_path(plan, self._dispatcher(*key), len(args), new)
+                self._warm_paths[key] = warm
             self._fast = (warm, len(args), epoch)
         else:
             self._fast = None
