@@ -143,7 +143,7 @@ def _close(jaxpr, consts):
 def _rebuild(jaxpr, consts, like=None, **fields):
     """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (open if None,
     before 0.11), with the debug info of ``like`` (default ``jaxpr``)."""
-    fields['debug_info'] = getattr(jaxpr if like is None else like, 'debug_info', None)
+    fields.setdefault('debug_info', getattr(jaxpr if like is None else like, 'debug_info', None))
     if _CONSTS_ON_JAXPR:
         return jaxpr.replace(consts=list(consts), **fields)
     new = jaxpr.replace(**fields)
@@ -249,6 +249,37 @@ def _discharge(closed):
     if _DISCHARGE_TAKES_CLOSED:
         return _discharge_state(closed)
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
+
+
+# Rewriting a Ref program by hand (``_fast_discharge``) needs fresh variables,
+# the Ref effects to drop, and the params layout of the equations it rewrites;
+# an equation laid out otherwise goes to ``_discharge``.  Scan counts its
+# consts and carries in 'num_consts' / 'num_carry' up to 0.10 ('ft_in' /
+# 'ft_out' from 0.11), with a per-input 'linear' up to 0.9; jit lists
+# per-output 'out_shardings' and 'out_layouts' (all releases).
+try:
+    _VAR_TAKES_SUFFIX = _takes(Var.__init__, 'suffix')   # Var(suffix, aval) up to 0.6
+except (TypeError, ValueError):                         # (no Python signature)
+    _VAR_TAKES_SUFFIX = False
+_RefEffect = _probe('jax._src.state.types:RefEffect')           # all releases
+_InputEffect = _probe('jax._src.effects:JaxprInputEffect')      # all releases
+_SCAN_LAYOUT = ('num_consts', 'num_carry')
+_JIT_LAYOUT = ('jaxpr', 'in_shardings', 'out_shardings', 'in_layouts', 'out_layouts')
+
+
+def _fresh_var(aval):
+    return Var('', aval) if _VAR_TAKES_SUFFIX else Var(aval)
+
+
+def _unnamed(debug_info):
+    """``debug_info`` for a body whose inputs and outputs were rewritten:
+    without argument names and result paths (0.7 ..), none (.. 0.4.38, which
+    asserts their counts), or as it was (0.5, 0.6 need names, assert nothing)."""
+    if _make_debug_info is None or debug_info is None:
+        return None
+    if not _ARG_NAMES_MAY_BE_NONE:
+        return debug_info
+    return debug_info._replace(arg_names=None, result_paths=None)
 
 
 # Primitive names and params keys the jaxpr passes rely on.  Call primitives:
@@ -2099,6 +2130,187 @@ class _RefCell:
                         'from the transformation and assign it outside') from err
 
 
+# -- The discharge, by renaming ------------------------------------------------
+# JAX's discharge re-traces every equation, abstract evaluation included: as
+# much again as tracing the function.  The Refs of a stateful trace are used in
+# few ways, all written by _RefCell: read or written whole (get, swap), or
+# passed into a scan, a cond or an inner jit.  Those are discharged here by
+# renaming variables: a read becomes the value last written, a scan threads the
+# written Refs as carries, a cond and a jit return them as extra outputs.  A
+# Ref used any other way (a while loop, custom_jvp, JAX's own rewriting under
+# grad or vmap) sends the whole jaxpr to JAX's discharge instead.
+
+class _Unhandled(Exception):
+    """A Ref use the renaming discharge leaves to JAX's."""
+
+
+def _fast_discharge(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` with its Ref inputs made values, outputs unchanged."""
+    jaxpr = closed.jaxpr
+    refs = [i for i, v in enumerate(jaxpr.invars) if isinstance(v.aval, _ref_aval)]
+    body, _ = _discharge_body(jaxpr, refs)
+    return body.close(closed.consts, body.invars, body.outvars, like=jaxpr)
+
+
+class _Body:
+    """A jaxpr being discharged: its rewritten inputs, equations and outputs."""
+    __slots__ = ('jaxpr', 'invars', 'eqns', 'outvars')
+
+    def __init__(self, jaxpr, invars, eqns, outvars):
+        self.jaxpr, self.invars, self.eqns, self.outvars = jaxpr, invars, eqns, outvars
+
+    def close(self, consts, invars, outvars, like=None):
+        effects = _pure_effects(set().union(*(e.effects for e in self.eqns)))
+        return _rebuild(self.jaxpr, consts, like=like, invars=invars, outvars=outvars,
+                        eqns=self.eqns, effects=effects,
+                        **({} if like is not None else
+                           {'debug_info': _unnamed(self.jaxpr.debug_info)}))
+
+
+def _discharge_body(jaxpr, refs):
+    """Discharges the Ref inputs of ``jaxpr`` at positions ``refs``; returns
+    the _Body and ``{position: final value}`` for the Refs it writes."""
+    if any(isinstance(v.aval, _ref_aval) for v in jaxpr.constvars):
+        raise _Unhandled
+    env, invars = {}, list(jaxpr.invars)
+    for i in refs:
+        invars[i] = env[jaxpr.invars[i]] = _fresh_var(jaxpr.invars[i].aval.inner_aval)
+    if any(isinstance(v.aval, _ref_aval) for v in invars):
+        raise _Unhandled
+    sub = {}
+    eqns = _discharge_eqns(jaxpr.eqns, env, sub)
+    outvars = [_renamed(sub, v) for v in jaxpr.outvars]
+    if any(isinstance(v, Var) and isinstance(v.aval, _ref_aval) for v in outvars):
+        raise _Unhandled
+    written = {}
+    for i in refs:
+        final = env[jaxpr.invars[i]]
+        if final is not invars[i]:
+            written[i] = final
+    return _Body(jaxpr, invars, eqns, outvars), written
+
+
+def _renamed(sub, atom):
+    return sub.get(atom, atom) if isinstance(atom, Var) else atom
+
+
+def _discharge_eqns(eqns, env, sub) -> list:
+    """``eqns`` with the Refs in ``env`` (Ref variable -> current value)
+    discharged; ``sub`` maps each read's variable to the value it reads."""
+    out = []
+    for eqn in eqns:
+        invars = [_renamed(sub, v) for v in eqn.invars]
+        refs = [i for i, v in enumerate(eqn.invars) if isinstance(v, Var) and v in env]
+        if not refs:
+            if any(isinstance(v.aval, _ref_aval) for v in (*eqn.invars, *eqn.outvars)):
+                raise _Unhandled   # a Ref of JAX's own making
+            out.append(eqn.replace(invars=invars))
+            continue
+        rule = _DISCHARGE_RULES.get(eqn.primitive.name)
+        if rule is None:
+            raise _Unhandled
+        values = [env[eqn.invars[i]] if i in refs else v for i, v in enumerate(invars)]
+        finals, new = rule(eqn, values, refs)
+        for i, final in finals.items():
+            env[eqn.invars[i]] = final
+        if new is not None:
+            out.append(new)
+        else:   # a get, or a swap (whose output is the value before the write)
+            sub[eqn.outvars[0]] = values[0]
+    return out
+
+
+def _pure_effects(effects) -> set:
+    kept = {e for e in effects if not isinstance(e, _RefEffect)}
+    if any(isinstance(e, _InputEffect) for e in kept):
+        raise _Unhandled
+    return kept
+
+
+def _same_type(aval, ref_aval) -> bool:
+    inner = ref_aval.inner_aval
+    return aval.shape == inner.shape and aval.dtype == inner.dtype
+
+
+def _discharge_get(eqn, values, refs):
+    if len(eqn.invars) != 1 or not _same_type(eqn.outvars[0].aval, eqn.invars[0].aval):
+        raise _Unhandled   # an indexed or transformed read
+    return {}, None
+
+
+def _discharge_swap(eqn, values, refs):
+    if (len(eqn.invars) != 2 or refs != [0]
+            or not _same_type(eqn.invars[1].aval, eqn.invars[0].aval)):
+        raise _Unhandled
+    return {0: values[1]}, None
+
+
+def _finals(eqn, written, refs_at):
+    """Fresh outputs of ``eqn`` for the written Refs, keyed by input position."""
+    return {i: _fresh_var(eqn.invars[i].aval.inner_aval) for i in refs_at if i in written}
+
+
+def _discharge_scan(eqn, values, refs):
+    """Written Refs become leading carries; read-only ones stay consts."""
+    params = eqn.params
+    if any(k not in params for k in _SCAN_LAYOUT) or max(refs) >= params['num_consts']:
+        raise _Unhandled
+    n_consts = params['num_consts']
+    body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
+    moved = sorted(written)
+    order = ([i for i in range(n_consts) if i not in written] + moved
+             + list(range(n_consts, len(values))))
+    closed = body.close(params['jaxpr'].consts, [body.invars[i] for i in order],
+                        [written[i] for i in moved] + body.outvars)
+    finals = _finals(eqn, written, moved)
+    params = dict(params, jaxpr=closed, num_consts=n_consts - len(moved),
+                  num_carry=params['num_carry'] + len(moved))
+    if 'linear' in params:
+        params['linear'] = tuple(params['linear'][i] for i in order)
+    return finals, eqn.replace(
+        invars=[values[i] for i in order], outvars=[finals[i] for i in moved] + list(eqn.outvars),
+        params=params, effects=_pure_effects(eqn.effects))
+
+
+def _discharge_cond(eqn, values, refs):
+    """Each branch returns the final values of the Refs any branch writes."""
+    if 0 in refs:
+        raise _Unhandled
+    positions = [i - 1 for i in refs]
+    bodies = [_discharge_body(b.jaxpr, positions) for b in eqn.params['branches']]
+    moved = sorted(set().union(*(written for _, written in bodies)))
+    branches = tuple(
+        body.close(b.consts, body.invars,
+                   body.outvars + [written.get(p, body.invars[p]) for p in moved])
+        for b, (body, written) in zip(eqn.params['branches'], bodies))
+    finals = _finals(eqn, {p + 1 for p in moved}, [p + 1 for p in moved])
+    return finals, eqn.replace(
+        invars=values, outvars=[*eqn.outvars, *(finals[p + 1] for p in moved)],
+        params=dict(eqn.params, branches=branches), effects=_pure_effects(eqn.effects))
+
+
+def _discharge_jit(eqn, values, refs):
+    """The jitted body returns the final values of the Refs it writes."""
+    params = eqn.params
+    if any(k not in params for k in _JIT_LAYOUT):
+        raise _Unhandled
+    body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
+    moved = sorted(written)
+    closed = body.close(params['jaxpr'].consts, body.invars,
+                        body.outvars + [written[i] for i in moved])
+    finals = _finals(eqn, written, moved)
+    params = dict(
+        params, jaxpr=closed,
+        out_shardings=(*params['out_shardings'], *(params['in_shardings'][i] for i in moved)),
+        out_layouts=(*params['out_layouts'], *(params['in_layouts'][i] for i in moved)))
+    return finals, eqn.replace(invars=values, outvars=[*eqn.outvars, *(finals[i] for i in moved)],
+                               params=params, effects=_pure_effects(eqn.effects))
+
+
+_DISCHARGE_RULES = {'get': _discharge_get, 'swap': _discharge_swap, 'scan': _discharge_scan,
+                    'cond': _discharge_cond, 'pjit': _discharge_jit, 'jit': _discharge_jit}
+
+
 class _CannotDischarge(TraceContextError):
     """JAX has no discharge rule for a transformation a Ref went through."""
 
@@ -2123,6 +2335,10 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """Turns a jaxpr with Ref inputs into the pure one with value inputs and
     the same outputs (the discharge's extra final-Ref outputs are dropped: the
     function already returns the written states)."""
+    try:
+        return _fast_discharge(closed)
+    except _Unhandled:
+        pass
     described = ', '.join(c.state._describe() for c in cells)
     try:
         pure = _discharge(closed)
