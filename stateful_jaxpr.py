@@ -253,22 +253,52 @@ def _discharge(closed):
 
 # Rewriting a Ref program by hand (``_fast_discharge``) needs fresh variables,
 # the Ref effects to drop, and the params layout of the equations it rewrites;
-# an equation laid out otherwise goes to ``_discharge``.  Scan counts its
-# consts and carries in 'num_consts' / 'num_carry' up to 0.10 ('ft_in' /
-# 'ft_out' from 0.11), with a per-input 'linear' up to 0.9; jit lists
-# per-output 'out_shardings' and 'out_layouts' (all releases).
+# an equation laid out otherwise goes to ``_discharge``.  Jit lists per-output
+# 'out_shardings' and 'out_layouts' (all releases); scan's layout is below.
 try:
     _VAR_TAKES_SUFFIX = _takes(Var.__init__, 'suffix')   # Var(suffix, aval) up to 0.6
 except (TypeError, ValueError):                         # (no Python signature)
     _VAR_TAKES_SUFFIX = False
 _RefEffect = _probe('jax._src.state.types:RefEffect')           # all releases
 _InputEffect = _probe('jax._src.effects:JaxprInputEffect')      # all releases
-_SCAN_LAYOUT = ('num_consts', 'num_carry')
 _JIT_LAYOUT = ('jaxpr', 'in_shardings', 'out_shardings', 'in_layouts', 'out_layouts')
 
 
 def _fresh_var(aval):
     return Var('', aval) if _VAR_TAKES_SUFFIX else Var(aval)
+
+
+# A scan's inputs are its consts, carries and scanned-over arrays: counted in
+# 'num_consts' / 'num_carry' up to 0.10 (with a per-input 'linear' up to 0.9),
+# and from 0.11 grouped in 'ft_in' = (consts, carry, xs) and 'ft_out' =
+# (carry, ys), jax._src.flattree trees.
+_ft_pack = _probe('jax._src.flattree:pack')     # 0.11 ..
+_ft_nones = _probe('jax._src.flattree:nones')   # 0.11 ..
+
+
+def _scan_counts(params):
+    """``(num_consts, num_carry)`` of a scan, or None if laid out otherwise."""
+    if 'num_consts' in params and 'num_carry' in params:
+        return params['num_consts'], params['num_carry']
+    if _ft_pack is None or _ft_nones is None or 'ft_out' not in params:
+        return None
+    try:
+        consts, carry, _ = params['ft_in'].unpack()
+        plain = consts == _ft_nones(len(consts)) and carry == _ft_nones(len(carry))
+    except Exception:   # (a layout this code does not know)
+        return None
+    return (len(consts), len(carry)) if plain else None
+
+
+def _scan_params(params, num_consts: int, num_carry: int) -> dict:
+    """A scan's ``params`` for new counts of consts and carries (the inputs
+    and outputs moving between the two sit at the front of the carries)."""
+    if 'num_consts' in params:
+        return dict(params, num_consts=num_consts, num_carry=num_carry)
+    _, _, xs = params['ft_in'].unpack()
+    _, ys = params['ft_out'].unpack()
+    return dict(params, ft_in=_ft_pack((_ft_nones(num_consts), _ft_nones(num_carry), xs)),
+                ft_out=_ft_pack((_ft_nones(num_carry), ys)))
 
 
 def _unnamed(debug_info):
@@ -2197,14 +2227,24 @@ def _renamed(sub, atom):
 def _discharge_eqns(eqns, env, sub) -> list:
     """``eqns`` with the Refs in ``env`` (Ref variable -> current value)
     discharged; ``sub`` maps each read's variable to the value it reads."""
-    out = []
+    out, rename = [], sub.get
     for eqn in eqns:
-        invars = [_renamed(sub, v) for v in eqn.invars]
-        refs = [i for i, v in enumerate(eqn.invars) if isinstance(v, Var) and v in env]
+        invars, refs, renamed = [], [], False
+        for i, v in enumerate(eqn.invars):
+            if type(v) is not Literal:
+                if v in env:
+                    refs.append(i)
+                new = rename(v, v)
+                renamed |= new is not v
+                v = new
+            invars.append(v)
+        # Every other Ref comes out of some equation (or is an input, which
+        # _discharge_body checks): one made by JAX, left to JAX.
+        for v in eqn.outvars:
+            if isinstance(v.aval, _ref_aval):
+                raise _Unhandled
         if not refs:
-            if any(isinstance(v.aval, _ref_aval) for v in (*eqn.invars, *eqn.outvars)):
-                raise _Unhandled   # a Ref of JAX's own making
-            out.append(eqn.replace(invars=invars))
+            out.append(eqn.replace(invars=invars) if renamed else eqn)
             continue
         rule = _DISCHARGE_RULES.get(eqn.primitive.name)
         if rule is None:
@@ -2252,10 +2292,10 @@ def _finals(eqn, written, refs_at):
 
 def _discharge_scan(eqn, values, refs):
     """Written Refs become leading carries; read-only ones stay consts."""
-    params = eqn.params
-    if any(k not in params for k in _SCAN_LAYOUT) or max(refs) >= params['num_consts']:
+    params, counts = eqn.params, _scan_counts(eqn.params)
+    if counts is None or max(refs) >= counts[0]:
         raise _Unhandled
-    n_consts = params['num_consts']
+    n_consts, n_carry = counts
     body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
     moved = sorted(written)
     order = ([i for i in range(n_consts) if i not in written] + moved
@@ -2263,8 +2303,8 @@ def _discharge_scan(eqn, values, refs):
     closed = body.close(params['jaxpr'].consts, [body.invars[i] for i in order],
                         [written[i] for i in moved] + body.outvars)
     finals = _finals(eqn, written, moved)
-    params = dict(params, jaxpr=closed, num_consts=n_consts - len(moved),
-                  num_carry=params['num_carry'] + len(moved))
+    params = dict(_scan_params(params, n_consts - len(moved), n_carry + len(moved)),
+                  jaxpr=closed)
     if 'linear' in params:
         params['linear'] = tuple(params['linear'][i] for i in order)
     return finals, eqn.replace(

@@ -1442,9 +1442,11 @@ class NestedWriteTest(unittest.TestCase):
         names = [e.primitive.name for e in _eqns_within(closed.jaxpr)]
         self.assertNotIn('get', names)
         self.assertNotIn('swap', names)
+        # The scan takes r (a const), w and the counter (carries) and xs, and
+        # returns the carries and ys: nothing else is threaded through it.
         scan = next(e for e in closed.jaxpr.eqns if e.primitive.name == 'scan')
-        if 'num_consts' in scan.params:   # (up to JAX 0.10; later ones discharge as JAX does)
-            self.assertEqual((scan.params['num_consts'], scan.params['num_carry']), (1, 2))
+        self.assertEqual([v.aval.shape for v in scan.invars], [(3,), (3,), (), (4, 3)])
+        self.assertEqual([v.aval.shape for v in scan.outvars], [(3,), (), (4,)])
 
         def refuse(closed):
             raise sj._Unhandled

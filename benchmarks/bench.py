@@ -76,7 +76,10 @@ Workloads and targets (ratio ours / plain JAX, unless a unit is given):
   new shapes -- ``sf.make_jaxpr(xs)`` at 100 steps untimed, then
   ``sf.make_jaxpr(xs2)`` at 50 steps timed -- vs ``jax.make_jaxpr`` of the
   pure function at 50 steps (after one at 100 steps, for symmetry), <= 1.2.
-  Both traces are checked (compiled calls at 100 and at 50 steps).
+  Both traces are checked (compiled calls at 100 and at 50 steps).  Where
+  JAX has ``jax.new_ref`` (0.7+), an extra column times ``jax.make_jaxpr`` of
+  the same program written with JAX's own Refs (not discharged): the cost of
+  tracing through Refs in JAX itself, which these rows cannot go below.
 * nested_write -- the same two trace rows (first make_jaxpr <= 1.5, later
   trace at new shapes <= 1.2) for N states written inside the taken branch of
   a ``lax.cond`` (the other branch only reads them) and inside an inner
@@ -422,6 +425,7 @@ def vmap_pure(batch: int, decay: float = 0.9):
 
 
 NESTED = ('scan', 'cond', 'jit')
+HAS_NEW_REF = hasattr(jax, 'new_ref')   # JAX 0.7+
 
 
 def nested_step(kind: str, states, decay: float = 0.9):
@@ -486,6 +490,32 @@ def nested_pure(kind: str, decay: float = 0.9):
                 return new, jnp.sum(new[0])
             return inner(vals, jnp.sum(xs, 0))
     return pure
+
+
+def nested_refs(kind: str, decay: float = 0.9):
+    """:func:`nested_pure` written with JAX's own mutable references
+    (``jax.new_ref``, JAX 0.7+): the states are Refs read and written inside
+    the scan / cond / inner jit, as a stateful trace builds them.  Not
+    discharged: it shows what tracing through Refs costs in JAX itself."""
+    def with_refs(step):
+        def pure(vals, xs):
+            refs = [jax.new_ref(v) for v in vals]
+            out = step(refs, xs)
+            return [r[...] for r in refs], out
+        return pure
+
+    def update(refs, x):
+        for r in refs:
+            r[...] = decay * r[...] + x
+        return jnp.sum(refs[0][...])
+    if kind == 'scan':
+        return with_refs(lambda refs, xs: jax.lax.scan(
+            lambda c, x: (c + update(refs, x), None), 0.0, xs)[0])
+    if kind == 'cond':
+        return with_refs(lambda refs, xs: jax.lax.cond(
+            xs[0, 0] > 0, lambda x: update(refs, x), lambda x: jnp.sum(refs[0][...]),
+            jnp.sum(xs, 0)))
+    return with_refs(lambda refs, xs: jax.jit(lambda x: update(refs, x))(jnp.sum(xs, 0)))
 
 
 class Baseline:
@@ -585,10 +615,12 @@ class Bench:
         self.target(target_name or f'{workload} N={n}', res['ours'] / res['jax'], limit)
 
     def once_row(self, workload, n, t, limit, target_name=None):
-        """Row and target from an :func:`alternating_once` result (medians)."""
+        """Row and target from an :func:`alternating_once` result (medians;
+        sides other than 'ours' and 'jax' go to extra columns)."""
         med = _medians(t)
         reps = len(t['ours'])
-        self.row(workload, n, med['ours'], med['jax'], {'reps': reps},
+        extra = {k: v for k, v in med.items() if k not in ('ours', 'jax')}
+        self.row(workload, n, med['ours'], med['jax'], dict(extra, reps=reps),
                  f'{reps} rep{"s" if reps > 1 else ""}/side')
         self.target(f'{target_name or workload} N={n}{_few(t)}', med['ours'] / med['jax'], limit)
         return med
@@ -798,11 +830,15 @@ class Bench:
                 self.row(f'{label}: call', n, res['ours'], res['jax'],
                          samples=f'{res["_calls"]:,} calls/side')
 
+            # Reference column where JAX has jax.new_ref: the same program
+            # traced through JAX's own Refs, undischarged.
+            refs = [('JAX, Refs', lambda: jax.make_jaxpr(
+                nested_refs(kind, fresh_decay()))(vals, xs) and None)] if HAS_NEW_REF else []
             t, _ = alternating_once(
                 [('ours', lambda: sj.StatefulFunction(
                     nested_step(kind, states, fresh_decay())).make_jaxpr(xs) and None),
                  ('jax', lambda: jax.make_jaxpr(
-                     nested_pure(kind, fresh_decay()))(vals, xs) and None)],
+                     nested_pure(kind, fresh_decay()))(vals, xs) and None)] + refs,
                 reps[n], allot)
             self.once_row(f'{label}: first make_jaxpr', n, t, 1.5)
 
@@ -810,13 +846,15 @@ class Bench:
                 sf = sj.StatefulFunction(nested_step(kind, states, fresh_decay()))
                 return sf.make_jaxpr(xs)
 
-            def prep_jax():
-                mk = jax.make_jaxpr(nested_pure(kind, fresh_decay()))
+            def prep_jax(make=nested_pure):
+                mk = jax.make_jaxpr(make(kind, fresh_decay()))
                 mk(vals, xs)
                 return mk
+            refs = [('JAX, Refs', lambda mk: mk(vals, xs2) and None,
+                     lambda: prep_jax(nested_refs))] if HAS_NEW_REF else []
             t, _ = alternating_once(
                 [('ours', lambda sf: sf.make_jaxpr(xs2) and None, prep_ours),
-                 ('jax', lambda mk: mk(vals, xs2) and None, prep_jax)],
+                 ('jax', lambda mk: mk(vals, xs2) and None, prep_jax)] + refs,
                 reps[n], allot)
             self.once_row(f'{label}: later trace, new shapes (100 -> 50 steps)', n, t, 1.2,
                           f'{label}: later trace')
