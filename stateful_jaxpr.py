@@ -1931,6 +1931,9 @@ class _TraceFrame(StateTraceStack):
         self._epoch = _TraceEpoch()
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
+        self.final_reads: list = []             # see finish()
+        self._ref_numbers: dict = {}            # id(cell) -> its first Ref's number
+        self._n_refs = 0
         self.lifted: list = []                  # (state, treedef, avals) per lift
         self.result: dict = {}                  # what finish() found out
 
@@ -1958,6 +1961,8 @@ class _TraceFrame(StateTraceStack):
                 self._speculated.append(state)
             cell = _RefCell(state, [_new_arg(self._builder, _ref_aval(a)) for a in avals],
                             treedef, avals)
+            self._ref_numbers[id(cell)] = self._n_refs
+            self._n_refs += len(avals)
             self.cells.append(cell)
             return cell
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
@@ -1969,7 +1974,7 @@ class _TraceFrame(StateTraceStack):
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values = [self._values[id(self.states[i])] for i in returned]
-        values = [v.read() if type(v) is _RefCell else v for v in values]
+        values = [self._final(v) if type(v) is _RefCell else v for v in values]
         state_leaves, state_tree = jax.tree_util.tree_flatten(values)
         # (out, one entry per state, None where not returned): the structure
         # brainstate's jaxpr_call and out_treedef expose.
@@ -1980,6 +1985,16 @@ class _TraceFrame(StateTraceStack):
                            state_tree=state_tree,
                            full_tree=jax.tree_util.tree_structure((out, tuple(part))))
         return out_leaves + state_leaves
+
+    def _final(self, cell: '_RefCell'):
+        """A state's final value where it is held as Refs: placeholders, new
+        last jaxpr inputs that the discharge replaces by the Refs' final
+        values (``final_reads`` numbers those Refs among the Ref inputs).
+        Reading the Refs instead would cost a traced read each."""
+        first = self._ref_numbers[id(cell)]
+        self.final_reads.extend(range(first, first + len(cell.refs)))
+        return jax.tree_util.tree_unflatten(
+            cell.treedef, [_new_arg(self._builder, a) for a in cell.avals])
 
     def traced(self, closed, out_avals) -> _Traced:
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype) for a in avals))
@@ -2174,12 +2189,19 @@ class _Unhandled(Exception):
     """A Ref use the renaming discharge leaves to JAX's."""
 
 
-def _fast_discharge(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` with its Ref inputs made values, outputs unchanged."""
+def _fast_discharge(closed: ClosedJaxpr, final_reads=()) -> ClosedJaxpr:
+    """``closed`` with its Ref inputs made values, and each of its last
+    ``len(final_reads)`` inputs (placeholders) replaced, where it is an
+    output, by the final value of the Ref it names (the ``final_reads[i]``-th
+    Ref input)."""
     jaxpr = closed.jaxpr
     refs = [i for i, v in enumerate(jaxpr.invars) if isinstance(v.aval, _ref_aval)]
-    body, _ = _discharge_body(jaxpr, refs)
-    return body.close(closed.consts, body.invars, body.outvars, like=jaxpr)
+    body, written = _discharge_body(jaxpr, refs)
+    cut = len(jaxpr.invars) - len(final_reads)
+    finals = {v: written.get(refs[k], body.invars[refs[k]])
+              for v, k in zip(jaxpr.invars[cut:], final_reads)}
+    outvars = [finals.get(v, v) if isinstance(v, Var) else v for v in body.outvars]
+    return body.close(closed.consts, body.invars[:cut], outvars, like=jaxpr)
 
 
 class _Body:
@@ -2371,12 +2393,12 @@ def _refused_ref(err: BaseException) -> bool:
     return 'Ref' in text or 'Effect' in text
 
 
-def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
+def _discharge_cells(closed: ClosedJaxpr, cells, final_reads) -> ClosedJaxpr:
     """Turns a jaxpr with Ref inputs into the pure one with value inputs and
-    the same outputs (the discharge's extra final-Ref outputs are dropped: the
-    function already returns the written states)."""
+    the same outputs, the placeholders of ``final_reads`` (see
+    :meth:`_TraceFrame.finish`) replaced by the final values they stand for."""
     try:
-        return _fast_discharge(closed)
+        return _fast_discharge(closed, final_reads)
     except _Unhandled:
         pass
     described = ', '.join(c.state._describe() for c in cells)
@@ -2387,8 +2409,10 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
-    n = len(closed.jaxpr.outvars)
-    outvars = pure.jaxpr.outvars[:n]
+    # JAX's discharge appends each Ref's final value to the outputs, in order.
+    n, cut = len(closed.jaxpr.outvars), len(closed.jaxpr.invars) - len(final_reads)
+    finals = {v: pure.jaxpr.outvars[n + k] for v, k in zip(pure.jaxpr.invars[cut:], final_reads)}
+    outvars = [finals.get(v, v) if isinstance(v, Var) else v for v in pure.jaxpr.outvars[:n]]
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
@@ -2396,7 +2420,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
                 'writing a per-lane value inside jax.vmap; map the function with '
                 'StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr,
+                    invars=pure.jaxpr.invars[:cut], outvars=outvars)
 
 
 # -- Staying clear of JAX's trace caches --------------------------------------
@@ -2531,7 +2556,7 @@ def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
             raise _Retrace
         closed = _close(jaxpr, consts)
         if frames[-1].cells:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, frames[-1].cells)
+            closed = _discharge_cells(closed, frames[-1].cells, frames[-1].final_reads)
     return frames[-1].traced(closed, out_avals)
 
 

@@ -1432,9 +1432,9 @@ class NestedWriteTest(unittest.TestCase):
         renamed = [0]
         fast = sj._fast_discharge
 
-        def counting(closed):
+        def counting(closed, *rest):
             renamed[0] += 1
-            return fast(closed)
+            return fast(closed, *rest)
         with mock.patch.object(sj, '_fast_discharge', counting):
             got, closed = run(StatefulFunction(f))
         self.assertEqual(renamed[0], 1)
@@ -1448,7 +1448,7 @@ class NestedWriteTest(unittest.TestCase):
         self.assertEqual([v.aval.shape for v in scan.invars], [(3,), (3,), (), (4, 3)])
         self.assertEqual([v.aval.shape for v in scan.outvars], [(3,), (), (4,)])
 
-        def refuse(closed):
+        def refuse(*args):
             raise sj._Unhandled
         with mock.patch.object(sj, '_fast_discharge', refuse):
             want, _ = run(StatefulFunction(f))
