@@ -262,6 +262,7 @@ except (TypeError, ValueError):                         # (no Python signature)
 _RefEffect = _probe('jax._src.state.types:RefEffect')           # all releases
 _InputEffect = _probe('jax._src.effects:JaxprInputEffect')      # all releases
 _JIT_LAYOUT = ('jaxpr', 'in_shardings', 'out_shardings', 'in_layouts', 'out_layouts')
+_WHILE_LAYOUT = ('cond_jaxpr', 'body_jaxpr', 'cond_nconsts', 'body_nconsts')   # all releases
 
 
 def _fresh_var(aval):
@@ -2179,11 +2180,11 @@ class _RefCell:
 # JAX's discharge re-traces every equation, abstract evaluation included: as
 # much again as tracing the function.  The Refs of a stateful trace are used in
 # few ways, all written by _RefCell: read or written whole (get, swap), or
-# passed into a scan, a cond or an inner jit.  Those are discharged here by
-# renaming variables: a read becomes the value last written, a scan threads the
-# written Refs as carries, a cond and a jit return them as extra outputs.  A
-# Ref used any other way (a while loop, custom_jvp, JAX's own rewriting under
-# grad or vmap) sends the whole jaxpr to JAX's discharge instead.
+# passed into a scan, a while loop, a cond or an inner jit.  Those are
+# discharged here by renaming variables: a read becomes the value last
+# written, a loop threads the written Refs as carries, a cond and a jit return
+# them as extra outputs.  A Ref used any other way (custom_jvp, JAX's own
+# rewriting under grad or vmap) sends the whole jaxpr to JAX's discharge.
 
 class _Unhandled(Exception):
     """A Ref use the renaming discharge leaves to JAX's."""
@@ -2369,8 +2370,49 @@ def _discharge_jit(eqn, values, refs):
                                params=params, effects=_pure_effects(eqn.effects))
 
 
+def _discharge_while(eqn, values, refs):
+    """Refs the body writes become leading carries, which the condition reads
+    in place of its consts; the others stay consts of both."""
+    params = eqn.params
+    if any(k not in params for k in _WHILE_LAYOUT):
+        raise _Unhandled
+    n_cond, n_body = params['cond_nconsts'], params['cond_nconsts'] + params['body_nconsts']
+    cond_refs = [i for i in refs if i < n_cond]
+    body_refs = [i for i in refs if i >= n_cond]
+    if max(refs) >= n_body or any(len({eqn.invars[i] for i in at}) < len(at)
+                                  for at in (cond_refs, body_refs)):
+        raise _Unhandled   # a Ref as a carry, or passed twice to one jaxpr
+    body, written = _discharge_body(params['body_jaxpr'].jaxpr, [i - n_cond for i in body_refs])
+    cond, cond_written = _discharge_body(params['cond_jaxpr'].jaxpr, cond_refs)
+    if cond_written:
+        raise _Unhandled
+    moved = [n_cond + p for p in sorted(written)]          # eqn positions of the carried Refs
+    carried = {eqn.invars[i]: k for k, i in enumerate(moved)}
+    slots = [_fresh_var(eqn.invars[i].aval.inner_aval) for i in moved]
+    for i in cond_refs:   # the condition reads a carried Ref from its carry slot
+        if eqn.invars[i] in carried:
+            slots[carried[eqn.invars[i]]] = cond.invars[i]
+    keep_cond = [i for i in range(n_cond) if eqn.invars[i] not in carried]
+    keep_body = [i for i in range(n_cond, n_body) if i not in moved]
+    carry = list(range(n_body, len(values)))
+    cond_jaxpr = cond.close(params['cond_jaxpr'].consts,
+                            [cond.invars[i] for i in keep_cond] + slots
+                            + cond.invars[n_cond:], cond.outvars)
+    body_at = [i - n_cond for i in keep_body + moved] + [i - n_cond for i in carry]
+    body_jaxpr = body.close(params['body_jaxpr'].consts, [body.invars[i] for i in body_at],
+                            [written[i - n_cond] for i in moved] + body.outvars)
+    finals = _finals(eqn, set(moved), moved)
+    params = dict(params, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
+                  cond_nconsts=len(keep_cond), body_nconsts=len(keep_body))
+    return finals, eqn.replace(
+        invars=[values[i] for i in keep_cond + keep_body + moved + carry],
+        outvars=[finals[i] for i in moved] + list(eqn.outvars),
+        params=params, effects=_pure_effects(eqn.effects))
+
+
 _DISCHARGE_RULES = {'get': _discharge_get, 'swap': _discharge_swap, 'scan': _discharge_scan,
-                    'cond': _discharge_cond, 'pjit': _discharge_jit, 'jit': _discharge_jit}
+                    'cond': _discharge_cond, 'pjit': _discharge_jit, 'jit': _discharge_jit,
+                    'while': _discharge_while}
 
 
 class _CannotDischarge(TraceContextError):

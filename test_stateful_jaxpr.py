@@ -1455,6 +1455,40 @@ class NestedWriteTest(unittest.TestCase):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
+    def test_while_loop_condition_reads_a_state_its_body_writes(self):
+        """The body's written State becomes a while carry that the condition
+        reads each iteration; a State only read stays a const of both."""
+        total = State(jnp.zeros(2), name='wl_total')
+        step = State(jnp.array([1.0, 2.0]), name='wl_step')
+
+        def f(limit):
+            def body(i):
+                total.value = total.value + step.value
+                return i + 1
+            return lax.while_loop(lambda i: total.value.sum() < limit, body, 0)
+        sf = StatefulFunction(f)
+        renamed = [0]
+        fast = sj._fast_discharge
+
+        def counting(*args):
+            renamed[0] += 1
+            return fast(*args)
+        with mock.patch.object(sj, '_fast_discharge', counting):
+            closed = sf.get_jaxpr(10.0)
+        self.assertEqual(renamed[0], 1)
+        _no_refs(self, closed)
+        names = [e.primitive.name for e in _eqns_within(closed.jaxpr)]
+        self.assertNotIn('get', names)
+        self.assertNotIn('swap', names)
+        loop = next(e for e in closed.jaxpr.eqns if e.primitive.name == 'while')
+        # consts: limit (condition), step (body); carries: total, the counter
+        self.assertEqual([v.aval.shape for v in loop.invars], [(), (2,), (2,), ()])
+        self.assertEqual(int(sf(10.0)), 4)          # sums 3, 6, 9, 12
+        np.testing.assert_allclose(total.value, [4.0, 8.0])
+        self.assertEqual(int(sf(20.0)), 3)          # from 12: 15, 18, 21
+        np.testing.assert_allclose(total.value, [7.0, 14.0])
+        np.testing.assert_allclose(step.value, [1.0, 2.0])
+
     def test_scan_body_read_then_write_threads_per_iteration(self):
         s = State(jnp.zeros(3), name='nw_scan')
         k = State(jnp.float32(2.0), name='nw_scale')
