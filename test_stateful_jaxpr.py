@@ -1389,6 +1389,23 @@ def _eqns_within(jaxpr):
                     yield from _eqns_within(inner)
 
 
+def _by_renaming(tc, trace):
+    """``trace()``, checking that the one trace it runs is discharged by
+    renaming (not by JAX's discharge_state) into a jaxpr without Refs."""
+    done, fast = [], sj._fast_discharge
+
+    def spy(*args):
+        done.append(fast(*args))
+        return done[-1]
+    with mock.patch.object(sj, '_fast_discharge', spy):
+        result = trace()
+    tc.assertEqual(len(done), 1)
+    _no_refs(tc, done[0])
+    names = {e.primitive.name for e in _eqns_within(done[0].jaxpr)}
+    tc.assertFalse(names & {'get', 'swap'}, names)
+    return result
+
+
 class NestedWriteTest(unittest.TestCase):
     """A write inside a lax.scan / cond / while body, an inner jax.jit or
     jax.grad propagates to the enclosing stateful trace."""
@@ -1429,19 +1446,7 @@ class NestedWriteTest(unittest.TestCase):
             out = sf(xs)
             return [out] + [st.value for st in (w, r, c)], sf.get_jaxpr(xs)
 
-        renamed = [0]
-        fast = sj._fast_discharge
-
-        def counting(closed, *rest):
-            renamed[0] += 1
-            return fast(closed, *rest)
-        with mock.patch.object(sj, '_fast_discharge', counting):
-            got, closed = run(StatefulFunction(f))
-        self.assertEqual(renamed[0], 1)
-        _no_refs(self, closed)
-        names = [e.primitive.name for e in _eqns_within(closed.jaxpr)]
-        self.assertNotIn('get', names)
-        self.assertNotIn('swap', names)
+        got, closed = _by_renaming(self, lambda: run(StatefulFunction(f)))
         # The scan takes r (a const), w and the counter (carries) and xs, and
         # returns the carries and ys: nothing else is threaded through it.
         scan = next(e for e in closed.jaxpr.eqns if e.primitive.name == 'scan')
@@ -1467,19 +1472,7 @@ class NestedWriteTest(unittest.TestCase):
                 return i + 1
             return lax.while_loop(lambda i: total.value.sum() < limit, body, 0)
         sf = StatefulFunction(f)
-        renamed = [0]
-        fast = sj._fast_discharge
-
-        def counting(*args):
-            renamed[0] += 1
-            return fast(*args)
-        with mock.patch.object(sj, '_fast_discharge', counting):
-            closed = sf.get_jaxpr(10.0)
-        self.assertEqual(renamed[0], 1)
-        _no_refs(self, closed)
-        names = [e.primitive.name for e in _eqns_within(closed.jaxpr)]
-        self.assertNotIn('get', names)
-        self.assertNotIn('swap', names)
+        closed = _by_renaming(self, lambda: sf.get_jaxpr(10.0))
         loop = next(e for e in closed.jaxpr.eqns if e.primitive.name == 'while')
         # consts: limit (condition), step (body); carries: total, the counter
         self.assertEqual([v.aval.shape for v in loop.invars], [(), (2,), (2,), ()])
