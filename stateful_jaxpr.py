@@ -1932,7 +1932,7 @@ class _TraceFrame(StateTraceStack):
         self._epoch = _TraceEpoch()
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
-        self.final_reads: list = []             # see finish()
+        self.final_reads: list = []             # see _final()
         self._ref_numbers: dict = {}            # id(cell) -> its first Ref's number
         self._n_refs = 0
         self.lifted: list = []                  # (state, treedef, avals) per lift
@@ -2308,9 +2308,9 @@ def _discharge_swap(eqn, values, refs):
     return {0: values[1]}, None
 
 
-def _finals(eqn, written, refs_at):
-    """Fresh outputs of ``eqn`` for the written Refs, keyed by input position."""
-    return {i: _fresh_var(eqn.invars[i].aval.inner_aval) for i in refs_at if i in written}
+def _finals(eqn, positions):
+    """Fresh outputs of ``eqn`` for the Refs it writes, keyed by input position."""
+    return {i: _fresh_var(eqn.invars[i].aval.inner_aval) for i in positions}
 
 
 def _discharge_scan(eqn, values, refs):
@@ -2325,7 +2325,7 @@ def _discharge_scan(eqn, values, refs):
              + list(range(n_consts, len(values))))
     closed = body.close(params['jaxpr'].consts, [body.invars[i] for i in order],
                         [written[i] for i in moved] + body.outvars)
-    finals = _finals(eqn, written, moved)
+    finals = _finals(eqn, moved)
     params = dict(_scan_params(params, n_consts - len(moved), n_carry + len(moved)),
                   jaxpr=closed)
     if 'linear' in params:
@@ -2346,7 +2346,7 @@ def _discharge_cond(eqn, values, refs):
         body.close(b.consts, body.invars,
                    body.outvars + [written.get(p, body.invars[p]) for p in moved])
         for b, (body, written) in zip(eqn.params['branches'], bodies))
-    finals = _finals(eqn, {p + 1 for p in moved}, [p + 1 for p in moved])
+    finals = _finals(eqn, [p + 1 for p in moved])
     return finals, eqn.replace(
         invars=values, outvars=[*eqn.outvars, *(finals[p + 1] for p in moved)],
         params=dict(eqn.params, branches=branches), effects=_pure_effects(eqn.effects))
@@ -2361,7 +2361,7 @@ def _discharge_jit(eqn, values, refs):
     moved = sorted(written)
     closed = body.close(params['jaxpr'].consts, body.invars,
                         body.outvars + [written[i] for i in moved])
-    finals = _finals(eqn, written, moved)
+    finals = _finals(eqn, moved)
     params = dict(
         params, jaxpr=closed,
         out_shardings=(*params['out_shardings'], *(params['in_shardings'][i] for i in moved)),
@@ -2401,7 +2401,7 @@ def _discharge_while(eqn, values, refs):
     body_at = [i - n_cond for i in keep_body + moved] + [i - n_cond for i in carry]
     body_jaxpr = body.close(params['body_jaxpr'].consts, [body.invars[i] for i in body_at],
                             [written[i - n_cond] for i in moved] + body.outvars)
-    finals = _finals(eqn, set(moved), moved)
+    finals = _finals(eqn, moved)
     params = dict(params, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
                   cond_nconsts=len(keep_cond), body_nconsts=len(keep_body))
     return finals, eqn.replace(
