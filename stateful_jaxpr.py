@@ -2195,6 +2195,8 @@ def _fast_discharge(closed: ClosedJaxpr, final_reads=()) -> ClosedJaxpr:
     ``len(final_reads)`` inputs (placeholders) replaced, where it is an
     output, by the final value of the Ref it names (the ``final_reads[i]``-th
     Ref input)."""
+    if _RefEffect is None or _InputEffect is None:   # (a JAX without them: its own discharge)
+        raise _Unhandled
     jaxpr = closed.jaxpr
     refs = [i for i, v in enumerate(jaxpr.invars) if isinstance(v.aval, _ref_aval)]
     body, written = _discharge_body(jaxpr, refs)
