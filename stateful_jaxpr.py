@@ -244,6 +244,54 @@ _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 
 
+# Whole-Ref reads and writes.  ``ref_get`` / ``ref_set`` normalise and flatten
+# indexers, and ``bind`` looks the trace up: a third of the cost of a get in a
+# scan body.  Inside a jaxpr trace the equation goes straight to the trace's
+# ``default_process_primitive`` (0.4.38 ..; given the source info from 0.6)
+# with the params ``ref_get(ref, ())`` binds there, no transforms.  What
+# ``process_primitive`` adds does not apply to them: get and swap have no
+# staging rule, are not "high" on arrays, and a Ref argument is never a
+# constant.  Elsewhere (0.4.30, 0.4.35, whose ``ref_get(ref, ())`` indexes;
+# under grad or vmap) they are bound as before.
+_get_p = _probe('jax._src.state.primitives:get_p')      # all releases
+_swap_p = _probe('jax._src.state.primitives:swap_p')    # all releases
+_to_jaxpr_tracer = _probe(                               # 0.4.38 ..
+    'jax._src.interpreters.partial_eval:DynamicJaxprTrace.to_jaxpr_tracer')
+_STAGE_TAKES_SOURCE_INFO = _takes(_to_jaxpr_tracer, 'source_info')   # 0.6 ..
+_STAGE_REFS = _STACKLESS and None not in (_to_jaxpr_tracer, _get_p, _swap_p, _JaxprTrace)
+_WHOLE_REF = {'tree': jax.tree_util.tree_structure(())}
+
+
+def _staged(primitive, args):
+    """``primitive`` (get or swap) on ``args`` as an equation of the current
+    jaxpr trace, or None where that is not the current trace."""
+    trace = _src_core.trace_ctx.trace
+    if type(trace) is not _JaxprTrace:
+        return None
+    if _STAGE_TAKES_SOURCE_INFO:
+        src = _siu.current()
+        return trace.default_process_primitive(
+            primitive, [trace.to_jaxpr_tracer(a, src) for a in args], _WHOLE_REF, src)
+    return trace.default_process_primitive(
+        primitive, [trace.to_jaxpr_tracer(a) for a in args], _WHOLE_REF)
+
+
+def _read_ref(ref):
+    """The whole value of ``ref``, traced."""
+    if _STAGE_REFS:
+        out = _staged(_get_p, (ref,))
+        if out is not None:
+            return out
+    return _ref_get(ref, ())
+
+
+def _write_ref(ref, value) -> None:
+    """Sets the whole of ``ref`` to ``value``, traced."""
+    if _STAGE_REFS and _staged(_swap_p, (ref, value)) is not None:
+        return
+    _ref_set(ref, (), value)
+
+
 def _discharge(closed):
     """``closed`` made pure: Ref inputs become values, final values extra outputs."""
     if _DISCHARGE_TAKES_CLOSED:
@@ -2130,15 +2178,24 @@ class _RefCell:
     function writes it inside a nested transformation.  Reads and writes bind
     at whatever JAX trace is current, so a scan body sees the value of its
     own iteration and an inner jit's write reaches the code after it."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals')
+    __slots__ = ('state', 'refs', 'treedef', 'avals', 'leaf')
 
     def __init__(self, state, refs, treedef, avals):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
+        # A State holding one array, the common case, skips the pytree walks.
+        self.leaf = len(refs) == 1 and jax.tree_util.treedef_is_leaf(treedef)
 
     def read(self):
-        return jax.tree_util.tree_unflatten(self.treedef, [_ref_get(r, ()) for r in self.refs])
+        if self.leaf:
+            return _read_ref(self.refs[0])
+        return jax.tree_util.tree_unflatten(self.treedef, [_read_ref(r) for r in self.refs])
 
     def write(self, value) -> None:
+        if self.leaf and isinstance(value, Tracer):
+            got, want = value.aval, self.avals[0]
+            if got.shape == want.shape and got.dtype == want.dtype:
+                self._set(self.refs[0], value)
+                return
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
@@ -2160,20 +2217,23 @@ class _RefCell:
         for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
             if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
                 leaf = jax.lax.convert_element_type(leaf, a.dtype)
+            self._set(ref, leaf)
+
+    def _set(self, ref, leaf) -> None:
+        try:
+            _write_ref(ref, leaf)
+        except Exception as err:
+            # Under jax.grad the value carries a tangent, which a Ref the
+            # gradient does not flow through cannot take: keep the primal.
             try:
-                _ref_set(ref, (), leaf)
-            except Exception as err:
-                # Under jax.grad the value carries a tangent, which a Ref the
-                # gradient does not flow through cannot take: keep the primal.
-                try:
-                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
-                except Exception:
-                    raise TraceContextError(
-                        f'{self.state._describe()} cannot be written inside this nested '
-                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                        'varies across jax.vmap lanes cannot go into an unbatched State: map '
-                        'the function with StatefulMapping instead, or return the value '
-                        'from the transformation and assign it outside') from err
+                _write_ref(ref, jax.lax.stop_gradient(leaf))
+            except Exception:
+                raise TraceContextError(
+                    f'{self.state._describe()} cannot be written inside this nested '
+                    f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                    'varies across jax.vmap lanes cannot go into an unbatched State: map '
+                    'the function with StatefulMapping instead, or return the value '
+                    'from the transformation and assign it outside') from err
 
 
 # -- The discharge, by renaming ------------------------------------------------

@@ -1460,6 +1460,36 @@ class NestedWriteTest(unittest.TestCase):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
+    def test_whole_ref_reads_and_writes_go_straight_into_the_trace(self):
+        """Where JAX's jaxpr trace takes equations directly, a Ref's get and
+        swap skip ref_get / ref_set and bind, and give the same program."""
+        if not sj._STAGE_REFS:
+            self.skipTest(f'JAX {jax.__version__} binds Ref reads and writes (no '
+                          'DynamicJaxprTrace.to_jaxpr_tracer or no stackless tracing)')
+        s = State(jnp.zeros(3), name='st_s')
+        t = State({'u': jnp.ones(2), 'v': jnp.int32(1)}, name='st_t')
+
+        def f(xs):
+            def body(carry, x):
+                s.value = s.value + x
+                t.value = {'u': t.value['u'] * 2, 'v': t.value['v'] + 1}
+                return carry, s.value.sum() + t.value['u'].sum()
+            return lax.scan(body, 0.0, xs)[1]
+
+        xs = jnp.ones((4, 3))
+        staged, real = [], sj._staged
+
+        def spy(primitive, args):
+            staged.append(primitive.name)
+            return real(primitive, args)
+        with mock.patch.object(sj, '_staged', spy):
+            fast = str(StatefulFunction(f).get_jaxpr(xs))
+        # s read twice, t three times (two leaves each); s written once, t once
+        self.assertEqual((staged.count('get'), staged.count('swap')), (8, 3))
+        with mock.patch.object(sj, '_STAGE_REFS', False):
+            bound = str(StatefulFunction(f).get_jaxpr(xs))
+        self.assertEqual(fast, bound)
+
     def test_while_loop_condition_reads_a_state_its_body_writes(self):
         """The body's written State becomes a while carry that the condition
         reads each iteration; a State only read stays a const of both."""
