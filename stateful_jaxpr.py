@@ -2285,31 +2285,42 @@ class _Body:
 def _discharge_body(jaxpr, refs):
     """Discharges the Ref inputs of ``jaxpr`` at positions ``refs``; returns
     the _Body and ``{position: final value}`` for the Refs it writes."""
-    if any(isinstance(v.aval, _ref_aval) for v in jaxpr.constvars):
+    at = set(refs)
+    if any(isinstance(v.aval, _ref_aval) for v in jaxpr.constvars) or any(
+            isinstance(v.aval, _ref_aval) for i, v in enumerate(jaxpr.invars) if i not in at):
         raise _Unhandled
-    env, invars = {}, list(jaxpr.invars)
-    for i in refs:
-        invars[i] = env[jaxpr.invars[i]] = _fresh_var(jaxpr.invars[i].aval.inner_aval)
-    if any(isinstance(v.aval, _ref_aval) for v in invars):
-        raise _Unhandled
-    sub = {}
-    eqns = _discharge_eqns(jaxpr.eqns, env, sub)
+    env = {jaxpr.invars[i]: None for i in refs}   # None until first used (_entry_value)
+    sub, inputs = {}, {}
+    eqns = _discharge_eqns(jaxpr.eqns, env, sub, inputs)
     outvars = [_renamed(sub, v) for v in jaxpr.outvars]
     if any(isinstance(v, Var) and isinstance(v.aval, _ref_aval) for v in outvars):
         raise _Unhandled
-    written = {}
+    invars, written = list(jaxpr.invars), {}
     for i in refs:
-        final = env[jaxpr.invars[i]]
-        if final is not invars[i]:
-            written[i] = final
+        ref = jaxpr.invars[i]
+        invars[i] = inputs[ref] if ref in inputs else _fresh_var(ref.aval.inner_aval)
+        if env[ref] is not None and env[ref] is not invars[i]:
+            written[i] = env[ref]
     return _Body(jaxpr, invars, eqns, outvars), written
+
+
+def _entry_value(eqn, ref, env, inputs):
+    """The variable for ``ref``'s value on entry to the body, at its first use
+    (in ``eqn``): the output of ``eqn`` where that is a whole read, so that
+    the equations using the read need no renaming; else a fresh one."""
+    inner, out = ref.aval.inner_aval, eqn.outvars[0] if eqn.outvars else None
+    if not (eqn.primitive.name == 'get' and len(eqn.invars) == 1 and type(out) is Var
+            and out.aval == inner):
+        out = _fresh_var(inner)
+    env[ref] = inputs[ref] = out
+    return out
 
 
 def _renamed(sub, atom):
     return sub.get(atom, atom) if isinstance(atom, Var) else atom
 
 
-def _discharge_eqns(eqns, env, sub) -> list:
+def _discharge_eqns(eqns, env, sub, inputs) -> list:
     """``eqns`` with the Refs in ``env`` (Ref variable -> current value)
     discharged; ``sub`` maps each read's variable to the value it reads."""
     out, rename = [], sub.get
@@ -2334,13 +2345,18 @@ def _discharge_eqns(eqns, env, sub) -> list:
         rule = _DISCHARGE_RULES.get(eqn.primitive.name)
         if rule is None:
             raise _Unhandled
-        values = [env[eqn.invars[i]] if i in refs else v for i, v in enumerate(invars)]
+        values = list(invars)
+        for i in refs:
+            ref = eqn.invars[i]
+            value = env[ref]
+            values[i] = value if value is not None else _entry_value(eqn, ref, env, inputs)
         finals, new = rule(eqn, values, refs)
         for i, final in finals.items():
             env[eqn.invars[i]] = final
         if new is not None:
             out.append(new)
-        else:   # a get, or a swap (whose output is the value before the write)
+        elif values[0] is not eqn.outvars[0]:
+            # a get, or a swap (whose output is the value before the write)
             sub[eqn.outvars[0]] = values[0]
     return out
 

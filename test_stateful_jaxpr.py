@@ -1460,6 +1460,78 @@ class NestedWriteTest(unittest.TestCase):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
+    def test_renaming_keeps_every_order_of_reads_and_writes(self):
+        """A body's input for a State is the variable of its first read where a
+        read comes first; every order of reads and writes (read twice, written
+        first, read after the write, used only by a nested loop, read in one
+        cond branch and written in the other, read by a loop condition)
+        computes what the same program with the States as values computes."""
+        a = State(jnp.arange(3.0), name='ord_a')
+        b = State(jnp.ones(3), name='ord_b')
+        c = State(jnp.float32(2.0), name='ord_c')
+
+        def f(xs):
+            def body(carry, x):
+                first = a.value                       # read twice before the write
+                a.value = first * 0.5 + a.value * x
+                b.value = x + carry                   # written before it is read
+                b.value = b.value * a.value           # read after the write
+                return carry + c.value, a.value.sum() + b.value.sum()
+            _, ys = lax.scan(body, 1.0, xs)
+
+            @jax.jit
+            def inner(z):
+                def step(i, acc):                     # c is used only by this loop
+                    c.value = c.value + 1
+                    return acc + c.value
+                return lax.fori_loop(0, 3, step, z)
+            out = inner(ys.sum())
+
+            def writes(y):
+                b.value = b.value - y
+                return y
+
+            def reads(y):
+                return y + b.value.sum()
+            out = lax.cond(out > 100, writes, reads, out)
+
+            def grow(i):
+                a.value = a.value + 1
+                return i + 1
+            n = lax.while_loop(lambda i: a.value.sum() < 50.0, grow, 0)
+            return out + ys.sum() + n
+
+        xs = jnp.arange(12.0).reshape(4, 3) / 5
+        start = {st: st.value for st in (a, b, c)}
+
+        def run(sf):
+            for st, v in start.items():
+                st.value = v
+            return [sf(xs)] + [st.value for st in (a, b, c)]
+
+        got = _by_renaming(self, lambda: run(StatefulFunction(f)))
+        # What the same program computes with the States as plain values.
+        av, bv, cv = start[a], start[b], start[c]
+        ys, carry = [], 1.0
+        for x in xs:
+            av = av * 0.5 + av * x
+            bv = (x + carry) * av
+            ys.append(av.sum() + bv.sum())
+            carry = carry + cv
+        out = sum(ys)
+        for _ in range(3):
+            cv = cv + 1
+            out = out + cv
+        if out > 100:
+            bv = bv - out
+        else:
+            out = out + bv.sum()
+        n = 0
+        while av.sum() < 50.0:
+            av, n = av + 1, n + 1
+        for x, y in zip(got, [out + sum(ys) + n, av, bv, cv]):
+            np.testing.assert_allclose(x, y, rtol=1e-5)
+
     def test_whole_ref_reads_and_writes_go_straight_into_the_trace(self):
         """Where JAX's jaxpr trace takes equations directly, a Ref's get and
         swap skip ref_get / ref_set and bind, and give the same program."""
