@@ -286,8 +286,9 @@ def _read_ref(ref):
 
 
 def _write_ref(ref, value) -> None:
-    """Sets the whole of ``ref`` to ``value``, traced."""
-    if _STAGE_REFS and _staged(_swap_p, (ref, value)) is not None:
+    """Sets the whole of ``ref`` to ``value``, traced.  (A value that is no
+    tracer, e.g. a Python scalar, is bound: bind makes it a JAX array.)"""
+    if _STAGE_REFS and isinstance(value, Tracer) and _staged(_swap_p, (ref, value)) is not None:
         return
     _ref_set(ref, (), value)
 

@@ -1540,12 +1540,15 @@ class NestedWriteTest(unittest.TestCase):
                           'DynamicJaxprTrace.to_jaxpr_tracer or no stackless tracing)')
         s = State(jnp.zeros(3), name='st_s')
         t = State({'u': jnp.ones(2), 'v': jnp.int32(1)}, name='st_t')
+        k = State(jnp.float32(0.0), name='st_k')
 
         def f(xs):
             def body(carry, x):
                 s.value = s.value + x
                 t.value = {'u': t.value['u'] * 2, 'v': t.value['v'] + 1}
-                return carry, s.value.sum() + t.value['u'].sum()
+                k.value = 2.0                        # a Python scalar,
+                s.value = np.ones(3, np.float32)      # a NumPy array
+                return carry, s.value.sum() + t.value['u'].sum() + k.value
             return lax.scan(body, 0.0, xs)[1]
 
         xs = jnp.ones((4, 3))
@@ -1556,8 +1559,10 @@ class NestedWriteTest(unittest.TestCase):
             return real(primitive, args)
         with mock.patch.object(sj, '_staged', spy):
             fast = str(StatefulFunction(f).get_jaxpr(xs))
-        # s read twice, t three times (two leaves each); s written once, t once
-        self.assertEqual((staged.count('get'), staged.count('swap')), (8, 3))
+        # reads: s twice, t three times (two leaves each), k once; writes of
+        # tracers: s once, t once (two leaves); the Python scalar and the
+        # NumPy array are bound (bind makes them JAX arrays)
+        self.assertEqual((staged.count('get'), staged.count('swap')), (9, 3))
         with mock.patch.object(sj, '_STAGE_REFS', False):
             bound = str(StatefulFunction(f).get_jaxpr(xs))
         self.assertEqual(fast, bound)
