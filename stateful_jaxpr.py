@@ -245,21 +245,29 @@ _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__ve
 
 
 # Whole-Ref reads and writes.  ``ref_get`` / ``ref_set`` normalise and flatten
-# indexers, and ``bind`` looks the trace up: a third of the cost of a get in a
-# scan body.  Inside a jaxpr trace the equation goes straight to the trace's
-# ``default_process_primitive`` (0.4.38 ..; given the source info from 0.6)
-# with the params ``ref_get(ref, ())`` binds there, no transforms.  What
-# ``process_primitive`` adds does not apply to them: get and swap have no
-# staging rule, are not "high" on arrays, and a Ref argument is never a
-# constant.  Elsewhere (0.4.30, 0.4.35, whose ``ref_get(ref, ())`` indexes;
-# under grad or vmap) they are bound as before.
+# indexers, ``bind`` finds the trace, and the trace redoes the primitive's
+# abstract evaluation (uncached for get and swap up to 0.9): half of what a
+# State's read and write cost in a scan body.  Inside a jaxpr trace the
+# equation is emitted straight (``DynamicJaxprTrace.emit_eqn``, 0.7.2 ..) with
+# the params ``ref_get(ref, ())`` binds, no transforms, and the out aval and
+# effects of the primitive's own abstract evaluation, cached per avals as JAX
+# caches it from 0.10.  What the trace's ``process_primitive`` would add does
+# not apply: get and swap have no staging, folding or forwarding rule, are
+# not "high" on arrays, and take no constants (a Ref is a tracer, and a value
+# that is none is bound).  Elsewhere (before 0.7.2; under grad or vmap) they
+# are bound.
 _get_p = _probe('jax._src.state.primitives:get_p')      # all releases
 _swap_p = _probe('jax._src.state.primitives:swap_p')    # all releases
-_to_jaxpr_tracer = _probe(                               # 0.4.38 ..
-    'jax._src.interpreters.partial_eval:DynamicJaxprTrace.to_jaxpr_tracer')
-_STAGE_TAKES_SOURCE_INFO = _takes(_to_jaxpr_tracer, 'source_info')   # 0.6 ..
-_STAGE_REFS = _STACKLESS and None not in (_to_jaxpr_tracer, _get_p, _swap_p, _JaxprTrace)
+_emit_eqn = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.emit_eqn')  # 0.7.2 ..
+_STAGE_REFS = (_STACKLESS and _takes(_emit_eqn, 'effects')
+               and None not in (_get_p, _swap_p, _JaxprTrace))
 _WHOLE_REF = {'tree': jax.tree_util.tree_structure(())}
+
+
+@functools.lru_cache(maxsize=1024)
+def _whole_ref_type(primitive, *avals):
+    """``(out_aval, effects)`` of ``primitive`` on whole Refs, for ``avals``."""
+    return primitive.abstract_eval(*avals, **_WHOLE_REF)
 
 
 def _staged(primitive, args):
@@ -268,12 +276,10 @@ def _staged(primitive, args):
     trace = _src_core.trace_ctx.trace
     if type(trace) is not _JaxprTrace:
         return None
-    if _STAGE_TAKES_SOURCE_INFO:
-        src = _siu.current()
-        return trace.default_process_primitive(
-            primitive, [trace.to_jaxpr_tracer(a, src) for a in args], _WHOLE_REF, src)
-    return trace.default_process_primitive(
-        primitive, [trace.to_jaxpr_tracer(a) for a in args], _WHOLE_REF)
+    src = _siu.current()
+    tracers = [trace.to_jaxpr_tracer(a, src) for a in args]
+    out_aval, effects = _whole_ref_type(primitive, *(t.aval for t in tracers))
+    return trace.emit_eqn(tracers, [out_aval], primitive, _WHOLE_REF, effects, src)[0]
 
 
 def _read_ref(ref):
@@ -732,7 +738,9 @@ class State(_StateSurface):
         """Hook for subclasses that restrict what a value may be."""
 
     def _check_assignment(self, v) -> None:
-        if isinstance(v, State) or any(isinstance(x, State) for x in _leaves(v)):
+        # (A tracer, the common value while tracing, is a leaf: no tree walk.)
+        if not isinstance(v, Tracer) and (
+                isinstance(v, State) or any(isinstance(x, State) for x in _leaves(v))):
             raise ValueError(
                 f'cannot assign a State as the value of {self._describe()}; '
                 'assign its value instead: target.value = other.value')
@@ -1981,7 +1989,8 @@ class _TraceFrame(StateTraceStack):
         self._epoch = _TraceEpoch()
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
-        self.final_reads: list = []             # see _final()
+        self.final_reads: list = []             # (output position, Ref number): finish()
+        self.placeholders: dict = {}            # aval -> its placeholder input: _final()
         self._ref_numbers: dict = {}            # id(cell) -> its first Ref's number
         self._n_refs = 0
         self.lifted: list = []                  # (state, treedef, avals) per lift
@@ -2005,7 +2014,7 @@ class _TraceFrame(StateTraceStack):
         self.lifted.append((state, treedef, avals))
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        known = state in self._hints.ref_states
+        known = bool(self._hints.ref_states) and state in self._hints.ref_states
         if known or (self._hints.speculate and _current_trace_id() is not self._jax_trace):
             if not known:
                 self._speculated.append(state)
@@ -2023,9 +2032,17 @@ class _TraceFrame(StateTraceStack):
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
-        values = [self._values[id(self.states[i])] for i in returned]
-        values = [self._final(v) if type(v) is _RefCell else v for v in values]
-        state_leaves, state_tree = jax.tree_util.tree_flatten(values)
+        values, state_leaves = [], []
+        for i in returned:
+            value = self._values[id(self.states[i])]
+            if type(value) is _RefCell:
+                leaves = self._final(value, len(out_leaves) + len(state_leaves))
+                value = jax.tree_util.tree_unflatten(value.treedef, leaves)
+            else:
+                leaves = _leaves(value)
+            values.append(value)
+            state_leaves.extend(leaves)
+        state_tree = jax.tree_util.tree_structure(values)
         # (out, one entry per state, None where not returned): the structure
         # brainstate's jaxpr_call and out_treedef expose.
         part = [None] * len(self.states)
@@ -2036,15 +2053,18 @@ class _TraceFrame(StateTraceStack):
                            full_tree=jax.tree_util.tree_structure((out, tuple(part))))
         return out_leaves + state_leaves
 
-    def _final(self, cell: '_RefCell'):
-        """A state's final value where it is held as Refs: placeholders, new
-        last jaxpr inputs that the discharge replaces by the Refs' final
-        values (``final_reads`` numbers those Refs among the Ref inputs).
-        Reading the Refs instead would cost a traced read each."""
+    def _final(self, cell: '_RefCell', position: int) -> list:
+        """The output leaves, from ``position`` on, of a state held as Refs:
+        placeholders, one new last jaxpr input per aval, that the discharge
+        replaces by the Refs' final values (``final_reads`` pairs each output
+        position with its Ref's number among the Ref inputs).  Reading the
+        Refs instead would cost a traced read each."""
         first = self._ref_numbers[id(cell)]
-        self.final_reads.extend(range(first, first + len(cell.refs)))
-        return jax.tree_util.tree_unflatten(
-            cell.treedef, [_new_arg(self._builder, a) for a in cell.avals])
+        self.final_reads.extend((position + j, first + j) for j in range(len(cell.refs)))
+        for aval in cell.avals:
+            if aval not in self.placeholders:
+                self.placeholders[aval] = _new_arg(self._builder, aval)
+        return [self.placeholders[aval] for aval in cell.avals]
 
     def traced(self, closed, out_avals) -> _Traced:
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype) for a in avals))
@@ -2251,20 +2271,19 @@ class _Unhandled(Exception):
     """A Ref use the renaming discharge leaves to JAX's."""
 
 
-def _fast_discharge(closed: ClosedJaxpr, final_reads=()) -> ClosedJaxpr:
-    """``closed`` with its Ref inputs made values, and each of its last
-    ``len(final_reads)`` inputs (placeholders) replaced, where it is an
-    output, by the final value of the Ref it names (the ``final_reads[i]``-th
-    Ref input)."""
+def _fast_discharge(closed: ClosedJaxpr, final_reads=(), placeholders: int = 0) -> ClosedJaxpr:
+    """``closed`` with its Ref inputs made values, without its last
+    ``placeholders`` inputs, and each output at position ``p`` of a pair
+    ``(p, k)`` in ``final_reads`` the final value of its ``k``-th Ref input."""
     if _RefEffect is None or _InputEffect is None:   # (a JAX without them: its own discharge)
         raise _Unhandled
     jaxpr = closed.jaxpr
     refs = [i for i, v in enumerate(jaxpr.invars) if isinstance(v.aval, _ref_aval)]
     body, written = _discharge_body(jaxpr, refs)
-    cut = len(jaxpr.invars) - len(final_reads)
-    finals = {v: written.get(refs[k], body.invars[refs[k]])
-              for v, k in zip(jaxpr.invars[cut:], final_reads)}
-    outvars = [finals.get(v, v) if isinstance(v, Var) else v for v in body.outvars]
+    outvars = list(body.outvars)
+    for p, k in final_reads:
+        outvars[p] = written.get(refs[k], body.invars[refs[k]])
+    cut = len(jaxpr.invars) - placeholders
     return body.close(closed.consts, body.invars[:cut], outvars, like=jaxpr)
 
 
@@ -2514,12 +2533,13 @@ def _refused_ref(err: BaseException) -> bool:
     return 'Ref' in text or 'Effect' in text
 
 
-def _discharge_cells(closed: ClosedJaxpr, cells, final_reads) -> ClosedJaxpr:
+def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int) -> ClosedJaxpr:
     """Turns a jaxpr with Ref inputs into the pure one with value inputs and
-    the same outputs, the placeholders of ``final_reads`` (see
-    :meth:`_TraceFrame.finish`) replaced by the final values they stand for."""
+    the same outputs, but for the ``final_reads`` (see :meth:`_TraceFrame._final`):
+    the final values of the Refs they name, instead of the last
+    ``placeholders`` inputs, which go."""
     try:
-        return _fast_discharge(closed, final_reads)
+        return _fast_discharge(closed, final_reads, placeholders)
     except _Unhandled:
         pass
     described = ', '.join(c.state._describe() for c in cells)
@@ -2531,9 +2551,10 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads) -> ClosedJaxpr:
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
     # JAX's discharge appends each Ref's final value to the outputs, in order.
-    n, cut = len(closed.jaxpr.outvars), len(closed.jaxpr.invars) - len(final_reads)
-    finals = {v: pure.jaxpr.outvars[n + k] for v, k in zip(pure.jaxpr.invars[cut:], final_reads)}
-    outvars = [finals.get(v, v) if isinstance(v, Var) else v for v in pure.jaxpr.outvars[:n]]
+    n, cut = len(closed.jaxpr.outvars), len(closed.jaxpr.invars) - placeholders
+    outvars = list(pure.jaxpr.outvars[:n])
+    for p, k in final_reads:
+        outvars[p] = pure.jaxpr.outvars[n + k]
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
@@ -2677,7 +2698,9 @@ def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
             raise _Retrace
         closed = _close(jaxpr, consts)
         if frames[-1].cells:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, frames[-1].cells, frames[-1].final_reads)
+            frame = frames[-1]
+            closed = _discharge_cells(closed, frame.cells, frame.final_reads,
+                                      len(frame.placeholders))
     return frames[-1].traced(closed, out_avals)
 
 

@@ -1534,10 +1534,11 @@ class NestedWriteTest(unittest.TestCase):
 
     def test_whole_ref_reads_and_writes_go_straight_into_the_trace(self):
         """Where JAX's jaxpr trace takes equations directly, a Ref's get and
-        swap skip ref_get / ref_set and bind, and give the same program."""
+        swap skip ref_get / ref_set and bind, and give the same program
+        (checked by jax_enable_checks too, in the WithChecks run)."""
         if not sj._STAGE_REFS:
-            self.skipTest(f'JAX {jax.__version__} binds Ref reads and writes (no '
-                          'DynamicJaxprTrace.to_jaxpr_tracer or no stackless tracing)')
+            self.skipTest(f'JAX {jax.__version__} binds Ref reads and writes (its jaxpr '
+                          'trace has no emit_eqn)')
         s = State(jnp.zeros(3), name='st_s')
         t = State({'u': jnp.ones(2), 'v': jnp.int32(1)}, name='st_t')
         k = State(jnp.float32(0.0), name='st_k')
