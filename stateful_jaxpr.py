@@ -4155,24 +4155,26 @@ def _explain_flag(value):
 
 def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` differs from ``old``;
-    ``labels`` are ``new``'s argument labels."""
-    found = []
-    olds, news = dict(_static_items(old)), dict(_static_items(new))
-    for label in dict.fromkeys(list(olds) + list(news)):
-        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
-        if a != b:
-            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
+    ``labels`` are ``new``'s argument labels (None: causes only, no lines)."""
+    found, text = [], labels is not None
+    if old['static_args'] != new['static_args'] or old['static_kwargs'] != new['static_kwargs']:
+        olds, news = dict(_static_items(old)), dict(_static_items(new))
+        for label in dict.fromkeys(list(olds) + list(news)):
+            a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
+            if a != b:
+                shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
+                line = f'{label}: {shown[0]} -> {shown[1]}' if text else ''
+                found.append(('static argument', line))
     offset = 0
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
         if tree_a != tree_b:
             found.append(('argument structure',
-                          f'{what} argument structure: {tree_a} -> {tree_b}'))
-        else:
+                          f'{what} argument structure: {tree_a} -> {tree_b}' if text else ''))
+        elif sigs_a != sigs_b:
             found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
-                       f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
-                      if a != b]
+                       f'{_sig_text(*b)}' if text else '')
+                      for i, (a, b) in enumerate(zip(sigs_a, sigs_b)) if a != b]
         offset += len(sigs_b)
     return found
 
@@ -4201,13 +4203,15 @@ def _note_miss(sf, key, stale, entry) -> None:
     with sf._cache._lock:
         cached = list(sf._cache._data.items())   # least recently used first
         first = not sf._miss_causes
+    enabled = sf.explain_cache_misses
+    explain = not first and (_explain_default[0] if enabled is None else enabled)
     if first:
         found, near = [('first trace', '')], None
     elif stale is not None:
         near = key
         found = _state_differences(stale.traced, entry.traced)
     else:
-        labels, best = _arg_labels(key), None
+        labels, best = _arg_labels(key) if explain else None, None
         for old_key, old in cached:   # the fewest differences; ties: most recently used
             diff = _key_differences(old_key, key, labels)
             if best is None or len(diff) <= len(best[2]):
@@ -4222,8 +4226,7 @@ def _note_miss(sf, key, stale, entry) -> None:
     with sf._cache._lock:
         for cause in causes:
             sf._miss_causes[cause] = sf._miss_causes.get(cause, 0) + 1
-    enabled = sf.explain_cache_misses
-    if first or not (_explain_default[0] if enabled is None else enabled):
+    if not explain:
         return
     nearest = 'none' if near is None else f'({_key_summary(near)})'
     lines = '\n'.join(f'  - {line}' for _, line in found if line) or \

@@ -7055,6 +7055,29 @@ class ExplainCacheMissesTest(unittest.TestCase):
         sf.clear_cache()
         self.assertEqual(sf.get_cache_stats()['miss_causes'], {})
 
+    def test_causes_are_counted_with_explanations_off(self):
+        """Without explanations the causes are still counted, each as with them."""
+        w = State(jnp.ones(3), name='w_off')
+        extra = State(jnp.zeros(()), name='extra_off')
+
+        def f(x, mode='a', *, scale):
+            if mode == 'b':
+                extra.value = extra.value + 1
+            return (x['p'].sum() * w.value * scale).sum()
+
+        sf = StatefulFunction(f, static_argnames='mode', explain_cache_misses=False)
+        with self.assertNoLogs('stateful_jaxpr'):
+            sf({'p': jnp.ones(3)}, scale=2.0)
+            sf({'p': jnp.ones(3)}, scale=jnp.float32(2))
+            sf({'p': jnp.ones(3)}, mode='b', scale=2.0)
+            sf({'p': jnp.ones(4)}, scale=2.0)
+            w.value = jnp.ones(4)
+            sf({'p': jnp.ones(4)}, scale=2.0)
+            sf({'p': jnp.ones(4), 'q': 0.0}, scale=2.0)
+        self.assertEqual(sf.get_cache_stats()['miss_causes'], {
+            'first trace': 1, 'argument shape/dtype': 2, 'static argument': 1, 'new state': 1,
+            'state shape/dtype': 1, 'argument structure': 1})
+
     def test_vanished_state(self):
         a, b = State(jnp.zeros(()), name='a'), State(jnp.zeros(()), name='b')
         sf = StatefulFunction(lambda x, use_b: x + (b.value if use_b else a.value),
