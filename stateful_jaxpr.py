@@ -265,6 +265,12 @@ _WHOLE_REF = {'tree': jax.tree_util.tree_structure(())}
 
 
 @functools.lru_cache(maxsize=1024)
+def _ref_type(aval):
+    """The aval of a Ref holding ``aval`` (built once: its constructor copies ``aval``)."""
+    return _ref_aval(aval)
+
+
+@functools.lru_cache(maxsize=1024)
 def _whole_ref_type(primitive, *avals):
     """``(out_aval, effects)`` of ``primitive`` on whole Refs, for ``avals``."""
     return primitive.abstract_eval(*avals, **_WHOLE_REF)
@@ -315,9 +321,21 @@ try:
 except (TypeError, ValueError):                         # (no Python signature)
     _VAR_TAKES_SUFFIX = False
 _RefEffect = _probe('jax._src.state.types:RefEffect')           # all releases
+_ReadEffect = _probe('jax._src.state.types:ReadEffect')         # all releases
 _InputEffect = _probe('jax._src.effects:JaxprInputEffect')      # all releases
 _JIT_LAYOUT = ('jaxpr', 'in_shardings', 'out_shardings', 'in_layouts', 'out_layouts')
 _WHILE_LAYOUT = ('cond_jaxpr', 'body_jaxpr', 'cond_nconsts', 'body_nconsts')   # all releases
+
+
+def _effect_input(effect, jaxpr):
+    """The input of ``jaxpr`` (a constvar or invar) that a Ref effect of
+    ``jaxpr`` is on: numbered by ``input_index``, constvars first, up to 0.9;
+    the variable itself (``input``) from 0.10."""
+    inputs = [*jaxpr.constvars, *jaxpr.invars]
+    at = getattr(effect, 'input_index', None)
+    if at is not None:
+        return inputs[at]
+    return getattr(effect, 'input', None)
 
 
 def _fresh_var(aval):
@@ -2018,7 +2036,7 @@ class _TraceFrame(StateTraceStack):
         if known or (self._hints.speculate and _current_trace_id() is not self._jax_trace):
             if not known:
                 self._speculated.append(state)
-            cell = _RefCell(state, [_new_arg(self._builder, _ref_aval(a)) for a in avals],
+            cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
                             treedef, avals)
             self._ref_numbers[id(cell)] = self._n_refs
             self._n_refs += len(avals)
@@ -2533,6 +2551,39 @@ def _refused_ref(err: BaseException) -> bool:
     return 'Ref' in text or 'Effect' in text
 
 
+def _nested_jaxprs(params) -> list:
+    """The jaxprs among the values of an equation's ``params``."""
+    found = []
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
+
+
+def _loop_condition_reads_a_write(jaxpr) -> bool:
+    """Whether a while loop in ``jaxpr`` (or in a jaxpr inside it) has a
+    condition that reads a Ref its body writes.  JAX's own discharge gives
+    such a condition the value from before the loop on 0.7 .. 0.12 (the loop
+    never ends or ends wrongly) and refuses it before."""
+    for eqn in jaxpr.eqns:
+        params = eqn.params
+        if eqn.primitive.name == 'while' and all(k in params for k in _WHILE_LAYOUT):
+            n_cond, n_body = params['cond_nconsts'], params['body_nconsts']
+            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
+            body = params['body_jaxpr'].jaxpr
+            consts = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
+            written = {consts.get(_effect_input(e, body)) for e in body.effects
+                       if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
+            if read & written:
+                return True
+        if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(params)):
+            return True
+    return False
+
+
 def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int) -> ClosedJaxpr:
     """Turns a jaxpr with Ref inputs into the pure one with value inputs and
     the same outputs, but for the ``final_reads`` (see :meth:`_TraceFrame._final`):
@@ -2543,6 +2594,14 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int)
     except _Unhandled:
         pass
     described = ', '.join(c.state._describe() for c in cells)
+    if _ReadEffect is not None and _loop_condition_reads_a_write(closed.jaxpr):
+        raise _CannotDischarge(
+            f'a lax.while_loop condition reads a State its body writes, among {described}, '
+            f'in a program that JAX {jax.__version__} must discharge itself (it writes a State '
+            'inside a transformation other than scan, while_loop, cond or jit, or a Ref went '
+            'through jax.grad / jax.vmap), and JAX would give that condition the value from '
+            'before the loop.  Compute the condition from the loop carry instead (carry the '
+            "State's value or the test)")
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
@@ -3606,17 +3665,6 @@ def _lane_axis(axis: int, aval, error: Callable) -> int:
 def _lane_aval(aval, axis: int):
     shape = tuple(aval.shape)
     return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
-
-
-def _nested_jaxprs(params) -> list:
-    found = []
-    for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
 
 
 def _uses_axis_index(jaxpr) -> bool:

@@ -1532,6 +1532,36 @@ class NestedWriteTest(unittest.TestCase):
         for x, y in zip(got, [out + sum(ys) + n, av, bv, cv]):
             np.testing.assert_allclose(x, y, rtol=1e-5)
 
+    def test_jax_discharge_is_not_given_a_loop_condition_reading_a_write(self):
+        """Where the program goes to JAX's own discharge, a while loop whose
+        condition reads a State its body writes is refused with a clear
+        error (JAX would give the condition the value from before the loop,
+        and the loop would never end); one whose condition reads only the
+        carry is discharged."""
+        total = State(jnp.zeros(2), name='jd_total')
+
+        def reads_state(limit):
+            def body(i):
+                total.value = total.value + 1.0
+                return i + 1
+            return lax.while_loop(lambda i: total.value.sum() < limit, body, 0)
+
+        def reads_carry(limit):
+            def body(i):
+                total.value = total.value + 1.0
+                return i + 1
+            return lax.while_loop(lambda i: i < limit, body, 0)
+
+        def refuse(*args):
+            raise sj._Unhandled
+        with mock.patch.object(sj, '_fast_discharge', refuse):
+            with self.assertRaisesRegex(TraceContextError,
+                                        'while_loop condition reads a State its body writes'):
+                StatefulFunction(reads_state)(10.0)
+            np.testing.assert_array_equal(total.value, [0.0, 0.0])
+            self.assertEqual(int(StatefulFunction(reads_carry)(3)), 3)
+        np.testing.assert_array_equal(total.value, [3.0, 3.0])
+
     def test_whole_ref_reads_and_writes_go_straight_into_the_trace(self):
         """Where JAX's jaxpr trace takes equations directly, a Ref's get and
         swap skip ref_get / ref_set and bind, and give the same program
