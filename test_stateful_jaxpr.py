@@ -7037,6 +7037,15 @@ class PrettyJaxprTest(unittest.TestCase):
         self.assertEqual(repr(sf), "StatefulFunction('add', entries=1)")
 
 
+def _mode_program(w, extra):
+    """f(x, mode='a', *, scale): reads ``w``; with mode='b' also writes ``extra``."""
+    def f(x, mode='a', *, scale):
+        if mode == 'b':
+            extra.value = extra.value + 1
+        return (x['p'].sum() * w.value * scale).sum()
+    return f
+
+
 class ExplainCacheMissesTest(unittest.TestCase):
 
     def setUp(self):
@@ -7052,13 +7061,8 @@ class ExplainCacheMissesTest(unittest.TestCase):
         w = State(jnp.ones(3), name='w')   # site: explained w
         extra = State(jnp.zeros(()), name='extra')
         site = f'{__file__}:{_line_of("# site: explained w")}'
-
-        def f(x, mode='a', *, scale):
-            if mode == 'b':
-                extra.value = extra.value + 1
-            return (x['p'].sum() * w.value * scale).sum()
-
-        sf = StatefulFunction(f, static_argnames='mode', explain_cache_misses=True)
+        sf = StatefulFunction(_mode_program(w, extra), static_argnames='mode',
+                              explain_cache_misses=True)
         with self.assertNoLogs('stateful_jaxpr'):
             sf({'p': jnp.ones(3)}, scale=2.0)                   # the first trace
             sf({'p': jnp.ones(3)}, scale=2.0)                   # a hit
@@ -7089,13 +7093,8 @@ class ExplainCacheMissesTest(unittest.TestCase):
         """Without explanations the causes are still counted, each as with them."""
         w = State(jnp.ones(3), name='w_off')
         extra = State(jnp.zeros(()), name='extra_off')
-
-        def f(x, mode='a', *, scale):
-            if mode == 'b':
-                extra.value = extra.value + 1
-            return (x['p'].sum() * w.value * scale).sum()
-
-        sf = StatefulFunction(f, static_argnames='mode', explain_cache_misses=False)
+        sf = StatefulFunction(_mode_program(w, extra), static_argnames='mode',
+                              explain_cache_misses=False)
         with self.assertNoLogs('stateful_jaxpr'):
             sf({'p': jnp.ones(3)}, scale=2.0)
             sf({'p': jnp.ones(3)}, scale=jnp.float32(2))
