@@ -1268,6 +1268,14 @@ class StateTraceStack(_StackSurface):
                 self._touch(state, original, written)
         return self
 
+    def _record_copy(self) -> 'StateTraceStack':
+        """A plain stack recording what this one recorded (``merge`` into a
+        fresh stack, without a touch per state)."""
+        copy = StateTraceStack(name=self.name)
+        copy.states, copy.been_writen = list(self.states), list(self.been_writen)
+        copy._index, copy._originals = dict(self._index), list(self._originals)
+        return copy
+
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
         """A new stack holding the states of both."""
         return StateTraceStack().merge(self, other)
@@ -2090,7 +2098,7 @@ class _TraceFrame(StateTraceStack):
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
                        states=tuple(self.states),
                        state_sigs=tuple(sigs[id(s)] for s in self.states),
-                       trace_stack=StateTraceStack(name=self.name).merge(self),
+                       trace_stack=self._record_copy(),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
 
@@ -2756,11 +2764,15 @@ def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
         if pending:
             raise _Retrace
         closed = _close(jaxpr, consts)
-        if frames[-1].cells:   # (collectives in the jaxpr need the axis names still bound)
-            frame = frames[-1]
+        del jaxpr, consts
+        frame = frames[-1]
+        if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
             closed = _discharge_cells(closed, frame.cells, frame.final_reads,
                                       len(frame.placeholders))
-    return frames[-1].traced(closed, out_avals)
+            # The Ref jaxpr and the cells' tracers go now, not after the
+            # collector resumes: it would scan them once more (~1% of a trace).
+            frame.cells = frame.placeholders = None
+    return frame.traced(closed, out_avals)
 
 
 def _abstracted_tracer(abstracted_axes, split):
@@ -4230,6 +4242,9 @@ def _key_differences(old, new, labels) -> list:
 def _state_differences(old_traced, new_traced) -> list:
     """``(cause, line)`` for States whose shape or dtype changed since
     ``old_traced``, and for States only one of the two traces touches."""
+    if (new_traced.states == old_traced.states
+            and new_traced.state_sigs == old_traced.state_sigs):
+        return []   # (the new trace has just seen every State's current value)
     found = []
     for state, sig in zip(old_traced.states, old_traced.state_sigs):
         now = _value_sig(state._value)
