@@ -3961,6 +3961,7 @@ def _check_mapped(prog):
     values = list(inits)
     expected = []
     steps = 1 if m['unbatched_writes'] else 2
+    maybe = _wseq_states(prog)   # states a lax.cond branch not taken may still write
     with _reference_mode():
         for step in range(steps):
             keys = {i: ref_rngs[i].split_key(n) for i in sorted(used)}
@@ -3981,7 +3982,6 @@ def _check_mapped(prog):
                 lane_states.append(_state_values(states))
             out = jax.tree_util.tree_map(lambda *xs: _stack_lanes(xs, m['out_axis']), *lane_outs)
             new = []
-            maybe = _wseq_states(prog)
             for i, (v, ax) in enumerate(zip(values[:len(states)], axes)):
                 lanes = [ls[i] for ls in lane_states]
                 if ax is not None:
