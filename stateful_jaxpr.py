@@ -2543,11 +2543,58 @@ class _CannotDischarge(TraceContextError):
     """JAX has no discharge rule for a transformation a Ref went through."""
 
 
+def _refuses_state_effects(err: BaseException) -> bool:
+    """Whether ``err`` is a JAX rule refusing a jaxpr with Ref effects: "State
+    effect not supported in vmap-of-cond" (all releases), "... in cond
+    partial-eval" (under jax.grad, before 0.7), "Effects not supported in
+    partial-eval of `checkpoint`/`remat`: [ReadEffect(0)]" (before 0.8)."""
+    text = str(err)
+    return isinstance(err, NotImplementedError) and (
+        'State effect not supported' in text
+        or ('Effects not supported' in text and 'Effect(' in text))
+
+
+def _explain_ref_refusal(err: BaseException, ref_states) -> None:
+    """Raises a TraceContextError naming ``ref_states`` (the States a trace
+    lifted as Refs, as it writes or may write them inside nested
+    transformations) where ``err`` is JAX refusing such a write; returns
+    otherwise."""
+    described = ', '.join(sorted(s._describe() for s in ref_states))
+    if len(ref_states) > 1:
+        described = f'one of {described}'
+    if _refuses_state_effects(err):
+        raise TraceContextError(
+            f'a State written inside a nested transformation ({described}) goes through one '
+            f'that JAX {jax.__version__} cannot carry it through: "{err}" (a lax.cond under '
+            'jax.vmap; on older releases a lax.cond or jax.checkpoint under jax.grad).  Return '
+            'the value from that transformation and assign it outside, or, under jax.vmap, map '
+            'the function with StatefulMapping instead') from err
+    # JAX's batching and JVP rules for swap (0.6 ..), met where a body is
+    # transformed after it was traced (a loop under jax.vmap, a jax.checkpoint
+    # under jax.grad) rather than at the write.
+    text = str(err)
+    if 'vmapped value on an unbatched' in text:
+        raise TraceContextError(
+            f'a State written inside a nested transformation ({described}) is given a value '
+            'that varies across jax.vmap lanes, which an unbatched State cannot hold: map the '
+            'function with StatefulMapping instead, or return the value from the '
+            'transformation and assign it outside') from err
+    if 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
+        # (before 0.7 JAX trips over the Ref's zero tangent instead)
+        raise TraceContextError(
+            f'a State written inside a nested transformation ({described}) is given a value '
+            'that carries a gradient, inside a transformation JAX differentiates as a whole '
+            '(such as a jax.checkpoint function under jax.grad).  Return the value from that '
+            'transformation and assign it outside') from err
+
+
 def _refused_ref(err: BaseException) -> bool:
     """Whether ``err`` is how JAX refuses a Ref somewhere (rather than an
     error of the traced function): a closure it cannot convert (custom_jvp
     before 0.4.36), an attribute Refs lack (shard_map), a Ref's read effect
-    where none may be (custom_jvp under jax_enable_checks, 0.4.38 .. 0.6),
+    where none may be (custom_jvp under jax_enable_checks, 0.4.38 .. 0.6), a
+    rule that refuses Ref effects ("State effect not supported in ...": a
+    lax.cond under jax.vmap, all releases, or under jax.grad before 0.7),
     no discharge rule."""
     if isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge)):
         return True
@@ -2556,7 +2603,7 @@ def _refused_ref(err: BaseException) -> bool:
         return False   # (a traced value used as a Python one is the function's bug)
     # JAX appends where a tracer came from, which may name _RefCell's methods.
     text = str(err).split('The error occurred while tracing')[0]
-    return 'Ref' in text or 'Effect' in text
+    return 'Ref' in text or 'Effect' in text or _refuses_state_effects(err)
 
 
 def _nested_jaxprs(params) -> list:
@@ -2592,6 +2639,22 @@ def _loop_condition_reads_a_write(jaxpr) -> bool:
     return False
 
 
+def _rematerialized_write(jaxpr) -> bool:
+    """Whether a function under ``jax.checkpoint`` and differentiation (an
+    equation with ``differentiated=True``, in ``jaxpr`` or a jaxpr inside it)
+    writes a Ref.  JAX runs such a function once for the primal and again to
+    rematerialize it, its writes included, so the State would be written
+    twice (0.8 ..; before, JAX refuses the effect)."""
+    for eqn in jaxpr.eqns:
+        if eqn.params.get('differentiated') is True and any(
+                isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)
+                for e in eqn.effects):
+            return True
+        if any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params)):
+            return True
+    return False
+
+
 def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int) -> ClosedJaxpr:
     """Turns a jaxpr with Ref inputs into the pure one with value inputs and
     the same outputs, but for the ``final_reads`` (see :meth:`_TraceFrame._final`):
@@ -2610,6 +2673,12 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int)
             'through jax.grad / jax.vmap), and JAX would give that condition the value from '
             'before the loop.  Compute the condition from the loop carry instead (carry the '
             "State's value or the test)")
+    if _ReadEffect is not None and _rematerialized_write(closed.jaxpr):
+        raise _CannotDischarge(
+            f'a State among {described} is written inside a jax.checkpoint function that is '
+            'differentiated (jax.grad / jax.vjp / jax.linearize): JAX runs that function again '
+            'to rematerialize it, so the write would happen twice.  Write the State outside '
+            'the checkpointed function (return the value from it and assign it after)')
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
@@ -2674,8 +2743,9 @@ class _TraceHints:
     straight away (*speculatively*): it is usually written there too (a scan
     carry kept in a State), and so the trace needs neither the abort nor the
     isolated retrace.  Where JAX cannot take a Ref (a transformation without
-    a discharge rule, e.g. jax.checkpoint before 0.7), the trace fails inside
-    JAX and is redone without speculation, for good.
+    a discharge rule, e.g. jax.checkpoint before 0.7; a rule refusing Ref
+    effects, e.g. lax.cond under jax.vmap), the trace fails inside JAX and is
+    redone without speculation, for good, and isolated.
     """
     __slots__ = ('ref_states', 'isolate', 'speculate')
 
@@ -2722,11 +2792,19 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             continue   # (the finally clause records what it found)
         except Exception as err:
             if speculated and _refused_ref(err):
-                hints.speculate = False   # trace as before: abort at nested writes
+                # Trace as before (abort at nested writes), and isolated: JAX
+                # may have cached a body it traced with a Ref inside.  (An
+                # UnexpectedTracerError isolates the next trace if it recurs.)
+                hints.speculate = False
+                if not isinstance(err, jax.errors.UnexpectedTracerError):
+                    hints.isolate = True
                 continue
             if isinstance(err, jax.errors.UnexpectedTracerError) and not isolated:
                 hints.isolate = True
                 continue
+            lifted = {*hints.ref_states, *speculated}
+            if lifted:
+                _explain_ref_refusal(err, lifted)
             raise
         finally:
             # Also when the function raised: the next trace starts informed.
