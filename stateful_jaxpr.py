@@ -2576,9 +2576,11 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
     if 'vmapped value on an unbatched' in text:
         raise TraceContextError(
             f'a State written inside a nested transformation ({described}) is given a value '
-            'that varies across jax.vmap lanes, which an unbatched State cannot hold: map the '
-            'function with StatefulMapping instead, or return the value from the '
-            'transformation and assign it outside') from err
+            'that JAX batches across jax.vmap lanes (one that differs per lane, or any value '
+            'where JAX batches the whole body, as under jax.jacfwd / jax.hessian on recent '
+            'releases), which an unbatched State cannot hold: map the function with '
+            'StatefulMapping instead, or return the value from the transformation and assign '
+            'it outside') from err
     if 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
         # (before 0.7 JAX trips over the Ref's zero tangent instead)
         raise TraceContextError(
