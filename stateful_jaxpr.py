@@ -2565,7 +2565,7 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
     if _refuses_state_effects(err):
         raise TraceContextError(
             f'a State written inside a nested transformation ({described}) goes through one '
-            f'that JAX {jax.__version__} cannot carry it through: "{err}" (a lax.cond under '
+            f'that JAX {jax.__version__} cannot carry it through: "{err}" (e.g. a lax.cond under '
             'jax.vmap; on older releases a lax.cond or jax.checkpoint under jax.grad).  Return '
             'the value from that transformation and assign it outside, or, under jax.vmap, map '
             'the function with StatefulMapping instead') from err

@@ -1842,7 +1842,7 @@ class NestedWriteTest(unittest.TestCase):
         np.testing.assert_allclose(s.value, [2.0, 3.0, 3.0])
         s.value = jnp.float32(2.0)
         sf = StatefulFunction(jax.grad(lane))
-        if tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 7):
+        if _JAX_VERSION >= (0, 7):
             np.testing.assert_allclose(sf(jnp.float32(1.0)), 3.0)
             np.testing.assert_allclose(s.value, 3.0)
         else:
@@ -1893,7 +1893,7 @@ class NestedWriteTest(unittest.TestCase):
                 self.assertFalse(_tracer_in(s))
         # Not differentiated, the checkpointed write runs once.
         s = State(jnp.float32(2.0), name='gc_state')
-        if tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 7):
+        if _JAX_VERSION >= (0, 7):
             np.testing.assert_allclose(StatefulFunction(jax.checkpoint(touch))(jnp.float32(1.0)),
                                        3.0)
             np.testing.assert_allclose(s.value, 3.0)
