@@ -2559,35 +2559,34 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
     lifted as Refs, as it writes or may write them inside nested
     transformations) where ``err`` is JAX refusing such a write; returns
     otherwise."""
+    # The last two are JAX's batching and JVP rules for swap (0.6 ..), met
+    # where a body is transformed after it was traced (a loop under jax.vmap,
+    # a jax.checkpoint under jax.grad) rather than at the write; before 0.7
+    # JAX trips over the Ref's zero tangent instead of the latter.
+    text = str(err)
+    if _refuses_state_effects(err):
+        why = (f'goes through one that JAX {jax.__version__} cannot carry it through: "{err}" '
+               '(e.g. a lax.cond under jax.vmap; on older releases a lax.cond or '
+               'jax.checkpoint under jax.grad).  Return the value from that transformation and '
+               'assign it outside, or, under jax.vmap, map the function with StatefulMapping '
+               'instead')
+    elif 'vmapped value on an unbatched' in text:
+        why = ('is given a value that JAX batches across jax.vmap lanes (one that differs per '
+               'lane, or any value where JAX batches the whole body, as under jax.jacfwd / '
+               'jax.hessian on recent releases), which an unbatched State cannot hold: map the '
+               'function with StatefulMapping instead, or return the value from the '
+               'transformation and assign it outside')
+    elif 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
+        why = ('is given a value that carries a gradient, inside a transformation JAX '
+               'differentiates as a whole (such as a jax.checkpoint function under jax.grad).  '
+               'Return the value from that transformation and assign it outside')
+    else:
+        return
     described = ', '.join(sorted(s._describe() for s in ref_states))
     if len(ref_states) > 1:
         described = f'one of {described}'
-    if _refuses_state_effects(err):
-        raise TraceContextError(
-            f'a State written inside a nested transformation ({described}) goes through one '
-            f'that JAX {jax.__version__} cannot carry it through: "{err}" (e.g. a lax.cond under '
-            'jax.vmap; on older releases a lax.cond or jax.checkpoint under jax.grad).  Return '
-            'the value from that transformation and assign it outside, or, under jax.vmap, map '
-            'the function with StatefulMapping instead') from err
-    # JAX's batching and JVP rules for swap (0.6 ..), met where a body is
-    # transformed after it was traced (a loop under jax.vmap, a jax.checkpoint
-    # under jax.grad) rather than at the write.
-    text = str(err)
-    if 'vmapped value on an unbatched' in text:
-        raise TraceContextError(
-            f'a State written inside a nested transformation ({described}) is given a value '
-            'that JAX batches across jax.vmap lanes (one that differs per lane, or any value '
-            'where JAX batches the whole body, as under jax.jacfwd / jax.hessian on recent '
-            'releases), which an unbatched State cannot hold: map the function with '
-            'StatefulMapping instead, or return the value from the transformation and assign '
-            'it outside') from err
-    if 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
-        # (before 0.7 JAX trips over the Ref's zero tangent instead)
-        raise TraceContextError(
-            f'a State written inside a nested transformation ({described}) is given a value '
-            'that carries a gradient, inside a transformation JAX differentiates as a whole '
-            '(such as a jax.checkpoint function under jax.grad).  Return the value from that '
-            'transformation and assign it outside') from err
+    raise TraceContextError(
+        f'a State written inside a nested transformation ({described}) {why}') from err
 
 
 def _refused_ref(err: BaseException) -> bool:
