@@ -92,10 +92,11 @@ __all__ = [
 # 1. Compatibility shims
 #
 # Tracing over States needs what JAX keeps private: new inputs for the jaxpr
-# being traced, the current trace, mutable references, primitive names and
-# ``params`` keys.  Only this section touches them, each through ``_probe``
-# (has JAX the name?) or ``_takes`` (has the function the parameter?), with
-# the releases measured (0.4.30 .. 0.12.0.1) in a comment.
+# being traced, the current trace, mutable references and their discharge,
+# primitive names, ``params`` keys, the texts of a few JAX errors and the
+# layout of a printed jaxpr.  Only this section touches them, each through
+# ``_probe`` (has JAX the name?) or ``_takes`` (has the function the
+# parameter?), with the releases it serves in a comment.
 # =============================================================================
 
 import jax.extend.core as _jex_core               # all releases
@@ -132,6 +133,7 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
+_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')  # all releases
 
 
 def _close(jaxpr, consts):
@@ -166,6 +168,36 @@ def _under_jax_trace() -> bool:
     return len(_src_core.thread_local_state.trace_state.trace_stack.stack) > 1
 
 
+def _trace_path() -> tuple:
+    """``(traces, whole)``: the ids of the current JAX trace and of those it is
+    nested in, innermost first, and whether that is all of them (not so on
+    0.4.36 .. 0.5, where a jit or loop body does not name its parent trace)."""
+    if not _STACKLESS:
+        return [id(t) for t in reversed(_src_core.thread_local_state.trace_state.trace_stack.stack)], True
+    path, trace = [], _src_core.trace_ctx.trace
+    while not isinstance(trace, _src_core.EvalTrace):
+        path.append(id(trace))
+        trace = getattr(trace, 'parent_trace', None)   # every trace from 0.6
+        if trace is None:
+            return path, False
+    return path, True
+
+
+_JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')   # all releases
+
+
+def _drops_ref_tangents(home) -> bool:
+    """Whether a Ref written now, inside a jaxpr trace nested in a JVP trace
+    that is nested in ``home``, would lose its tangent without an error
+    (0.4.30 .. 0.4.35; later releases refuse it)."""
+    if _STACKLESS:
+        return False
+    stack = _src_core.thread_local_state.trace_state.trace_stack.stack
+    above = stack[stack.index(home) + 1:] if home in stack else []
+    return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
+        main.trace_type is _JVPTrace for main in above[:-1])
+
+
 _NEW_ARG_TAKES_SOURCE_INFO = _takes(   # 0.6.1 ..
     _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
 
@@ -177,14 +209,11 @@ def _new_arg(trace, aval):
     return trace.new_arg(aval)
 
 
-# Replaying a cached jaxpr into a jit trace.  ``inline_jaxpr_into_trace``
-# (all releases; ``src``, the call's source info, from 0.6) copies the
-# equations without redoing their abstract evaluation, as jax.jit does for an
-# inlined call: at 1,000 states that is a tenth of a first call.  The copies
-# keep their name stack; the source line they carry is the caller's.
+# Replaying a cached jaxpr into a jit trace: ``inline_jaxpr_into_trace`` (all
+# releases; ``src``, the call's source info, from 0.6) copies the equations
+# without redoing their abstract evaluation, as jax.jit does for an inlined call.
 _inline_jaxpr = _probe('jax._src.interpreters.partial_eval:inline_jaxpr_into_trace')
 _INLINE_TAKES_SRC = _takes(_inline_jaxpr, 'src')
-_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')
 
 
 def _inlined(closed, args):
@@ -198,14 +227,13 @@ def _inlined(closed, args):
     if type(trace) is not _JaxprTrace:
         return None
     owner = trace if _STACKLESS else trace.main
-    jaxpr, consts = closed.jaxpr, closed.consts
-    for arg, var in zip(args, jaxpr.invars):
+    for arg, var in zip(args, closed.jaxpr.invars):
         if not (isinstance(arg, jax.core.Tracer) and _tracer_trace_id(arg) is owner
                 and arg.aval == var.aval):
             return None
     if _INLINE_TAKES_SRC:
-        return _inline_jaxpr(trace, _siu.current(), jaxpr, consts, *args)
-    return _inline_jaxpr(trace, jaxpr, consts, *args)
+        return _inline_jaxpr(trace, _siu.current(), closed.jaxpr, closed.consts, *args)
+    return _inline_jaxpr(trace, closed.jaxpr, closed.consts, *args)
 
 
 # ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..).  ``arg_names=None`` keeps
@@ -234,34 +262,18 @@ def _axis_env(axis_env, feature: str = 'axis_env'):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# Mutable references and the discharge into a pure jaxpr: jax._src.state, all releases.
+# Mutable references and their discharge into a pure jaxpr (jax._src.state,
+# all releases): a State written inside a nested transformation is held as
+# Refs while tracing, and JAX's ``discharge_state`` threads the writes out.
 _ref_aval = _probe('jax._src.state.types:AbstractRef')
 _ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
 _ref_set = _probe('jax._src.state.primitives:ref_set')
 _discharge_state = _probe('jax._src.state.discharge:discharge_state')
-_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state)
+_RefEffect = _probe('jax._src.state.types:RefEffect')
+_ReadEffect = _probe('jax._src.state.types:ReadEffect')
+_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
 _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
-
-
-# Whole-Ref reads and writes.  ``ref_get`` / ``ref_set`` normalise and flatten
-# indexers, ``bind`` finds the trace, and the trace redoes the primitive's
-# abstract evaluation (uncached for get and swap up to 0.9): half of what a
-# State's read and write cost in a scan body.  Inside a jaxpr trace the
-# equation is emitted straight (``DynamicJaxprTrace.emit_eqn``, 0.7.2 ..) with
-# the params ``ref_get(ref, ())`` binds, no transforms, and the out aval and
-# effects of the primitive's own abstract evaluation, cached per avals as JAX
-# caches it from 0.10.  What the trace's ``process_primitive`` would add does
-# not apply: get and swap have no staging, folding or forwarding rule, are
-# not "high" on arrays, and take no constants (a Ref is a tracer, and a value
-# that is none is bound).  Elsewhere (before 0.7.2; under grad or vmap) they
-# are bound.
-_get_p = _probe('jax._src.state.primitives:get_p')      # all releases
-_swap_p = _probe('jax._src.state.primitives:swap_p')    # all releases
-_emit_eqn = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.emit_eqn')  # 0.7.2 ..
-_STAGE_REFS = (_STACKLESS and _takes(_emit_eqn, 'effects')
-               and None not in (_get_p, _swap_p, _JaxprTrace))
-_WHOLE_REF = {'tree': jax.tree_util.tree_structure(())}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -270,120 +282,85 @@ def _ref_type(aval):
     return _ref_aval(aval)
 
 
-@functools.lru_cache(maxsize=1024)
-def _whole_ref_type(primitive, *avals):
-    """``(out_aval, effects)`` of ``primitive`` on whole Refs, for ``avals``."""
-    return primitive.abstract_eval(*avals, **_WHOLE_REF)
-
-
-def _staged(primitive, args):
-    """``primitive`` (get or swap) on ``args`` as an equation of the current
-    jaxpr trace, or None where that is not the current trace."""
-    trace = _src_core.trace_ctx.trace
-    if type(trace) is not _JaxprTrace:
-        return None
-    src = _siu.current()
-    tracers = [trace.to_jaxpr_tracer(a, src) for a in args]
-    out_aval, effects = _whole_ref_type(primitive, *(t.aval for t in tracers))
-    return trace.emit_eqn(tracers, [out_aval], primitive, _WHOLE_REF, effects, src)[0]
-
-
-def _read_ref(ref):
-    """The whole value of ``ref``, traced."""
-    if _STAGE_REFS:
-        out = _staged(_get_p, (ref,))
-        if out is not None:
-            return out
-    return _ref_get(ref, ())
-
-
-def _write_ref(ref, value) -> None:
-    """Sets the whole of ``ref`` to ``value``, traced.  (A value that is no
-    tracer, e.g. a Python scalar, is bound: bind makes it a JAX array.)"""
-    if _STAGE_REFS and isinstance(value, Tracer) and _staged(_swap_p, (ref, value)) is not None:
-        return
-    _ref_set(ref, (), value)
-
-
 def _discharge(closed):
-    """``closed`` made pure: Ref inputs become values, final values extra outputs."""
+    """``closed`` made pure: Ref inputs become values, each Ref's final value an
+    extra output after the original ones."""
     if _DISCHARGE_TAKES_CLOSED:
         return _discharge_state(closed)
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
 
 
-# Rewriting a Ref program by hand (``_fast_discharge``) needs fresh variables,
-# the Ref effects to drop, and the params layout of the equations it rewrites;
-# an equation laid out otherwise goes to ``_discharge``.  Jit lists per-output
-# 'out_shardings' and 'out_layouts' (all releases); scan's layout is below.
-try:
-    _VAR_TAKES_SUFFIX = _takes(Var.__init__, 'suffix')   # Var(suffix, aval) up to 0.6
-except (TypeError, ValueError):                         # (no Python signature)
-    _VAR_TAKES_SUFFIX = False
-_RefEffect = _probe('jax._src.state.types:RefEffect')           # all releases
-_ReadEffect = _probe('jax._src.state.types:ReadEffect')         # all releases
-_InputEffect = _probe('jax._src.effects:JaxprInputEffect')      # all releases
-_JIT_LAYOUT = ('jaxpr', 'in_shardings', 'out_shardings', 'in_layouts', 'out_layouts')
-_WHILE_LAYOUT = ('cond_jaxpr', 'body_jaxpr', 'cond_nconsts', 'body_nconsts')   # all releases
+def _nested_jaxprs(params) -> list:
+    """The jaxprs among the values of an equation's ``params``."""
+    found = []
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
+
+
+def _writes_refs(effects) -> bool:
+    return any(isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect) for e in effects)
 
 
 def _effect_input(effect, jaxpr):
-    """The input of ``jaxpr`` (a constvar or invar) that a Ref effect of
-    ``jaxpr`` is on: numbered by ``input_index``, constvars first, up to 0.9;
-    the variable itself (``input``) from 0.10."""
-    inputs = [*jaxpr.constvars, *jaxpr.invars]
+    """The input of ``jaxpr`` a Ref effect is on: numbered by ``input_index``,
+    constvars first, up to 0.9; the variable itself (``input``) from 0.10."""
     at = getattr(effect, 'input_index', None)
-    if at is not None:
-        return inputs[at]
-    return getattr(effect, 'input', None)
+    return [*jaxpr.constvars, *jaxpr.invars][at] if at is not None else effect.input
 
 
-def _fresh_var(aval):
-    return Var('', aval) if _VAR_TAKES_SUFFIX else Var(aval)
+def _loop_condition_reads_a_write(jaxpr) -> bool:
+    """Whether a while loop in ``jaxpr`` (or a jaxpr inside it) has a condition
+    that reads a Ref its body writes.  JAX's discharge gives such a condition
+    the value from before the loop (0.7 .. 0.12) or refuses it (before)."""
+    for eqn in jaxpr.eqns:
+        p = eqn.params
+        if eqn.primitive.name == 'while' and 'cond_nconsts' in p:   # all releases
+            n_cond, n_body = p['cond_nconsts'], p['body_nconsts']
+            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
+            body = p['body_jaxpr'].jaxpr
+            outer = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
+            if read & {outer.get(_effect_input(e, body)) for e in body.effects
+                       if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}:
+                return True
+        if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(p)):
+            return True
+    return False
 
 
-# A scan's inputs are its consts, carries and scanned-over arrays: counted in
-# 'num_consts' / 'num_carry' up to 0.10 (with a per-input 'linear' up to 0.9),
-# and from 0.11 grouped in 'ft_in' = (consts, carry, xs) and 'ft_out' =
-# (carry, ys), jax._src.flattree trees.
-_ft_pack = _probe('jax._src.flattree:pack')     # 0.11 ..
-_ft_nones = _probe('jax._src.flattree:nones')   # 0.11 ..
+def _rematerialized_write(jaxpr) -> bool:
+    """Whether a ``jax.checkpoint`` function under differentiation (its
+    equation has ``differentiated=True``, all releases) writes a Ref: JAX runs
+    it again to rematerialize it, writes included (0.8 ..)."""
+    return any((eqn.params.get('differentiated') is True and _writes_refs(eqn.effects))
+               or any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
-def _scan_counts(params):
-    """``(num_consts, num_carry)`` of a scan, or None if laid out otherwise."""
-    if 'num_consts' in params and 'num_carry' in params:
-        return params['num_consts'], params['num_carry']
-    if _ft_pack is None or _ft_nones is None or 'ft_out' not in params:
-        return None
-    try:
-        consts, carry, _ = params['ft_in'].unpack()
-        plain = consts == _ft_nones(len(consts)) and carry == _ft_nones(len(carry))
-    except Exception:   # (a layout this code does not know)
-        return None
-    return (len(consts), len(carry)) if plain else None
-
-
-def _scan_params(params, num_consts: int, num_carry: int) -> dict:
-    """A scan's ``params`` for new counts of consts and carries (the inputs
-    and outputs moving between the two sit at the front of the carries)."""
-    if 'num_consts' in params:
-        return dict(params, num_consts=num_consts, num_carry=num_carry)
-    _, _, xs = params['ft_in'].unpack()
-    _, ys = params['ft_out'].unpack()
-    return dict(params, ft_in=_ft_pack((_ft_nones(num_consts), _ft_nones(num_carry), xs)),
-                ft_out=_ft_pack((_ft_nones(num_carry), ys)))
-
-
-def _unnamed(debug_info):
-    """``debug_info`` for a body whose inputs and outputs were rewritten:
-    without argument names and result paths (0.7 ..), none (.. 0.4.38, which
-    asserts their counts), or as it was (0.5, 0.6 need names, assert nothing)."""
-    if _make_debug_info is None or debug_info is None:
-        return None
-    if not _ARG_NAMES_MAY_BE_NONE:
-        return debug_info
-    return debug_info._replace(arg_names=None, result_paths=None)
+def _refusal(err: BaseException):
+    """Which way JAX refused a Ref program, from its error text: 'effects'
+    ("State effect not supported in vmap-of-cond", all releases; "... in cond
+    partial-eval" under grad before 0.7; "Effects not supported in
+    partial-eval of checkpoint", before 0.8), 'batched' (a per-lane value
+    written into an unbatched Ref, 0.6 ..), 'tangent' (a value carrying a
+    gradient written where JAX differentiates the whole body: 0.7 .., and
+    a Ref's zero tangent before) or None."""
+    text = str(err)
+    if isinstance(err, NotImplementedError) and (
+            'State effect not supported' in text
+            or ('Effects not supported' in text and 'Effect(' in text)):
+        return 'effects'
+    if 'does not have corresponding input' in text:   # a Ref under jit under jvp, 0.4.36 ..
+        return 'effects'
+    if 'vmapped value on an unbatched' in text:
+        return 'batched'
+    if 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
+        return 'tangent'
+    return None
 
 
 # Primitive names and params keys the jaxpr passes rely on.  Call primitives:
@@ -404,6 +381,21 @@ _NO_FOLD_PRIMITIVES = frozenset({
 
 def _collective_axes(eqn):
     return eqn.params.get('axes', eqn.params.get('axis_name', ()))
+
+
+def _jaxpr_names(text: str, n_in: int, n_out: int):
+    """The names JAX printed for a jaxpr's inputs and outputs (it numbers
+    variables while printing), or ``#i`` if the text has another layout.
+    The main jaxpr's ``{ lambda`` starts a line; newer JAX prints shared
+    sub-jaxprs (``let _uniform = { lambda ...``) before it."""
+    head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
+    tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
+    if head and tail:
+        ins = [w.split(':')[0] for w in head.group(1).split()]
+        outs = [w.strip().split(':')[0] for w in tail.group(1).split(',') if w.strip()]
+        if (len(ins), len(outs)) == (n_in, n_out):
+            return ins, outs
+    return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
 # =============================================================================
@@ -1999,26 +1991,21 @@ class _TraceFrame(StateTraceStack):
     inside the traced function, where its JAX trace is the current one.
 
     ``pending`` collects the States written inside nested transformations
-    that were not lifted as Refs, ``speculated`` the ones lifted as Refs
-    only because they were first touched there (see _TraceHints)."""
+    that were not lifted as Refs (see _TraceHints)."""
 
     def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
-                 speculated: list, isolated: bool):
+                 nested: list, isolated: bool):
         super().__init__(name=name)
         self._overlays = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
         self._pending = pending if _HAS_REFS else None
-        self._speculated = speculated
+        self._nested = nested                   # states first touched in nested traces
         self._nested_reads = set()              # ids of states read in nested traces
         self._epoch = _TraceEpoch()
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
-        self.final_reads: list = []             # (output position, Ref number): finish()
-        self.placeholders: dict = {}            # aval -> its placeholder input: _final()
-        self._ref_numbers: dict = {}            # id(cell) -> its first Ref's number
-        self._n_refs = 0
         self.lifted: list = []                  # (state, treedef, avals) per lift
         self.result: dict = {}                  # what finish() found out
 
@@ -2038,16 +2025,13 @@ class _TraceFrame(StateTraceStack):
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
         self.lifted.append((state, treedef, avals))
+        if _current_trace_id() is not self._jax_trace:
+            self._nested.append(state)
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        known = bool(self._hints.ref_states) and state in self._hints.ref_states
-        if known or (self._hints.speculate and _current_trace_id() is not self._jax_trace):
-            if not known:
-                self._speculated.append(state)
+        if self._hints.ref_states and state in self._hints.ref_states:
             cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
-                            treedef, avals)
-            self._ref_numbers[id(cell)] = self._n_refs
-            self._n_refs += len(avals)
+                            treedef, avals, self._jax_trace)
             self.cells.append(cell)
             return cell
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
@@ -2062,10 +2046,8 @@ class _TraceFrame(StateTraceStack):
         for i in returned:
             value = self._values[id(self.states[i])]
             if type(value) is _RefCell:
-                leaves = self._final(value, len(out_leaves) + len(state_leaves))
-                value = jax.tree_util.tree_unflatten(value.treedef, leaves)
-            else:
-                leaves = _leaves(value)
+                value = value.read()
+            leaves = _leaves(value)
             values.append(value)
             state_leaves.extend(leaves)
         state_tree = jax.tree_util.tree_structure(values)
@@ -2078,19 +2060,6 @@ class _TraceFrame(StateTraceStack):
                            state_tree=state_tree,
                            full_tree=jax.tree_util.tree_structure((out, tuple(part))))
         return out_leaves + state_leaves
-
-    def _final(self, cell: '_RefCell', position: int) -> list:
-        """The output leaves, from ``position`` on, of a state held as Refs:
-        placeholders, one new last jaxpr input per aval, that the discharge
-        replaces by the Refs' final values (``final_reads`` pairs each output
-        position with its Ref's number among the Ref inputs).  Reading the
-        Refs instead would cost a traced read each."""
-        first = self._ref_numbers[id(cell)]
-        self.final_reads.extend((position + j, first + j) for j in range(len(cell.refs)))
-        for aval in cell.avals:
-            if aval not in self.placeholders:
-                self.placeholders[aval] = _new_arg(self._builder, aval)
-        return [self.placeholders[aval] for aval in cell.avals]
 
     def traced(self, closed, out_avals) -> _Traced:
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype) for a in avals))
@@ -2219,30 +2188,74 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                 'thread the values explicitly with StatefulFunction.jaxpr_call().')
 
 
-# -- Writes inside nested transformations: Refs and their discharge -----------
+# -- Writes inside nested transformations: Refs ----------------------------------
 class _RefCell:
     """A State that a stateful trace lifted as Refs, one per leaf, because the
     function writes it inside a nested transformation.  Reads and writes bind
     at whatever JAX trace is current, so a scan body sees the value of its
-    own iteration and an inner jit's write reaches the code after it."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals', 'leaf')
+    own iteration and an inner jit's write reaches the code after it; JAX's
+    discharge then threads the writes out.
 
-    def __init__(self, state, refs, treedef, avals):
+    A Ref takes no tangent, so a write under differentiation stores the
+    primal (what the State holds once the transformation returns) and keeps
+    the written value in ``shadow`` with the trace it was written in: reads
+    inside that trace, or inside a trace nested in it, see the value with its
+    tangent, as they would see a local variable."""
+    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow')
+
+    def __init__(self, state, refs, treedef, avals, home):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
-        # A State holding one array, the common case, skips the pytree walks.
-        self.leaf = len(refs) == 1 and jax.tree_util.treedef_is_leaf(treedef)
+        self.home, self.shadow = home, None   # the stateful trace's own JAX trace
 
     def read(self):
-        if self.leaf:
-            return _read_ref(self.refs[0])
-        return jax.tree_util.tree_unflatten(self.treedef, [_read_ref(r) for r in self.refs])
+        if self.shadow is not None and _current_trace_id() is not self.home:
+            (written, *outer), value, _ = self.shadow
+            path, whole = _trace_path()
+            if written in path:
+                return value
+            if not whole and not any(t in path for t in outer):
+                raise TraceContextError(
+                    f'{self.state._describe()} was written inside a differentiated function '
+                    '(jax.grad / jax.jvp ...) and is read inside a jit or loop body nested in '
+                    f'some transformation, where JAX {jax.__version__} cannot tell whether that '
+                    'differentiation is still running.  Read the value into a local variable '
+                    'before the body, or upgrade to JAX 0.6 or newer')
+            self.shadow = None
+        return self.treedef.unflatten([_ref_get(ref, ()) for ref in self.refs])
 
     def write(self, value) -> None:
-        if self.leaf and isinstance(value, Tracer):
-            got, want = value.aval, self.avals[0]
-            if got.shape == want.shape and got.dtype == want.dtype:
-                self._set(self.refs[0], value)
-                return
+        leaves = self._leaves_for(value)
+        if _drops_ref_tangents(self.home):
+            raise TraceContextError(
+                f'{self.state._describe()} is written inside a jit or loop body nested in a '
+                f'differentiated function, where JAX {jax.__version__} would drop the '
+                "written value's derivative.  Write it in the differentiated function itself, "
+                'or return the value from the body and assign it outside')
+        stripped = False
+        for ref, leaf in zip(self.refs, leaves):
+            try:
+                _ref_set(ref, (), leaf)
+            except Exception as err:
+                try:   # a value with a tangent, which a Ref cannot take: store the primal
+                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
+                    stripped = True
+                except Exception:
+                    raise TraceContextError(
+                        f'{self.state._describe()} cannot be written inside this nested '
+                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                        'varies across jax.vmap lanes cannot go into an unbatched State '
+                        '(and jax.jacfwd / jax.hessian batch every value on recent JAX): map '
+                        'the function with StatefulMapping, differentiate with jax.jacrev, '
+                        'or return the value from the transformation and assign it '
+                        'outside') from err
+        # (The trace and those it is nested in, kept alive so their ids stay theirs.)
+        self.shadow = ((_trace_path()[0], self.treedef.unflatten(leaves), _current_trace_id())
+                       if stripped else None)
+
+    def _leaves_for(self, value) -> list:
+        """``value``'s leaves, checked against the Refs; a weakly typed leaf
+        (a Python scalar) is cast to the State's dtype where that is how JAX
+        would promote the two, as a write at top level could not change it."""
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
@@ -2250,337 +2263,48 @@ class _RefCell:
                 got = [_aval_of(x) for x in leaves]
             except TypeError:
                 pass
-        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
-                              for g, a in zip(got, self.avals)):
-            unflatten = jax.tree_util.tree_unflatten
-            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
-            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
+        if got is None or any(
+                g.shape != a.shape or (g.dtype != a.dtype and not (
+                    g.weak_type and jnp.result_type(a.dtype, x) == a.dtype))
+                for x, g, a in zip(leaves, got, self.avals)):
+            expected = self.treedef.unflatten([a.str_short() for a in self.avals])
+            shown = (treedef.unflatten([g.str_short() for g in got]) if got is not None
                      else f'a value of structure {treedef}')
             raise TraceContextError(
                 f'{self.state._describe()} is written inside a nested JAX transformation '
                 '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
                 f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
-                'Cast or reshape the value before assigning it')
-        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
-            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
-                leaf = jax.lax.convert_element_type(leaf, a.dtype)
-            self._set(ref, leaf)
-
-    def _set(self, ref, leaf) -> None:
-        try:
-            _write_ref(ref, leaf)
-        except Exception as err:
-            # Under jax.grad the value carries a tangent, which a Ref the
-            # gradient does not flow through cannot take: keep the primal.
-            try:
-                _write_ref(ref, jax.lax.stop_gradient(leaf))
-            except Exception:
-                raise TraceContextError(
-                    f'{self.state._describe()} cannot be written inside this nested '
-                    f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                    'varies across jax.vmap lanes cannot go into an unbatched State: map '
-                    'the function with StatefulMapping instead, or return the value '
-                    'from the transformation and assign it outside') from err
-
-
-# -- The discharge, by renaming ------------------------------------------------
-# JAX's discharge re-traces every equation, abstract evaluation included: as
-# much again as tracing the function.  The Refs of a stateful trace are used in
-# few ways, all written by _RefCell: read or written whole (get, swap), or
-# passed into a scan, a while loop, a cond or an inner jit.  Those are
-# discharged here by renaming variables: a read becomes the value last
-# written, a loop threads the written Refs as carries, a cond and a jit return
-# them as extra outputs.  A Ref used any other way (custom_jvp, JAX's own
-# rewriting under grad or vmap) sends the whole jaxpr to JAX's discharge.
-
-class _Unhandled(Exception):
-    """A Ref use the renaming discharge leaves to JAX's."""
-
-
-def _fast_discharge(closed: ClosedJaxpr, final_reads=(), placeholders: int = 0) -> ClosedJaxpr:
-    """``closed`` with its Ref inputs made values, without its last
-    ``placeholders`` inputs, and each output at position ``p`` of a pair
-    ``(p, k)`` in ``final_reads`` the final value of its ``k``-th Ref input."""
-    if _RefEffect is None or _InputEffect is None:   # (a JAX without them: its own discharge)
-        raise _Unhandled
-    jaxpr = closed.jaxpr
-    refs = [i for i, v in enumerate(jaxpr.invars) if isinstance(v.aval, _ref_aval)]
-    body, written = _discharge_body(jaxpr, refs)
-    outvars = list(body.outvars)
-    for p, k in final_reads:
-        outvars[p] = written.get(refs[k], body.invars[refs[k]])
-    cut = len(jaxpr.invars) - placeholders
-    return body.close(closed.consts, body.invars[:cut], outvars, like=jaxpr)
-
-
-class _Body:
-    """A jaxpr being discharged: its rewritten inputs, equations and outputs."""
-    __slots__ = ('jaxpr', 'invars', 'eqns', 'outvars')
-
-    def __init__(self, jaxpr, invars, eqns, outvars):
-        self.jaxpr, self.invars, self.eqns, self.outvars = jaxpr, invars, eqns, outvars
-
-    def close(self, consts, invars, outvars, like=None):
-        effects = _pure_effects(set().union(*(e.effects for e in self.eqns)))
-        return _rebuild(self.jaxpr, consts, like=like, invars=invars, outvars=outvars,
-                        eqns=self.eqns, effects=effects,
-                        **({} if like is not None else
-                           {'debug_info': _unnamed(self.jaxpr.debug_info)}))
-
-
-def _discharge_body(jaxpr, refs):
-    """Discharges the Ref inputs of ``jaxpr`` at positions ``refs``; returns
-    the _Body and ``{position: final value}`` for the Refs it writes."""
-    at = set(refs)
-    if any(isinstance(v.aval, _ref_aval) for v in jaxpr.constvars) or any(
-            isinstance(v.aval, _ref_aval) for i, v in enumerate(jaxpr.invars) if i not in at):
-        raise _Unhandled
-    env = {jaxpr.invars[i]: None for i in refs}   # None until first used (_entry_value)
-    sub, inputs = {}, {}
-    eqns = _discharge_eqns(jaxpr.eqns, env, sub, inputs)
-    outvars = [_renamed(sub, v) for v in jaxpr.outvars]
-    if any(isinstance(v, Var) and isinstance(v.aval, _ref_aval) for v in outvars):
-        raise _Unhandled
-    invars, written = list(jaxpr.invars), {}
-    for i in refs:
-        ref = jaxpr.invars[i]
-        invars[i] = inputs[ref] if ref in inputs else _fresh_var(ref.aval.inner_aval)
-        if env[ref] is not None and env[ref] is not invars[i]:
-            written[i] = env[ref]
-    return _Body(jaxpr, invars, eqns, outvars), written
-
-
-def _entry_value(eqn, ref, env, inputs):
-    """The variable for ``ref``'s value on entry to the body, at its first use
-    (in ``eqn``): the output of ``eqn`` where that is a whole read, so that
-    the equations using the read need no renaming; else a fresh one."""
-    inner, out = ref.aval.inner_aval, eqn.outvars[0] if eqn.outvars else None
-    if not (eqn.primitive.name == 'get' and len(eqn.invars) == 1 and type(out) is Var
-            and out.aval == inner):
-        out = _fresh_var(inner)
-    env[ref] = inputs[ref] = out
-    return out
-
-
-def _renamed(sub, atom):
-    return sub.get(atom, atom) if isinstance(atom, Var) else atom
-
-
-def _discharge_eqns(eqns, env, sub, inputs) -> list:
-    """``eqns`` with the Refs in ``env`` (Ref variable -> current value)
-    discharged; ``sub`` maps each read's variable to the value it reads."""
-    out, rename = [], sub.get
-    for eqn in eqns:
-        invars, refs, renamed = [], [], False
-        for i, v in enumerate(eqn.invars):
-            if type(v) is not Literal:
-                if v in env:
-                    refs.append(i)
-                new = rename(v, v)
-                renamed |= new is not v
-                v = new
-            invars.append(v)
-        # Every other Ref comes out of some equation (or is an input, which
-        # _discharge_body checks): one made by JAX, left to JAX.
-        for v in eqn.outvars:
-            if isinstance(v.aval, _ref_aval):
-                raise _Unhandled
-        if not refs:
-            out.append(eqn.replace(invars=invars) if renamed else eqn)
-            continue
-        rule = _DISCHARGE_RULES.get(eqn.primitive.name)
-        if rule is None:
-            raise _Unhandled
-        values = list(invars)
-        for i in refs:
-            ref = eqn.invars[i]
-            value = env[ref]
-            values[i] = value if value is not None else _entry_value(eqn, ref, env, inputs)
-        finals, new = rule(eqn, values, refs)
-        for i, final in finals.items():
-            env[eqn.invars[i]] = final
-        if new is not None:
-            out.append(new)
-        elif values[0] is not eqn.outvars[0]:
-            # a get, or a swap (whose output is the value before the write)
-            sub[eqn.outvars[0]] = values[0]
-    return out
-
-
-def _pure_effects(effects) -> set:
-    kept = {e for e in effects if not isinstance(e, _RefEffect)}
-    if any(isinstance(e, _InputEffect) for e in kept):
-        raise _Unhandled
-    return kept
-
-
-def _same_type(aval, ref_aval) -> bool:
-    inner = ref_aval.inner_aval
-    return aval.shape == inner.shape and aval.dtype == inner.dtype
-
-
-def _discharge_get(eqn, values, refs):
-    if len(eqn.invars) != 1 or not _same_type(eqn.outvars[0].aval, eqn.invars[0].aval):
-        raise _Unhandled   # an indexed or transformed read
-    return {}, None
-
-
-def _discharge_swap(eqn, values, refs):
-    if (len(eqn.invars) != 2 or refs != [0]
-            or not _same_type(eqn.invars[1].aval, eqn.invars[0].aval)):
-        raise _Unhandled
-    return {0: values[1]}, None
-
-
-def _finals(eqn, positions):
-    """Fresh outputs of ``eqn`` for the Refs it writes, keyed by input position."""
-    return {i: _fresh_var(eqn.invars[i].aval.inner_aval) for i in positions}
-
-
-def _discharge_scan(eqn, values, refs):
-    """Written Refs become leading carries; read-only ones stay consts."""
-    params, counts = eqn.params, _scan_counts(eqn.params)
-    if counts is None or max(refs) >= counts[0]:
-        raise _Unhandled
-    n_consts, n_carry = counts
-    body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
-    moved = sorted(written)
-    order = ([i for i in range(n_consts) if i not in written] + moved
-             + list(range(n_consts, len(values))))
-    closed = body.close(params['jaxpr'].consts, [body.invars[i] for i in order],
-                        [written[i] for i in moved] + body.outvars)
-    finals = _finals(eqn, moved)
-    params = dict(_scan_params(params, n_consts - len(moved), n_carry + len(moved)),
-                  jaxpr=closed)
-    if 'linear' in params:
-        params['linear'] = tuple(params['linear'][i] for i in order)
-    return finals, eqn.replace(
-        invars=[values[i] for i in order], outvars=[finals[i] for i in moved] + list(eqn.outvars),
-        params=params, effects=_pure_effects(eqn.effects))
-
-
-def _discharge_cond(eqn, values, refs):
-    """Each branch returns the final values of the Refs any branch writes."""
-    if 0 in refs:
-        raise _Unhandled
-    positions = [i - 1 for i in refs]
-    bodies = [_discharge_body(b.jaxpr, positions) for b in eqn.params['branches']]
-    moved = sorted(set().union(*(written for _, written in bodies)))
-    branches = tuple(
-        body.close(b.consts, body.invars,
-                   body.outvars + [written.get(p, body.invars[p]) for p in moved])
-        for b, (body, written) in zip(eqn.params['branches'], bodies))
-    finals = _finals(eqn, [p + 1 for p in moved])
-    return finals, eqn.replace(
-        invars=values, outvars=[*eqn.outvars, *(finals[p + 1] for p in moved)],
-        params=dict(eqn.params, branches=branches), effects=_pure_effects(eqn.effects))
-
-
-def _discharge_jit(eqn, values, refs):
-    """The jitted body returns the final values of the Refs it writes."""
-    params = eqn.params
-    if any(k not in params for k in _JIT_LAYOUT):
-        raise _Unhandled
-    body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
-    moved = sorted(written)
-    closed = body.close(params['jaxpr'].consts, body.invars,
-                        body.outvars + [written[i] for i in moved])
-    finals = _finals(eqn, moved)
-    params = dict(
-        params, jaxpr=closed,
-        out_shardings=(*params['out_shardings'], *(params['in_shardings'][i] for i in moved)),
-        out_layouts=(*params['out_layouts'], *(params['in_layouts'][i] for i in moved)))
-    return finals, eqn.replace(invars=values, outvars=[*eqn.outvars, *(finals[i] for i in moved)],
-                               params=params, effects=_pure_effects(eqn.effects))
-
-
-def _discharge_while(eqn, values, refs):
-    """Refs the body writes become leading carries, which the condition reads
-    in place of its consts; the others stay consts of both."""
-    params = eqn.params
-    if any(k not in params for k in _WHILE_LAYOUT):
-        raise _Unhandled
-    n_cond, n_body = params['cond_nconsts'], params['cond_nconsts'] + params['body_nconsts']
-    cond_refs = [i for i in refs if i < n_cond]
-    body_refs = [i for i in refs if i >= n_cond]
-    if max(refs) >= n_body or any(len({eqn.invars[i] for i in at}) < len(at)
-                                  for at in (cond_refs, body_refs)):
-        raise _Unhandled   # a Ref as a carry, or passed twice to one jaxpr
-    body, written = _discharge_body(params['body_jaxpr'].jaxpr, [i - n_cond for i in body_refs])
-    cond, cond_written = _discharge_body(params['cond_jaxpr'].jaxpr, cond_refs)
-    if cond_written:
-        raise _Unhandled
-    moved = [n_cond + p for p in sorted(written)]          # eqn positions of the carried Refs
-    carried = {eqn.invars[i]: k for k, i in enumerate(moved)}
-    slots = [_fresh_var(eqn.invars[i].aval.inner_aval) for i in moved]
-    for i in cond_refs:   # the condition reads a carried Ref from its carry slot
-        if eqn.invars[i] in carried:
-            slots[carried[eqn.invars[i]]] = cond.invars[i]
-    keep_cond = [i for i in range(n_cond) if eqn.invars[i] not in carried]
-    keep_body = [i for i in range(n_cond, n_body) if i not in moved]
-    carry = list(range(n_body, len(values)))
-    cond_jaxpr = cond.close(params['cond_jaxpr'].consts,
-                            [cond.invars[i] for i in keep_cond] + slots
-                            + cond.invars[n_cond:], cond.outvars)
-    body_at = [i - n_cond for i in keep_body + moved] + [i - n_cond for i in carry]
-    body_jaxpr = body.close(params['body_jaxpr'].consts, [body.invars[i] for i in body_at],
-                            [written[i - n_cond] for i in moved] + body.outvars)
-    finals = _finals(eqn, moved)
-    params = dict(params, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
-                  cond_nconsts=len(keep_cond), body_nconsts=len(keep_body))
-    return finals, eqn.replace(
-        invars=[values[i] for i in keep_cond + keep_body + moved + carry],
-        outvars=[finals[i] for i in moved] + list(eqn.outvars),
-        params=params, effects=_pure_effects(eqn.effects))
-
-
-_DISCHARGE_RULES = {'get': _discharge_get, 'swap': _discharge_swap, 'scan': _discharge_scan,
-                    'cond': _discharge_cond, 'pjit': _discharge_jit, 'jit': _discharge_jit,
-                    'while': _discharge_while}
-
-
-class _CannotDischarge(TraceContextError):
-    """JAX has no discharge rule for a transformation a Ref went through."""
-
-
-def _refuses_state_effects(err: BaseException) -> bool:
-    """Whether ``err`` is a JAX rule refusing a jaxpr with Ref effects: "State
-    effect not supported in vmap-of-cond" (all releases), "... in cond
-    partial-eval" (under jax.grad, before 0.7), "Effects not supported in
-    partial-eval of `checkpoint`/`remat`: [ReadEffect(0)]" (before 0.8)."""
-    text = str(err)
-    return isinstance(err, NotImplementedError) and (
-        'State effect not supported' in text
-        or ('Effects not supported' in text and 'Effect(' in text))
+                'Cast or reshape the value before assigning it (a write at top level may '
+                'change them)')
+        return [x if g.dtype == a.dtype else jax.lax.convert_element_type(x, a.dtype)
+                for x, g, a in zip(leaves, got, self.avals)]
 
 
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
     """Raises a TraceContextError naming ``ref_states`` (the States a trace
-    lifted as Refs, as it writes or may write them inside nested
-    transformations) where ``err`` is JAX refusing such a write; returns
-    otherwise."""
-    # The last two are JAX's batching and JVP rules for swap (0.6 ..), met
-    # where a body is transformed after it was traced (a loop under jax.vmap,
-    # a jax.checkpoint under jax.grad) rather than at the write; before 0.7
-    # JAX trips over the Ref's zero tangent instead of the latter.
-    text = str(err)
-    if _refuses_state_effects(err):
-        why = (f'goes through one that JAX {jax.__version__} cannot carry it through: "{err}" '
-               '(e.g. a lax.cond under jax.vmap; on older releases a lax.cond or '
-               'jax.checkpoint under jax.grad).  Return the value from that transformation and '
-               'assign it outside, or, under jax.vmap, map the function with StatefulMapping '
-               'instead')
-    elif 'vmapped value on an unbatched' in text:
-        why = ('is given a value that JAX batches across jax.vmap lanes (one that differs per '
-               'lane, or any value where JAX batches the whole body, as under jax.jacfwd / '
-               'jax.hessian on recent releases), which an unbatched State cannot hold: map the '
-               'function with StatefulMapping instead, or return the value from the '
-               'transformation and assign it outside')
-    elif 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
-        why = ('is given a value that carries a gradient, inside a transformation JAX '
-               'differentiates as a whole (such as a jax.checkpoint function under jax.grad).  '
-               'Return the value from that transformation and assign it outside')
-    else:
+    lifted as Refs) where ``err`` is JAX refusing such a write; returns
+    otherwise.  The last two kinds are met where JAX transforms a body after
+    tracing it (a loop under jax.vmap, a jax.checkpoint under jax.grad)."""
+    if isinstance(err, TraceContextError):
+        return
+    why = {
+        'effects': f'goes through one that JAX {jax.__version__} cannot carry it through: '
+                   f'"{err}" (e.g. a lax.cond under jax.vmap; on older releases a lax.cond '
+                   'or jax.checkpoint under jax.grad).  Return the value from that '
+                   'transformation and assign it outside, or, under jax.vmap, map the '
+                   'function with StatefulMapping instead',
+        'batched': 'is given a value that JAX batches across jax.vmap lanes (one that differs '
+                   'per lane, or any value where JAX batches the whole body, as under '
+                   'jax.jacfwd / jax.hessian on recent releases), which an unbatched State '
+                   'cannot hold: map the function with StatefulMapping, differentiate with '
+                   'jax.jacrev, or return the value from the transformation and assign it '
+                   'outside',
+        'tangent': 'is given a value that carries a gradient, inside a transformation JAX '
+                   'differentiates as a whole (such as a loop, an inner jax.jit or a '
+                   'jax.checkpoint function under jax.grad).  Return the value from that '
+                   'transformation and assign it outside',
+    }.get(_refusal(err))
+    if why is None:
         return
     described = ', '.join(sorted(s._describe() for s in ref_states))
     if len(ref_states) > 1:
@@ -2589,93 +2313,17 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
         f'a State written inside a nested transformation ({described}) {why}') from err
 
 
-def _refused_ref(err: BaseException) -> bool:
-    """Whether ``err`` is how JAX refuses a Ref somewhere (rather than an
-    error of the traced function): a closure it cannot convert (custom_jvp
-    before 0.4.36), an attribute Refs lack (shard_map), a Ref's read effect
-    where none may be (custom_jvp under jax_enable_checks, 0.4.38 .. 0.6), a
-    rule that refuses Ref effects ("State effect not supported in ...": a
-    lax.cond under jax.vmap, all releases, or under jax.grad before 0.7),
-    no discharge rule."""
-    if isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge)):
-        return True
-    if isinstance(err, jax.errors.ConcretizationTypeError) or not isinstance(
-            err, (AttributeError, TypeError, NotImplementedError)):
-        return False   # (a traced value used as a Python one is the function's bug)
-    # JAX appends where a tracer came from, which may name _RefCell's methods.
-    text = str(err).split('The error occurred while tracing')[0]
-    return 'Ref' in text or 'Effect' in text or _refuses_state_effects(err)
-
-
-def _nested_jaxprs(params) -> list:
-    """The jaxprs among the values of an equation's ``params``."""
-    found = []
-    for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
-
-
-def _loop_condition_reads_a_write(jaxpr) -> bool:
-    """Whether a while loop in ``jaxpr`` (or in a jaxpr inside it) has a
-    condition that reads a Ref its body writes.  JAX's own discharge gives
-    such a condition the value from before the loop on 0.7 .. 0.12 (the loop
-    never ends or ends wrongly) and refuses it before."""
-    for eqn in jaxpr.eqns:
-        params = eqn.params
-        if eqn.primitive.name == 'while' and all(k in params for k in _WHILE_LAYOUT):
-            n_cond, n_body = params['cond_nconsts'], params['body_nconsts']
-            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
-            body = params['body_jaxpr'].jaxpr
-            consts = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
-            written = {consts.get(_effect_input(e, body)) for e in body.effects
-                       if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
-            if read & written:
-                return True
-        if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(params)):
-            return True
-    return False
-
-
-def _rematerialized_write(jaxpr) -> bool:
-    """Whether a function under ``jax.checkpoint`` and differentiation (an
-    equation with ``differentiated=True``, in ``jaxpr`` or a jaxpr inside it)
-    writes a Ref.  JAX runs such a function once for the primal and again to
-    rematerialize it, its writes included, so the State would be written
-    twice (0.8 ..; before, JAX refuses the effect)."""
-    for eqn in jaxpr.eqns:
-        if eqn.params.get('differentiated') is True and any(
-                isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)
-                for e in eqn.effects):
-            return True
-        if any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params)):
-            return True
-    return False
-
-
-def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int) -> ClosedJaxpr:
-    """Turns a jaxpr with Ref inputs into the pure one with value inputs and
-    the same outputs, but for the ``final_reads`` (see :meth:`_TraceFrame._final`):
-    the final values of the Refs they name, instead of the last
-    ``placeholders`` inputs, which go."""
-    try:
-        return _fast_discharge(closed, final_reads, placeholders)
-    except _Unhandled:
-        pass
+def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
+    """The pure jaxpr of ``closed``, whose Ref inputs (``cells``) become value
+    inputs, with the same outputs."""
     described = ', '.join(c.state._describe() for c in cells)
-    if _ReadEffect is not None and _loop_condition_reads_a_write(closed.jaxpr):
-        raise _CannotDischarge(
-            f'a lax.while_loop condition reads a State its body writes, among {described}, '
-            f'in a program that JAX {jax.__version__} must discharge itself (it writes a State '
-            'inside a transformation other than scan, while_loop, cond or jit, or a Ref went '
-            'through jax.grad / jax.vmap), and JAX would give that condition the value from '
-            'before the loop.  Compute the condition from the loop carry instead (carry the '
-            "State's value or the test)")
-    if _ReadEffect is not None and _rematerialized_write(closed.jaxpr):
-        raise _CannotDischarge(
+    if _loop_condition_reads_a_write(closed.jaxpr):
+        raise TraceContextError(
+            f'a lax.while_loop condition reads a State its body writes, among {described}; '
+            'JAX would give that condition the value from before the loop.  Compute the '
+            "condition from the loop carry instead (carry the State's value or the test)")
+    if _rematerialized_write(closed.jaxpr):
+        raise TraceContextError(
             f'a State among {described} is written inside a jax.checkpoint function that is '
             'differentiated (jax.grad / jax.vjp / jax.linearize): JAX runs that function again '
             'to rematerialize it, so the write would happen twice.  Write the State outside '
@@ -2683,15 +2331,11 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int)
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
-        raise _CannotDischarge(
+        raise TraceContextError(
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
-    # JAX's discharge appends each Ref's final value to the outputs, in order.
-    n, cut = len(closed.jaxpr.outvars), len(closed.jaxpr.invars) - placeholders
-    outvars = list(pure.jaxpr.outvars[:n])
-    for p, k in final_reads:
-        outvars[p] = pure.jaxpr.outvars[n + k]
+    outvars = pure.jaxpr.outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
@@ -2699,8 +2343,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int)
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
                 'writing a per-lane value inside jax.vmap; map the function with '
                 'StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr,
-                    invars=pure.jaxpr.invars[:cut], outvars=outvars)
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
 # -- Staying clear of JAX's trace caches --------------------------------------
@@ -2738,22 +2381,17 @@ class _TraceHints:
     A trace is isolated (see the section comment) once the function is known
     to write States inside nested transformations, or JAX handed one of its
     traces a body with a finished trace's tracer inside; any trace is while a
-    live State was read by a plain JAX trace.
-
-    A State first touched inside a nested transformation is lifted as Refs
-    straight away (*speculatively*): it is usually written there too (a scan
-    carry kept in a State), and so the trace needs neither the abort nor the
-    isolated retrace.  Where JAX cannot take a Ref (a transformation without
-    a discharge rule, e.g. jax.checkpoint before 0.7; a rule refusing Ref
-    effects, e.g. lax.cond under jax.vmap), the trace fails inside JAX and is
-    redone without speculation, for good, and isolated.
+    live State was read by a plain JAX trace.  Only the States known to be
+    written inside nested transformations are lifted as Refs: a State merely
+    read there stays a plain input, which every JAX rule (a custom_vjp's
+    included) takes as it takes any closed-over value.
     """
-    __slots__ = ('ref_states', 'isolate', 'speculate')
+    __slots__ = ('ref_states', 'isolate', 'prelift')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = False                  # trace under a fresh _TraceEpoch
-        self.speculate = _HAS_REFS            # lift first touches in nested traces as Refs
+        self.prelift: list = []               # States to lift before the function runs
 
 
 class _Retrace(Exception):
@@ -2785,27 +2423,24 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         hints = _TraceHints()
     spec = _TraceSpec(name, return_only_write, axis_env, lift_aval, trace_with)
     while True:
-        pending, speculated = set(), []
+        pending, nested = set(), []
         isolated = hints.isolate
         try:
-            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, speculated)
+            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, nested)
         except _Retrace:
             continue   # (the finally clause records what it found)
         except Exception as err:
-            if speculated and _refused_ref(err):
-                # Trace as before (abort at nested writes), and isolated: JAX
-                # may have cached a body it traced with a Ref inside.  (An
-                # UnexpectedTracerError isolates the next trace if it recurs.)
-                hints.speculate = False
-                if not isinstance(err, jax.errors.UnexpectedTracerError):
+            if isinstance(err, jax.errors.UnexpectedTracerError):
+                # A body JAX cached with a finished trace's tracer (isolate), or
+                # a State first read where JAX takes no closed-over tracer (a
+                # custom_vjp before 0.4.36): lift those States up front.
+                new = [s for s in nested if s not in hints.prelift]
+                if new or not isolated:
                     hints.isolate = True
-                continue
-            if isinstance(err, jax.errors.UnexpectedTracerError) and not isolated:
-                hints.isolate = True
-                continue
-            lifted = {*hints.ref_states, *speculated}
-            if lifted:
-                _explain_ref_refusal(err, lifted)
+                    hints.prelift.extend(new)
+                    continue
+            if hints.ref_states:
+                _explain_ref_refusal(err, set(hints.ref_states))
             raise
         finally:
             # Also when the function raised: the next trace starts informed.
@@ -2820,15 +2455,17 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
 
 def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
-                pending: set, speculated: list) -> _Traced:
+                pending: set, nested: list) -> _Traced:
     """One attempt of ``_trace_stateful``, in a fresh _TraceFrame."""
     isolated = hints.isolate or len(_BAKED_STATES) > 0
     frames = []
 
     def flat_fun(*flat):
-        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, speculated, isolated)
+        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, nested, isolated)
         frames.append(frame)
         with frame:
+            for state in hints.prelift:
+                state.value
             args, kwargs = rebuild(list(flat))
             return frame.finish(fun(*args, **kwargs), spec.return_only_write)
 
@@ -2846,11 +2483,8 @@ def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
         del jaxpr, consts
         frame = frames[-1]
         if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, frame.cells, frame.final_reads,
-                                      len(frame.placeholders))
-            # The Ref jaxpr and the cells' tracers go now, not after the
-            # collector resumes: it would scan them once more (~1% of a trace).
-            frame.cells = frame.placeholders = None
+            closed = _discharge_cells(closed, frame.cells)
+            frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
     return frame.traced(closed, out_avals)
 
 
@@ -4183,21 +3817,6 @@ def _state_roles(traced) -> list:
         read = any([next(invars) in used for _ in sig[1]]) or not written
         roles.append('read and written' if read and written else 'written' if written else 'read')
     return roles
-
-
-def _jaxpr_names(text: str, n_in: int, n_out: int):
-    """The names JAX printed for the jaxpr's inputs and outputs (it numbers
-    variables while printing), or ``#i`` if the text has another layout."""
-    # The main jaxpr's ``{ lambda`` starts a line; newer JAX prints shared
-    # sub-jaxprs (``let _uniform = { lambda ...``) before it.
-    head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
-    tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
-    if head and tail:
-        ins = [w.split(':')[0] for w in head.group(1).split()]
-        outs = [w.strip().split(':')[0] for w in tail.group(1).split(',') if w.strip()]
-        if (len(ins), len(outs)) == (n_in, n_out):
-            return ins, outs
-    return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
 def _pretty(traced: _Traced, key) -> str:
