@@ -158,6 +158,15 @@ def _current_trace_id():
     return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
 
 
+def _trace_depth():
+    """Where tracing is now: the current trace; before 0.4.36 also how deep in
+    its main trace's sub-jaxprs (where a custom_vjp traces its function)."""
+    if _STACKLESS:
+        return _src_core.trace_ctx.trace
+    main = _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
+    return main, len(getattr(main, 'jaxpr_stack', ()))
+
+
 def _tracer_trace_id(tracer):
     return tracer._trace if _STACKLESS else tracer._trace.main
 
@@ -2001,7 +2010,7 @@ class _TraceFrame(StateTraceStack):
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
         self._pending = pending if _HAS_REFS else None
-        self._nested = nested                   # states first touched in nested traces
+        self._nested, self._depth = nested, _trace_depth()   # first touched deeper
         self._nested_reads = set()              # ids of states read in nested traces
         self._epoch = _TraceEpoch()
         self._isolated = isolated
@@ -2025,7 +2034,7 @@ class _TraceFrame(StateTraceStack):
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
         self.lifted.append((state, treedef, avals))
-        if _current_trace_id() is not self._jax_trace:
+        if _trace_depth() != self._depth:
             self._nested.append(state)
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
