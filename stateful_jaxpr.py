@@ -2050,6 +2050,16 @@ class _TraceFrame(StateTraceStack):
         then the values of the returned states (the written ones, or all)."""
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        for i, leaf in enumerate(out_leaves):
+            if not isinstance(leaf, Tracer):
+                try:
+                    _typeof(leaf)
+                except TypeError:
+                    path = jax.tree_util.tree_flatten_with_path(out)[0][i][0]
+                    raise TypeError(
+                        f'the stateful function {self.name!r} returned {leaf!r} (a '
+                        f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
+                        'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values, state_leaves = [], []
         for i in returned:

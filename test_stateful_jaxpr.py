@@ -2190,6 +2190,49 @@ class DerivativeThroughStateTest(unittest.TestCase):
         np.testing.assert_allclose(h.value, x, rtol=1e-6)
 
 
+class NestedDtypeAndResultTest(unittest.TestCase):
+    """A write inside a nested transformation never changes a value silently,
+    and a non-JAX result is a clear error."""
+
+    def test_dtype_changing_nested_write_is_refused(self):
+        """At top level an int State written with ``* 0.5`` becomes float32;
+        inside a scan body, a cond branch or an inner jit, where the State
+        must keep its dtype, the write is a TraceContextError naming it
+        (never a truncation to int)."""
+        c = State(jnp.array([3, 5], jnp.int32), name='ndt_c')
+        StatefulFunction(lambda: setattr(c, 'value', c.value * 0.5))()
+        self.assertEqual(c.value.dtype, jnp.float32)
+        np.testing.assert_array_equal(c.value, [1.5, 2.5])
+        halve = lambda: setattr(c, 'value', c.value * 0.5)
+        nested = {
+            'scan': lambda x: lax.scan(lambda k, _: (halve(), (k, None))[1], x, None, length=1)[0],
+            'cond': lambda x: lax.cond(x > 0, lambda: halve() or x, lambda: x),
+            'jit': lambda x: jax.jit(lambda: halve() or x)(),
+        }
+        for where, f in nested.items():
+            with self.subTest(where=where):
+                c.value = jnp.array([3, 5], jnp.int32)
+                with self.assertRaisesRegex(TraceContextError, r"ndt_c.*int32\[2\].*float32\[2\]"):
+                    StatefulFunction(f)(1.0)
+                np.testing.assert_array_equal(c.value, [3, 5])
+                self.assertEqual(c.value.dtype, jnp.int32)
+
+    def test_non_jax_result_names_the_function_and_the_path(self):
+        class Model:
+            def __init__(self, x):
+                self.x = x
+        for fun, shown, where in ((lambda x: 'hi', "'hi'", 'result,'),
+                                  (lambda x: {'a': x, 'b': print}, 'builtin_function',
+                                   "result['b']"),
+                                  (Model, 'Model', 'result,')):
+            with self.subTest(shown=shown):
+                with self.assertRaises(TypeError) as cm:
+                    StatefulFunction(fun)(1.0)
+                self.assertIn(shown, str(cm.exception))
+                self.assertIn(where, str(cm.exception))
+                self.assertIn('not a JAX type', str(cm.exception))
+
+
 class FailureSafetyTest(unittest.TestCase):
 
     def _check(self, fun, *args, exc=_Boom, states=()):
