@@ -133,7 +133,6 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
-_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')  # all releases
 
 
 def _close(jaxpr, consts):
@@ -216,33 +215,6 @@ def _new_arg(trace, aval):
     if _NEW_ARG_TAKES_SOURCE_INFO:
         return trace.new_arg(aval, _siu.current())
     return trace.new_arg(aval)
-
-
-# Replaying a cached jaxpr into a jit trace: ``inline_jaxpr_into_trace`` (all
-# releases; ``src``, the call's source info, from 0.6) copies the equations
-# without redoing their abstract evaluation, as jax.jit does for an inlined call.
-_inline_jaxpr = _probe('jax._src.interpreters.partial_eval:inline_jaxpr_into_trace')
-_INLINE_TAKES_SRC = _takes(_inline_jaxpr, 'src')
-
-
-def _inlined(closed, args):
-    """``closed``'s outputs on ``args`` as equations of the jit trace whose
-    tracers ``args`` all are, with exactly the avals ``closed`` was traced
-    for (which is what makes skipping abstract evaluation sound); None
-    otherwise, and under dynamic shapes (as in jax.jit): then evaluate it."""
-    if _inline_jaxpr is None or not args or getattr(jax.config, 'jax_dynamic_shapes', False):
-        return None
-    trace = _find_top_trace(args)
-    if type(trace) is not _JaxprTrace:
-        return None
-    owner = trace if _STACKLESS else trace.main
-    for arg, var in zip(args, closed.jaxpr.invars):
-        if not (isinstance(arg, jax.core.Tracer) and _tracer_trace_id(arg) is owner
-                and arg.aval == var.aval):
-            return None
-    if _INLINE_TAKES_SRC:
-        return _inline_jaxpr(trace, _siu.current(), closed.jaxpr, closed.consts, *args)
-    return _inline_jaxpr(trace, closed.jaxpr, closed.consts, *args)
 
 
 # ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..).  ``arg_names=None`` keeps
@@ -1908,8 +1880,9 @@ def _wrap_statics(sf, args, kwargs):
 # captured when tracing starts, so a first read deep inside ``lax.scan``,
 # ``grad`` or an inner ``jit`` is an input rather than a baked-in constant.
 # A State *written* inside such a nested transformation is lifted as Refs
-# instead (``_RefCell``), and the finished jaxpr is discharged into a pure
-# one, which threads the write out as a scan carry, a cond output and so on.
+# instead (``_RefCell``): the trace that meets the write is redone with the
+# State so lifted, and JAX's own discharge turns the finished jaxpr into a
+# pure one, which threads the write out as a scan carry, a cond output...
 #
 # Staying clear of JAX's trace caches.  JAX caches the traces of lax
 # control-flow bodies and of jitted functions, keyed on the Python function
@@ -1919,10 +1892,9 @@ def _wrap_statics(sf, args, kwargs):
 # trace (``_BAKED_STATES``) may sit inside any cached jaxpr.  The axis
 # environment is part of that context on every release, so binding a unique
 # size-1 axis (``_TraceEpoch``; no jaxpr refers to it) makes those caches
-# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace
-# (about a millisecond per trace), so a trace is isolated only once it is
-# known to need it (``_TraceHints``), and renews its epoch when a write
-# follows a nested read of the same State.
+# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace,
+# so a trace is isolated only once it is known to need it (``_TraceHints``),
+# and renews its epoch when a write follows a nested read of the same State.
 # =============================================================================
 
 class _Traced:
@@ -1935,19 +1907,12 @@ class _Traced:
             setattr(self, k, v)
 
     def runner(self) -> Callable:
-        """``run(flat_args, state_values) -> (out, returned_state_values)``.
-
-        Outside any stateful trace (in a dispatcher's jit trace) the jaxpr is
-        inlined rather than evaluated; inside one it is evaluated, so that the
-        enclosing jaxpr is what eval_jaxpr gives."""
-        closed, n_out = self.closed_jaxpr, self.n_out
-        run, out_tree, state_tree = _jaxpr_as_fun(closed), self.out_tree, self.state_tree
+        """``run(flat_args, state_values) -> (out, returned_state_values)``."""
+        run, n_out = _jaxpr_as_fun(self.closed_jaxpr), self.n_out
+        out_tree, state_tree = self.out_tree, self.state_tree
 
         def apply(flat_args, state_values):
-            args = [*flat_args, *_leaves(state_values)]
-            outs = None if _ctx.frames else _inlined(closed, args)
-            if outs is None:
-                outs = run(*args)
+            outs = run(*flat_args, *_leaves(state_values))
             return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
                     jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
         return apply
