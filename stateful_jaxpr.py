@@ -3758,32 +3758,27 @@ def _lane_aval(aval, axis: int):
     return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
 
 
-def _uses_axis_index(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == _AXIS_INDEX:
-            return True
-        if any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params)):
-            return True
-    return False
+def _batched_outputs(closed, in_batched, n: int, axis_name, axis_env) -> list:
+    """Which outputs of ``closed`` vary across lanes, given which inputs do,
+    as ``jax.vmap`` decides it: a custom_vmap identity on the outputs has its
+    rule told which of them are batched (none, if the rule never runs)."""
+    seen = []
+    identity = jax.custom_batching.custom_vmap(lambda *outs: outs)
 
+    @identity.def_vmap
+    def rule(axis_size, out_batched, *outs):
+        seen.extend(out_batched)
+        return outs, tuple(out_batched)
 
-def _batched_outputs(jaxpr, in_batched: Sequence[bool], axis_name) -> list:
-    """Which outputs of ``jaxpr`` vary across lanes, given which inputs do."""
-    batched = {v for v, b in zip(jaxpr.invars, in_batched) if b}
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        any_in = any(isinstance(v, Var) and v in batched for v in eqn.invars)
-        if name == _AXIS_INDEX:
-            out = True
-        elif name in _COLLECTIVES and axis_name is not None:
-            axes = _collective_axes(eqn)
-            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-            out = any_in and axis_name not in axes
-        else:
-            out = any_in or any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params))
-        if out:
-            batched.update(eqn.outvars)
-    return [isinstance(v, Var) and v in batched for v in jaxpr.outvars]
+    run = _jaxpr_as_fun(closed)
+    avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
+                         weak_type=v.aval.weak_type)
+             for v, b in zip(closed.jaxpr.invars, in_batched)]
+    lanes = jax.vmap(lambda *xs: identity(*run(*xs)), in_axes=[0 if b else None for b in in_batched],
+                     axis_name=axis_name, axis_size=n)
+    with _axis_env(axis_env):
+        jax.eval_shape(lanes, *avals)
+    return seen or [False] * len(closed.jaxpr.outvars)
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
@@ -3858,20 +3853,12 @@ def _lane_args(sf, leaves, split):
     return lane_avals, arg_axes, sizes, avals
 
 
-def _batch_size(sf, sizes) -> int:
-    """The one batch size all mapped arguments and states agree on."""
-    if sf.axis_size is not None:
-        sizes = sizes + [('axis_size', sf.axis_size)]
-    distinct = {s for _, s in sizes}
-    if len(distinct) > 1:
+def _check_sizes(sf, sizes) -> None:
+    """``sizes``, ``[(where, size), ...]``, must name one batch size."""
+    if len({s for _, s in sizes}) > 1:
         listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
-        raise ValueError(f'{_who(sf)}: inconsistent batch sizes:\n{listing}\nall mapped '
-                         'arguments and batched states must share one batch size')
-    if not distinct:
-        raise ValueError(
-            f'{_who(sf)}: nothing is batched (no argument has an in_axes entry and no '
-            'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
-    return distinct.pop()
+        raise BatchAxisError(f'{_who(sf)}: Inconsistent batch sizes:\n{listing}\nall mapped '
+                             'arguments and batched states must share one batch size')
 
 
 def _mapped_apply(sf, traced, n, arg_axes, state_axes, returned_pos, write_axes,
@@ -3985,22 +3972,26 @@ class StatefulMapping(StatefulFunction):
     # -- discovery -------------------------------------------------------------
     def _build_entry(self, key, leaves, split) -> _Entry:
         lane_avals, arg_axes, sizes, avals = _lane_args(self, leaves, split)
-        guess = sizes[0][1] if sizes else (self.axis_size or 1)
-        traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
-        if (self.axis_name is not None and state_sizes and not sizes
-                and self.axis_size is None and state_sizes[0][1] != guess):
-            # Collectives saw the guessed axis size: trace again with the real one.
-            traced, state_axes, state_sizes = self._discover(lane_avals, split, state_sizes[0][1])
-        n = _batch_size(self, sizes + state_sizes)
-        states = traced.states
-        rng_index = [i for i, s in enumerate(states)
-                     if isinstance(s, RandomState) and state_axes[i] is None]
+        if self.axis_size is not None:
+            sizes.append(('axis_size', self.axis_size))
+        _check_sizes(self, sizes)
+        traced, state_axes, found = self._discover(lane_avals, split, sizes,
+                                                   sizes[0][1] if sizes else 1)
+        if self.axis_name is not None and found and not sizes and found[0][1] != 1:
+            # Collectives saw a guessed axis size: trace again with the real one.
+            traced, state_axes, found = self._discover(lane_avals, split, [], found[0][1])
+        if not found:
+            raise ValueError(
+                f'{_who(self)}: nothing is batched (no argument has an in_axes entry and no '
+                'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
+        n, states = found[0][1], traced.states
+        rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
 
         in_batched = [a is not None for a in arg_axes]
         for axis, sig in zip(in_state_axes, traced.state_sigs):
             in_batched += [axis is not None] * len(sig[1])
-        ret_batched = self._returned_batched(traced, in_batched)
+        ret_batched = self._returned_batched(traced, in_batched, n)
 
         mapped_write, write_axes = [], []
         for r, i in enumerate(traced.returned):
@@ -4033,28 +4024,35 @@ class StatefulMapping(StatefulFunction):
         return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
                                axis_env=self.axis_env)
 
-    def _returned_batched(self, traced, in_batched) -> list:
+    def _returned_batched(self, traced, in_batched, n: int) -> list:
         """For each returned state: does its new value vary across lanes?"""
-        out_batched = _batched_outputs(traced.closed_jaxpr.jaxpr, in_batched, self.axis_name)
+        if not traced.returned:
+            return []
+        out_batched = _batched_outputs(traced.closed_jaxpr, in_batched, n, self.axis_name,
+                                       self.axis_env)
         first = traced.n_out
         positions = jax.tree_util.tree_unflatten(
             traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
         return [any(out_batched[j] for j in _leaves(value)) for value in positions]
 
-    def _discover(self, lane_avals, split, size):
-        state_axes, state_sizes = {}, []
+    def _discover(self, lane_avals, split, sizes, size):
+        """Traces ``fun`` per lane; returns the trace, each state's axis, and
+        ``sizes`` with the batched states' sizes added, each checked as it is
+        first read.  RandomStates are split per lane, whatever the filters say."""
+        state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
             axis = state_axes.get(id(state), _MISSING)
             if axis is _MISSING:
-                axis = _axis_for(state, self._state_in)
+                axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
             if axis is None:
                 return aval
             a = _lane_axis(axis, aval, lambda: BatchAxisError(
                 f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
                 f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape'))
-            state_sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
+            sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
+            _check_sizes(self, sizes)
             return _lane_aval(aval, a)
 
         axis_env = list(self.axis_env or ())
@@ -4072,7 +4070,7 @@ class StatefulMapping(StatefulFunction):
                 'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
                 "pass axis_name='<name>' to StatefulMapping and use that name") from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
-        return traced, [state_axes.get(id(s)) for s in traced.states], state_sizes
+        return traced, [state_axes.get(id(s)) for s in traced.states], sizes
 
     def _unexpected(self, state):
         policy = self.unexpected_out_state_mapping
