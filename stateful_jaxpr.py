@@ -388,22 +388,15 @@ def _unnamed(debug_info):
 
 # Primitive names and params keys the jaxpr passes rely on.  Call primitives:
 # 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call' became 'eval_jaxpr'
-# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.  Collectives name
-# their axes in 'axes' (or 'axis_name'); psum_invariant exists from 0.6.
+# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
-_COLLECTIVES = frozenset({'psum', 'pmax', 'pmin', 'psum_invariant'})
-_AXIS_INDEX = 'axis_index'
 _NO_FOLD_PARTS = ('random_', 'callback')   # random_bits, ..., io_callback, ...
 _NO_FOLD_PRIMITIVES = frozenset({
     'threefry2x32', 'rng_bit_generator', 'rng_uniform', 'cond', 'while', 'scan',
     'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'checkpoint', 'remat',
-    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', _AXIS_INDEX, 'pure_callback',
+    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', 'axis_index', 'pure_callback',
     'io_callback', 'debug_callback', 'debug_print', 'device_put'})
-
-
-def _collective_axes(eqn):
-    return eqn.params.get('axes', eqn.params.get('axis_name', ()))
 
 
 # =============================================================================
@@ -3713,11 +3706,11 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A discovery trace of ``fun`` at per-lane shapes finds the states it touches
-# and, by a dataflow pass over that jaxpr, which written values depend on the
-# batch.  The state values are then handed to ``mapping_fn`` explicitly with
-# per-state ``in_axes`` / ``out_axes``; no batching internals are needed.  The
-# plan is cached per cache key, so a warm call does no discovery.
+# A discovery trace of ``fun`` at per-lane shapes finds the states it touches;
+# ``jax.vmap`` of that jaxpr says which written values vary across lanes.  The
+# state values are then handed to ``mapping_fn`` explicitly with per-state
+# ``in_axes`` / ``out_axes``.  The plan is cached per cache key, so a warm call
+# does no discovery.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
@@ -3735,50 +3728,20 @@ def _normalize_state_axes(spec, what: str) -> tuple:
 
 
 def _axis_for(state, axes: tuple):
-    for axis, predicate in axes:
-        if predicate((), state):
-            return axis
-    return None
+    return next((axis for axis, predicate in axes if predicate((), state)), None)
 
 
 _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 
 
-def _lane_axis(axis: int, aval, error: Callable) -> int:
-    """``axis`` of ``aval`` counted from the front; raises ``error()`` if out of range."""
-    nd = len(aval.shape)
-    a = axis + nd if axis < 0 else axis
-    if not 0 <= a < nd:
-        raise error()
-    return a
-
-
-def _lane_aval(aval, axis: int):
+def _lane_aval(axis: int, aval, error: Callable):
+    """``(axis counted from the front, aval without it)``; raises ``error()`` if
+    ``aval`` has no such axis."""
     shape = tuple(aval.shape)
-    return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
-
-
-def _batched_outputs(closed, in_batched, n: int, axis_name, axis_env) -> list:
-    """Which outputs of ``closed`` vary across lanes, given which inputs do,
-    as ``jax.vmap`` decides it: a custom_vmap identity on the outputs has its
-    rule told which of them are batched (none, if the rule never runs)."""
-    seen = []
-    identity = jax.custom_batching.custom_vmap(lambda *outs: outs)
-
-    @identity.def_vmap
-    def rule(axis_size, out_batched, *outs):
-        seen.extend(out_batched)
-        return outs, tuple(out_batched)
-
-    run = _jaxpr_as_fun(closed)
-    avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
-                         weak_type=v.aval.weak_type)
-             for v, b in zip(closed.jaxpr.invars, in_batched)]
-    lanes = jax.vmap(lambda *xs: identity(*run(*xs)), in_axes=[0 if b else None for b in in_batched],
-                     axis_name=axis_name, axis_size=n)
-    with _axis_env(axis_env):
-        jax.eval_shape(lanes, *avals)
-    return seen or [False] * len(closed.jaxpr.outvars)
+    a = axis + len(shape) if axis < 0 else axis
+    if not 0 <= a < len(shape):
+        raise error()
+    return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
@@ -3787,14 +3750,13 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
     with, then the RandomStates split per lane."""
     def grouped(pairs):
         groups = {}
-        for state, axis in pairs:
-            groups.setdefault(axis, []).append(state)
-        return [s for group in groups.values() for s in group]
-    rng = [states[i] for i in rng_index]
-    plain = [(i, s) for i, s in enumerate(states) if i not in rng_index]
-    first = grouped((s, in_axes[i]) for i, s in plain if in_axes[i] is not None)
-    rest = grouped((s, out_axes.get(i, in_axes[i])) for i, s in plain)
-    return first + [s for s in rest if s not in first] + rng
+        for i, axis in pairs:
+            groups.setdefault(axis, []).append(i)
+        return [i for group in groups.values() for i in group]
+    plain = [i for i in range(len(states)) if i not in rng_index]
+    first = grouped((i, in_axes[i]) for i in plain if in_axes[i] is not None)
+    rest = [i for i in grouped((i, out_axes.get(i, in_axes[i])) for i in plain) if i not in first]
+    return [states[i] for i in first + rest + rng_index]
 
 
 def _leaf_axes(sf, split) -> list:
@@ -3844,11 +3806,11 @@ def _lane_args(sf, leaves, split):
             lane_avals.append(aval)
             arg_axes.append(None)
             continue
-        a = _lane_axis(ax, aval, lambda: ValueError(
+        a, lane = _lane_aval(ax, aval, lambda: ValueError(
             f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
             f'shape {tuple(aval.shape)}'))
         sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
-        lane_avals.append(_lane_aval(aval, a))
+        lane_avals.append(lane)
         arg_axes.append(a)
     return lane_avals, arg_axes, sizes, avals
 
@@ -3861,31 +3823,25 @@ def _check_sizes(sf, sizes) -> None:
                              'arguments and batched states must share one batch size')
 
 
-def _mapped_apply(sf, traced, n, arg_axes, state_axes, returned_pos, write_axes,
-                  rng_index, nothing_batched):
+def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, nothing_batched):
+    """The mapped call; ``write_axes`` maps a returned state's position to its out axis."""
     run = traced.runner()
-    extra = {}
-    if sf.axis_name is not None:
-        extra['axis_name'] = sf.axis_name
-    if nothing_batched:
-        extra['axis_size'] = n
 
     def lane(lane_args, lane_states):
         out, returned = run(lane_args, lane_states)
-        return out, [returned[r] for r in returned_pos]
+        return out, [returned[r] for r in write_axes]
 
     mapped = sf.mapping_fn(lane, in_axes=(list(arg_axes), list(state_axes)),
-                           out_axes=(sf.out_axes, list(write_axes)), **extra)
+                           out_axes=(sf.out_axes, list(write_axes.values())),
+                           axis_name=sf.axis_name, axis_size=n if nothing_batched else None)
 
     def apply(state_values, flat_args):
-        values = list(state_values)
-        new_keys = []
-        for i in rng_index:
-            keys = jax.random.split(values[i], n + 1)
-            new_keys.append(keys[0])
-            values[i] = keys[1:]
+        values, keys = list(state_values), [jax.random.split(state_values[i], n + 1)
+                                            for i in rng_index]
+        for i, k in zip(rng_index, keys):
+            values[i] = k[1:]
         out, written = mapped(list(flat_args), values)
-        return out, list(written) + new_keys
+        return out, list(written) + [k[0] for k in keys]
     return apply
 
 
@@ -3895,7 +3851,7 @@ class StatefulMapping(StatefulFunction):
     States matched by ``state_in_axes`` are split along their axis on the way
     in and stacked on the way out; other states are broadcast.  Every touched
     :class:`RandomState` is split into one key per lane (as ``split_key(n)``
-    would) and afterwards holds the advanced key.
+    would), whatever the filters say, and afterwards holds the advanced key.
 
     It is a :class:`StatefulFunction`: the accessors (``get_jaxpr``,
     ``get_states``, ``jaxpr_call`` ...) describe the whole mapped call, with
@@ -3993,23 +3949,19 @@ class StatefulMapping(StatefulFunction):
             in_batched += [axis is not None] * len(sig[1])
         ret_batched = self._returned_batched(traced, in_batched, n)
 
-        mapped_write, write_axes = [], []
+        write_axes, out_axes = {}, {}    # by returned position, by state index
         for r, i in enumerate(traced.returned):
             if i in rng_index:          # a RandomState leaves with the advanced key
                 continue
             axis = _axis_for(states[i], self._state_out)
-            if axis is None:
-                axis = state_axes[i]
+            axis = state_axes[i] if axis is None else axis
             if axis is None and ret_batched[r]:
                 self._unexpected(states[i])
                 axis = 0
-            mapped_write.append((r, i))
-            write_axes.append(axis)
-        plan = self._plan_for(states, tuple(i for _, i in mapped_write) + tuple(rng_index))
-        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes,
-                              [r for r, _ in mapped_write], write_axes, rng_index,
+            write_axes[r] = out_axes[i] = axis
+        plan = self._plan_for(states, (*out_axes, *rng_index))
+        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
-        out_axes = dict(zip((i for _, i in mapped_write), write_axes))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
         entry = _Entry(traced, plan, apply, None)
         entry.view = functools.partial(self._trace_whole, order, avals, _rebuilder(split))
@@ -4025,15 +3977,28 @@ class StatefulMapping(StatefulFunction):
                                axis_env=self.axis_env)
 
     def _returned_batched(self, traced, in_batched, n: int) -> list:
-        """For each returned state: does its new value vary across lanes?"""
-        if not traced.returned:
-            return []
-        out_batched = _batched_outputs(traced.closed_jaxpr, in_batched, n, self.axis_name,
-                                       self.axis_env)
-        first = traced.n_out
-        positions = jax.tree_util.tree_unflatten(
-            traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
-        return [any(out_batched[j] for j in _leaves(value)) for value in positions]
+        """For each returned state: does its new value vary across lanes?  As
+        ``jax.vmap`` decides it: a custom_vmap identity on the new values has
+        its rule told which are batched (none, if the rule never runs)."""
+        seen, (closed, first) = [], (traced.closed_jaxpr, traced.n_out)
+        identity = jax.custom_batching.custom_vmap(lambda *new: new)
+
+        @identity.def_vmap
+        def rule(axis_size, batched, *new):
+            seen.extend(batched)
+            return new, tuple(batched)
+
+        run = _jaxpr_as_fun(closed)
+        avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
+                             weak_type=v.aval.weak_type)
+                 for v, b in zip(closed.jaxpr.invars, in_batched)]
+        lanes = jax.vmap(lambda *xs: identity(*run(*xs)[first:]), axis_name=self.axis_name,
+                         in_axes=[0 if b else None for b in in_batched], axis_size=n)
+        if traced.state_tree.num_leaves:
+            with _axis_env(self.axis_env):
+                jax.eval_shape(lanes, *avals)
+        flags = seen or [False] * traced.state_tree.num_leaves
+        return [any(_leaves(v)) for v in jax.tree_util.tree_unflatten(traced.state_tree, flags)]
 
     def _discover(self, lane_avals, split, sizes, size):
         """Traces ``fun`` per lane; returns the trace, each state's axis, and
@@ -4048,12 +4013,12 @@ class StatefulMapping(StatefulFunction):
                 state_axes[id(state)] = axis
             if axis is None:
                 return aval
-            a = _lane_axis(axis, aval, lambda: BatchAxisError(
+            a, lane = _lane_aval(axis, aval, lambda: BatchAxisError(
                 f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
                 f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape'))
             sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
             _check_sizes(self, sizes)
-            return _lane_aval(aval, a)
+            return lane
 
         axis_env = list(self.axis_env or ())
         if self.axis_name is not None:
