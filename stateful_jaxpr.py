@@ -3735,8 +3735,7 @@ _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 
 
 def _lane_aval(axis: int, aval, error: Callable):
-    """``(axis counted from the front, aval without it)``; raises ``error()`` if
-    ``aval`` has no such axis."""
+    """``(axis counted from the front, aval without it)``, or raises ``error()``."""
     shape = tuple(aval.shape)
     a = axis + len(shape) if axis < 0 else axis
     if not 0 <= a < len(shape):
@@ -3947,18 +3946,15 @@ class StatefulMapping(StatefulFunction):
         in_batched = [a is not None for a in arg_axes]
         for axis, sig in zip(in_state_axes, traced.state_sigs):
             in_batched += [axis is not None] * len(sig[1])
-        ret_batched = self._returned_batched(traced, in_batched, n)
-
         write_axes, out_axes = {}, {}    # by returned position, by state index
         for r, i in enumerate(traced.returned):
-            if i in rng_index:          # a RandomState leaves with the advanced key
-                continue
-            axis = _axis_for(states[i], self._state_out)
-            axis = state_axes[i] if axis is None else axis
-            if axis is None and ret_batched[r]:
-                self._unexpected(states[i])
-                axis = 0
-            write_axes[r] = out_axes[i] = axis
+            if i not in rng_index:      # a RandomState leaves with the advanced key
+                axis = _axis_for(states[i], self._state_out)
+                write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
+        unbatched = [r for r, axis in write_axes.items() if axis is None]
+        for r in self._batched_returns(traced, in_batched, n, unbatched):
+            self._unexpected(states[traced.returned[r]])
+            write_axes[r] = out_axes[traced.returned[r]] = 0
         plan = self._plan_for(states, (*out_axes, *rng_index))
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
@@ -3976,11 +3972,15 @@ class StatefulMapping(StatefulFunction):
         return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
                                axis_env=self.axis_env)
 
-    def _returned_batched(self, traced, in_batched, n: int) -> list:
-        """For each returned state: does its new value vary across lanes?  As
-        ``jax.vmap`` decides it: a custom_vmap identity on the new values has
-        its rule told which are batched (none, if the rule never runs)."""
-        seen, (closed, first) = [], (traced.closed_jaxpr, traced.n_out)
+    def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
+        """Those of the returned positions ``wanted`` whose new value varies across
+        lanes, as ``jax.vmap`` decides: a custom_vmap identity on their values
+        has its rule told which are batched (it never runs if none is)."""
+        closed, first, seen = traced.closed_jaxpr, traced.n_out, []
+        at = jax.tree_util.tree_unflatten(
+            traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
+        leaves = [_leaves(at[r]) for r in wanted]
+        picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
         identity = jax.custom_batching.custom_vmap(lambda *new: new)
 
         @identity.def_vmap
@@ -3988,22 +3988,22 @@ class StatefulMapping(StatefulFunction):
             seen.extend(batched)
             return new, tuple(batched)
 
-        run = _jaxpr_as_fun(closed)
-        avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
-                             weak_type=v.aval.weak_type)
-                 for v, b in zip(closed.jaxpr.invars, in_batched)]
-        lanes = jax.vmap(lambda *xs: identity(*run(*xs)[first:]), axis_name=self.axis_name,
-                         in_axes=[0 if b else None for b in in_batched], axis_size=n)
-        if traced.state_tree.num_leaves:
+        def lanes(*xs):
+            outs = run(*xs)
+            return identity(*[outs[j] for j in picked])
+        if picked:
+            avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
+                                 weak_type=v.aval.weak_type)
+                     for v, b in zip(closed.jaxpr.invars, in_batched)]
             with _axis_env(self.axis_env):
-                jax.eval_shape(lanes, *avals)
-        flags = seen or [False] * traced.state_tree.num_leaves
-        return [any(_leaves(v)) for v in jax.tree_util.tree_unflatten(traced.state_tree, flags)]
+                jax.eval_shape(jax.vmap(lanes, in_axes=[0 if b else None for b in in_batched],
+                                        axis_name=self.axis_name, axis_size=n), *avals)
+        flags = iter(seen or [False] * len(picked))
+        return [r for r, js in zip(wanted, leaves) if any([next(flags) for _ in js])]
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Traces ``fun`` per lane; returns the trace, each state's axis, and
-        ``sizes`` with the batched states' sizes added, each checked as it is
-        first read.  RandomStates are split per lane, whatever the filters say."""
+        """Traces ``fun`` per lane: the trace, each state's axis (never a RandomState's),
+        and ``sizes`` with the batched states' added, checked at each first read."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
