@@ -7117,6 +7117,33 @@ class MappingCollectiveTest(unittest.TestCase):
                     self.assertEqual(value.shape, ref_value.shape)
                     np.testing.assert_allclose(_host(value), ref_value, rtol=1e-6)
 
+    def test_collective_over_an_outer_axis(self):
+        s = sj.State(jnp.zeros(()), name='s_coll_nest')
+        t = sj.State(jnp.zeros(()), name='t_coll_nest')
+
+        def inner(v):
+            s.value = jax.jit(lambda y: lax.psum(y, 'i'))(v)          # varies with 'outer'
+            t.value = jax.jit(lambda y: lax.psum(y, ('i', 'outer')))(v)
+            return v
+        im = sj.StatefulMapping(inner, in_axes=0, axis_name='i')
+        x = jnp.arange(6.0).reshape(2, 3)
+        sj.StatefulMapping(im, in_axes=0, axis_name='outer')(x)
+        ref = jax.vmap(jax.vmap(lambda v: (lax.psum(v, 'i'), lax.psum(v, ('i', 'outer'))),
+                                axis_name='i', out_axes=(None, None)),
+                       axis_name='outer', out_axes=(0, None))(x)
+        for state, value in zip((s, t), ref):
+            self.assertEqual(state.value.shape, value.shape)
+            np.testing.assert_allclose(state.value, value)
+        # An outer axis named only in axis_env, for the jaxpr accessors.
+        u = sj.State(jnp.zeros(()), name='u_coll_env')
+
+        def g(v):
+            u.value = lax.psum(v, ('i', 'z'))
+            return v
+        jaxpr = sj.StatefulMapping(g, in_axes=0, axis_name='i',
+                                   axis_env=[('z', 2)]).get_jaxpr(jnp.arange(3.0))
+        self.assertEqual([v.aval.shape for v in jaxpr.jaxpr.outvars], [(3,), ()])
+
     def test_random_state_is_split_per_lane_whatever_the_filters(self):
         n = 4
         for typed in (False, True):
