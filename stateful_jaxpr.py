@@ -346,22 +346,15 @@ def _refusal(err: BaseException):
 
 # Primitive names and params keys the jaxpr passes rely on.  Call primitives:
 # 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call' became 'eval_jaxpr'
-# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.  Collectives name
-# their axes in 'axes' (or 'axis_name'); psum_invariant exists from 0.6.
+# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
-_COLLECTIVES = frozenset({'psum', 'pmax', 'pmin', 'psum_invariant'})
-_AXIS_INDEX = 'axis_index'
 _NO_FOLD_PARTS = ('random_', 'callback')   # random_bits, ..., io_callback, ...
 _NO_FOLD_PRIMITIVES = frozenset({
     'threefry2x32', 'rng_bit_generator', 'rng_uniform', 'cond', 'while', 'scan',
     'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'checkpoint', 'remat',
-    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', _AXIS_INDEX, 'pure_callback',
+    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', 'axis_index', 'pure_callback',
     'io_callback', 'debug_callback', 'debug_print', 'device_put'})
-
-
-def _collective_axes(eqn):
-    return eqn.params.get('axes', eqn.params.get('axis_name', ()))
 
 
 def _jaxpr_names(text: str, n_in: int, n_out: int):
@@ -3331,11 +3324,11 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A discovery trace of ``fun`` at per-lane shapes finds the states it touches
-# and, by a dataflow pass over that jaxpr, which written values depend on the
-# batch.  The state values are then handed to ``mapping_fn`` explicitly with
-# per-state ``in_axes`` / ``out_axes``; no batching internals are needed.  The
-# plan is cached per cache key, so a warm call does no discovery.
+# A discovery trace of ``fun`` at per-lane shapes finds the states it touches;
+# ``jax.vmap`` of that jaxpr says which written values vary across lanes.  The
+# state values are then handed to ``mapping_fn`` explicitly with per-state
+# ``in_axes`` / ``out_axes``.  The plan is cached per cache key, so a warm call
+# does no discovery.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
@@ -3353,55 +3346,19 @@ def _normalize_state_axes(spec, what: str) -> tuple:
 
 
 def _axis_for(state, axes: tuple):
-    for axis, predicate in axes:
-        if predicate((), state):
-            return axis
-    return None
+    return next((axis for axis, predicate in axes if predicate((), state)), None)
 
 
 _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 
 
-def _lane_axis(axis: int, aval, error: Callable) -> int:
-    """``axis`` of ``aval`` counted from the front; raises ``error()`` if out of range."""
-    nd = len(aval.shape)
-    a = axis + nd if axis < 0 else axis
-    if not 0 <= a < nd:
-        raise error()
-    return a
-
-
-def _lane_aval(aval, axis: int):
+def _lane_aval(axis: int, aval, error: Callable):
+    """``(axis counted from the front, aval without it)``, or raises ``error()``."""
     shape = tuple(aval.shape)
-    return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
-
-
-def _uses_axis_index(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == _AXIS_INDEX:
-            return True
-        if any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params)):
-            return True
-    return False
-
-
-def _batched_outputs(jaxpr, in_batched: Sequence[bool], axis_name) -> list:
-    """Which outputs of ``jaxpr`` vary across lanes, given which inputs do."""
-    batched = {v for v, b in zip(jaxpr.invars, in_batched) if b}
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        any_in = any(isinstance(v, Var) and v in batched for v in eqn.invars)
-        if name == _AXIS_INDEX:
-            out = True
-        elif name in _COLLECTIVES and axis_name is not None:
-            axes = _collective_axes(eqn)
-            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-            out = any_in and axis_name not in axes
-        else:
-            out = any_in or any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params))
-        if out:
-            batched.update(eqn.outvars)
-    return [isinstance(v, Var) and v in batched for v in jaxpr.outvars]
+    a = axis + len(shape) if axis < 0 else axis
+    if not 0 <= a < len(shape):
+        raise error()
+    return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
@@ -3410,14 +3367,13 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
     with, then the RandomStates split per lane."""
     def grouped(pairs):
         groups = {}
-        for state, axis in pairs:
-            groups.setdefault(axis, []).append(state)
-        return [s for group in groups.values() for s in group]
-    rng = [states[i] for i in rng_index]
-    plain = [(i, s) for i, s in enumerate(states) if i not in rng_index]
-    first = grouped((s, in_axes[i]) for i, s in plain if in_axes[i] is not None)
-    rest = grouped((s, out_axes.get(i, in_axes[i])) for i, s in plain)
-    return first + [s for s in rest if s not in first] + rng
+        for i, axis in pairs:
+            groups.setdefault(axis, []).append(i)
+        return [i for group in groups.values() for i in group]
+    plain = [i for i in range(len(states)) if i not in rng_index]
+    first = grouped((i, in_axes[i]) for i in plain if in_axes[i] is not None)
+    rest = [i for i in grouped((i, out_axes.get(i, in_axes[i])) for i in plain) if i not in first]
+    return [states[i] for i in first + rest + rng_index]
 
 
 def _leaf_axes(sf, split) -> list:
@@ -3467,56 +3423,42 @@ def _lane_args(sf, leaves, split):
             lane_avals.append(aval)
             arg_axes.append(None)
             continue
-        a = _lane_axis(ax, aval, lambda: ValueError(
+        a, lane = _lane_aval(ax, aval, lambda: ValueError(
             f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
             f'shape {tuple(aval.shape)}'))
         sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
-        lane_avals.append(_lane_aval(aval, a))
+        lane_avals.append(lane)
         arg_axes.append(a)
     return lane_avals, arg_axes, sizes, avals
 
 
-def _batch_size(sf, sizes) -> int:
-    """The one batch size all mapped arguments and states agree on."""
-    if sf.axis_size is not None:
-        sizes = sizes + [('axis_size', sf.axis_size)]
-    distinct = {s for _, s in sizes}
-    if len(distinct) > 1:
+def _check_sizes(sf, sizes) -> None:
+    """``sizes``, ``[(where, size), ...]``, must name one batch size."""
+    if len({s for _, s in sizes}) > 1:
         listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
-        raise ValueError(f'{_who(sf)}: inconsistent batch sizes:\n{listing}\nall mapped '
-                         'arguments and batched states must share one batch size')
-    if not distinct:
-        raise ValueError(
-            f'{_who(sf)}: nothing is batched (no argument has an in_axes entry and no '
-            'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
-    return distinct.pop()
+        raise BatchAxisError(f'{_who(sf)}: Inconsistent batch sizes:\n{listing}\nall mapped '
+                             'arguments and batched states must share one batch size')
 
 
-def _mapped_apply(sf, traced, n, arg_axes, state_axes, returned_pos, write_axes,
-                  rng_index, nothing_batched):
+def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, nothing_batched):
+    """The mapped call; ``write_axes`` maps a returned state's position to its out axis."""
     run = traced.runner()
-    extra = {}
-    if sf.axis_name is not None:
-        extra['axis_name'] = sf.axis_name
-    if nothing_batched:
-        extra['axis_size'] = n
 
     def lane(lane_args, lane_states):
         out, returned = run(lane_args, lane_states)
-        return out, [returned[r] for r in returned_pos]
+        return out, [returned[r] for r in write_axes]
 
     mapped = sf.mapping_fn(lane, in_axes=(list(arg_axes), list(state_axes)),
-                           out_axes=(sf.out_axes, list(write_axes)), **extra)
+                           out_axes=(sf.out_axes, list(write_axes.values())),
+                           axis_name=sf.axis_name, axis_size=n if nothing_batched else None)
 
     def apply(state_values, flat_args):
-        values = list(state_values)
-        new_keys = []
-        for i in rng_index:
-            keys = jax.random.split(values[i], n + 1)
-            new_keys.append(keys[0])
-            values[i] = keys[1:]
+        values, keys = list(state_values), [jax.random.split(state_values[i], n + 1)
+                                            for i in rng_index]
+        for i, k in zip(rng_index, keys):
+            values[i] = k[1:]
         out, written = mapped(list(flat_args), values)
-        return out, list(written) + new_keys
+        return out, list(written) + [k[0] for k in keys]
     return apply
 
 
@@ -3526,7 +3468,7 @@ class StatefulMapping(StatefulFunction):
     States matched by ``state_in_axes`` are split along their axis on the way
     in and stacked on the way out; other states are broadcast.  Every touched
     :class:`RandomState` is split into one key per lane (as ``split_key(n)``
-    would) and afterwards holds the advanced key.
+    would), whatever the filters say, and afterwards holds the advanced key.
 
     It is a :class:`StatefulFunction`: the accessors (``get_jaxpr``,
     ``get_states``, ``jaxpr_call`` ...) describe the whole mapped call, with
@@ -3603,40 +3545,37 @@ class StatefulMapping(StatefulFunction):
     # -- discovery -------------------------------------------------------------
     def _build_entry(self, key, leaves, split) -> _Entry:
         lane_avals, arg_axes, sizes, avals = _lane_args(self, leaves, split)
-        guess = sizes[0][1] if sizes else (self.axis_size or 1)
-        traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
-        if (self.axis_name is not None and state_sizes and not sizes
-                and self.axis_size is None and state_sizes[0][1] != guess):
-            # Collectives saw the guessed axis size: trace again with the real one.
-            traced, state_axes, state_sizes = self._discover(lane_avals, split, state_sizes[0][1])
-        n = _batch_size(self, sizes + state_sizes)
-        states = traced.states
-        rng_index = [i for i, s in enumerate(states)
-                     if isinstance(s, RandomState) and state_axes[i] is None]
+        if self.axis_size is not None:
+            sizes.append(('axis_size', self.axis_size))
+        _check_sizes(self, sizes)
+        traced, state_axes, found = self._discover(lane_avals, split, sizes,
+                                                   sizes[0][1] if sizes else 1)
+        if self.axis_name is not None and found and not sizes and found[0][1] != 1:
+            # Collectives saw a guessed axis size: trace again with the real one.
+            traced, state_axes, found = self._discover(lane_avals, split, [], found[0][1])
+        if not found:
+            raise ValueError(
+                f'{_who(self)}: nothing is batched (no argument has an in_axes entry and no '
+                'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
+        n, states = found[0][1], traced.states
+        rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
 
         in_batched = [a is not None for a in arg_axes]
         for axis, sig in zip(in_state_axes, traced.state_sigs):
             in_batched += [axis is not None] * len(sig[1])
-        ret_batched = self._returned_batched(traced, in_batched)
-
-        mapped_write, write_axes = [], []
+        write_axes, out_axes = {}, {}    # by returned position, by state index
         for r, i in enumerate(traced.returned):
-            if i in rng_index:          # a RandomState leaves with the advanced key
-                continue
-            axis = _axis_for(states[i], self._state_out)
-            if axis is None:
-                axis = state_axes[i]
-            if axis is None and ret_batched[r]:
-                self._unexpected(states[i])
-                axis = 0
-            mapped_write.append((r, i))
-            write_axes.append(axis)
-        plan = self._plan_for(states, tuple(i for _, i in mapped_write) + tuple(rng_index))
-        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes,
-                              [r for r, _ in mapped_write], write_axes, rng_index,
+            if i not in rng_index:      # a RandomState leaves with the advanced key
+                axis = _axis_for(states[i], self._state_out)
+                write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
+        unbatched = [r for r, axis in write_axes.items() if axis is None]
+        for r in self._batched_returns(traced, in_batched, n, unbatched):
+            self._unexpected(states[traced.returned[r]])
+            write_axes[r] = out_axes[traced.returned[r]] = 0
+        plan = self._plan_for(states, (*out_axes, *rng_index))
+        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
-        out_axes = dict(zip((i for _, i in mapped_write), write_axes))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
         entry = _Entry(traced, plan, apply, None)
         entry.view = functools.partial(self._trace_whole, order, avals, _rebuilder(split))
@@ -3651,29 +3590,53 @@ class StatefulMapping(StatefulFunction):
         return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
                                axis_env=self.axis_env)
 
-    def _returned_batched(self, traced, in_batched) -> list:
-        """For each returned state: does its new value vary across lanes?"""
-        out_batched = _batched_outputs(traced.closed_jaxpr.jaxpr, in_batched, self.axis_name)
-        first = traced.n_out
-        positions = jax.tree_util.tree_unflatten(
+    def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
+        """Those of the returned positions ``wanted`` whose new value varies across
+        lanes, as ``jax.vmap`` decides: a custom_vmap identity on their values
+        has its rule told which are batched (it never runs if none is)."""
+        closed, first, seen = traced.closed_jaxpr, traced.n_out, []
+        at = jax.tree_util.tree_unflatten(
             traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
-        return [any(out_batched[j] for j in _leaves(value)) for value in positions]
+        leaves = [_leaves(at[r]) for r in wanted]
+        picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
+        identity = jax.custom_batching.custom_vmap(lambda *new: new)
 
-    def _discover(self, lane_avals, split, size):
-        state_axes, state_sizes = {}, []
+        @identity.def_vmap
+        def rule(axis_size, batched, *new):
+            seen.extend(batched)
+            return new, tuple(batched)
+
+        def lanes(*xs):
+            outs = run(*xs)
+            return identity(*[outs[j] for j in picked])
+        if picked:
+            avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
+                                 weak_type=v.aval.weak_type)
+                     for v, b in zip(closed.jaxpr.invars, in_batched)]
+            with _axis_env(self.axis_env):
+                jax.eval_shape(jax.vmap(lanes, in_axes=[0 if b else None for b in in_batched],
+                                        axis_name=self.axis_name, axis_size=n), *avals)
+        flags = iter(seen or [False] * len(picked))
+        return [r for r, js in zip(wanted, leaves) if any([next(flags) for _ in js])]
+
+    def _discover(self, lane_avals, split, sizes, size):
+        """Traces ``fun`` per lane: the trace, each state's axis (never a RandomState's),
+        and ``sizes`` with the batched states' added, checked at each first read."""
+        state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
             axis = state_axes.get(id(state), _MISSING)
             if axis is _MISSING:
-                axis = _axis_for(state, self._state_in)
+                axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
             if axis is None:
                 return aval
-            a = _lane_axis(axis, aval, lambda: BatchAxisError(
+            a, lane = _lane_aval(axis, aval, lambda: BatchAxisError(
                 f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
                 f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape'))
-            state_sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
-            return _lane_aval(aval, a)
+            sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
+            _check_sizes(self, sizes)
+            return lane
 
         axis_env = list(self.axis_env or ())
         if self.axis_name is not None:
@@ -3690,7 +3653,7 @@ class StatefulMapping(StatefulFunction):
                 'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
                 "pass axis_name='<name>' to StatefulMapping and use that name") from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
-        return traced, [state_axes.get(id(s)) for s in traced.states], state_sizes
+        return traced, [state_axes.get(id(s)) for s in traced.states], sizes
 
     def _unexpected(self, state):
         policy = self.unexpected_out_state_mapping

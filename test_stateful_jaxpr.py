@@ -6579,18 +6579,6 @@ class MappingRandomTest(unittest.TestCase):
         sj.StatefulMapping(lambda x: x + jax.random.normal(other.split_key(), ()))(jnp.zeros(3))
         np.testing.assert_array_equal(_host(rng.value), k_unused)
 
-    def test_batched_random_state_uses_its_own_lane_keys(self):
-        keys = jax.random.split(jax.random.PRNGKey(5), 4)
-        rng = sj.RandomState(keys, name='stacked')
-        sm = sj.StatefulMapping(lambda: _draw_bits(rng.split_key()),
-                                state_in_axes={0: sj.RandomState})
-        out = np.asarray(sm())
-        for i in range(4):
-            nk = jax.random.split(keys[i])
-            np.testing.assert_array_equal(out[i], _host(_draw_bits(nk[1])))
-            np.testing.assert_array_equal(_host(rng.value)[i], _host(nk[0]))
-        self.assertEqual(rng.value.shape, (4, 2))
-
 
 # -- arguments ------------------------------------------------------------------
 
@@ -6687,11 +6675,15 @@ class MappingArgsTest(unittest.TestCase):
             return x + zeta_kw
 
         sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: lambda p, s: s is odd})
-        with self.assertRaises(ValueError) as cm:
+        with self.assertRaises(ValueError) as cm:      # the arguments, before any trace
             sm(jnp.zeros(7), zeta_kw=jnp.zeros(11))
-        msg = str(cm.exception)
-        for piece in ('7', '11', '13', 'zeta_kw', 'odd_sized_state'):
-            self.assertIn(piece, msg)
+        for piece in ('7', '11', 'zeta_kw'):
+            self.assertIn(piece, str(cm.exception))
+        _assert_unchanged(self, [odd, keep], snap)
+        with self.assertRaises(ValueError) as cm:      # a state, at its first read
+            sm(jnp.zeros(7), zeta_kw=jnp.zeros(7))
+        for piece in ('7', '13', 'odd_sized_state'):
+            self.assertIn(piece, str(cm.exception))
         _assert_unchanged(self, [odd, keep], snap)
         # Two positional arguments and axis_size.
         with self.assertRaises(ValueError) as cm:
@@ -7087,6 +7079,175 @@ class MappingFailureTest(unittest.TestCase):
         sm(jnp.ones((8, 2)))
         self.assertEqual(calls[0], n)
         np.testing.assert_allclose(w.value, 2 * np.ones((8, 2)))
+
+
+# -- collectives, random states under filters, batch sizes -----------------------
+
+def _collective_bodies():
+    """Writes whose value JAX leaves unbatched (a collective's result), each
+    in a different place; and ones it batches."""
+    psum = lambda y: lax.psum(y, 'i')
+    unbatched = {
+        'psum': psum,
+        'jit_psum': lambda y: jax.jit(psum)(y),
+        'cond_pmean': lambda y: lax.cond(jnp.float32(1.0) > 0, lambda v: lax.pmean(v, 'i'),
+                                         lambda v: lax.psum(v, 'i'), y),
+        'scan_pmax': lambda y: lax.scan(lambda c, _: (c + lax.pmax(y, 'i'), None),
+                                        jnp.zeros_like(y), None, length=3)[0],
+        'while_psum': lambda y: lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + lax.psum(y, 'i')),
+            (0, jnp.zeros_like(y)))[1],
+        'all_gather_sum': lambda y: lax.all_gather(y, 'i').sum(0),
+        'jit_all_gather': lambda y: jax.jit(lambda v: lax.all_gather(v, 'i').sum(0))(y),
+    }
+    batched = {
+        'cond_one_branch_per_lane': lambda y: lax.cond(
+            jnp.float32(1.0) > 0, lambda v: lax.psum(v, 'i'), lambda v: v * 2, y),
+        'jit_axis_index': lambda y: y + jax.jit(lambda: lax.axis_index('i'))(),
+        'scan_per_lane': lambda y: lax.scan(lambda c, _: (c + y, None),
+                                            lax.psum(y, 'i'), None, length=2)[0],
+    }
+    return unbatched, batched
+
+
+class MappingCollectiveTest(unittest.TestCase):
+
+    def _mapped(self, body, x, mapping_fn=jax.vmap):
+        s = sj.State(jnp.zeros(x.shape[1:]), name='s_coll')
+
+        def f(v):
+            s.value = body(v)
+            return v * 2
+        out = sj.StatefulMapping(f, in_axes=0, axis_name='i', mapping_fn=mapping_fn,
+                                 unexpected_out_state_mapping='ignore')(x)
+        return out, s.value
+
+    def _plain(self, body, x, out_axis):
+        """Plain jax.vmap with the State threaded explicitly."""
+        return jax.vmap(lambda v, s: (v * 2, body(v)), in_axes=(0, None),
+                        out_axes=(0, out_axis), axis_name='i')(x, jnp.zeros(x.shape[1:]))
+
+    def test_collective_writes_leave_unbatched_like_plain_vmap(self):
+        x = jnp.arange(12.0).reshape(4, 3)
+        for name, body in _collective_bodies()[0].items():
+            with self.subTest(name):
+                out, value = self._mapped(body, x)
+                ref_out, ref_value = self._plain(body, x, None)
+                self.assertEqual(value.shape, ref_value.shape)
+                np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+                np.testing.assert_allclose(out, ref_out)
+
+    def test_per_lane_writes_stay_batched_like_plain_vmap(self):
+        x = jnp.arange(12.0).reshape(4, 3)
+        for name, body in _collective_bodies()[1].items():
+            with self.subTest(name):
+                with self.assertRaises(ValueError):     # plain vmap cannot leave it unmapped
+                    self._plain(body, x, None)
+                _, value = self._mapped(body, x)
+                ref_value = self._plain(body, x, 0)[1]
+                self.assertEqual(value.shape, ref_value.shape)
+                np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+
+    def test_collective_write_under_raise_policy(self):
+        s = sj.State(jnp.zeros(()), name='s_coll_raise')
+
+        def f(v):
+            s.value = jax.jit(lambda y: lax.psum(y, 'i'))(v)
+            return v
+        sj.StatefulMapping(f, in_axes=0, axis_name='i',
+                           unexpected_out_state_mapping='raise')(jnp.arange(4.0))
+        self.assertEqual(float(s.value), 6.0)
+
+    def test_collective_write_with_pmap_and_shard_map(self):
+        _need_8_devices(self)
+        x = jnp.arange(24.0).reshape(8, 3)
+        for mapping_fn in (jax.pmap, _shard_mapper):
+            for name in ('jit_psum', 'scan_pmax', 'all_gather_sum'):
+                body = _collective_bodies()[0][name]
+                with self.subTest(f'{getattr(mapping_fn, "__name__", mapping_fn)}/{name}'):
+                    _, value = self._mapped(body, x, mapping_fn)
+                    ref_value = self._plain(body, x, None)[1]
+                    self.assertEqual(value.shape, ref_value.shape)
+                    np.testing.assert_allclose(_host(value), ref_value, rtol=1e-6)
+
+    def test_collective_over_an_outer_axis(self):
+        s = sj.State(jnp.zeros(()), name='s_coll_nest')
+        t = sj.State(jnp.zeros(()), name='t_coll_nest')
+
+        def inner(v):
+            s.value = jax.jit(lambda y: lax.psum(y, 'i'))(v)          # varies with 'outer'
+            t.value = jax.jit(lambda y: lax.psum(y, ('i', 'outer')))(v)
+            return v
+        im = sj.StatefulMapping(inner, in_axes=0, axis_name='i')
+        x = jnp.arange(6.0).reshape(2, 3)
+        sj.StatefulMapping(im, in_axes=0, axis_name='outer')(x)
+        ref = jax.vmap(jax.vmap(lambda v: (lax.psum(v, 'i'), lax.psum(v, ('i', 'outer'))),
+                                axis_name='i', out_axes=(None, None)),
+                       axis_name='outer', out_axes=(0, None))(x)
+        for state, value in zip((s, t), ref):
+            self.assertEqual(state.value.shape, value.shape)
+            np.testing.assert_allclose(state.value, value)
+        # An outer axis named only in axis_env, for the jaxpr accessors.
+        u = sj.State(jnp.zeros(()), name='u_coll_env')
+
+        def g(v):
+            u.value = lax.psum(v, ('i', 'z'))
+            return v
+        jaxpr = sj.StatefulMapping(g, in_axes=0, axis_name='i',
+                                   axis_env=[('z', 2)]).get_jaxpr(jnp.arange(3.0))
+        self.assertEqual([v.aval.shape for v in jaxpr.jaxpr.outvars], [(3,), ()])
+
+    def test_random_state_is_split_per_lane_whatever_the_filters(self):
+        n = 4
+        for typed in (False, True):
+            for filt in (sj.State, (sj.RandomState, sj.HiddenState), lambda p, s: True):
+                with self.subTest(typed=typed, filt=filt):
+                    key = jax.random.key(3) if typed else jax.random.PRNGKey(3)
+                    rng = sj.RandomState(key, name='rng_filt')
+                    h = sj.HiddenState(jnp.zeros((n, 3)), name='h_filt')
+
+                    def f(x):
+                        h.value = h.value + x
+                        return _draw_bits(rng.split_key())
+                    sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: filt},
+                                            state_out_axes={0: filt})
+                    out = sm(jnp.ones((n, 3)))
+                    # Plain JAX: one key per lane, each split once inside its lane.
+                    keys = jax.random.split(key, n + 1)
+                    ref = jax.vmap(lambda k: _draw_bits(jax.random.split(k)[1]))(keys[1:])
+                    np.testing.assert_array_equal(_host(out), _host(ref))
+                    np.testing.assert_array_equal(_host(rng.value), _host(keys[0]))
+                    np.testing.assert_allclose(h.value, np.ones((n, 3)))
+
+    def test_state_batch_size_mismatch_is_found_before_the_body_uses_it(self):
+        h = sj.HiddenState(jnp.zeros((5, 5)), name='h_bs_early')
+        snap = _snapshot([h])
+        after_read = []
+
+        def f(x):
+            value = h.value
+            after_read.append(True)
+            h.value = value + x               # (3,) + (5,) per lane
+            return x
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
+        with self.assertRaises(sj.BatchAxisError) as cm:
+            sm(jnp.ones((4, 3)))
+        msg = str(cm.exception)
+        for piece in ('Inconsistent batch sizes', 'argument [0] (axis 0): 4', 'h_bs_early',
+                      ') (axis 0): 5'):
+            self.assertIn(piece, msg)
+        self.assertEqual(after_read, [])
+        _assert_unchanged(self, [h], snap)
+
+    def test_argument_batch_size_mismatch_is_found_before_the_function_runs(self):
+        calls = []
+        sm = sj.StatefulMapping(lambda a, b: calls.append(1) or a + b, in_axes=(0, 0))
+        with self.assertRaises(sj.BatchAxisError) as cm:
+            sm(jnp.ones((4, 2)), jnp.ones((3, 2)))
+        for piece in ('Inconsistent batch sizes', 'argument [0] (axis 0): 4',
+                      'argument [1] (axis 0): 3'):
+            self.assertIn(piece, str(cm.exception))
+        self.assertEqual(calls, [])
 
 
 # -- StatefulMapping --------------------------------------------------------------
