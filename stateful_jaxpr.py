@@ -2939,12 +2939,12 @@ _MAX_PLAN_SWITCHES = 3
 class _Plan:
     """Which states a compiled call reads, writes and donates (positions in
     ``states``); shared by entries that agree."""
-    __slots__ = ('token', 'states', 'write_states', 'write_index', 'donated', 'kept')
+    __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept')
 
-    def __init__(self, states, write_index, donate):
+    def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
         self.states = states
-        self.write_index = write_index
+        self.write_index, self.written = write_index, written   # written: the ones assigned
         self.write_states = tuple(states[i] for i in write_index)
         self.donated = tuple(i for i in write_index if donate is not None
                              and donate((), states[i]))
@@ -2979,20 +2979,24 @@ def _check_callable(fun, who: str):
 
 def _write_back(fun, plan, new) -> None:
     """Gives ``plan``'s written states the values a compiled call returned."""
-    if not new:
-        return
-    first = new[0]
-    # An array value has an ``aval``; only a pytree value needs a walk.
-    if isinstance(first, Tracer) or (getattr(first, 'aval', None) is None
-                                     and _contains_tracer(first)):
-        # Called under a plain JAX transformation: the new values are tracers.
-        raise TraceContextError(
-            f'{_who(fun)} writes {plan.write_states[0]._describe()} '
-            'but was called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) '
-            'with no enclosing stateful trace, so the new state values would be tracers that '
-            'outlive it.  Wrap the outer function in StatefulFunction, or call '
-            'jaxpr_call(state_values, ...) and thread the values explicitly.')
-    for state, value in zip(plan.write_states, new):
+    pairs = zip(plan.write_states, new)
+    if new and _under_jax_trace():
+        # Under a plain JAX transformation the write would happen once per
+        # trace, not per lane or per derivative, and may be a tracer: refused
+        # whatever the value depends on, unless the State lives in this trace.
+        pairs = [(plan.states[i], v) for i, v in zip(plan.write_index, new) if i in plan.written]
+        here = _current_trace_id()
+        refused = [s._describe() for s, _ in pairs if s._creation_trace is not here]
+        if refused:
+            raise TraceContextError(
+                f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
+                'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
+                'trace, which cannot carry the new value out.  Wrap the outer function in '
+                'StatefulFunction (or StatefulMapping), or call jaxpr_call(state_values, ...) '
+                'and thread the values explicitly.')
+        for state, value in pairs:
+            _check_tracers_may_enter(state, value, ())
+    for state, value in pairs:
         state._value = value
 
 
@@ -3095,7 +3099,7 @@ def _warm_path(plan, dispatch, nargs, new):
     first = new[0] if new else None
     leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
     names = {'dispatch': dispatch, 'plan': plan, 'leaf_type': leaf_type,
-             '_write_back': _write_back}
+             '_write_back': _write_back, 'traced': _under_jax_trace}
     slot = {}
     for i, state in enumerate(plan.states):
         slot[id(state)] = f's{i}'
@@ -3110,7 +3114,7 @@ def _warm_path(plan, dispatch, nargs, new):
              f'        out, new = dispatch(values, {given})']
     if plan.write_states:
         writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
-        lines += ['    if type(new[0]) is leaf_type:',
+        lines += ['    if type(new[0]) is leaf_type and not traced():',
                   f'        {writes}= new',
                   '    else:',
                   '        _write_back(sf, plan, new)']
@@ -3248,11 +3252,12 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         return key, self._entry_for(key, leaves, split, count=True)
 
-    def _plan_for(self, states, write_index) -> _Plan:
-        plan_key = (tuple(map(id, states)), write_index)
+    def _plan_for(self, states, write_index, written=None) -> _Plan:
+        written = write_index if written is None else written
+        plan_key = (tuple(map(id, states)), write_index, written)
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = _Plan(states, write_index, self._donate)
+            plan = _Plan(states, write_index, self._donate, written)
             self._plans[plan_key] = plan
             self._plans_by_token[plan.token] = plan
         return plan
@@ -3286,6 +3291,8 @@ class _StatefulBase:
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
+        if token > 0 and jax.config.jax_disable_jit and not _under_jax_trace():   # a warm call
+            return self._call_eagerly(args, kwargs), [s._value for s in plan.write_states]
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values))
         entry = self._cached(key, lambda state: given[id(state)], plan)
@@ -3314,6 +3321,8 @@ class _StatefulBase:
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
     def _call_slow(self, args, kwargs):
+        if jax.config.jax_disable_jit and not _under_jax_trace():
+            return self._call_eagerly(args, kwargs)
         ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
@@ -3332,6 +3341,27 @@ class _StatefulBase:
         else:
             self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
+        return out
+
+    def _call_eagerly(self, args, kwargs):
+        """A call under ``jax.disable_jit()``, as jax.jit's there: the body runs
+        as Python on the States' concrete values (print, breakpoint, ``if``
+        work), every call; a StatefulMapping is traced afresh (jax.vmap still
+        traces) and evaluated op by op.  Nothing is cached."""
+        key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
+        try:
+            if not isinstance(self, StatefulMapping):
+                return self.fun(*args, **kwargs)
+            entry = self._build_entry(key, leaves, split)
+            out, new = entry.apply([s._value for s in entry.plan.states], leaves)
+        except Exception as err:
+            _ctx.trace_error = err    # the warm path must not run it again
+            if isinstance(err, TraceContextError) and not getattr(err, '__notes__', None):
+                err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(), where a State '
+                             'written inside a JAX transformation (jax.grad, jax.vmap ...) in '
+                             'its body cannot be threaded: call it outside jax.disable_jit()')
+            raise
+        _write_back(self, entry.plan, new)
         return out
 
     def _call_in_trace(self, args, kwargs):
@@ -3356,14 +3386,25 @@ class _StatefulBase:
         self._reset_dispatch()
 
     def get_cache_stats(self) -> dict:
-        """Statistics of the (single) entry cache, under brainstate's four names,
-        and under ``'miss_causes'`` how many traces each cause triggered (see
-        :func:`explain_cache_misses`)."""
+        """Statistics of the (single) entry cache under brainstate's four names,
+        each ``{size, maxsize, hits, misses, hit_rate}``."""
         stats = self._cache.get_stats()
-        out = {name: dict(stats) for name in
-               ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
-        out['miss_causes'] = dict(self._miss_causes)
-        return out
+        return {name: dict(stats) for name in
+                ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
+
+    def get_miss_causes(self) -> dict:
+        """How many traces each cause triggered, ``{cause: count}``, since the
+        last ``clear_cache()`` (see :func:`explain_cache_misses` for the causes).
+
+        Example
+        -------
+        >>> sf = StatefulFunction(lambda x: x * 2)
+        >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3)); _ = sf(jnp.ones(3))
+        >>> sf.get_miss_causes()
+        {'first trace': 1, 'argument shape/dtype': 1}
+        """
+        with self._cache._lock:
+            return dict(self._miss_causes)
 
 
 class _BrainstateAccessors:
@@ -3557,7 +3598,9 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
                     'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
                     'Create it without abstracted_axes to call it')
             return run(flat_args, state_values)
-        return _Entry(traced, self._plan_for(traced.states, traced.returned), apply, traced)
+        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
+                      traced)
 
     def _run_trace(self, leaves, split) -> _Traced:
         trace_with = None
@@ -4265,15 +4308,15 @@ def explain_cache_misses(enabled: bool = True) -> bool:
     shape/dtype/weak type, static arguments with old and new value, States
     (name and creation site) whose shape or dtype changed, and States the new
     trace touches that the entry did not, or no longer touches.  Whether on
-    or off, ``get_cache_stats()['miss_causes']`` counts traces per cause; a
-    warm call does no extra work either way.
+    or off, ``get_miss_causes()`` counts traces per cause; a warm call does
+    no extra work either way.
 
     Example
     -------
     >>> previous = explain_cache_misses(True)
     >>> sf = StatefulFunction(lambda x: x * 2)
     >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3))     # logs: argument 0: float32[2] -> float32[3]
-    >>> sf.get_cache_stats()['miss_causes']
+    >>> sf.get_miss_causes()
     {'first trace': 1, 'argument shape/dtype': 1}
     >>> _ = explain_cache_misses(previous)
     """
