@@ -878,6 +878,8 @@ class TreefyState:
     """
 
     def __init__(self, type: type, value, **metadata):
+        if not (inspect.isclass(type) and issubclass(type, State)):
+            raise TypeError(f'TreefyState(type, value) needs a State class, got {type!r}')
         self.type = type
         self.value = value
         vars(self).update(metadata)
@@ -1411,6 +1413,8 @@ class OfType(_Filter):
     """
 
     def __init__(self, type: type):
+        if not inspect.isclass(type):
+            raise TypeError(f'OfType(type) needs a class (e.g. ParamState), got {type!r}')
         self.type = type
 
     def __call__(self, path, x):
@@ -1430,6 +1434,8 @@ class WithTag(_Filter):
     """
 
     def __init__(self, tag: str):
+        if not isinstance(tag, str):
+            raise TypeError(f'WithTag(tag) needs a str, got {tag!r}')
         self.tag = tag
 
     def __call__(self, path, x):
@@ -1749,25 +1755,17 @@ _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 # functions take the StatefulFunction (``sf``) only for its static_argnums,
 # static_argnames and name.
 
-def _normalize_argnums(argnums, what: str) -> tuple:
-    if argnums is None:
-        return ()
-    if _is_int(argnums):
-        argnums = (argnums,)
-    if not isinstance(argnums, Iterable) or not all(_is_int(a) for a in argnums):
-        raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r}')
-    return tuple(operator.index(a) for a in argnums)
-
-
-def _normalize_argnames(argnames, what: str) -> tuple:
-    if argnames is None:
-        return ()
-    if isinstance(argnames, str):
-        return (argnames,)
-    argnames = tuple(argnames)
-    if not all(isinstance(a, str) for a in argnames):
-        raise TypeError(f'{what} must be a str or a sequence of str, got {argnames!r}')
-    return argnames
+def _static_spec(value, what: str) -> tuple:
+    """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
+    names = what == 'static_argnames'
+    one = (lambda a: isinstance(a, str)) if names else _is_int
+    items = () if value is None else (value,) if one(value) else value
+    if isinstance(items, Iterable) and not isinstance(items, (str, bytes, dict)):
+        items = tuple(items)
+        if all(map(one, items)):
+            return items if names else tuple(map(operator.index, items))
+    raise TypeError(f'{what} must be {"a str" if names else "an int"} or a sequence of them, '
+                    f'got {value!r}')
 
 
 def _static_positions(sf, nargs: int) -> tuple:
@@ -1828,7 +1826,7 @@ def _call_key(sf, args, kwargs):
     leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
     try:
         sigs = tuple(map(_leaf_sig, leaves_a + leaves_k))
-    except TypeError:
+    except (TypeError, OverflowError):
         _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
         raise
     n = len(static_args)
@@ -1845,13 +1843,18 @@ def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
         _reject_states(tree, f'{_who(sf)}: {what}')
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            where = f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)}'
             try:
                 _leaf_sig(leaf)
+            except OverflowError:
+                raise OverflowError(
+                    f'{where} is the Python int {leaf}, out of range for the default integer '
+                    'dtype; pass an array of a wide enough dtype (jax_enable_x64 for int64) '
+                    'or mark it static (static_argnums / static_argnames)') from None
             except TypeError:
                 raise TypeError(
-                    f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)} has type '
-                    f'{type(leaf).__name__}, which is not a JAX type; mark it static '
-                    '(static_argnums / static_argnames) or pass an array') from None
+                    f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark it '
+                    'static (static_argnums / static_argnames) or pass an array') from None
 
 
 def _rebuilder(split):
@@ -2968,7 +2971,7 @@ def _check_callable(fun, who: str):
             f'instead ({type(fun).__name__} objects are descriptors: use obj.__func__ or '
             'apply the decorator outside @staticmethod)')
     if not callable(fun):
-        raise TypeError(f'{who} needs a callable, got {type(fun).__name__}: {fun!r}')
+        raise TypeError(f'{who}(fun) needs a callable, got {type(fun).__name__}: {fun!r}')
     if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun):
         raise TypeError(
             f'{who} cannot trace generator function {getattr(fun, "__qualname__", fun)!r}: '
@@ -3146,7 +3149,7 @@ def _call(sf, *args, **kwargs):
         # and pays only the slow path's key computation.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         if _ctx.trace_error is err:   # raised by the traced function itself
             raise
         # Raised by jax.jit's argument handling: the slow path gives a
@@ -3166,18 +3169,33 @@ class _StatefulBase:
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                  name, return_only_write, donate_states, keep_sharding, explain_cache_misses):
-        _check_callable(fun, type(self).__name__)
+        who = type(self).__name__
+        _check_callable(fun, who)
         self.fun = fun
-        self.static_argnums = _normalize_argnums(static_argnums, 'static_argnums')
-        self.static_argnames = _normalize_argnames(static_argnames, 'static_argnames')
-        self.axis_env = tuple(axis_env) if axis_env else None
+        self.static_argnums = _static_spec(static_argnums, 'static_argnums')
+        self.static_argnames = _static_spec(static_argnames, 'static_argnames')
+        env = tuple(axis_env) if isinstance(axis_env, (list, tuple)) else axis_env
+        if env and not (isinstance(env, tuple) and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                       and _is_int(p[1]) and p[1] > 0 for p in env)):
+            raise TypeError(f'{who}(axis_env=...) needs (axis_name, size) pairs with an int size '
+                            f'>= 1, got {axis_env!r}')
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f'{who}(name=...) needs a str or None, got {name!r}')
+        if not isinstance(return_only_write, (bool, np.bool_)):
+            raise TypeError(f'{who}(return_only_write=...) needs True or False, got '
+                            f'{return_only_write!r}')
+        self.axis_env = env or None
         self.abstracted_axes = abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
         self.return_only_write = return_only_write
         self.donate_states = donate_states
         self.keep_sharding = keep_sharding
-        self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
-        self._keep = to_predicate(keep_sharding)
+        try:
+            self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
+            self._keep = to_predicate(keep_sharding)
+        except TypeError as err:
+            raise TypeError(f'{who}(donate_states={donate_states!r}, keep_sharding='
+                            f'{keep_sharding!r}): {err}') from None
         if abstracted_axes is not None and not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
             raise NotImplementedError(
                 f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
@@ -3636,10 +3654,16 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         >>> float(new_vals[0]), float(s.value)      # s itself is untouched
         (3.0, 0.0)
         """
+        try:
+            state_vals = list(state_vals)
+        except TypeError:
+            raise TypeError(f'{_who(self)}.jaxpr_call(state_vals, ...) needs a sequence of state '
+                            f'values in get_states() order, got {state_vals!r}') from None
+        _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=True)
         view = self._view(entry)
-        states, state_vals = view.states, list(state_vals)
+        states = view.states
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches '
