@@ -3374,7 +3374,8 @@ class _StatefulBase:
             out, new = entry.apply([s._value for s in entry.plan.states], leaves)
         except Exception as err:
             _ctx.trace_error = err    # the warm path must not run it again
-            if isinstance(err, TraceContextError) and not getattr(err, '__notes__', None):
+            if isinstance(err, TraceContextError) and 'disable_jit' not in str(
+                    getattr(err, '__notes__', '')):
                 err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(), where a State '
                              'written inside a JAX transformation (jax.grad, jax.vmap ...) in '
                              'its body cannot be threaded: call it outside jax.disable_jit()')
