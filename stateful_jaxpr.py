@@ -1769,15 +1769,12 @@ def _static_spec(value, what: str) -> tuple:
 
 
 def _static_positions(sf, nargs: int) -> tuple:
-    out = []
     for i in sf.static_argnums:
-        j = i + nargs if i < 0 else i
-        if not 0 <= j < nargs:
+        if not -nargs <= i < nargs:
             raise ValueError(
                 f'{_who(sf)}: static_argnums contains {i}, but the call passed only {nargs} '
                 'positional argument(s); pass that argument positionally or fix static_argnums')
-        out.append(j)
-    return tuple(sorted(set(out)))
+    return tuple(sorted({i % nargs for i in sf.static_argnums}))
 
 
 def _split_args(sf, args, kwargs) -> tuple:
@@ -1786,9 +1783,8 @@ def _split_args(sf, args, kwargs) -> tuple:
     statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    names = sf.static_argnames
-    static_kwargs = {k: v for k, v in kwargs.items() if k in names}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
     return static_args, dyn_args, static_kwargs, dyn_kwargs
 
 
@@ -1797,31 +1793,30 @@ def _hash_static(sf, where: str, value):
     ``make_hashable`` form hashes (jax.jit then needs it wrapped)."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
-    try:
-        hash(h)
-    except TypeError:
+    if not _hashes(h):
         raise TypeError(
             f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
             'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic') from None
+            'the argument dynamic')
+    return h, not _hashes(value)
+
+
+def _hashes(x) -> bool:
     try:
-        hash(value)
+        hash(x)
     except TypeError:
-        return h, True
-    return h, False
+        return False
+    return True
 
 
 def _call_key(sf, args, kwargs):
     """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear
     errors; ``by_value``: some static argument hashes only by value."""
     split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
-    by_value = False
-    hashed = []
-    for where, value in ([(f'positional argument {i}', v) for i, v in static_args]
-                         + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]):
-        h, wrapped = _hash_static(sf, where, value)
-        hashed.append(h)
-        by_value |= wrapped
+    hashed = [_hash_static(sf, where, value) for where, value in
+              [(f'positional argument {i}', v) for i, v in static_args]
+              + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]]
+    by_value, hashed = any(wrapped for _, wrapped in hashed), [h for h, _ in hashed]
     leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
     leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
     try:
@@ -1847,10 +1842,9 @@ def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
             try:
                 _leaf_sig(leaf)
             except OverflowError:
-                raise OverflowError(
-                    f'{where} is the Python int {leaf}, out of range for the default integer '
-                    'dtype; pass an array of a wide enough dtype (jax_enable_x64 for int64) '
-                    'or mark it static (static_argnums / static_argnames)') from None
+                raise OverflowError(f'{where} is the Python int {leaf}, out of range for the '
+                                    'default integer dtype; pass an array of a wide enough dtype '
+                                    '(int64 needs jax_enable_x64) or mark it static') from None
             except TypeError:
                 raise TypeError(
                     f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark it '
@@ -2947,8 +2941,9 @@ class _Plan:
     def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
         self.states = states
-        self.write_index, self.written = write_index, written   # written: the ones assigned
+        self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
+        self.written = tuple(i in written for i in write_index)   # assigned, not just returned
         self.donated = tuple(i for i in write_index if donate is not None
                              and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
@@ -2965,19 +2960,17 @@ class _Entry:
 
 
 def _check_callable(fun, who: str):
+    kind = type(fun).__name__
     if isinstance(fun, (staticmethod, classmethod)):
-        raise TypeError(
-            f'{who} got a {type(fun).__name__} object; pass the underlying function '
-            f'instead ({type(fun).__name__} objects are descriptors: use obj.__func__ or '
-            'apply the decorator outside @staticmethod)')
+        raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
+                        f'(obj.__func__) or apply the decorator outside @{kind}')
     if not callable(fun):
-        raise TypeError(f'{who}(fun) needs a callable, got {type(fun).__name__}: {fun!r}')
-    if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun):
-        raise TypeError(
-            f'{who} cannot trace generator function {getattr(fun, "__qualname__", fun)!r}: '
-            'a generator only runs when iterated; return a value (e.g. a list) instead')
-    if inspect.iscoroutinefunction(fun):
-        raise TypeError(f'{who} cannot trace coroutine function {fun!r}; make it synchronous')
+        raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
+    if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
+                            inspect.iscoroutinefunction)):
+        raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a generator '
+                        'or coroutine function (its body runs only when iterated or awaited); '
+                        'make it a plain function that returns its value (e.g. a list)')
 
 
 def _write_back(fun, plan, new) -> None:
@@ -2987,9 +2980,8 @@ def _write_back(fun, plan, new) -> None:
         # Under a plain JAX transformation the write would happen once per
         # trace, not per lane or per derivative, and may be a tracer: refused
         # whatever the value depends on, unless the State lives in this trace.
-        pairs = [(plan.states[i], v) for i, v in zip(plan.write_index, new) if i in plan.written]
-        here = _current_trace_id()
-        refused = [s._describe() for s, _ in pairs if s._creation_trace is not here]
+        pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
+        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
         if refused:
             raise TraceContextError(
                 f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
@@ -3175,15 +3167,15 @@ class _StatefulBase:
         self.static_argnums = _static_spec(static_argnums, 'static_argnums')
         self.static_argnames = _static_spec(static_argnames, 'static_argnames')
         env = tuple(axis_env) if isinstance(axis_env, (list, tuple)) else axis_env
-        if env and not (isinstance(env, tuple) and all(isinstance(p, (list, tuple)) and len(p) == 2
-                                                       and _is_int(p[1]) and p[1] > 0 for p in env)):
-            raise TypeError(f'{who}(axis_env=...) needs (axis_name, size) pairs with an int size '
-                            f'>= 1, got {axis_env!r}')
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f'{who}(name=...) needs a str or None, got {name!r}')
-        if not isinstance(return_only_write, (bool, np.bool_)):
-            raise TypeError(f'{who}(return_only_write=...) needs True or False, got '
-                            f'{return_only_write!r}')
+        for what, value, ok, want in (
+                ('name', name, name is None or isinstance(name, str), 'a str or None'),
+                ('return_only_write', return_only_write,
+                 isinstance(return_only_write, (bool, np.bool_)), 'True or False'),
+                ('axis_env', axis_env, not env or isinstance(env, tuple) and all(
+                    isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[1]) and p[1] > 0
+                    for p in env), '(axis_name, size) pairs with int sizes >= 1')):
+            if not ok:
+                raise TypeError(f'{who}({what}=...) needs {want}, got {value!r}')
         self.axis_env = env or None
         self.abstracted_axes = abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
@@ -3203,7 +3195,7 @@ class _StatefulBase:
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
         self._cache = BoundedCache(128)
-        self._miss_causes: dict = {}   # why traces happened: cause -> count (_note_miss)
+        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._hints = _TraceHints()
         self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
@@ -3362,10 +3354,8 @@ class _StatefulBase:
         return out
 
     def _call_eagerly(self, args, kwargs):
-        """A call under ``jax.disable_jit()``, as jax.jit's there: the body runs
-        as Python on the States' concrete values (print, breakpoint, ``if``
-        work), every call; a StatefulMapping is traced afresh (jax.vmap still
-        traces) and evaluated op by op.  Nothing is cached."""
+        """Under ``jax.disable_jit()``, as jax.jit there, the body runs as Python on concrete
+        values (a StatefulMapping traces anew: jax.vmap traces; it runs op by op)."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
         try:
             if not isinstance(self, StatefulMapping):
@@ -3374,11 +3364,9 @@ class _StatefulBase:
             out, new = entry.apply([s._value for s in entry.plan.states], leaves)
         except Exception as err:
             _ctx.trace_error = err    # the warm path must not run it again
-            if isinstance(err, TraceContextError) and 'disable_jit' not in str(
-                    getattr(err, '__notes__', '')):
-                err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(), where a State '
-                             'written inside a JAX transformation (jax.grad, jax.vmap ...) in '
-                             'its body cannot be threaded: call it outside jax.disable_jit()')
+            if isinstance(err, TraceContextError):   # e.g. a write inside jax.grad in the body
+                err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
+                             'inside a JAX transformation in it needs a compiled call')
             raise
         _write_back(self, entry.plan, new)
         return out
@@ -3390,8 +3378,9 @@ class _StatefulBase:
         ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
         out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-        for state, value in zip(entry.plan.write_states, new):
-            state.value = value
+        for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
+            if written:   # (not the read ones return_only_write=False returns)
+                state.value = value
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -3399,7 +3388,7 @@ class _StatefulBase:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
-        self._miss_causes = {}
+        self._miss_causes = collections.Counter()
         with self._key_locks_guard:
             self._key_locks.clear()
         self._reset_dispatch()
@@ -3412,8 +3401,7 @@ class _StatefulBase:
                 ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
 
     def get_miss_causes(self) -> dict:
-        """How many traces each cause triggered, ``{cause: count}``, since the
-        last ``clear_cache()`` (see :func:`explain_cache_misses` for the causes).
+        """``{cause: number of traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`).
 
         Example
         -------
@@ -3422,8 +3410,7 @@ class _StatefulBase:
         >>> sf.get_miss_causes()
         {'first trace': 1, 'argument shape/dtype': 1}
         """
-        with self._cache._lock:
-            return dict(self._miss_causes)
+        return dict(self._miss_causes)
 
 
 class _BrainstateAccessors:
@@ -4322,19 +4309,16 @@ _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 't
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns explanations of cache misses on or off for every function built
-    without its own ``explain_cache_misses=`` argument; returns the previous
-    setting.  The environment variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``
-    turns them on at import (named after JAX's ``jax_explain_cache_misses``).
+    """Turns cache-miss explanations on or off for every function built without
+    its own ``explain_cache_misses=``; returns the previous setting (the
+    variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
 
-    With explanations on, every trace of a function after its first logs a
-    warning on the ``stateful_jaxpr`` logger naming the function, the nearest
-    cached entry and what differs: argument paths with old and new
-    shape/dtype/weak type, static arguments with old and new value, States
-    (name and creation site) whose shape or dtype changed, and States the new
-    trace touches that the entry did not, or no longer touches.  Whether on
-    or off, ``get_miss_causes()`` counts traces per cause; a warm call does
-    no extra work either way.
+    With them on, every trace after a function's first logs a warning on the
+    ``stateful_jaxpr`` logger naming the function, the nearest cached entry
+    and what differs: argument paths (old and new shape/dtype/weak type),
+    static values, States whose shape or dtype changed, States newly or no
+    longer touched.  ``get_miss_causes()`` counts traces per cause either
+    way; a warm call does no extra work.
 
     Example
     -------
@@ -4345,8 +4329,7 @@ def explain_cache_misses(enabled: bool = True) -> bool:
     {'first trace': 1, 'argument shape/dtype': 1}
     >>> _ = explain_cache_misses(previous)
     """
-    _explain_flag(enabled)
-    if enabled is None:
+    if _explain_flag(enabled) is None:
         raise TypeError('explain_cache_misses(enabled) needs True or False, got None')
     previous, _explain_default[0] = _explain_default[0], bool(enabled)
     return previous
@@ -4361,27 +4344,25 @@ def _explain_flag(value):
 
 
 def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` differs from ``old``;
-    ``labels`` are ``new``'s argument labels (None: causes only, no lines)."""
-    found, text = [], labels is not None
+    """``(cause, line)`` for each way cache key ``new`` (argument labels
+    ``labels``) differs from ``old``."""
+    found = []
     if old['static_args'] != new['static_args'] or old['static_kwargs'] != new['static_kwargs']:
         olds, news = dict(_static_items(old)), dict(_static_items(new))
         for label in dict.fromkeys(list(olds) + list(news)):
             a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
             if a != b:
                 shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-                line = f'{label}: {shown[0]} -> {shown[1]}' if text else ''
-                found.append(('static argument', line))
+                found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
     offset = 0
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
         if tree_a != tree_b:
-            found.append(('argument structure',
-                          f'{what} argument structure: {tree_a} -> {tree_b}' if text else ''))
-        elif sigs_a != sigs_b:
-            found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
-                       f'{_sig_text(*b)}' if text else '')
-                      for i, (a, b) in enumerate(zip(sigs_a, sigs_b)) if a != b]
+            found.append(('argument structure', f'{what} argument structure: {tree_a} -> '
+                                                f'{tree_b}'))
+        found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
+                   f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
+                  if a != b and tree_a == tree_b]
         offset += len(sigs_b)
     return found
 
@@ -4420,22 +4401,16 @@ def _note_miss(sf, key, stale, entry) -> None:
     elif stale is not None:
         near = key
         found = _state_differences(stale.traced, entry.traced)
+    elif cached:   # the nearest: the fewest differences, ties to the most recently used
+        labels = _arg_labels(key)
+        near, old, found = min([(k, old, _key_differences(k, key, labels))
+                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
+        found = found + _state_differences(old.traced, entry.traced)
     else:
-        labels, best = _arg_labels(key) if explain else None, None
-        for old_key, old in cached:   # the fewest differences; ties: most recently used
-            diff = _key_differences(old_key, key, labels)
-            if best is None or len(diff) <= len(best[2]):
-                best = (old_key, old, diff)
-        if best is None:
-            found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                               f'cacheable; cache_size={sf._cache.maxsize})')], None
-        else:
-            near, old, found = best
-            found = found + _state_differences(old.traced, entry.traced)
-    causes = list(dict.fromkeys(cause for cause, _ in found)) or ['unknown']
+        found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                           f'cacheable; cache_size={sf._cache.maxsize})')], None
     with sf._cache._lock:
-        for cause in causes:
-            sf._miss_causes[cause] = sf._miss_causes.get(cause, 0) + 1
+        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
     if not explain:
         return
     nearest = 'none' if near is None else f'({_key_summary(near)})'

@@ -4828,6 +4828,17 @@ class PlainTransformTest(unittest.TestCase):
                         np.testing.assert_allclose(a, b, rtol=1e-6)
                     self.assertFalse(_tracer_in(w))
 
+    def test_an_inner_call_returning_every_state_writes_only_what_it_writes(self):
+        r, w = State(jnp.ones(3), name='pt_r'), State(jnp.zeros(3), name='pt_wr')
+
+        def f(x):
+            w.value = w.value + x
+            return x * r.value
+        inner = StatefulFunction(f, return_only_write=False)
+        outer = StatefulFunction(lambda x: inner(x) + 1.0)
+        self.assertEqual(outer.get_write_states(jnp.ones(3)), (w,))
+        self.assertEqual(outer.get_read_states(jnp.ones(3)), (r,))
+
     def test_a_state_created_in_the_same_trace_may_be_written(self):
         def per_lane(x):
             local = State(jnp.zeros(()), name='pt_local')
