@@ -844,6 +844,8 @@ class TreefyState:
     """
 
     def __init__(self, type: type, value, **metadata):
+        if not (inspect.isclass(type) and issubclass(type, State)):
+            raise TypeError(f'TreefyState(type, value) needs a State class, got {type!r}')
         self.type = type
         self.value = value
         vars(self).update(metadata)
@@ -1377,6 +1379,8 @@ class OfType(_Filter):
     """
 
     def __init__(self, type: type):
+        if not inspect.isclass(type):
+            raise TypeError(f'OfType(type) needs a class (e.g. ParamState), got {type!r}')
         self.type = type
 
     def __call__(self, path, x):
@@ -1396,6 +1400,8 @@ class WithTag(_Filter):
     """
 
     def __init__(self, tag: str):
+        if not isinstance(tag, str):
+            raise TypeError(f'WithTag(tag) needs a str, got {tag!r}')
         self.tag = tag
 
     def __call__(self, path, x):
@@ -1715,37 +1721,26 @@ _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 # functions take the StatefulFunction (``sf``) only for its static_argnums,
 # static_argnames and name.
 
-def _normalize_argnums(argnums, what: str) -> tuple:
-    if argnums is None:
-        return ()
-    if _is_int(argnums):
-        argnums = (argnums,)
-    if not isinstance(argnums, Iterable) or not all(_is_int(a) for a in argnums):
-        raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r}')
-    return tuple(operator.index(a) for a in argnums)
-
-
-def _normalize_argnames(argnames, what: str) -> tuple:
-    if argnames is None:
-        return ()
-    if isinstance(argnames, str):
-        return (argnames,)
-    argnames = tuple(argnames)
-    if not all(isinstance(a, str) for a in argnames):
-        raise TypeError(f'{what} must be a str or a sequence of str, got {argnames!r}')
-    return argnames
+def _static_spec(value, what: str) -> tuple:
+    """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
+    names = what == 'static_argnames'
+    one = (lambda a: isinstance(a, str)) if names else _is_int
+    items = () if value is None else (value,) if one(value) else value
+    if isinstance(items, Iterable) and not isinstance(items, (str, bytes, dict)):
+        items = tuple(items)
+        if all(map(one, items)):
+            return items if names else tuple(map(operator.index, items))
+    raise TypeError(f'{what} must be {"a str" if names else "an int"} or a sequence of them, '
+                    f'got {value!r}')
 
 
 def _static_positions(sf, nargs: int) -> tuple:
-    out = []
     for i in sf.static_argnums:
-        j = i + nargs if i < 0 else i
-        if not 0 <= j < nargs:
+        if not -nargs <= i < nargs:
             raise ValueError(
                 f'{_who(sf)}: static_argnums contains {i}, but the call passed only {nargs} '
                 'positional argument(s); pass that argument positionally or fix static_argnums')
-        out.append(j)
-    return tuple(sorted(set(out)))
+    return tuple(sorted({i % nargs for i in sf.static_argnums}))
 
 
 def _split_args(sf, args, kwargs) -> tuple:
@@ -1754,9 +1749,8 @@ def _split_args(sf, args, kwargs) -> tuple:
     statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    names = sf.static_argnames
-    static_kwargs = {k: v for k, v in kwargs.items() if k in names}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
     return static_args, dyn_args, static_kwargs, dyn_kwargs
 
 
@@ -1765,36 +1759,35 @@ def _hash_static(sf, where: str, value):
     ``make_hashable`` form hashes (jax.jit then needs it wrapped)."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
-    try:
-        hash(h)
-    except TypeError:
+    if not _hashes(h):
         raise TypeError(
             f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
             'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic') from None
+            'the argument dynamic')
+    return h, not _hashes(value)
+
+
+def _hashes(x) -> bool:
     try:
-        hash(value)
+        hash(x)
     except TypeError:
-        return h, True
-    return h, False
+        return False
+    return True
 
 
 def _call_key(sf, args, kwargs):
     """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear
     errors; ``by_value``: some static argument hashes only by value."""
     split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
-    by_value = False
-    hashed = []
-    for where, value in ([(f'positional argument {i}', v) for i, v in static_args]
-                         + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]):
-        h, wrapped = _hash_static(sf, where, value)
-        hashed.append(h)
-        by_value |= wrapped
+    hashed = [_hash_static(sf, where, value) for where, value in
+              [(f'positional argument {i}', v) for i, v in static_args]
+              + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]]
+    by_value, hashed = any(wrapped for _, wrapped in hashed), [h for h, _ in hashed]
     leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
     leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
     try:
         sigs = tuple(map(_leaf_sig, leaves_a + leaves_k))
-    except TypeError:
+    except (TypeError, OverflowError):
         _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
         raise
     n = len(static_args)
@@ -1811,13 +1804,17 @@ def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
         _reject_states(tree, f'{_who(sf)}: {what}')
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            where = f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)}'
             try:
                 _leaf_sig(leaf)
+            except OverflowError:
+                raise OverflowError(f'{where} is the Python int {leaf}, out of range for the '
+                                    'default integer dtype; pass an array of a wide enough dtype '
+                                    '(int64 needs jax_enable_x64) or mark it static') from None
             except TypeError:
                 raise TypeError(
-                    f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)} has type '
-                    f'{type(leaf).__name__}, which is not a JAX type; mark it static '
-                    '(static_argnums / static_argnames) or pass an array') from None
+                    f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark it '
+                    'static (static_argnums / static_argnames) or pass an array') from None
 
 
 def _rebuilder(split):
@@ -2550,13 +2547,14 @@ _MAX_PLAN_SWITCHES = 3
 class _Plan:
     """Which states a compiled call reads, writes and donates (positions in
     ``states``); shared by entries that agree."""
-    __slots__ = ('token', 'states', 'write_states', 'write_index', 'donated', 'kept')
+    __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept')
 
-    def __init__(self, states, write_index, donate):
+    def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
         self.states = states
         self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
+        self.written = tuple(i in written for i in write_index)   # assigned, not just returned
         self.donated = tuple(i for i in write_index if donate is not None
                              and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
@@ -2573,37 +2571,38 @@ class _Entry:
 
 
 def _check_callable(fun, who: str):
+    kind = type(fun).__name__
     if isinstance(fun, (staticmethod, classmethod)):
-        raise TypeError(
-            f'{who} got a {type(fun).__name__} object; pass the underlying function '
-            f'instead ({type(fun).__name__} objects are descriptors: use obj.__func__ or '
-            'apply the decorator outside @staticmethod)')
+        raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
+                        f'(obj.__func__) or apply the decorator outside @{kind}')
     if not callable(fun):
-        raise TypeError(f'{who} needs a callable, got {type(fun).__name__}: {fun!r}')
-    if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun):
-        raise TypeError(
-            f'{who} cannot trace generator function {getattr(fun, "__qualname__", fun)!r}: '
-            'a generator only runs when iterated; return a value (e.g. a list) instead')
-    if inspect.iscoroutinefunction(fun):
-        raise TypeError(f'{who} cannot trace coroutine function {fun!r}; make it synchronous')
+        raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
+    if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
+                            inspect.iscoroutinefunction)):
+        raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a generator '
+                        'or coroutine function (its body runs only when iterated or awaited); '
+                        'make it a plain function that returns its value (e.g. a list)')
 
 
 def _write_back(fun, plan, new) -> None:
     """Gives ``plan``'s written states the values a compiled call returned."""
-    if not new:
-        return
-    first = new[0]
-    # An array value has an ``aval``; only a pytree value needs a walk.
-    if isinstance(first, Tracer) or (getattr(first, 'aval', None) is None
-                                     and _contains_tracer(first)):
-        # Called under a plain JAX transformation: the new values are tracers.
-        raise TraceContextError(
-            f'{_who(fun)} writes {plan.write_states[0]._describe()} '
-            'but was called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) '
-            'with no enclosing stateful trace, so the new state values would be tracers that '
-            'outlive it.  Wrap the outer function in StatefulFunction, or call '
-            'jaxpr_call(state_values, ...) and thread the values explicitly.')
-    for state, value in zip(plan.write_states, new):
+    pairs = zip(plan.write_states, new)
+    if new and _under_jax_trace():
+        # Under a plain JAX transformation the write would happen once per
+        # trace, not per lane or per derivative, and may be a tracer: refused
+        # whatever the value depends on, unless the State lives in this trace.
+        pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
+        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
+        if refused:
+            raise TraceContextError(
+                f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
+                'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
+                'trace, which cannot carry the new value out.  Wrap the outer function in '
+                'StatefulFunction (or StatefulMapping), or call jaxpr_call(state_values, ...) '
+                'and thread the values explicitly.')
+        for state, value in pairs:
+            _check_tracers_may_enter(state, value, ())
+    for state, value in pairs:
         state._value = value
 
 
@@ -2706,7 +2705,7 @@ def _warm_path(plan, dispatch, nargs, new):
     first = new[0] if new else None
     leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
     names = {'dispatch': dispatch, 'plan': plan, 'leaf_type': leaf_type,
-             '_write_back': _write_back}
+             '_write_back': _write_back, 'traced': _under_jax_trace}
     slot = {}
     for i, state in enumerate(plan.states):
         slot[id(state)] = f's{i}'
@@ -2721,7 +2720,7 @@ def _warm_path(plan, dispatch, nargs, new):
              f'        out, new = dispatch(values, {given})']
     if plan.write_states:
         writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
-        lines += ['    if type(new[0]) is leaf_type:',
+        lines += ['    if type(new[0]) is leaf_type and not traced():',
                   f'        {writes}= new',
                   '    else:',
                   '        _write_back(sf, plan, new)']
@@ -2753,7 +2752,7 @@ def _call(sf, *args, **kwargs):
         # and pays only the slow path's key computation.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         if _ctx.trace_error is err:   # raised by the traced function itself
             raise
         # Raised by jax.jit's argument handling: the slow path gives a
@@ -2773,18 +2772,33 @@ class _StatefulBase:
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                  name, return_only_write, donate_states, keep_sharding, explain_cache_misses):
-        _check_callable(fun, type(self).__name__)
+        who = type(self).__name__
+        _check_callable(fun, who)
         self.fun = fun
-        self.static_argnums = _normalize_argnums(static_argnums, 'static_argnums')
-        self.static_argnames = _normalize_argnames(static_argnames, 'static_argnames')
-        self.axis_env = tuple(axis_env) if axis_env else None
+        self.static_argnums = _static_spec(static_argnums, 'static_argnums')
+        self.static_argnames = _static_spec(static_argnames, 'static_argnames')
+        env = tuple(axis_env) if isinstance(axis_env, (list, tuple)) else axis_env
+        for what, value, ok, want in (
+                ('name', name, name is None or isinstance(name, str), 'a str or None'),
+                ('return_only_write', return_only_write,
+                 isinstance(return_only_write, (bool, np.bool_)), 'True or False'),
+                ('axis_env', axis_env, not env or isinstance(env, tuple) and all(
+                    isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[1]) and p[1] > 0
+                    for p in env), '(axis_name, size) pairs with int sizes >= 1')):
+            if not ok:
+                raise TypeError(f'{who}({what}=...) needs {want}, got {value!r}')
+        self.axis_env = env or None
         self.abstracted_axes = abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
         self.return_only_write = return_only_write
         self.donate_states = donate_states
         self.keep_sharding = keep_sharding
-        self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
-        self._keep = to_predicate(keep_sharding)
+        try:
+            self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
+            self._keep = to_predicate(keep_sharding)
+        except TypeError as err:
+            raise TypeError(f'{who}(donate_states={donate_states!r}, keep_sharding='
+                            f'{keep_sharding!r}): {err}') from None
         if abstracted_axes is not None and not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
             raise NotImplementedError(
                 f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
@@ -2792,7 +2806,7 @@ class _StatefulBase:
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
         self._cache = BoundedCache(128)
-        self._miss_causes: dict = {}   # why traces happened: cause -> count (_note_miss)
+        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._hints = _TraceHints()
         self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
@@ -2859,11 +2873,12 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         return key, self._entry_for(key, leaves, split, count=True)
 
-    def _plan_for(self, states, write_index) -> _Plan:
-        plan_key = (tuple(map(id, states)), write_index)
+    def _plan_for(self, states, write_index, written=None) -> _Plan:
+        written = write_index if written is None else written
+        plan_key = (tuple(map(id, states)), write_index, written)
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = _Plan(states, write_index, self._donate)
+            plan = _Plan(states, write_index, self._donate, written)
             self._plans[plan_key] = plan
             self._plans_by_token[plan.token] = plan
         return plan
@@ -2897,6 +2912,8 @@ class _StatefulBase:
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
+        if token > 0 and jax.config.jax_disable_jit and not _under_jax_trace():   # a warm call
+            return self._call_eagerly(args, kwargs), [s._value for s in plan.write_states]
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values))
         entry = self._cached(key, lambda state: given[id(state)], plan)
@@ -2925,6 +2942,8 @@ class _StatefulBase:
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
     def _call_slow(self, args, kwargs):
+        if jax.config.jax_disable_jit and not _under_jax_trace():
+            return self._call_eagerly(args, kwargs)
         ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
@@ -2945,6 +2964,24 @@ class _StatefulBase:
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
+    def _call_eagerly(self, args, kwargs):
+        """Under ``jax.disable_jit()``, as jax.jit there, the body runs as Python on concrete
+        values (a StatefulMapping traces anew: jax.vmap traces; it runs op by op)."""
+        key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
+        try:
+            if not isinstance(self, StatefulMapping):
+                return self.fun(*args, **kwargs)
+            entry = self._build_entry(key, leaves, split)
+            out, new = entry.apply([s._value for s in entry.plan.states], leaves)
+        except Exception as err:
+            _ctx.trace_error = err    # the warm path must not run it again
+            if isinstance(err, TraceContextError):   # e.g. a write inside jax.grad in the body
+                err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
+                             'inside a JAX transformation in it needs a compiled call')
+            raise
+        _write_back(self, entry.plan, new)
+        return out
+
     def _call_in_trace(self, args, kwargs):
         """A call inside an enclosing stateful trace: the states are read and
         written through ``value``, so that the enclosing trace threads them."""
@@ -2952,8 +2989,9 @@ class _StatefulBase:
         ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
         out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-        for state, value in zip(entry.plan.write_states, new):
-            state.value = value
+        for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
+            if written:   # (not the read ones return_only_write=False returns)
+                state.value = value
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -2961,20 +2999,29 @@ class _StatefulBase:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
-        self._miss_causes = {}
+        self._miss_causes = collections.Counter()
         with self._key_locks_guard:
             self._key_locks.clear()
         self._reset_dispatch()
 
     def get_cache_stats(self) -> dict:
-        """Statistics of the (single) entry cache, under brainstate's four names,
-        and under ``'miss_causes'`` how many traces each cause triggered (see
-        :func:`explain_cache_misses`)."""
+        """Statistics of the (single) entry cache under brainstate's four names,
+        each ``{size, maxsize, hits, misses, hit_rate}``."""
         stats = self._cache.get_stats()
-        out = {name: dict(stats) for name in
-               ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
-        out['miss_causes'] = dict(self._miss_causes)
-        return out
+        return {name: dict(stats) for name in
+                ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
+
+    def get_miss_causes(self) -> dict:
+        """``{cause: number of traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`).
+
+        Example
+        -------
+        >>> sf = StatefulFunction(lambda x: x * 2)
+        >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3)); _ = sf(jnp.ones(3))
+        >>> sf.get_miss_causes()
+        {'first trace': 1, 'argument shape/dtype': 1}
+        """
+        return dict(self._miss_causes)
 
 
 class _BrainstateAccessors:
@@ -3168,7 +3215,9 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
                     'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
                     'Create it without abstracted_axes to call it')
             return run(flat_args, state_values)
-        return _Entry(traced, self._plan_for(traced.states, traced.returned), apply, traced)
+        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
+                      traced)
 
     def _run_trace(self, leaves, split) -> _Traced:
         trace_with = None
@@ -3204,10 +3253,16 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         >>> float(new_vals[0]), float(s.value)      # s itself is untouched
         (3.0, 0.0)
         """
+        try:
+            state_vals = list(state_vals)
+        except TypeError:
+            raise TypeError(f'{_who(self)}.jaxpr_call(state_vals, ...) needs a sequence of state '
+                            f'values in get_states() order, got {state_vals!r}') from None
+        _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=True)
         view = self._view(entry)
-        states, state_vals = view.states, list(state_vals)
+        states = view.states
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches '
@@ -3820,31 +3875,27 @@ _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 't
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns explanations of cache misses on or off for every function built
-    without its own ``explain_cache_misses=`` argument; returns the previous
-    setting.  The environment variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``
-    turns them on at import (named after JAX's ``jax_explain_cache_misses``).
+    """Turns cache-miss explanations on or off for every function built without
+    its own ``explain_cache_misses=``; returns the previous setting (the
+    variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
 
-    With explanations on, every trace of a function after its first logs a
-    warning on the ``stateful_jaxpr`` logger naming the function, the nearest
-    cached entry and what differs: argument paths with old and new
-    shape/dtype/weak type, static arguments with old and new value, States
-    (name and creation site) whose shape or dtype changed, and States the new
-    trace touches that the entry did not, or no longer touches.  Whether on
-    or off, ``get_cache_stats()['miss_causes']`` counts traces per cause; a
-    warm call does no extra work either way.
+    With them on, every trace after a function's first logs a warning on the
+    ``stateful_jaxpr`` logger naming the function, the nearest cached entry
+    and what differs: argument paths (old and new shape/dtype/weak type),
+    static values, States whose shape or dtype changed, States newly or no
+    longer touched.  ``get_miss_causes()`` counts traces per cause either
+    way; a warm call does no extra work.
 
     Example
     -------
     >>> previous = explain_cache_misses(True)
     >>> sf = StatefulFunction(lambda x: x * 2)
     >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3))     # logs: argument 0: float32[2] -> float32[3]
-    >>> sf.get_cache_stats()['miss_causes']
+    >>> sf.get_miss_causes()
     {'first trace': 1, 'argument shape/dtype': 1}
     >>> _ = explain_cache_misses(previous)
     """
-    _explain_flag(enabled)
-    if enabled is None:
+    if _explain_flag(enabled) is None:
         raise TypeError('explain_cache_misses(enabled) needs True or False, got None')
     previous, _explain_default[0] = _explain_default[0], bool(enabled)
     return previous
@@ -3859,27 +3910,25 @@ def _explain_flag(value):
 
 
 def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` differs from ``old``;
-    ``labels`` are ``new``'s argument labels (None: causes only, no lines)."""
-    found, text = [], labels is not None
+    """``(cause, line)`` for each way cache key ``new`` (argument labels
+    ``labels``) differs from ``old``."""
+    found = []
     if old['static_args'] != new['static_args'] or old['static_kwargs'] != new['static_kwargs']:
         olds, news = dict(_static_items(old)), dict(_static_items(new))
         for label in dict.fromkeys(list(olds) + list(news)):
             a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
             if a != b:
                 shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-                line = f'{label}: {shown[0]} -> {shown[1]}' if text else ''
-                found.append(('static argument', line))
+                found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
     offset = 0
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
         if tree_a != tree_b:
-            found.append(('argument structure',
-                          f'{what} argument structure: {tree_a} -> {tree_b}' if text else ''))
-        elif sigs_a != sigs_b:
-            found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
-                       f'{_sig_text(*b)}' if text else '')
-                      for i, (a, b) in enumerate(zip(sigs_a, sigs_b)) if a != b]
+            found.append(('argument structure', f'{what} argument structure: {tree_a} -> '
+                                                f'{tree_b}'))
+        found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
+                   f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
+                  if a != b and tree_a == tree_b]
         offset += len(sigs_b)
     return found
 
@@ -3918,22 +3967,16 @@ def _note_miss(sf, key, stale, entry) -> None:
     elif stale is not None:
         near = key
         found = _state_differences(stale.traced, entry.traced)
+    elif cached:   # the nearest: the fewest differences, ties to the most recently used
+        labels = _arg_labels(key)
+        near, old, found = min([(k, old, _key_differences(k, key, labels))
+                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
+        found = found + _state_differences(old.traced, entry.traced)
     else:
-        labels, best = _arg_labels(key) if explain else None, None
-        for old_key, old in cached:   # the fewest differences; ties: most recently used
-            diff = _key_differences(old_key, key, labels)
-            if best is None or len(diff) <= len(best[2]):
-                best = (old_key, old, diff)
-        if best is None:
-            found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                               f'cacheable; cache_size={sf._cache.maxsize})')], None
-        else:
-            near, old, found = best
-            found = found + _state_differences(old.traced, entry.traced)
-    causes = list(dict.fromkeys(cause for cause, _ in found)) or ['unknown']
+        found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                           f'cacheable; cache_size={sf._cache.maxsize})')], None
     with sf._cache._lock:
-        for cause in causes:
-            sf._miss_causes[cause] = sf._miss_causes.get(cause, 0) + 1
+        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
     if not explain:
         return
     nearest = 'none' if near is None else f'({_key_summary(near)})'
