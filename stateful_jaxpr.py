@@ -133,12 +133,16 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
+_JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')        # all releases
+_NEW_ARG_TAKES_SOURCE_INFO = _takes(                          # 0.6.1 ..
+    _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
+# ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..); ``arg_names=None``
+# keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
+_ARG_NAMES_MAY_BE_NONE = _probe('jax._src.linear_util:DebugInfo.assert_arg_names') is not None
 
 
 def _close(jaxpr, consts):
-    if _CONSTS_ON_JAXPR:
-        return jaxpr.with_consts(list(consts))
-    return ClosedJaxpr(jaxpr, list(consts))
+    return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
 def _rebuild(jaxpr, consts, like=None, **fields):
@@ -151,19 +155,12 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return new if consts is None else ClosedJaxpr(new, list(consts))
 
 
+def _stack():   # .. 0.4.35: the main traces, outermost first
+    return _src_core.thread_local_state.trace_state.trace_stack.stack
+
+
 def _current_trace_id():
-    if _STACKLESS:
-        return _src_core.trace_ctx.trace
-    return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
-
-
-def _trace_depth():
-    """Where tracing is now: the current trace; before 0.4.36 also how deep in
-    its main trace's sub-jaxprs (where a custom_vjp traces its function)."""
-    if _STACKLESS:
-        return _src_core.trace_ctx.trace
-    main = _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
-    return main, len(getattr(main, 'jaxpr_stack', ()))
+    return _src_core.trace_ctx.trace if _STACKLESS else _stack()[-1]
 
 
 def _tracer_trace_id(tracer):
@@ -173,54 +170,42 @@ def _tracer_trace_id(tracer):
 def _under_jax_trace() -> bool:
     if _STACKLESS:
         return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
-    return len(_src_core.thread_local_state.trace_state.trace_stack.stack) > 1
+    return len(_stack()) > 1
+
+
+def _trace_depth():
+    """Where tracing is now: the current trace; before 0.4.36 also how deep in
+    its main trace's sub-jaxprs (where a custom_vjp traces its function)."""
+    return _src_core.trace_ctx.trace if _STACKLESS else (
+        _stack()[-1], len(getattr(_stack()[-1], 'jaxpr_stack', ())))
 
 
 def _trace_path() -> tuple:
-    """``(traces, whole)``: the ids of the current JAX trace and of those it is
+    """``(ids, whole)``: the ids of the current JAX trace and of those it is
     nested in, innermost first, and whether that is all of them (not so on
     0.4.36 .. 0.5, where a jit or loop body does not name its parent trace)."""
     if not _STACKLESS:
-        return [id(t) for t in reversed(_src_core.thread_local_state.trace_state.trace_stack.stack)], True
+        return [id(t) for t in reversed(_stack())], True
     path, trace = [], _src_core.trace_ctx.trace
     while not isinstance(trace, _src_core.EvalTrace):
         path.append(id(trace))
-        trace = getattr(trace, 'parent_trace', None)   # every trace from 0.6
+        trace = getattr(trace, 'parent_trace', None)   # on every trace from 0.6
         if trace is None:
             return path, False
     return path, True
 
 
-_JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')   # all releases
-
-
 def _drops_ref_tangents(home) -> bool:
-    """Whether a Ref written now, inside a jaxpr trace nested in a JVP trace
-    that is nested in ``home``, would lose its tangent without an error
-    (0.4.30 .. 0.4.35; later releases refuse it)."""
-    if _STACKLESS:
-        return False
-    stack = _src_core.thread_local_state.trace_state.trace_stack.stack
-    above = stack[stack.index(home) + 1:] if home in stack else []
+    """Whether a Ref written now, in a jaxpr trace nested in a JVP trace nested
+    in ``home``, would lose its tangent silently (.. 0.4.35; later refuse it)."""
+    above = [] if _STACKLESS or home not in _stack() else _stack()[_stack().index(home) + 1:]
     return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
         main.trace_type is _JVPTrace for main in above[:-1])
 
 
-_NEW_ARG_TAKES_SOURCE_INFO = _takes(   # 0.6.1 ..
-    _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
-
-
 def _new_arg(trace, aval):
     """Adds a fresh input of abstract value ``aval`` to the jaxpr ``trace`` builds."""
-    if _NEW_ARG_TAKES_SOURCE_INFO:
-        return trace.new_arg(aval, _siu.current())
-    return trace.new_arg(aval)
-
-
-# ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..).  ``arg_names=None`` keeps
-# state inputs clear of jax_enable_checks' arity check; 0.5, 0.6 need names.
-_ARG_NAMES_MAY_BE_NONE = _probe(   # 0.7 ..
-    'jax._src.linear_util:DebugInfo.assert_arg_names') is not None
+    return trace.new_arg(aval, _siu.current()) if _NEW_ARG_TAKES_SOURCE_INFO else trace.new_arg(aval)
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
@@ -255,12 +240,7 @@ _ReadEffect = _probe('jax._src.state.types:ReadEffect')
 _HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
 _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
-
-
-@functools.lru_cache(maxsize=1024)
-def _ref_type(aval):
-    """The aval of a Ref holding ``aval`` (built once: its constructor copies ``aval``)."""
-    return _ref_aval(aval)
+_ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 
 
 def _discharge(closed):
@@ -273,25 +253,19 @@ def _discharge(closed):
 
 def _nested_jaxprs(params) -> list:
     """The jaxprs among the values of an equation's ``params``."""
-    found = []
-    for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
+    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
+    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
+            if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
-def _writes_refs(effects) -> bool:
-    return any(isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect) for e in effects)
-
-
-def _effect_input(effect, jaxpr):
-    """The input of ``jaxpr`` a Ref effect is on: numbered by ``input_index``,
-    constvars first, up to 0.9; the variable itself (``input``) from 0.10."""
-    at = getattr(effect, 'input_index', None)
-    return [*jaxpr.constvars, *jaxpr.invars][at] if at is not None else effect.input
+def _written_refs(effects, jaxpr=None) -> set:
+    """The inputs of ``jaxpr`` whose Refs ``effects`` write (any: ``{True}``):
+    numbered by ``input_index``, constvars first, up to 0.9; the variable
+    itself (``input``) from 0.10."""
+    inputs = [*jaxpr.constvars, *jaxpr.invars] if jaxpr is not None else None
+    return {True if jaxpr is None else e.input if getattr(e, 'input_index', None) is None
+            else inputs[e.input_index] for e in effects
+            if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
 
 def _loop_condition_reads_a_write(jaxpr) -> bool:
@@ -301,12 +275,10 @@ def _loop_condition_reads_a_write(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         p = eqn.params
         if eqn.primitive.name == 'while' and 'cond_nconsts' in p:   # all releases
-            n_cond, n_body = p['cond_nconsts'], p['body_nconsts']
-            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
-            body = p['body_jaxpr'].jaxpr
+            n_cond, n_body, body = p['cond_nconsts'], p['body_nconsts'], p['body_jaxpr'].jaxpr
             outer = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
-            if read & {outer.get(_effect_input(e, body)) for e in body.effects
-                       if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}:
+            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
+            if read & {outer.get(v) for v in _written_refs(body.effects, body)}:
                 return True
         if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(p)):
             return True
@@ -317,25 +289,23 @@ def _rematerialized_write(jaxpr) -> bool:
     """Whether a ``jax.checkpoint`` function under differentiation (its
     equation has ``differentiated=True``, all releases) writes a Ref: JAX runs
     it again to rematerialize it, writes included (0.8 ..)."""
-    return any((eqn.params.get('differentiated') is True and _writes_refs(eqn.effects))
+    return any((eqn.params.get('differentiated') is True and _written_refs(eqn.effects))
                or any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params))
                for eqn in jaxpr.eqns)
 
 
 def _refusal(err: BaseException):
-    """Which way JAX refused a Ref program, from its error text: 'effects'
-    ("State effect not supported in vmap-of-cond", all releases; "... in cond
+    """How JAX refused a Ref program, from its error text: 'effects' ("State
+    effect not supported in vmap-of-cond", all releases; "... cond
     partial-eval" under grad before 0.7; "Effects not supported in
-    partial-eval of checkpoint", before 0.8), 'batched' (a per-lane value
-    written into an unbatched Ref, 0.6 ..), 'tangent' (a value carrying a
-    gradient written where JAX differentiates the whole body: 0.7 .., and
-    a Ref's zero tangent before) or None."""
+    partial-eval of checkpoint" before 0.8; a Ref in a jit under jvp, 0.4.36
+    .. 0.4.38), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..),
+    'tangent' (a value with a gradient where JAX differentiates a whole body,
+    0.7 ..; a Ref's zero tangent before) or None."""
     text = str(err)
-    if isinstance(err, NotImplementedError) and (
-            'State effect not supported' in text
-            or ('Effects not supported' in text and 'Effect(' in text)):
-        return 'effects'
-    if 'does not have corresponding input' in text:   # a Ref under jit under jvp, 0.4.36 ..
+    if (isinstance(err, NotImplementedError) and ('State effect not supported' in text or (
+            'Effects not supported' in text and 'Effect(' in text))) or (
+            'does not have corresponding input' in text):
         return 'effects'
     if 'vmapped value on an unbatched' in text:
         return 'batched'
