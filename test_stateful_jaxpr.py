@@ -1102,7 +1102,7 @@ class StateRobustnessTest(_ErrorsCase):
 
     def test_backup_restored_inside_the_trace(self):
         rng = RandomState(3, name='rb_pair')
-        expected = jax.random.split(jax.random.split(jax.random.PRNGKey(3))[0])[1]
+        expected = jax.random.split(jax.random.split(jax.random.PRNGKey(3), 5)[0])[1]
 
         def f():
             rng.self_assign_multi_keys(4)
