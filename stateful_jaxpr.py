@@ -560,10 +560,9 @@ def _multi_device(leaf):
 # A State is a mutable box for a pytree of arrays whose ``value`` property
 # knows whether a stateful trace is running in this thread: outside one it is
 # a plain attribute; inside, reads and writes go to the trace's frame (see
-# section 6).  StateTraceStack, the public recorder, is such a frame.  A
-# State's side slots (name, metadata, stack level, a RandomState's backup key)
-# are written into the innermost overlaying frame too, and reach the State
-# only when that frame closes without an error.
+# section 6).  StateTraceStack, the public recorder, is such a frame.  Side
+# slots (name, metadata, stack level, backup key) are written in the innermost
+# overlaying frame too, and reach the State when it closes without error.
 # =============================================================================
 
 # How many StateTraceStacks are open in all threads: while none is, a call
@@ -579,8 +578,6 @@ def _open_frames(delta: int) -> None:
 
 
 class _Context(threading.local):
-    """Per-thread tracing context."""
-
     def __init__(self):
         self.frames: list = []         # active StateTraceStacks, outermost first
         self.catchers: list = []       # active catch_new_states collectors
@@ -619,6 +616,11 @@ def _set_slot(state, slot: str, value) -> None:
     setattr(state, slot, value)
 
 
+def _slot_property(slot: str, doc: str, settable: bool = True) -> property:
+    return property(lambda self: _slot(self, slot),
+                    (lambda self, v: _set_slot(self, slot, v)) if settable else None, doc=doc)
+
+
 def _check_slot(state, slot: str, value, traces) -> None:
     """Refuses a tracer that would outlive its trace in a side slot."""
     for leaf in _leaves(value):
@@ -630,26 +632,12 @@ def _check_slot(state, slot: str, value, traces) -> None:
                                     f'{slot[1:]} after the trace that made it; {fix}')
 
 
-def _python_int_problem(v):
-    """Why JAX cannot hold a leaf that is a Python int (None if it can)."""
-    if type(v) is not int or -2 ** 31 <= v < 2 ** 31:
-        return None
-    dtype = jax.dtypes.canonicalize_dtype(int)
-    info = np.iinfo(dtype)
-    if info.min <= v <= info.max:
-        return None
-    return (f'the Python int {v} does not fit in {dtype.name} (JAX\'s integer type here); '
-            'pass it as a float, or as an array of an explicit wider dtype with '
-            'jax.config.update("jax_enable_x64", True)')
-
-
 class State:
     """A mutable container for a pytree of arrays.
 
-    Reading ``state.value`` inside a function traced by
-    :class:`StatefulFunction` records a read and returns the traced value;
-    assigning records a write.  Outside any trace ``value`` is a plain
-    attribute.
+    Inside a function traced by :class:`StatefulFunction`, reading
+    ``state.value`` records a read and assigning records a write; outside
+    any trace ``value`` is a plain attribute.
 
     Parameters
     ----------
@@ -684,11 +672,9 @@ class State:
         self._broken = None
         frames = _ctx.frames
         self._stack_level = len(frames)
-        self._owner = None
         self._creation_trace = _current_trace_id()
-        owner = _innermost_overlay(frames)
+        self._owner = owner = _innermost_overlay(frames)
         if owner is not None:
-            self._owner = owner
             owner._owned.append(self)
         for catcher in _ctx.catchers:
             catcher.append(self)
@@ -747,9 +733,13 @@ class State:
                     raise ValueError(
                         f'cannot assign a State as the value of {self._describe()}; '
                         'assign its value instead: target.value = other.value')
-                problem = _python_int_problem(leaf)
-                if problem is not None:
-                    raise OverflowError(f'{self._describe()}: {problem}')
+                if type(leaf) is int and not -2 ** 31 <= leaf < 2 ** 31:
+                    info = np.iinfo(jax.dtypes.canonicalize_dtype(int))
+                    if not info.min <= leaf <= info.max:
+                        raise OverflowError(
+                            f'{self._describe()}: the Python int {leaf} does not fit in '
+                            f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
+                            'an array of an explicit wider dtype with jax_enable_x64 on')
         self._check_value(v)
 
     def _current_for_compare(self):
@@ -767,37 +757,13 @@ class State:
         raise kind(message)
 
     # -- metadata: side slots (see _slot) --------------------------------------
-    @property
-    def name(self) -> str | None:
-        """The name given at creation (or ``None``)."""
-        return _slot(self, '_name')
-
-    @name.setter
-    def name(self, name):
-        _set_slot(self, '_name', name)
-
-    @property
-    def tag(self):
-        """The ``tag`` metadata entry (``None`` when absent)."""
-        return self.metadata.get('tag')
-
-    @tag.setter
-    def tag(self, tag):
-        _set_slot(self, '_metadata', {**self.metadata, 'tag': tag})
-
-    @property
-    def metadata(self) -> dict:
-        """Free-form metadata given at creation."""
-        return _slot(self, '_metadata')
-
-    @property
-    def stack_level(self) -> int:
-        """Depth of the state trace stack when this State was created."""
-        return _slot(self, '_stack_level')
-
-    @stack_level.setter
-    def stack_level(self, level: int):
-        _set_slot(self, '_stack_level', level)
+    name = _slot_property('_name', 'The name given at creation (or ``None``).')
+    metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
+    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
+                                 'this State was created.')
+    tag = property(lambda self: self.metadata.get('tag'),
+                   lambda self, tag: _set_slot(self, '_metadata', {**self.metadata, 'tag': tag}),
+                   doc='The ``tag`` metadata entry (``None`` when absent).')
 
     def increase_stack_level(self) -> None:
         """Adds one to :attr:`stack_level`."""
@@ -817,14 +783,7 @@ class State:
         return f'{label} created at {self.source_info}'
 
     def raise_error_with_source_info(self, error: BaseException):
-        """Raises ``error`` with this State's creation site attached.
-
-        Example
-        -------
-        >>> s = State(1.0, name='w')
-        >>> s.raise_error_with_source_info(ValueError('bad'))  # doctest: +SKIP
-        ValueError: bad [State 'w' created at ...]
-        """
+        """Raises ``error`` (as its type, if it can) with this State's creation site attached."""
         message = f'{error} [{self._describe()}]'
         try:
             new = type(error)(message)
@@ -846,11 +805,9 @@ class State:
         return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of the same class holding ``value`` (default: the
-        current one), with this State's metadata updated by ``metadata``.
-        Given a State of the same class as ``value``, returns that State
-        (``replace``-d with ``metadata`` if any).
-        """
+        """A new State of the same class holding ``value`` (default: the current
+        one) and this State's metadata updated by ``metadata``; a State of the
+        same class as ``value`` is returned (``replace``-d with ``metadata``)."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
@@ -927,8 +884,7 @@ class TreefyState:
     """
 
     def __init__(self, type: type, value, **metadata):
-        self.type = type
-        self.value = value
+        self.type, self.value = type, value
         vars(self).update(metadata)
 
     @property
@@ -958,28 +914,23 @@ jax.tree_util.register_pytree_with_keys(
     TreefyState,
     lambda r: (((jax.tree_util.GetAttrKey('value'), r.value),),
                (r.type, tuple(r.get_metadata().items()))),
-    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])),
-    flatten_func=lambda r: ((r.value,), (r.type, tuple(r.get_metadata().items()))))
+    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])))
 
 
 class ShortTermState(State):
     """A State whose value is transient (e.g. the last input or spike)."""
-    __slots__ = ()
 
 
 class LongTermState(State):
     """A State whose value persists across steps (e.g. running statistics)."""
-    __slots__ = ()
 
 
 class ParamState(LongTermState):
     """A trainable parameter."""
-    __slots__ = ()
 
 
 class BatchState(LongTermState):
     """A State holding per-batch statistics."""
-    __slots__ = ()
 
 
 class HiddenState(ShortTermState):
@@ -989,7 +940,6 @@ class HiddenState(ShortTermState):
     -------
     >>> h = HiddenState(jnp.zeros(4))
     """
-    __slots__ = ()
 
     def _check_value(self, v):
         if not isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
@@ -998,15 +948,9 @@ class HiddenState(ShortTermState):
                 'use State for pytree values')
 
 
-_RAW_KEY_SHAPES: dict = {}   # default PRNG implementation -> its raw key's shape
-
-
-def _raw_key_shape() -> tuple:
-    impl = jax.config.jax_default_prng_impl
-    shape = _RAW_KEY_SHAPES.get(impl)
-    if shape is None:   # (not jax.eval_shape: its cache ignores the implementation)
-        shape = _RAW_KEY_SHAPES[impl] = np.shape(jax.random.PRNGKey(0))
-    return shape
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple:
+    return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
 def _is_typed_key(x) -> bool:
@@ -1015,12 +959,14 @@ def _is_typed_key(x) -> bool:
 
 def _is_raw_key(x) -> bool:
     """A raw key of the default PRNG implementation (``jax.random.PRNGKey``'s)."""
+    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
     return (hasattr(x, 'dtype') and not _is_typed_key(x) and x.dtype == np.uint32
-            and np.shape(x)[-len(_raw_key_shape()):] == _raw_key_shape())
+            and np.shape(x)[-len(shape):] == shape)
 
 
 def _raw_key_text(batch: str = '') -> str:
-    return f"raw uint32[{batch}{', '.join(map(str, _raw_key_shape()))}]"
+    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
+    return f"raw uint32[{batch}{', '.join(map(str, shape))}]"
 
 
 def _make_key(seed_or_key, owner: str):
@@ -1065,7 +1011,6 @@ class RandomState(State):
     >>> rng = RandomState(0)
     >>> noise = jax.random.normal(rng.split_key(), (3,))
     """
-    __slots__ = ()
     _backup = None   # the key saved by backup_key(): a side slot (see _slot)
 
     def __init__(self, seed_or_key=None, name: str | None = None, **metadata):
@@ -1108,13 +1053,7 @@ class RandomState(State):
         array, e.g. one per lane).  With ``backup`` the state first advances
         and saves its key, so :meth:`restore_key` returns to a single key."""
         _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
-        if backup:
-            keys = jax.random.split(self.value, int(n) + 1)
-            self.value = keys[0]
-            self.backup_key()
-            self.value = keys[1:]
-        else:
-            self.value = jax.random.split(self.value, int(n))
+        self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
@@ -1140,17 +1079,16 @@ class RandomState(State):
 class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
-    Used as a context manager; stacks nest LIFO and are thread-local.  A read
-    inside a nested stack is also recorded by every enclosing stack.  Names,
-    return types and the spelling ``been_writen`` follow brainstate 0.2.1.
+    A context manager; stacks nest LIFO, per thread, and an enclosing stack
+    also records what a nested one does.  Names, return types and the
+    spelling ``been_writen`` follow brainstate 0.2.1.
 
     Parameters
     ----------
     new_arg : callable, optional
-        ``new_arg(state) -> value``: called on a state's first touch; its
-        result is what the code inside the stack sees for that state.  A stack
-        with ``new_arg`` keeps the values assigned to states inside it (an
-        overlay) instead of writing them into the States.
+        ``new_arg(state) -> value``, called on a state's first touch, gives
+        what the code inside sees for it; the values assigned inside then stay
+        in the stack (an overlay) instead of going into the States.
     name : str, optional
         A label for error messages.
 
@@ -1167,18 +1105,14 @@ class StateTraceStack:
 
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
-        self.states: list = []
-        self.been_writen: list = []
+        self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        self._originals: list = []
         # With new_arg the stack *overlays*: what code inside sees and writes
-        # lives in this overlay (state id -> value), with the side slots
-        # written inside ((state id, slot) -> (state, slot, value)), and the
+        # lives in this overlay (state id -> value), the side slots written
+        # inside too ((state id, slot) -> (state, slot, value)), and the
         # States created inside are its own until it closes.
         self._overlays = False
-        self._values: dict = {}
-        self._side: dict = {}
-        self._owned: list = []
+        self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(
@@ -1269,12 +1203,11 @@ class StateTraceStack:
                 state._value = jax.tree_util.tree_map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                     if isinstance(x, Tracer) else x, state._value)
-                state._broken = (
-                    TraceContextError,
-                    f'{state._describe()} was created inside a traced function and still '
-                    'holds a tracer from that finished trace; return its value from the '
-                    'function (or create the State outside it) instead of reading it afterwards',
-                    'tracer from a finished trace')
+                state._broken = (TraceContextError, f'{state._describe()} was created inside '
+                                 'a traced function and still holds a tracer from that finished '
+                                 'trace; return its value from the function (or create the State '
+                                 'outside it) instead of reading it afterwards',
+                                 'tracer from a finished trace')
         self._owned, self._values, self._side = [], {}, {}
 
     # -- queries -------------------------------------------------------------
@@ -1298,12 +1231,8 @@ class StateTraceStack:
         return tuple(s for s, w in pairs if w == written)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
-        """Current values of the recorded states.
-
-        With ``separate=True`` returns ``(write_values, read_values)``; with
-        ``replace=True`` as well, excluded entries are ``None`` so that
-        positions line up with :attr:`states`.
-        """
+        """Current values of the recorded states; ``separate``: ``(write_values,
+        read_values)``, with ``None`` for the others where ``replace``."""
         if not separate:
             return tuple(s.value for s in self.states)
         return (self.get_write_state_values(replace), self.get_read_state_values(replace))
@@ -1336,10 +1265,10 @@ class StateTraceStack:
     def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
         """Like :meth:`assign_state_vals` with separate read and write lists
         (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
-        if not (len(read_state_vals) == len(write_state_vals) == len(self.states)):
-            raise ValueError(
-                f'State length mismatch: expected {len(self.states)} read and write values, '
-                f'got {len(read_state_vals)} and {len(write_state_vals)}')
+        got = (len(read_state_vals), len(write_state_vals))
+        if got != (len(self.states),) * 2:
+            raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
+                             f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
                                           self.been_writen):
             if written:
@@ -1357,12 +1286,8 @@ class StateTraceStack:
         return self
 
     def _record_copy(self) -> 'StateTraceStack':
-        """A plain stack recording what this one recorded (``merge`` into a
-        fresh stack, without a touch per state)."""
-        copy = StateTraceStack(name=self.name)
-        copy.states, copy.been_writen = list(self.states), list(self.been_writen)
-        copy._index, copy._originals = dict(self._index), list(self._originals)
-        return copy
+        """A plain stack recording what this one recorded."""
+        return StateTraceStack(name=self.name).merge(self)
 
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
         """A new stack holding the states of both."""
@@ -1379,10 +1304,8 @@ class _StateCatcher:
     creation order (iterable, indexable, ``in`` by identity)."""
 
     def __init__(self, state_tag, state_to_exclude):
-        self.state_tag = state_tag
-        self.state_to_exclude = to_predicate(state_to_exclude)
-        self.state_ids: set = set()
-        self.states: list = []
+        self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
+        self.state_ids, self.states = set(), []
 
     def append(self, state: State) -> None:
         """Adds ``state`` (tagging it) unless excluded or already caught."""
