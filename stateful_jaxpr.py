@@ -942,7 +942,7 @@ class HiddenState(ShortTermState):
     """
 
     def _check_value(self, v):
-        if not isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
+        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex, bool)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
                 'use State for pytree values')
@@ -950,7 +950,8 @@ class HiddenState(ShortTermState):
 
 @functools.lru_cache(maxsize=None)
 def _raw_key_shape(impl: str) -> tuple:
-    return jax.random.key_data(jax.random.key(0, impl=impl)).shape
+    with jax.ensure_compile_time_eval():   # (the first ask may come inside a trace)
+        return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
 def _is_typed_key(x) -> bool:
