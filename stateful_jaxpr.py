@@ -884,7 +884,8 @@ class TreefyState:
     """
 
     def __init__(self, type: type, value, **metadata):
-        self.type, self.value = type, value
+        self.type = type
+        self.value = value
         vars(self).update(metadata)
 
     @property
