@@ -496,7 +496,9 @@ def _multi_device(leaf):
 # A State is a mutable box for a pytree of arrays whose ``value`` property
 # knows whether a stateful trace is running in this thread: outside one it is
 # a plain attribute; inside, reads and writes go to the trace's frame (see
-# section 6).  StateTraceStack, the public recorder, is such a frame.
+# section 6).  StateTraceStack, the public recorder, is such a frame.  Side
+# slots (name, metadata, stack level, backup key) are written in the innermost
+# overlaying frame too, and reach the State when it closes without error.
 # =============================================================================
 
 # How many StateTraceStacks are open in all threads: while none is, a call
@@ -512,8 +514,6 @@ def _open_frames(delta: int) -> None:
 
 
 class _Context(threading.local):
-    """Per-thread tracing context."""
-
     def __init__(self):
         self.frames: list = []         # active StateTraceStacks, outermost first
         self.catchers: list = []       # active catch_new_states collectors
@@ -534,82 +534,46 @@ def _innermost_overlay(frames):
     return None
 
 
-class _StateSurface:
-    """The part of State's API that follows brainstate 0.2.1's names and
-    semantics, so that code written for brainstate runs unchanged."""
-    __slots__ = ()
-
-    @property
-    def stack_level(self) -> int:
-        """Depth of the state trace stack when this State was created."""
-        return self._stack_level
-
-    @stack_level.setter
-    def stack_level(self, level: int):
-        self._stack_level = level
-
-    def increase_stack_level(self) -> None:
-        """Adds one to :attr:`stack_level`."""
-        self._stack_level += 1
-
-    def decrease_stack_level(self) -> None:
-        """Subtracts one from :attr:`stack_level` (not below 0)."""
-        self._stack_level = max(self._stack_level - 1, 0)
-
-    def raise_error_with_source_info(self, error: BaseException):
-        """Raises ``error`` with this State's creation site attached.
-
-        Example
-        -------
-        >>> s = State(1.0, name='w')
-        >>> s.raise_error_with_source_info(ValueError('bad'))  # doctest: +SKIP
-        ValueError: bad [State 'w' created at ...]
-        """
-        message = f'{error} [{self._describe()}]'
-        try:
-            new = type(error)(message)
-        except Exception:  # exceptions with unusual constructors
-            new = RuntimeError(message)
-        raise new from error
-
-    def to_state_ref(self) -> 'TreefyState':
-        """A pytree snapshot of this State: its class, value and metadata."""
-        return TreefyState(type(self), self._value, _name=self._name, **self._metadata)
-
-    def update_from_ref(self, state_ref: 'TreefyState') -> None:
-        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
-        value is assigned as a write."""
-        metadata = state_ref.get_metadata()
-        self._name = metadata.pop('_name', self._name)
-        self._metadata.update(metadata)
-        self.value = state_ref.value
-
-    def value_call(self, func: Callable):
-        """``jax.tree.map(func, self.value)``."""
-        return jax.tree_util.tree_map(func, self.value)
-
-    def check_if_deleted(self) -> None:
-        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
-        if self._broken is not None:
-            self._raise_broken()
-        for leaf in _leaves(self._value):
-            if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
-                raise ValueError(
-                    f'{self._describe()} holds an array whose buffer was deleted (donated to '
-                    'a computation or deleted by hand); assign it a new value')
-
-    def numel(self) -> int:
-        """Total number of elements over all leaves of the value."""
-        return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
+def _slot(state, slot: str):
+    """A side slot of ``state`` as the innermost stack that wrote it sees it."""
+    for frame in reversed(_ctx.frames):
+        entry = frame._side.get((id(state), slot))
+        if entry is not None:
+            return entry[2]
+    return getattr(state, slot)
 
 
-class State(_StateSurface):
+def _set_slot(state, slot: str, value) -> None:
+    frame = _innermost_overlay(_ctx.frames)
+    if frame is not None:
+        frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack._commit
+        return
+    _check_slot(state, slot, value, ())
+    setattr(state, slot, value)
+
+
+def _slot_property(slot: str, doc: str, settable: bool = True) -> property:
+    return property(lambda self: _slot(self, slot),
+                    (lambda self, v: _set_slot(self, slot, v)) if settable else None, doc=doc)
+
+
+def _check_slot(state, slot: str, value, traces) -> None:
+    """Refuses a tracer that would outlive its trace in a side slot."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, Tracer) and not (
+                (trace := _tracer_trace_id(leaf)) is state._creation_trace or trace in traces):
+            fix = ('call restore_key() before the traced function returns, or backup_key() '
+                   'outside it' if slot == '_backup' else 'give it a concrete value')
+            raise TraceContextError(f'{state._describe()} would keep a tracer in its '
+                                    f'{slot[1:]} after the trace that made it; {fix}')
+
+
+class State:
     """A mutable container for a pytree of arrays.
 
-    Reading ``state.value`` inside a function traced by
-    :class:`StatefulFunction` records a read and returns the traced value;
-    assigning records a write.  Outside any trace ``value`` is a plain
-    attribute.
+    Inside a function traced by :class:`StatefulFunction`, reading
+    ``state.value`` records a read and assigning records a write; outside
+    any trace ``value`` is a plain attribute.
 
     Parameters
     ----------
@@ -639,16 +603,14 @@ class State(_StateSurface):
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
-        self._check_value(value)
+        self._check_leaves(value)
         self._value = value
         self._broken = None
         frames = _ctx.frames
         self._stack_level = len(frames)
-        self._owner = None
         self._creation_trace = _current_trace_id()
-        owner = _innermost_overlay(frames)
+        self._owner = owner = _innermost_overlay(frames)
         if owner is not None:
-            self._owner = owner
             owner._owned.append(self)
         for catcher in _ctx.catchers:
             catcher.append(self)
@@ -677,7 +639,15 @@ class State(_StateSurface):
 
     def _assign(self, v, written: bool) -> None:
         global _layout_epoch
-        self._check_assignment(v)
+        self._check_leaves(v)
+        if _ctx.check_tree:
+            old = jax.tree_util.tree_structure(self._current_for_compare())
+            new = jax.tree_util.tree_structure(v)
+            if old != new:
+                raise ValueError(
+                    f'the pytree structure of {self._describe()} would change from '
+                    f'{old} to {new} inside check_state_value_tree(); assign a value '
+                    'with the same structure or leave the check_state_value_tree() block')
         frames = _ctx.frames
         if frames:
             _traced_write(self, v, frames, written=written)
@@ -691,22 +661,22 @@ class State(_StateSurface):
     def _check_value(self, v) -> None:
         """Hook for subclasses that restrict what a value may be."""
 
-    def _check_assignment(self, v) -> None:
+    def _check_leaves(self, v) -> None:
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
-        if not isinstance(v, Tracer) and (
-                isinstance(v, State) or any(isinstance(x, State) for x in _leaves(v))):
-            raise ValueError(
-                f'cannot assign a State as the value of {self._describe()}; '
-                'assign its value instead: target.value = other.value')
+        if not isinstance(v, Tracer):
+            for leaf in _leaves(v):
+                if isinstance(leaf, State):
+                    raise ValueError(
+                        f'cannot assign a State as the value of {self._describe()}; '
+                        'assign its value instead: target.value = other.value')
+                if type(leaf) is int and not -2 ** 31 <= leaf < 2 ** 31:
+                    info = np.iinfo(jax.dtypes.canonicalize_dtype(int))
+                    if not info.min <= leaf <= info.max:
+                        raise OverflowError(
+                            f'{self._describe()}: the Python int {leaf} does not fit in '
+                            f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
+                            'an array of an explicit wider dtype with jax_enable_x64 on')
         self._check_value(v)
-        if _ctx.check_tree:
-            old = jax.tree_util.tree_structure(self._current_for_compare())
-            new = jax.tree_util.tree_structure(v)
-            if old != new:
-                raise ValueError(
-                    f'the pytree structure of {self._describe()} would change from '
-                    f'{old} to {new} inside check_state_value_tree(); assign a value '
-                    'with the same structure or leave the check_state_value_tree() block')
 
     def _current_for_compare(self):
         frame = _innermost_overlay(_ctx.frames)
@@ -722,29 +692,22 @@ class State(_StateSurface):
         kind, message, _ = self._broken
         raise kind(message)
 
-    # -- metadata --------------------------------------------------------------
-    @property
-    def name(self) -> str | None:
-        """The name given at creation (or ``None``)."""
-        return self._name
+    # -- metadata: side slots (see _slot) --------------------------------------
+    name = _slot_property('_name', 'The name given at creation (or ``None``).')
+    metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
+    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
+                                 'this State was created.')
+    tag = property(lambda self: self.metadata.get('tag'),
+                   lambda self, tag: _set_slot(self, '_metadata', {**self.metadata, 'tag': tag}),
+                   doc='The ``tag`` metadata entry (``None`` when absent).')
 
-    @name.setter
-    def name(self, name):
-        self._name = name
+    def increase_stack_level(self) -> None:
+        """Adds one to :attr:`stack_level`."""
+        self.stack_level += 1
 
-    @property
-    def tag(self):
-        """The ``tag`` metadata entry (``None`` when absent)."""
-        return self._metadata.get('tag')
-
-    @tag.setter
-    def tag(self, tag):
-        self._metadata['tag'] = tag
-
-    @property
-    def metadata(self) -> dict:
-        """Free-form metadata given at creation."""
-        return self._metadata
+    def decrease_stack_level(self) -> None:
+        """Subtracts one from :attr:`stack_level` (not below 0)."""
+        self.stack_level = max(self.stack_level - 1, 0)
 
     @property
     def source_info(self) -> str:
@@ -755,25 +718,71 @@ class State(_StateSurface):
         label = f"{type(self).__name__} {self._name!r}" if self._name else type(self).__name__
         return f'{label} created at {self.source_info}'
 
-    # -- copies ------------------------------------------------------------------
+    def raise_error_with_source_info(self, error: BaseException):
+        """Raises ``error`` (as its type, if it can) with this State's creation site attached."""
+        message = f'{error} [{self._describe()}]'
+        try:
+            new = type(error)(message)
+        except Exception:  # exceptions with unusual constructors
+            new = RuntimeError(message)
+        raise new from error
+
+    # -- copies and snapshots ----------------------------------------------------
     def copy(self) -> 'State':
         """A new State of the same class with the same value and metadata."""
-        return self.replace(self._value)
+        return self.replace()
+
+    def __copy__(self) -> 'State':
+        # ``copy.copy``: also keeps the creation site and stack level; the
+        # metadata dict is the copy's own.
+        new = self.replace()
+        new._source, new._stack_level = self._source, self.stack_level
+        vars(new).update(vars(self))
+        return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of the same class holding ``value`` (default: the
-        current one), with this State's metadata updated by ``metadata``.
-        Given a State of the same class as ``value``, returns that State
-        (``replace``-d with ``metadata`` if any).
-        """
+        """A new State of the same class holding ``value`` (default: the current
+        one) and this State's metadata updated by ``metadata``; a State of the
+        same class as ``value`` is returned (``replace``-d with ``metadata``)."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
                     f'{self._describe()}.replace() got a {type(value).__name__} as the value; '
                     f'pass a {type(self).__name__} or a plain value')
             return value.replace(**metadata) if metadata else value
-        return _new_state(type(self), self._value if value is _MISSING else value,
-                          self._name, {**self._metadata, **metadata})
+        return _new_state(type(self), self.value if value is _MISSING else value,
+                          self.name, {**self.metadata, **metadata})
+
+    def to_state_ref(self) -> 'TreefyState':
+        """A pytree snapshot of this State: its class, value and metadata."""
+        return TreefyState(type(self), self.value, _name=self.name, **self.metadata)
+
+    def update_from_ref(self, state_ref: 'TreefyState') -> None:
+        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
+        value is assigned as a write."""
+        metadata = state_ref.get_metadata()
+        name = metadata.pop('_name', self.name)
+        self.value = state_ref.value
+        self.name = name
+        _set_slot(self, '_metadata', {**self.metadata, **metadata})
+
+    def value_call(self, func: Callable):
+        """``jax.tree.map(func, self.value)``."""
+        return jax.tree_util.tree_map(func, self.value)
+
+    def check_if_deleted(self) -> None:
+        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
+        if self._broken is not None:
+            self._raise_broken()
+        for leaf in _leaves(self._value):
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
+                raise ValueError(
+                    f'{self._describe()} holds an array whose buffer was deleted (donated to '
+                    'a computation or deleted by hand); assign it a new value')
+
+    def numel(self) -> int:
+        """Total number of elements over all leaves of the value."""
+        return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
 
     # -- identity --------------------------------------------------------------
     def __hash__(self):
@@ -783,10 +792,7 @@ class State(_StateSurface):
         return self is other
 
     def __repr__(self):
-        if self._broken is not None:
-            shown = f'<{self._broken[2]}>'
-        else:
-            shown = repr(self._value)
+        shown = f'<{self._broken[2]}>' if self._broken is not None else repr(self._value)
         name = f'name={self._name!r}, ' if self._name else ''
         if '\n' in shown:
             shown = '\n  ' + shown.replace('\n', '\n  ')
@@ -847,28 +853,23 @@ jax.tree_util.register_pytree_with_keys(
     TreefyState,
     lambda r: (((jax.tree_util.GetAttrKey('value'), r.value),),
                (r.type, tuple(r.get_metadata().items()))),
-    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])),
-    flatten_func=lambda r: ((r.value,), (r.type, tuple(r.get_metadata().items()))))
+    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])))
 
 
 class ShortTermState(State):
     """A State whose value is transient (e.g. the last input or spike)."""
-    __slots__ = ()
 
 
 class LongTermState(State):
     """A State whose value persists across steps (e.g. running statistics)."""
-    __slots__ = ()
 
 
 class ParamState(LongTermState):
     """A trainable parameter."""
-    __slots__ = ()
 
 
 class BatchState(LongTermState):
     """A State holding per-batch statistics."""
-    __slots__ = ()
 
 
 class HiddenState(ShortTermState):
@@ -878,14 +879,18 @@ class HiddenState(ShortTermState):
     -------
     >>> h = HiddenState(jnp.zeros(4))
     """
-    __slots__ = ()
 
     def _check_value(self, v):
-        if not (isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-                or isinstance(v, Tracer)):
+        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex, bool)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
                 'use State for pytree values')
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple:
+    with jax.ensure_compile_time_eval():   # (the first ask may come inside a trace)
+        return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
 def _is_typed_key(x) -> bool:
@@ -893,8 +898,15 @@ def _is_typed_key(x) -> bool:
 
 
 def _is_raw_key(x) -> bool:
+    """A raw key of the default PRNG implementation (``jax.random.PRNGKey``'s)."""
+    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
     return (hasattr(x, 'dtype') and not _is_typed_key(x) and x.dtype == np.uint32
-            and len(np.shape(x)) >= 1 and np.shape(x)[-1] == 2)
+            and np.shape(x)[-len(shape):] == shape)
+
+
+def _raw_key_text(batch: str = '') -> str:
+    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
+    return f"raw uint32[{batch}{', '.join(map(str, shape))}]"
 
 
 def _make_key(seed_or_key, owner: str):
@@ -903,8 +915,11 @@ def _make_key(seed_or_key, owner: str):
     if isinstance(seed_or_key, (bool, np.bool_)):
         raise ValueError(f'{owner}: a seed must be an int or a PRNG key, got a bool')
     if isinstance(seed_or_key, (int, np.integer)):
+        if not -2 ** 63 <= seed_or_key < 2 ** 63:
+            raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
+                                'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
         return jax.random.PRNGKey(int(seed_or_key))
-    if isinstance(seed_or_key, Tracer) or isinstance(seed_or_key, (jax.Array, np.ndarray)):
+    if isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)):
         if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
             return seed_or_key
         if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
@@ -912,9 +927,13 @@ def _make_key(seed_or_key, owner: str):
     kind = type(seed_or_key).__name__
     if hasattr(seed_or_key, 'shape'):
         kind += f' {getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key))}'
-    raise ValueError(
-        f'{owner}: expected an int seed, None, a raw uint32[2] key or a typed key '
-        f'(jax.random.key), got {kind}')
+    raise ValueError(f'{owner}: expected an int seed, None, a {_raw_key_text()} key (the '
+                     f'default PRNG implementation\'s) or a typed key (jax.random.key), got {kind}')
+
+
+def _check_n(owner, method: str, n, fix: str) -> None:
+    if not _is_int(n) or n < 1:
+        raise ValueError(f'{owner._describe()}: {method}(n) needs an int n >= 1, got {n!r}; {fix}')
 
 
 class RandomState(State):
@@ -923,25 +942,25 @@ class RandomState(State):
     Parameters
     ----------
     seed_or_key : int, key array or None
-        An int seeds ``jax.random.PRNGKey(seed)`` (raw ``uint32[2]``); a raw
-        or typed key is held as given; ``None`` draws a fresh random seed.
+        An int seeds ``jax.random.PRNGKey(seed)`` (raw, under the default PRNG
+        implementation); a raw or typed key is held as given; ``None`` draws a
+        fresh random seed.
 
     Example
     -------
     >>> rng = RandomState(0)
     >>> noise = jax.random.normal(rng.split_key(), (3,))
     """
-    __slots__ = ()
-    _backup = None   # the key saved by backup_key()
+    _backup = None   # the key saved by backup_key(): a side slot (see _slot)
 
     def __init__(self, seed_or_key=None, name: str | None = None, **metadata):
         owner = f'{type(self).__name__}(name={name!r}) created at {_format_site(_user_site())}'
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
 
     def _check_value(self, v):
-        if not (_is_raw_key(v) or _is_typed_key(v)):
+        if not (_is_typed_key(v) or _is_raw_key(v)):
             raise ValueError(
-                f'{self._describe()} holds a PRNG key (raw uint32[..., 2] or typed), got '
+                f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
                 f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
 
     def seed(self, seed_or_key=None) -> None:
@@ -961,9 +980,8 @@ class RandomState(State):
         >>> rng = RandomState(0)
         >>> keys = rng.split_key(4)    # 4 independent keys
         """
-        if n is not None and (not _is_int(n) or n < 1):
-            raise ValueError(f'{self._describe()}: split_key(n) needs an int n >= 1, '
-                             f'got {n!r}; call split_key() for a single key')
+        if n is not None:
+            _check_n(self, 'split_key', n, 'call split_key() for a single key')
         keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
         self.value = keys[0]
         if backup:
@@ -974,115 +992,43 @@ class RandomState(State):
         """Replaces the key by ``n`` keys split from it (a ``[n, ...]`` key
         array, e.g. one per lane).  With ``backup`` the state first advances
         and saves its key, so :meth:`restore_key` returns to a single key."""
-        if backup:
-            keys = jax.random.split(self.value, n + 1)
-            self.value = keys[0]
-            self.backup_key()
-            self.value = keys[1:]
-        else:
-            self.value = jax.random.split(self.value, n)
+        _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
+        self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
-        if self._backup is not None:
+        if _slot(self, '_backup') is not None:
             raise ValueError(f'{self._describe()}: backup_key() called twice without '
                              'restore_key(); restore the saved key first')
-        self._backup = self.value
+        _set_slot(self, '_backup', self.value)
 
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
-        if self._backup is None:
+        backup = _slot(self, '_backup')
+        if backup is None:
             raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                              'call backup_key() first')
-        self.value, self._backup = self._backup, None
+        self.value = backup
+        _set_slot(self, '_backup', None)
 
     def clone(self) -> 'RandomState':
         """A new, independent RandomState seeded from a key split off this one."""
-        return type(self)(self.split_key(), self._name, **dict(self._metadata))
+        return type(self)(self.split_key(), self.name, **self.metadata)
 
 
-class _StackSurface:
-    """The part of StateTraceStack's API that follows brainstate 0.2.1's
-    names and return types (``been_writen`` is its spelling too)."""
-    __slots__ = ()
-
-    def read_its_value(self, state: State) -> None:
-        """Records a read of ``state``."""
-        self._touch(state, state._value, False)
-
-    def write_its_value(self, state: State) -> None:
-        """Records a write of ``state``."""
-        self._touch(state, state._value, True)
-
-    def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
-        """Current values of the recorded states.
-
-        With ``separate=True`` returns ``(write_values, read_values)``; with
-        ``replace=True`` as well, excluded entries are ``None`` so that
-        positions line up with :attr:`states`.
-        """
-        if not separate:
-            return tuple(s.value for s in self.states)
-        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
-
-    def get_read_state_values(self, replace_writen: bool = False) -> tuple:
-        """Values of :meth:`get_read_states`."""
-        return tuple(None if s is None else s.value for s in self.get_read_states(replace_writen))
-
-    def get_write_state_values(self, replace_read: bool = False) -> tuple:
-        """Values of :meth:`get_write_states`."""
-        return tuple(None if s is None else s.value for s in self.get_write_states(replace_read))
-
-    def recovery_original_values(self) -> None:
-        """Gives every recorded state back the value it had when first touched."""
-        for state, original in zip(self.states, self._originals):
-            if (original is not None and type(original) is not _RefCell
-                    and not _contains_tracer(original)):
-                state.restore_value(original)
-
-    def assign_state_vals(self, state_vals: Sequence) -> None:
-        """Assigns ``state_vals`` (one per state): written states by ``value``,
-        the others by ``restore_value``."""
-        if len(state_vals) != len(self.states):
-            raise ValueError(f'State length mismatch: expected {len(self.states)} values, '
-                             f'got {len(state_vals)}')
-        self._assign_each(state_vals, state_vals)
-
-    def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
-        """Like :meth:`assign_state_vals` with separate read and write lists
-        (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
-        if not (len(read_state_vals) == len(write_state_vals) == len(self.states)):
-            raise ValueError(
-                f'State length mismatch: expected {len(self.states)} read and write values, '
-                f'got {len(read_state_vals)} and {len(write_state_vals)}')
-        self._assign_each(read_state_vals, write_state_vals)
-
-    def _assign_each(self, read_vals, write_vals) -> None:
-        for state, rv, wv, written in zip(self.states, read_vals, write_vals, self.been_writen):
-            if written:
-                state.value = wv
-            else:
-                state.restore_value(rv)
-
-    def state_subset(self, state_type: type) -> list:
-        """The recorded states that are instances of ``state_type``."""
-        return [s for s in self.states if isinstance(s, state_type)]
-
-
-class StateTraceStack(_StackSurface):
+class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
-    Used as a context manager; stacks nest LIFO and are thread-local.  A read
-    inside a nested stack is also recorded by every enclosing stack.  Query
-    results are tuples (``state_subset`` gives a list), as in brainstate.
+    A context manager; stacks nest LIFO, per thread, and an enclosing stack
+    also records what a nested one does.  Names, return types and the
+    spelling ``been_writen`` follow brainstate 0.2.1.
 
     Parameters
     ----------
     new_arg : callable, optional
-        ``new_arg(state) -> value``: called on a state's first touch; its
-        result is what the code inside the stack sees for that state.  A stack
-        with ``new_arg`` keeps the values assigned to states inside it (an
-        overlay) instead of writing them into the States.
+        ``new_arg(state) -> value``, called on a state's first touch, gives
+        what the code inside sees for it; the values assigned inside then stay
+        in the stack (an overlay) instead of going into the States.
     name : str, optional
         A label for error messages.
 
@@ -1099,16 +1045,14 @@ class StateTraceStack(_StackSurface):
 
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
-        self.states: list = []
-        self.been_writen: list = []
+        self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        self._originals: list = []
         # With new_arg the stack *overlays*: what code inside sees and writes
-        # lives in this overlay (state id -> value), and the States created
-        # inside are its own until it closes.
+        # lives in this overlay (state id -> value), the side slots written
+        # inside too ((state id, slot) -> (state, slot, value)), and the
+        # States created inside are its own until it closes.
         self._overlays = False
-        self._values: dict = {}
-        self._owned: list = []
+        self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(
@@ -1131,11 +1075,6 @@ class StateTraceStack(_StackSurface):
         if self._overlays:
             self._values[id(state)] = self._lift(state, state._value)
 
-    @property
-    def original_state_values(self) -> tuple:
-        """Each recorded state's value when this stack first saw it."""
-        return tuple(self._originals)
-
     # -- recording -----------------------------------------------------------
     def _touch(self, state, current, write: bool):
         index = self._index.get(id(state))
@@ -1151,13 +1090,21 @@ class StateTraceStack(_StackSurface):
             self.been_writen[index] = True
         return self._values[id(state)] if self._overlays else current
 
+    def read_its_value(self, state: State) -> None:
+        """Records a read of ``state``."""
+        self._touch(state, state._value, False)
+
+    def write_its_value(self, state: State) -> None:
+        """Records a write of ``state``."""
+        self._touch(state, state._value, True)
+
     # -- context -------------------------------------------------------------
     def __enter__(self):
         _open_frames(+1)
         _ctx.frames.append(self)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         frames = _ctx.frames
         if self in frames:
             _open_frames(-1)
@@ -1168,36 +1115,108 @@ class StateTraceStack(_StackSurface):
                 f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
                 'be exited in the reverse order they were entered (use nested `with`)')
         frames.pop()
-        self._close()
+        try:
+            if exc_type is None:
+                self._commit()
+        finally:
+            self._close()
         return False
 
+    def _commit(self):
+        """Hands the side slots written inside on, to the enclosing overlay or
+        the States.  A tracer that would outlive this trace is an error, or
+        dropped where its State was created inside (and dies with it)."""
+        traces = tuple(f._jax_trace for f in _ctx.frames)
+        entries = [e for e in self._side.values()
+                   if not (e[0]._owner is self and _contains_tracer(e[2]))]
+        for state, slot, value in entries:
+            _check_slot(state, slot, value, traces)
+        for entry in entries:
+            _set_slot(*entry)
+
     def _close(self):
-        """Ends an overlay: drop its tracers, flag States that kept one."""
+        """Ends an overlay: its values and side slots go, and the States made
+        inside that kept a tracer keep only its shape, flagged."""
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
-                state._broken = (
-                    TraceContextError,
-                    f'{state._describe()} was created inside a traced function and still '
-                    'holds a tracer from that finished trace; return its value from the '
-                    'function (or create the State outside it) instead of reading it afterwards',
-                    'tracer from a finished trace')
-        self._owned = []
-        self._values = {}
+                state._value = jax.tree_util.tree_map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                    if isinstance(x, Tracer) else x, state._value)
+                state._broken = (TraceContextError, f'{state._describe()} was created inside '
+                                 'a traced function and still holds a tracer from that finished '
+                                 'trace; return its value from the function (or create the State '
+                                 'outside it) instead of reading it afterwards',
+                                 'tracer from a finished trace')
+        self._owned, self._values, self._side = [], {}, {}
 
     # -- queries -------------------------------------------------------------
+    @property
+    def original_state_values(self) -> tuple:
+        """Each recorded state's value when this stack first saw it."""
+        return tuple(self._originals)
+
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
-        if replace_writen:
-            return tuple(None if w else s for s, w in zip(self.states, self.been_writen))
-        return tuple(s for s, w in zip(self.states, self.been_writen) if not w)
+        return self._pick(False, replace_writen)
 
     def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
-        if replace_read:
-            return tuple(s if w else None for s, w in zip(self.states, self.been_writen))
-        return tuple(s for s, w in zip(self.states, self.been_writen) if w)
+        return self._pick(True, replace_read)
 
+    def _pick(self, written: bool, keep_places: bool) -> tuple:
+        pairs = zip(self.states, self.been_writen)
+        if keep_places:
+            return tuple(s if w == written else None for s, w in pairs)
+        return tuple(s for s, w in pairs if w == written)
+
+    def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
+        """Current values of the recorded states; ``separate``: ``(write_values,
+        read_values)``, with ``None`` for the others where ``replace``."""
+        if not separate:
+            return tuple(s.value for s in self.states)
+        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
+
+    def get_read_state_values(self, replace_writen: bool = False) -> tuple:
+        """Values of :meth:`get_read_states`."""
+        return tuple(None if s is None else s.value for s in self.get_read_states(replace_writen))
+
+    def get_write_state_values(self, replace_read: bool = False) -> tuple:
+        """Values of :meth:`get_write_states`."""
+        return tuple(None if s is None else s.value for s in self.get_write_states(replace_read))
+
+    def state_subset(self, state_type: type) -> list:
+        """The recorded states that are instances of ``state_type``."""
+        return [s for s in self.states if isinstance(s, state_type)]
+
+    # -- giving values back ----------------------------------------------------
+    def recovery_original_values(self) -> None:
+        """Gives every recorded state back the value it had when first touched."""
+        for state, original in zip(self.states, self._originals):
+            if (original is not None and type(original) is not _RefCell
+                    and not _contains_tracer(original)):
+                state.restore_value(original)
+
+    def assign_state_vals(self, state_vals: Sequence) -> None:
+        """Assigns ``state_vals`` (one per state): written states by ``value``,
+        the others by ``restore_value``."""
+        self.assign_state_vals_v2(state_vals, state_vals)
+
+    def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
+        """Like :meth:`assign_state_vals` with separate read and write lists
+        (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
+        got = (len(read_state_vals), len(write_state_vals))
+        if got != (len(self.states),) * 2:
+            raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
+                             f'write values, got {got[0]} and {got[1]}')
+        for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
+                                          self.been_writen):
+            if written:
+                state.value = wv
+            else:
+                state.restore_value(rv)
+
+    # -- combining -------------------------------------------------------------
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
@@ -1207,12 +1226,8 @@ class StateTraceStack(_StackSurface):
         return self
 
     def _record_copy(self) -> 'StateTraceStack':
-        """A plain stack recording what this one recorded (``merge`` into a
-        fresh stack, without a touch per state)."""
-        copy = StateTraceStack(name=self.name)
-        copy.states, copy.been_writen = list(self.states), list(self.been_writen)
-        copy._index, copy._originals = dict(self._index), list(self._originals)
-        return copy
+        """A plain stack recording what this one recorded."""
+        return StateTraceStack(name=self.name).merge(self)
 
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
         """A new stack holding the states of both."""
@@ -1229,10 +1244,8 @@ class _StateCatcher:
     creation order (iterable, indexable, ``in`` by identity)."""
 
     def __init__(self, state_tag, state_to_exclude):
-        self.state_tag = state_tag
-        self.state_to_exclude = to_predicate(state_to_exclude)
-        self.state_ids: set = set()
-        self.states: list = []
+        self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
+        self.state_ids, self.states = set(), []
 
     def append(self, state: State) -> None:
         """Adds ``state`` (tagging it) unless excluded or already caught."""
@@ -1532,6 +1545,9 @@ class hashabledict(dict):
         raise TypeError('hashabledict is immutable (it is used as a cache key)')
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _readonly
+
+    def __reduce__(self):   # copies and pickles rebuild it whole, never item by item
+        return type(self), (dict(self),)
 
     def __repr__(self):
         return f'hashabledict({dict.__repr__(self)})'

@@ -1073,6 +1073,229 @@ class ErrorsStateMisuseTest(_ErrorsCase):
                    fix=['raw uint32[..., 2] or typed'])
 
 
+# -- A State's side slots, PRNG implementations, copies and huge ints -----------
+class StateRobustnessTest(_ErrorsCase):
+
+    def _side(self, states):
+        return [{k: v for k, v in _side_slots(s).items()} for s in states]
+
+    def _assert_side(self, states, before):
+        for s, b in zip(states, before):
+            now = _side_slots(s)
+            self.assertFalse(_contains_tracer([s._value, now]), f'{s!r} holds a tracer')
+            self.assertIs(now.pop('_backup'), b['_backup'], f'backup of {s.name!r} changed')
+            self.assertEqual(now, {k: v for k, v in b.items() if k != '_backup'})
+
+    def test_backup_key_in_a_failed_trace_leaves_no_tracer(self):
+        rng = RandomState(0, name='rb_rng')
+        key = rng.value
+
+        def f(x):
+            rng.backup_key()
+            rng.split_key()
+            raise _Boom('after backup_key')
+        for call in (StatefulFunction(f), StatefulFunction(lambda x: StatefulFunction(f)(x))):
+            with self.assertRaises(_Boom):
+                call(1.0)
+            self.assertIsNone(rng._backup)
+            self.assertIs(rng.value, key)
+            rng.backup_key()     # not "called twice"
+            rng.restore_key()
+
+    def test_backup_restored_inside_the_trace(self):
+        rng = RandomState(3, name='rb_pair')
+        expected = jax.random.split(jax.random.split(jax.random.PRNGKey(3), 5)[0])[1]
+
+        def f():
+            rng.self_assign_multi_keys(4)
+            lanes = rng.value
+            rng.restore_key()
+            return lanes, rng.split_key()
+        lanes, key = StatefulFunction(f)()
+        self.assertEqual(lanes.shape, (4, 2))
+        np.testing.assert_array_equal(key, expected)
+        self.assertIsNone(rng._backup)
+        self.assertFalse(_tracer_in(rng))
+
+    def test_backup_left_in_a_finished_trace_is_an_error(self):
+        rng = RandomState(0, name='rb_pending')
+
+        def f(x):
+            rng.backup_key()
+            return x
+        self.check(TraceContextError, lambda: StatefulFunction(f)(1.0), [rng],
+                   culprit=self.site('rb_pending') + ['backup'], fix=['restore_key()'])
+        self.assertIsNone(rng._backup)
+
+        def g(x):           # a RandomState made inside: its backup goes with it
+            local = RandomState(jax.random.PRNGKey(1))
+            local.split_key(backup=True)
+            return x
+        self.assertEqual(float(StatefulFunction(g)(2.0)), 2.0)
+
+    def test_side_slots_of_a_failed_trace_are_unchanged(self):
+        s = State(jnp.ones(2), name='rb_meta', tag='t0', unit='mV')
+        rng = RandomState(1, name='rb_meta_rng')
+        before = self._side([s, rng])
+
+        def f(x, fail):
+            s.name, s.tag = 'renamed', 't1'
+            s.increase_stack_level()
+            s.update_from_ref(sj.TreefyState(State, x * 2, _name='from_ref', extra=1))
+            self.assertEqual((s.name, s.tag, s.stack_level, s.metadata['extra']),
+                             ('from_ref', 't1', 1, 1))
+            rng.backup_key()
+            with StateTraceStack(lambda st: st._value):     # a nested overlay
+                rng.restore_key()
+                rng.backup_key()
+            if fail:
+                raise _Boom('after the side slots')
+            rng.restore_key()
+            return x
+        sf = StatefulFunction(f, static_argnums=1)
+        with self.assertRaises(_Boom):
+            sf(jnp.ones(2), True)
+        self._assert_side([s, rng], before)
+        np.testing.assert_array_equal(s.value, np.ones(2))
+        with StateTraceStack(lambda st: st._value):         # an overlay that fails
+            with self.assertRaises(_Boom):
+                with StateTraceStack(lambda st: st._value):
+                    s.tag = 'inner'
+                    raise _Boom
+            self.assertEqual(s.tag, 't0')
+        sf(jnp.ones(2), False)      # written at trace time, as brainstate does
+        self.assertEqual((s.name, s.tag, s.stack_level), ('from_ref', 't1', 1))
+        self.assertEqual(s.metadata, {'tag': 't1', 'unit': 'mV', 'extra': 1})
+        self.assertIsNone(rng._backup)
+
+    def test_tracer_into_metadata_is_refused(self):
+        s = State(jnp.zeros(()), name='rb_tracer_tag', tag='t')
+
+        def f(x):
+            s.tag = x
+            return x
+        self.check(TraceContextError, lambda: StatefulFunction(f)(1.0), [s],
+                   culprit=self.site('rb_tracer_tag') + ['metadata'], fix=['concrete value'])
+        self.check(TraceContextError, lambda: jax.jit(f)(1.0), [s],
+                   culprit=self.site('rb_tracer_tag'), fix=['concrete value'])
+        self.assertEqual(s.tag, 't')
+
+    def test_replace_copy_and_to_state_ref_see_the_traced_value(self):
+        s = State(jnp.zeros(2), name='rb_replace', tag='r')
+        made = []
+
+        def f(x):
+            s.value = s.value + x
+            made.append(s.replace())
+            return s.copy().value, s.to_state_ref().value, made[-1].value
+        outs = StatefulFunction(f)(jnp.ones(2))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.ones(2))
+        self.assertEqual(made[0].tag, 'r')
+        self.assertFalse(_tracer_in(made[0]))          # only the shape stays, flagged
+        with self.assertRaisesRegex(TraceContextError, 'finished trace'):
+            made[0].value
+
+    def test_every_prng_implementation(self):
+        was = jax.config.jax_default_prng_impl
+        self.addCleanup(jax.config.update, 'jax_default_prng_impl', was)
+        for impl in ('threefry2x32', 'rbg', 'unsafe_rbg'):
+            for how in ('default', 'typed'):
+                with self.subTest(impl=impl, how=how):
+                    if how == 'default':
+                        jax.config.update('jax_default_prng_impl', impl)
+                        key, rng = jax.random.PRNGKey(5), RandomState(5)
+                        self.assertEqual(RandomState().value.shape, key.shape)
+                    else:
+                        jax.config.update('jax_default_prng_impl', was)
+                        key = jax.random.key(5, impl=impl)
+                        rng = RandomState(key)
+                    np.testing.assert_array_equal(_host(rng.value), _host(key))
+                    key, sub = jax.random.split(key)
+                    np.testing.assert_array_equal(jax.random.normal(rng.split_key(), (3,)),
+                                                  jax.random.normal(sub, (3,)))
+                    subs = jax.random.split(key, 4)
+                    key, subs = subs[0], subs[1:]
+                    sf = StatefulFunction(lambda: jax.random.uniform(rng.split_key(3)[1]))
+                    np.testing.assert_allclose(sf(), jax.random.uniform(subs[1]), rtol=1e-6)
+                    rng.self_assign_multi_keys(2)
+                    rng.restore_key()
+                    np.testing.assert_array_equal(_host(rng.value),
+                                                  _host(jax.random.split(key, 3)[0]))
+        jax.config.update('jax_default_prng_impl', 'threefry2x32')
+        rbg_raw = np.zeros(4, np.uint32)
+        self.check(ValueError, lambda: RandomState(rbg_raw, name='rb_impl'), [],
+                   culprit=["'rb_impl'", 'uint32[4]'], fix=['raw uint32[2]', 'typed key'])
+
+    def test_hashabledict_copies_and_pickles(self):
+        import copy
+        import pickle
+        d = sj.hashabledict(b=(1, 2), a=('x', 3.5))
+        for twin in (copy.copy(d), copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
+            self.assertIs(type(twin), sj.hashabledict)
+            self.assertEqual(twin, d)
+            self.assertEqual(hash(twin), hash(d))
+            with self.assertRaises(TypeError):
+                twin['c'] = 1
+        sf = StatefulFunction(lambda x, n: x * n, static_argnums=1)
+        sf(1.0, 2)
+        key = sf.get_arg_cache_key(1.0, 2)
+        self.assertEqual(copy.deepcopy(key), key)
+
+    def test_copy_of_a_state_owns_its_metadata(self):
+        import copy
+        s = sj.ParamState(jnp.ones(2), name='rb_copy', tag='a')
+        c = copy.copy(s)
+        self.assertIs(type(c), sj.ParamState)
+        self.assertIs(c.value, s.value)
+        self.assertEqual((c.name, c.tag, c.source_info, c.stack_level),
+                         (s.name, s.tag, s.source_info, s.stack_level))
+        c.tag = 'b'
+        c.metadata['unit'] = 'mV'
+        c.value = jnp.zeros(2)
+        self.assertEqual((s.tag, s.metadata), ('a', {'tag': 'a'}))
+        np.testing.assert_array_equal(s.value, np.ones(2))
+        rng = RandomState(0)
+        rng.backup_key()
+        twin = copy.copy(rng)
+        twin.restore_key()
+        rng.restore_key()
+
+    def test_huge_python_int(self):
+        s = State(jnp.int32(1), name='rb_int')
+        self.check(OverflowError, lambda: State(10 ** 30, name='rb_int_new'), [],
+                   culprit=["'rb_int_new'", str(10 ** 30)], fix=['float'])
+
+        def assign(v):
+            s.value = {'n': v}
+        for v in (10 ** 30, 2 ** 31, -2 ** 31 - 1):
+            self.check(OverflowError, lambda: assign(v), [s],
+                       culprit=self.site('rb_int') + [str(v)], fix=['float'])
+        sf = StatefulFunction(lambda x: assign(10 ** 30))
+        self.check(OverflowError, lambda: sf(1.0), [s], culprit=self.site('rb_int'))
+        s.value = 2 ** 31 - 1
+        self.assertEqual(int(StatefulFunction(lambda: s.value)()), 2 ** 31 - 1)
+        for seed in (10 ** 30, 2 ** 63, -2 ** 63 - 1):
+            self.check(OverflowError, lambda: RandomState(seed, name='rb_seed'), [],
+                       culprit=["'rb_seed'", str(seed)], fix=['2**63'])
+        rng = RandomState(2 ** 63 - 1, name='rb_seed_ok')
+        self.check(OverflowError, lambda: rng.seed(10 ** 30), [rng],
+                   culprit=self.site('rb_seed_ok'), fix=['2**63'])
+
+    def test_self_assign_multi_keys_validates_n_as_split_key(self):
+        rng = RandomState(0, name='rb_n')
+        for bad in (0, -1, '3', 2.5, True, None):
+            for method in ('split_key', 'self_assign_multi_keys'):
+                if bad is None and method == 'split_key':
+                    continue        # split_key() is the single-key call
+                self.check(ValueError, lambda: getattr(rng, method)(bad), [rng],
+                           culprit=self.site('rb_n') + [f'{method}(n)', f'got {bad!r}'],
+                           fix=['int n >= 1'])
+        self.assertIsNone(rng._backup)
+        rng.self_assign_multi_keys(np.int64(3), backup=False)
+        self.assertEqual(rng.value.shape, (3, 2))
+
+
 # =============================================================================
 # 4. State filters
 # =============================================================================
@@ -2868,6 +3091,36 @@ def _scenario_mapping_in_sf(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
+def _scenario_side_slots(S):
+    op = _counted_op
+
+    def f(x, tag):
+        # Side slots written, then put back before the function returns: a
+        # fault in between must leave every one of them as it was.
+        def body(c, _):   # a backup made and restored inside a loop body
+            S.b.value = S.b.value + 1
+            S.key.backup_key()
+            d = S.key.split_key()
+            S.key.restore_key()
+            return c + op(_key_uniform, d, (3,)), None
+        c, _ = lax.scan(body, x, None, length=2)
+        S.key.backup_key()
+        k = S.key.split_key()
+        S.rng.self_assign_multi_keys(2)
+        lanes = S.rng.value
+        S.rng.restore_key()
+        S.h.tag, S.w.name = 'moved', 'renamed'
+        S.w.increase_stack_level()
+        a2 = S.a.replace(op(jnp.tanh, S.a.value + c))
+        ref = S.t.to_state_ref()
+        S.a.value = a2.value + op(_key_uniform, k, (3,)) + op(_key_uniform, lanes[1], (3,))
+        S.key.restore_key()
+        S.w.decrease_stack_level()
+        S.h.tag, S.w.name = 'lane', 'w'
+        return op(jnp.sum, ref.value['m']) + op(jnp.sum, S.a.value)
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
 _X3 = np.array([0.3, -0.7, 1.1], np.float32)
 _X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
 
@@ -2877,7 +3130,8 @@ _SCENARIOS = [(name, make, _X3) for name, make in (
     ('grad', _scenario_grad), ('inner_jit', _scenario_jit), ('nested_sf', _scenario_nested),
     ('nested_sf_in_scan', _scenario_nested_in_scan), ('scan_write', _scenario_scan_write),
     ('cond_jit_write', _scenario_cond_jit_write),
-    ('nested_writer_in_scan', _scenario_nested_writer_in_scan))] + [
+    ('nested_writer_in_scan', _scenario_nested_writer_in_scan),
+    ('side_slots', _scenario_side_slots))] + [
     ('mapping', _scenario_mapping, _X23), ('mapping_in_sf', _scenario_mapping_in_sf, _X23)]
 
 
@@ -2935,11 +3189,14 @@ def _assert_states(expected, got, what):
         _assert_close(e, g, f'{what}, state {i}')
 
 
+def _side_slots(state):
+    """A State's slots besides its value: name, metadata, stack level, backup key."""
+    return {k: getattr(state, k, None) for k in ('_name', '_metadata', '_stack_level', '_backup')}
+
+
 def _tracer_leaves(state):
-    found = [x for x in jax.tree_util.tree_leaves(state._value) if isinstance(x, jax.core.Tracer)]
-    backup = getattr(state, '_backup', None)
-    found += [x for x in jax.tree_util.tree_leaves(backup) if isinstance(x, jax.core.Tracer)]
-    return found
+    return [x for x in jax.tree_util.tree_leaves([state._value, _side_slots(state)])
+            if isinstance(x, jax.core.Tracer)]
 
 
 class FaultInjectionTest(unittest.TestCase):
@@ -2955,9 +3212,13 @@ class FaultInjectionTest(unittest.TestCase):
     def _check_clean(self, S, before, stats_before, call, where):
         frames = getattr(getattr(sj, '_ctx', None), 'frames', [])
         self.assertEqual(list(frames), [], f'{where}: a state trace frame is still active')
-        for s, v0 in zip(S.all, before):
+        for s, v0, side0 in zip(S.all, before, self._side_before):
             self.assertIs(s._value, v0, f'{where}: {s.name} does not hold its old value object')
             self.assertEqual(_tracer_leaves(s), [], f'{where}: {s.name} holds a tracer')
+            side = _side_slots(s)
+            self.assertIs(side.pop('_backup'), side0['_backup'], f'{where}: {s.name} backup')
+            self.assertEqual(side, {k: v for k, v in side0.items() if k != '_backup'},
+                             f'{where}: a side slot of {s.name} changed')
             self.assertNotIn('Trace', repr(s), f'{where}: repr of {s.name} shows a tracer')
             self.assertIsNone(getattr(s, '_broken', None), f'{where}: {s.name} flagged as leaking')
             self.assertIs(sj.State.value.fget(s), v0,
@@ -3011,6 +3272,7 @@ class FaultInjectionTest(unittest.TestCase):
         warm = make(S)
         warm(x, tag='warm')
         before = [s._value for s in S.all]
+        self._side_before = [dict(_side_slots(s)) for s in S.all]
         _assert_close(v0_twin, before, f'{name}: warm-up')
         n = 0
         for kind in ('state', 'op'):
@@ -4794,7 +5056,7 @@ class CallingTest(unittest.TestCase):
             made.append(State(x * 2, name='local'))
             return x
         StatefulFunction(f)(1.0)
-        self.assertTrue(_tracer_in(made[0]))
+        self.assertFalse(_tracer_in(made[0]))     # only the tracer's shape and dtype stay
         with self.assertRaisesRegex(TraceContextError, r"'local'.*test_stateful_jaxpr\.py"):
             made[0].value
         self.assertIn('finished trace', repr(made[0]))
