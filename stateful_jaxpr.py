@@ -3036,67 +3036,6 @@ class _BrainstateAccessors:
             return self._view(self._lookup(args, kwargs)[1])
         return self._view_by_key(self._cache_key(args, kwargs)[0], context)
 
-    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs) -> ClosedJaxpr:
-        """The ClosedJaxpr for these arguments."""
-        return self._view_by_args(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
-
-    def get_jaxpr_by_cache(self, cache_key) -> ClosedJaxpr:
-        """The ClosedJaxpr stored under ``cache_key``."""
-        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
-
-    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
-        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees;
-        ``state_shapes`` is a tuple with one entry per state (``get_states()``
-        order), ``None`` for a state the jaxpr does not return."""
-        return self._view_by_args(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
-
-    def get_out_shapes_by_cache(self, cache_key):
-        """:meth:`get_out_shapes` for a cache key."""
-        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
-
-    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The structure of ``(out, state_part)`` (see :meth:`get_out_shapes`):
-        ``treedef.unflatten(jaxpr_outputs)`` gives ``(out, new_state_vals)``."""
-        return self._view_by_args(args, kwargs, compile_if_miss, 'Output tree').full_tree
-
-    def get_out_treedef_by_cache(self, cache_key):
-        """:meth:`get_out_treedef` for a cache key."""
-        return self._view_by_key(cache_key, 'Output tree').full_tree
-
-    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs) -> StateTraceStack:
-        """The :class:`StateTraceStack` recorded while tracing."""
-        return self._view_by_args(args, kwargs, compile_if_miss, 'State trace').trace_stack
-
-    def get_state_trace_by_cache(self, cache_key) -> StateTraceStack:
-        """:meth:`get_state_trace` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').trace_stack
-
-    def get_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
-        """Every touched State, in jaxpr-input order."""
-        return self._view_by_args(args, kwargs, compile_if_miss, 'State trace').states
-
-    def get_states_by_cache(self, cache_key) -> tuple:
-        """:meth:`get_states` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').states
-
-    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
-        """The touched States that are only read."""
-        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                          **kwargs).get_read_states())
-
-    def get_read_states_by_cache(self, cache_key) -> tuple:
-        """:meth:`get_read_states` for a cache key."""
-        return tuple(self.get_state_trace_by_cache(cache_key).get_read_states())
-
-    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs) -> tuple:
-        """The touched States that are written."""
-        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                          **kwargs).get_write_states())
-
-    def get_write_states_by_cache(self, cache_key) -> tuple:
-        """:meth:`get_write_states` for a cache key."""
-        return tuple(self.get_state_trace_by_cache(cache_key).get_write_states())
-
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
         if compile_if_miss:
@@ -3127,6 +3066,36 @@ class _BrainstateAccessors:
             except ValueError as err:
                 result[key] = str(err)
         return result
+
+
+def _accessors(name, context, pick, doc):
+    """``get_<name>`` and ``get_<name>_by_cache``: ``pick`` of an entry's view."""
+    def get(self, *args, compile_if_miss: bool = True, **kwargs):
+        return pick(self._view_by_args(args, kwargs, compile_if_miss, context))
+
+    def by_cache(self, cache_key):
+        return pick(self._view_by_key(cache_key, context))
+    get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
+    for fun, suffix in ((get, ''), (by_cache, '_by_cache')):
+        fun.__name__ = fun.__qualname__ = f'get_{name}{suffix}'
+        setattr(_BrainstateAccessors, fun.__name__, fun)
+
+
+for _spec in (
+        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr, 'The ClosedJaxpr for these arguments.'),
+        ('out_shapes', 'Output shapes', lambda v: v.out_shapes(),
+         '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
+         'has one entry per state (``get_states()`` order), ``None`` where not returned.'),
+        ('out_treedef', 'Output tree', lambda v: v.full_tree,
+         'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.'),
+        ('state_trace', 'State trace', lambda v: v.trace_stack,
+         'The :class:`StateTraceStack` recorded while tracing.'),
+        ('states', 'State trace', lambda v: v.states, 'Every touched State, in jaxpr-input order.'),
+        ('read_states', 'State trace', lambda v: tuple(v.trace_stack.get_read_states()),
+         'The touched States that are only read.'),
+        ('write_states', 'State trace', lambda v: tuple(v.trace_stack.get_write_states()),
+         'The touched States that are written.')):
+    _accessors(*_spec)
 
 
 class StatefulFunction(_BrainstateAccessors, _StatefulBase):
