@@ -4690,7 +4690,10 @@ def _fold(jaxpr, consts, in_values=None):
 
 
 def _evaluate(eqn, values):
-    """``eqn``'s outputs if it can be folded with these input values, else None."""
+    """``eqn``'s outputs if it can be folded with these input values, else None.
+    A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
+    if any(_is_typed_key(v.aval) for v in eqn.outvars):
+        return None
     if _eqn_is_call(eqn):
         return _fold_call(eqn, values)   # known only if the whole body folds
     if not _foldable(eqn, values):

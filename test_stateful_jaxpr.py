@@ -7573,6 +7573,166 @@ class ExportTest(unittest.TestCase):
         self.assertIn('pip install flatbuffers', proc.stdout)
 
 
+@unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
+class ExportRobustnessTest(unittest.TestCase):
+
+    def _counter(self):
+        acc = State(jnp.arange(3.0), name='acc')
+        rng = RandomState(jax.random.key(3), name='rng')
+
+        def count(x, k):
+            acc.value = acc.value * 2 + x
+            return acc.value.sum() + jax.random.uniform(k), jax.random.split(rng.split_key())
+
+        return count, acc, rng
+
+    def _assert_same(self, got, want):
+        (out, keys), new = got
+        np.testing.assert_array_equal(out, want[0])
+        self.assertTrue(_is_key(keys))
+        np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(want[1]))
+        np.testing.assert_array_equal(new['acc'], want[2])
+        self.assertTrue(_is_key(new['rng']))
+        np.testing.assert_array_equal(jax.random.key_data(new['rng']), want[3])
+
+    def test_damaged_bytes_are_value_errors(self):
+        count, acc, rng = self._counter()
+        x, k = jnp.ones(3), jax.random.key(7)
+        states = {'acc': acc.value, 'rng': rng.value}
+        blob = sj.export(count, x, k).serialize()
+        want = (*StatefulFunction(count)(x, k), acc.value, _host(rng.value))
+        self._assert_same(sj.deserialize(blob)(x, k, states=states), want)
+        r = random.Random(0)
+        cut = sorted(set(range(0, 200)) | set(r.sample(range(len(blob)), 600)))
+        damaged = [blob[:n] for n in cut]
+        for pos in [r.randrange(len(blob)) for _ in range(600)] + list(range(60)):
+            flipped = bytearray(blob)
+            flipped[pos] ^= r.randrange(1, 256)
+            damaged.append(bytes(flipped))
+        damaged += [b'', b'\0' * 100, bytes(r.randrange(256) for _ in range(5000)),
+                    blob + b'\0', blob[:40] + blob]
+        self.assertGreaterEqual(len(damaged), 1000)
+        loaded = 0
+        for data in damaged:
+            try:
+                fn = sj.deserialize(data)
+            except ValueError as err:
+                self.assertTrue(str(err).startswith('deserialize: '), err)
+                continue
+            loaded += 1
+            self._assert_same(fn(x, k, states=states), want)
+        self.assertEqual(loaded, 0)
+
+    def test_bytes_with_a_valid_checksum_and_bad_content(self):
+        # only a writer other than Exported.serialize() makes these: the checksum
+        # passes, and what fails to parse is still a ValueError
+        import hashlib
+        count, acc, rng = self._counter()
+        blob = sj.export(count, jnp.ones(3), jax.random.key(7)).serialize()
+        head = len(sj._EXPORT_MAGIC) + 32
+        size, body = int.from_bytes(blob[head:head + 8], 'little'), blob[head:]
+        r = random.Random(1)
+        bodies = [body[:n] for n in range(0, size + 8, 5)] + [
+            body[:8] + b'[1]' + body[11:], b'\xff' * 8 + body[8:], body[:8 + size] + b'\0']
+        for pos in r.sample(range(8 + size), min(200, 8 + size)):
+            flipped = bytearray(body)
+            flipped[pos] ^= r.randrange(1, 256)
+            bodies.append(bytes(flipped))
+        refused = 0
+        for body in bodies:
+            try:
+                self.assertIsInstance(sj.deserialize(
+                    sj._EXPORT_MAGIC + hashlib.sha256(body).digest() + body), sj.Exported)
+            except ValueError as err:
+                self.assertTrue(str(err).startswith('deserialize: these bytes are not'), err)
+                refused += 1
+        self.assertGreater(refused, len(bodies) // 2)
+
+    def test_wrong_kinds_of_input(self):
+        with self.assertRaisesRegex(TypeError, 'deserialize takes the bytes .* got str'):
+            sj.deserialize('stateful_jaxpr.export')
+        with self.assertRaisesRegex(TypeError, 'got int'):
+            sj.deserialize(5)
+        for data in (b'', b'junk', sj._EXPORT_MAGIC, sj._EXPORT_MAGIC + b'\0' * 40):
+            with self.assertRaisesRegex(ValueError, '^deserialize: these bytes'):
+                sj.deserialize(data)
+
+    def test_typed_keys_cross_the_boundary(self):
+        # a RandomState holding a typed key, a key argument and key results
+        for impl in ('threefry2x32', 'rbg'):
+            with self.subTest(impl=impl):
+                rng = RandomState(jax.random.key(3, impl=impl), name='rng')
+                acc = State(jnp.arange(3.0), name='acc')
+
+                def count(x, k):
+                    acc.value = acc.value * 2 + x
+                    return (acc.value.sum() + jax.random.uniform(k),
+                            jax.random.split(rng.split_key()))
+
+                x, k = jnp.ones(3), jax.random.key(7, impl=impl)
+                before = rng.value
+                ex = sj.export(count, x, k)
+                self.assertTrue(_is_key(rng.value))
+                np.testing.assert_array_equal(_host(rng.value), _host(before))
+                loaded = sj.deserialize(ex.serialize())
+                got = loaded(x, k, states={'acc': acc.value, 'rng': before})
+                want = (*StatefulFunction(count)(x, k), acc.value, _host(rng.value))
+                self._assert_same(got, want)
+                self.assertEqual(got[0][1].dtype, k.dtype)
+                self.assertEqual(got[1]['rng'].dtype, before.dtype)
+                # the key data is accepted too, as a raw key would be
+                again = loaded(x, k, states={'acc': want[2] / 2 - 0.5,
+                                             'rng': jax.random.key_data(before)})
+                self._assert_same(again, want)
+
+    def test_platforms_takes_one_name(self):
+        w = State(jnp.ones(2), name='w')
+        ex = sj.export(lambda x: x * w.value, jnp.ones(2), platforms='cpu')
+        self.assertEqual(ex.exported.platforms, ('cpu',))
+        self.assertEqual(sj.export(lambda x: x * w.value, jnp.ones(2),
+                                   platforms=('cpu', 'cuda')).exported.platforms, ('cpu', 'cuda'))
+        for bad in (5, ['cpu', 3], b'cpu', {'cpu': 1}.keys()):
+            with self.subTest(platforms=bad):
+                with self.assertRaises(TypeError) as cm:
+                    sj.export(lambda x: x * w.value, jnp.ones(2), platforms=bad)
+                self.assertIn('platforms=', str(cm.exception))
+                self.assertIn(repr(bad), str(cm.exception))
+                np.testing.assert_array_equal(w.value, np.ones(2))
+
+    def test_jax_export_errors_name_the_function(self):
+        w = State(jnp.ones(2), name='w')
+
+        def scaled(x):
+            return x * w.value
+
+        elsewhere = sj.deserialize(sj.export(scaled, jnp.ones(2), platforms='tpu').serialize())
+        with self.assertRaisesRegex(ValueError, r"^exported 'scaled': .*'scaled'.*tpu") as cm:
+            elsewhere(jnp.ones(2), states={'w': w.value})
+        self.assertNotIn('pure', str(cm.exception))
+        self.assertIsInstance(cm.exception.__cause__, ValueError)
+        loaded = sj.deserialize(sj.export(scaled, jnp.ones(2)).serialize())
+        with self.assertRaisesRegex(ValueError, r"^exported 'scaled': .*pytree structure"
+                                                r".*'scaled'") as cm:
+            loaded(jnp.ones(2), jnp.ones(2), states={'w': w.value})
+        self.assertNotIn('pure', str(cm.exception))
+        from jax.sharding import NamedSharding, PartitionSpec
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('d',))
+        s = State(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec('d'))),
+                  name='s')
+        spread = sj.export(lambda x: (s.value * x).sum(), 2.0)
+        with self.assertRaisesRegex(ValueError, r"^exported '<lambda>': .*8 devices") as cm:
+            spread(2.0, states={'s': jnp.ones((8, 2))})
+        self.assertNotIn('pure', str(cm.exception))
+
+        def calls_back(x):
+            return jax.pure_callback(lambda v: np.asarray(v) * 2,
+                                     jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+        with self.assertRaisesRegex(NotImplementedError,
+                                    r"^export of StatefulFunction\('calls_back'\): "):
+            sj.export(calls_back, jnp.ones(2))
+
+
 # =============================================================================
 # 11. Jaxpr passes: constant folding
 # =============================================================================
@@ -8030,6 +8190,58 @@ class FoldGeneratedTest(unittest.TestCase):
         self.assertGreaterEqual(n_checked, 50)
         self.assertGreaterEqual(n_foldable, 25)      # the generator is not degenerate
         self.assertLess(n_foldable, n_checked)      # ... and some programs have nothing to fold
+
+
+class FoldTypedKeyTest(unittest.TestCase):
+
+    def _programs(self):
+        keys = jax.random.split(jax.random.key(1), 4)
+        table = jnp.arange(3.0)
+
+        def indexed(x):        # keys picked out of a constant key array
+            return (x + jax.random.uniform(keys[2], (3,))
+                    + jax.random.normal(jnp.stack([keys[0], keys[1]])[1], (3,)))
+
+        def through_jit(x):    # a jit that returns a constant key as it is
+            k = jax.jit(lambda k: k)(keys[3])
+            return x * jnp.exp(table).sum() + jax.random.uniform(k, (3,))
+
+        def key_and_data(x):   # keys and their data as outputs, beside foldable work
+            return keys[1:3], jax.random.key_data(keys[0]), x + jnp.sin(table) * 2
+
+        return {'indexed': indexed, 'through_jit': through_jit, 'key_and_data': key_and_data}
+
+    def test_folds_around_typed_key_constants(self):
+        x = jnp.ones(3)
+        for name, program in self._programs().items():
+            with self.subTest(program=name):
+                cj = jax.make_jaxpr(program)(x)
+                self.assertTrue(any(_is_key(c) for c in cj.consts))
+                folded, bare = sj.constant_fold_jaxpr(cj), sj.constant_fold_jaxpr(cj.jaxpr)
+                self.assertLessEqual(_count_eqns(folded), _count_eqns(cj))
+                expected = _eval_closed(cj, x)
+                for got in (_eval_closed(folded, x), _eval_closed(_reclose(bare, cj.consts), x)):
+                    self.assertEqual(len(got), len(expected))
+                    for e, g in zip(expected, got):
+                        self.assertEqual(e.dtype, g.dtype)
+                        np.testing.assert_allclose(_host(g), _host(e), rtol=4e-7)
+                self.assertFalse([v for e in _jaxpr_of(folded).eqns for v in e.invars
+                                  if isinstance(v, jax.extend.core.Literal)
+                                  and _is_key(v.val)])
+        # the foldable work beside the keys is still folded
+        cj = jax.make_jaxpr(self._programs()['key_and_data'])(x)
+        self.assertNotIn('sin', _prims(sj.constant_fold_jaxpr(cj)))
+
+    def test_a_stateful_function_with_a_typed_key(self):
+        rng = RandomState(jax.random.key(5), name='rng')
+        keys = jax.random.split(jax.random.key(2), 3)
+        sf = StatefulFunction(lambda x: x + jax.random.normal(
+            jax.random.fold_in(keys[1], 3), (2,)) + jax.random.normal(rng.split_key(), (2,)))
+        cj = sf.get_jaxpr(jnp.ones(2))
+        folded = sj.constant_fold_jaxpr(cj)
+        args = [jnp.ones(2), rng.value]
+        for e, g in zip(_eval_closed(cj, *args), _eval_closed(folded, *args)):
+            np.testing.assert_array_equal(_host(g), _host(e))
 
 
 # =============================================================================
