@@ -4645,13 +4645,11 @@ def _numel(aval) -> int:
     return int(math.prod(getattr(aval, 'shape', ()) or ()))
 
 
-def _foldable(eqn, values) -> bool:
+def _foldable(eqn) -> bool:
     name = eqn.primitive.name
-    if not eqn.invars or eqn.effects or name in _NO_FOLD_PRIMITIVES:
+    if not eqn.invars or name in _NO_FOLD_PRIMITIVES or _nested_jaxprs(eqn.params):
         return False
-    if any(part in name for part in _NO_FOLD_PARTS) or _nested_jaxprs(eqn.params):
-        return False
-    if any(v is _MISSING or isinstance(v, Tracer) for v in values):
+    if any(part in name for part in _NO_FOLD_PARTS):
         return False
     out_size = sum(_numel(v.aval) for v in eqn.outvars)
     in_size = sum(_numel(v.aval) for v in eqn.invars)
@@ -4659,14 +4657,9 @@ def _foldable(eqn, values) -> bool:
 
 
 def _fold(jaxpr, consts, in_values=None):
-    """Folds ``jaxpr``.
-
-    Returns ``(new_jaxpr, out_values)``: ``new_jaxpr`` is closed over the new
-    consts unless ``consts`` is ``None`` (a bare Jaxpr), and ``out_values[i]``
-    is the known value of output ``i`` (or ``_MISSING``).  ``in_values`` gives
-    known values for the inputs, used to evaluate a call whose arguments are
-    all known.
-    """
+    """``(folded jaxpr, the known value of each output or _MISSING)``; the
+    jaxpr is closed over new consts unless ``consts`` is None (a bare Jaxpr).
+    ``in_values``: the inputs' values, for a call whose arguments are known."""
     known = {}        # Var -> value known at fold time
     if in_values is not None:
         known.update(zip(jaxpr.invars, in_values))
@@ -4684,7 +4677,7 @@ def _fold(jaxpr, consts, in_values=None):
         if outs is not None:
             known.update(zip(eqn.outvars, outs))
         else:
-            eqns.append(_fold_call_body(eqn) if _eqn_is_call(eqn) else eqn)
+            eqns.append(_fold_call_body(eqn))
     out_values = [value_of(v) for v in jaxpr.outvars]
     return _inline_known(jaxpr, consts, eqns, known), out_values
 
@@ -4692,21 +4685,18 @@ def _fold(jaxpr, consts, in_values=None):
 def _evaluate(eqn, values):
     """``eqn``'s outputs if it can be folded with these input values, else None.
     A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
-    if any(_is_typed_key(v.aval) for v in eqn.outvars):
+    if (eqn.effects or any(v is _MISSING or isinstance(v, Tracer) for v in values)
+            or any(_is_typed_key(v.aval) for v in eqn.outvars)):
         return None
-    if _eqn_is_call(eqn):
+    if eqn.primitive.name in _CALL_PRIMITIVES:
         return _fold_call(eqn, values)   # known only if the whole body folds
-    if not _foldable(eqn, values):
+    if not _foldable(eqn):
         return None
     try:
         outs = eqn.primitive.bind(*values, **eqn.params)
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return None
     return outs if eqn.primitive.multiple_results else [outs]
-
-
-def _eqn_is_call(eqn) -> bool:
-    return eqn.primitive.name in _CALL_PRIMITIVES
 
 
 def _inline_known(jaxpr, consts, eqns, known):
@@ -4752,21 +4742,17 @@ def _call_body(eqn):
 
 def _fold_call(eqn, values):
     """The outputs of a call whose inputs are known, if its body folds completely."""
-    name, body = _call_body(eqn)
-    if body is None or eqn.effects or any(v is _MISSING or isinstance(v, Tracer)
-                                          for v in values):
+    body = _call_body(eqn)[1]
+    if body is None:
         return None
-    if isinstance(body, ClosedJaxpr):
-        _, outs = _fold(body.jaxpr, list(body.consts), values)
-    else:
-        _, outs = _fold(body, None, values)
-    if any(v is _MISSING for v in outs):
-        return None
-    return outs
+    closed = isinstance(body, ClosedJaxpr)
+    _, outs = _fold(body.jaxpr if closed else body, list(body.consts) if closed else None,
+                    values)
+    return None if any(v is _MISSING for v in outs) else outs
 
 
 def _fold_call_body(eqn):
-    name, body = _call_body(eqn)
+    name, body = _call_body(eqn) if eqn.primitive.name in _CALL_PRIMITIVES else (None, None)
     if body is None:
         return eqn
     return eqn.replace(params={**eqn.params, name: constant_fold_jaxpr(body)})
