@@ -4395,14 +4395,13 @@ _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's f
 
 
 def _jax_export():
-    """``jax.export``, or an ImportError naming the package it needs that ``pip
-    install jax`` does not install: flatbuffers (and absl-py on 0.4.x)."""
+    """``jax.export``, or an ImportError naming what it needs that ``pip install
+    jax`` does not install: flatbuffers (and absl-py up to 0.5)."""
     try:
         from jax import export as module          # 0.4.30 ..
         missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
     except ImportError as err:
-        missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(
-            (err.name or '').split('.')[0])
+        missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(str(err.name).split('.')[0])
         if missing is None:
             raise
     if missing:
@@ -4463,10 +4462,10 @@ class Exported:
             raise TypeError(f'{name}: states= must be a dict {{state name: value}}, got '
                             f'{type(states).__name__}')
         states, needed = states or {}, [n for n, role in roles.items() if role != 'written']
-        missing, unknown = [n for n in needed if n not in states], set(states) - set(roles)
-        if missing or unknown:
-            problems = [f'lacks {missing}'] * bool(missing) + [
-                f'has names it does not know: {sorted(unknown)}'] * bool(unknown)
+        problems = [f'{what} {names}' for what, names in (
+            ('lacks', [n for n in needed if n not in states]),
+            ('has names it does not know:', [n for n in states if n not in roles])) if names]
+        if problems:
             listing = ', '.join(f'{n!r} ({role})' for n, role in roles.items()) or 'none'
             raise ValueError(f'{name}: states= {" and ".join(problems)}; its states are: '
                              f'{listing}.  Pass states={{name: value}} for every state it reads')
@@ -4485,18 +4484,18 @@ class Exported:
 
 def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
     """Exports ``fun(*args, **kwargs)`` with ``jax.export``, its States becoming
-    named inputs and outputs; returns an :class:`Exported`.  No State changes.
+    named inputs and outputs; no State changes.  The :class:`Exported` it
+    returns is called as ``ex(*args, states={name: value}, **kwargs)`` (the
+    dynamic arguments; every state read) for ``(outputs, {written state:
+    new value})``.
 
-    ``fun``: a :class:`StatefulFunction`, :class:`StatefulMapping` or plain
-    function; the arguments fix the shapes (static ones the values); each
-    State it touches needs a unique name.  ``platforms``: a name or names
-    (``'cpu'``, ``['cpu', 'cuda']``; default: the current backend).  The
-    result ``ex(*args, states={name: value}, **kwargs)`` (dynamic arguments;
-    every state read) returns ``(outputs, {written state: new value})``.
-    jax.export's errors (e.g. another shape, naming a state as
-    ``kwargs['states']['name']``) come led by the function's name.  Needs
-    ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x), which ``pip install jax``
-    does not install.
+    ``fun``: a StatefulFunction, StatefulMapping or plain function; the
+    arguments fix the shapes (static ones the values); each State it touches
+    needs a unique name.  ``platforms``: a name or names (default: the
+    current backend).  jax.export's errors (e.g. another shape, a state
+    named ``kwargs['states']['name']``) come led by the function's name.
+    Needs ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x), which ``pip
+    install jax`` does not install.
 
     Example
     -------
