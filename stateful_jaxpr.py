@@ -407,7 +407,7 @@ def _collective_axes(eqn):
     return eqn.params.get('axes', eqn.params.get('axis_name', ()))
 
 
-def _key_impl_name(key) -> str:   # a name from 0.5; a PRNGSpec over a PRNGImpl before
+def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
     spec = jax.random.key_impl(key)
     return spec if isinstance(spec, str) else spec._impl.name
 
