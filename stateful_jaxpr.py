@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -340,6 +341,11 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
         if (len(ins), len(outs)) == (n_in, n_out):
             return ins, outs
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
+
+
+def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
+    spec = jax.random.key_impl(key)
+    return spec if isinstance(spec, str) else spec._impl.name
 
 
 # =============================================================================
@@ -3944,58 +3950,116 @@ def _note_miss(sf, key, stale, entry) -> None:
 
 
 # -- Export --------------------------------------------------------------------
+#
+# ``jax.export`` checks what it exported for (argument structure, shapes,
+# dtypes, platforms, devices); the container adds the manifest naming the
+# states and a checksum, so that damaged bytes are refused before any parsing.
 
-_EXPORT_MAGIC = b'stateful_jaxpr.export\n'
-_EXPORT_FORMAT = 1
-
-
-# ``jax.export`` (public on 0.4.30 .. 0.12) serialises with the ``flatbuffers``
-# package and, on 0.4.x, imports ``absl`` when loaded; ``pip install jax``
-# installs neither.  It is therefore imported on first use, and a missing
-# package is named (the rest of the module needs neither).
-_EXPORT_PACKAGES = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}
+_EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
 
 def _jax_export():
-    """The ``jax.export`` module, or an ImportError naming the package to install."""
-    missing = None
+    """``jax.export``, or an ImportError naming what it needs that ``pip install
+    jax`` does not install: flatbuffers (and absl-py up to 0.5)."""
     try:
         from jax import export as module          # 0.4.30 ..
+        missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
     except ImportError as err:
-        missing = _EXPORT_PACKAGES.get((err.name or '').split('.')[0])
+        missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(str(err.name).split('.')[0])
         if missing is None:
             raise
-    if missing is None and importlib.util.find_spec('flatbuffers') is None:
-        missing = 'flatbuffers'
-    if missing is not None:
-        raise ImportError(
-            f'exporting needs the {missing!r} package, which jax.export uses on JAX '
-            f'{jax.__version__} and `pip install jax` does not install: pip install {missing}')
+    if missing:
+        raise ImportError(f'exporting needs the {missing!r} package, which jax.export uses '
+                          f'on JAX {jax.__version__}: pip install {missing}')
     return module
 
 
+def _key_data(tree, impls=None):
+    """``tree`` with its typed PRNG keys as key data, which jax.export takes on
+    every release (up to 0.5 it cannot export keys); given ``impls`` (pairs
+    ``[leaf index, PRNG implementation]`` from ``_key_impls``), the reverse."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if impls is None:
+        leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
+    for i, impl in impls or ():
+        leaves[i] = jax.random.wrap_key_data(leaves[i], impl=impl)
+    return treedef.unflatten(leaves)
+
+
+def _key_impls(tree) -> list:
+    return [[i, _key_impl_name(x)] for i, x in enumerate(_leaves(tree)) if _is_typed_key(x)]
+
+
+def _named(err, name: str):   # an error of jax.export, led by ``name``
+    kind = next(k for k in (TypeError, NotImplementedError, ValueError) if isinstance(err, k))
+    return kind(f'{name}: {err}')
+
+
 class Exported:
-    """A stateful function exported for given argument shapes, with a manifest
-    naming its states: what :func:`export` returns and :func:`deserialize`
-    loads (in a process that needs ``jax`` and this module only).
+    """What :func:`export` returns and :func:`deserialize` loads; calling it is
+    described there.  ``manifest``: JSON with the ``function``,
+    ``jax_version``, ``static_arguments`` and per State its ``name``,
+    ``type``, ``role`` (``'read'``, ``'written'`` or ``'read and written'``)
+    and ``created_at``.  ``exported``: the ``jax.export.Exported``.
 
-    Calling it as ``exported(*args, states={name: value, ...}, **kwargs)``
-    (the dynamic arguments only: static ones were fixed at export) returns
-    ``(outputs, new_states)``, where ``new_states`` maps each written state's
-    name to its new value.  ``states`` must give every state the function
-    reads (a written-only state may be given, and is ignored).
+    Example
+    -------
+    >>> export(lambda x: x * 2, 1.0)(3.0)[0].item()
+    6.0
+    """
 
-    Attributes
-    ----------
-    manifest : dict
-        JSON-ready description: ``function``, ``jax_version``, ``platforms``,
-        ``static_arguments``, ``arguments`` and ``results`` (path and aval per
-        leaf), and ``states``: per State its ``name``, ``type``, ``role``
-        (``'read'``, ``'written'`` or ``'read and written'``), ``created_at``
-        and ``leaves`` (path, ``shape``, ``dtype``, and ``sharding`` where the
-        state is sharded over several devices).
-    exported : jax.export.Exported
-        The underlying JAX export.
+    def __init__(self, exported, manifest: dict):
+        self.exported, self.manifest = exported, manifest
+
+    def serialize(self, vjp_order: int = 0) -> bytes:
+        """Bytes for :func:`deserialize`; ``vjp_order=n`` also stores ``n``
+        orders of derivatives (``jax.export``'s own argument)."""
+        header = json.dumps(self.manifest, sort_keys=True).encode()
+        body = (len(header).to_bytes(8, 'little') + header
+                + bytes(self.exported.serialize(vjp_order=vjp_order)))
+        return _EXPORT_MAGIC + hashlib.sha256(body).digest() + body
+
+    def __call__(self, *args, states=None, **kwargs):
+        name = f"exported {self.manifest['function']!r}"
+        roles = {s['name']: s['role'] for s in self.manifest['states']}
+        if not isinstance(states, (dict, type(None))):
+            raise TypeError(f'{name}: states= must be a dict {{state name: value}}, got '
+                            f'{type(states).__name__}')
+        states, needed = states or {}, [n for n, role in roles.items() if role != 'written']
+        problems = [f'{what} {names}' for what, names in (
+            ('lacks', [n for n in needed if n not in states]),
+            ('has names it does not know:', [n for n in states if n not in roles])) if names]
+        if problems:
+            listing = ', '.join(f'{n!r} ({role})' for n, role in roles.items()) or 'none'
+            raise ValueError(f'{name}: states= {" and ".join(problems)}; its states are: '
+                             f'{listing}.  Pass states={{name: value}} for every state it reads')
+        try:
+            result = self.exported.call(*_key_data(args), **_key_data(kwargs),
+                                        states=_key_data({n: states[n] for n in needed}))
+        except (TypeError, ValueError, NotImplementedError) as err:
+            raise _named(err, name) from err
+        return _key_data(result, self.manifest['result_keys'])
+
+    def __repr__(self):
+        roles = ', '.join(f"{s['name']!r} {s['role']}" for s in self.manifest['states'])
+        return (f"Exported({self.manifest['function']!r}, platforms="
+                f"{tuple(self.exported.platforms)}, states: {roles or 'none'})")
+
+
+def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
+    """Exports ``fun(*args, **kwargs)`` with ``jax.export``, its States becoming
+    named inputs and outputs; no State changes.  The :class:`Exported` it
+    returns is called as ``ex(*args, states={name: value}, **kwargs)`` (the
+    dynamic arguments; every state read) for ``(outputs, {written state:
+    new value})``.
+
+    ``fun``: a StatefulFunction, StatefulMapping or plain function; the
+    arguments fix the shapes (static ones the values); each State it touches
+    needs a unique name.  ``platforms``: a name or names (default: the
+    current backend).  jax.export's errors (e.g. another shape, a state
+    named ``kwargs['states']['name']``) come led by the function's name.
+    Needs ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x), which ``pip
+    install jax`` does not install.
 
     Example
     -------
@@ -4003,183 +4067,91 @@ class Exported:
     >>> def add(x):
     ...     acc.value = acc.value + x
     ...     return acc.value.sum()
-    >>> ex = export(StatefulFunction(add), jnp.ones(3))
-    >>> loaded = deserialize(ex.serialize())
-    >>> out, new = loaded(jnp.ones(3), states={'acc': jnp.ones(3)})
+    >>> ex = export(add, jnp.ones(3), platforms='cpu')
+    >>> out, new = ex(jnp.ones(3), states={'acc': jnp.ones(3)})
     >>> float(out), new['acc'].tolist()
     (6.0, [2.0, 2.0, 2.0])
     """
-
-    def __init__(self, exported, manifest: dict):
-        self.exported = exported
-        self.manifest = manifest
-
-    def serialize(self, vjp_order: int = 0) -> bytes:
-        """Bytes for :func:`deserialize`; ``vjp_order=n`` also stores ``n``
-        orders of derivatives, so the loaded function can be differentiated
-        (``jax.export``'s own argument)."""
-        header = json.dumps(self.manifest, sort_keys=True).encode()
-        return (_EXPORT_MAGIC + len(header).to_bytes(8, 'little') + header
-                + bytes(self.exported.serialize(vjp_order=vjp_order)))
-
-    def __call__(self, *args, states=None, **kwargs):
-        name = f"exported {self.manifest['function']!r}"
-        specs = {s['name']: s for s in self.manifest['states']}
-        states = {} if states is None else states
-        if not isinstance(states, dict):
-            raise TypeError(f'{name}: states= must be a dict {{state name: value}}, got '
-                            f'{type(states).__name__}')
-        needed = [n for n, s in specs.items() if s['role'] != 'written']
-        missing = [n for n in needed if n not in states]
-        unknown = [n for n in states if n not in specs]
-        if missing or unknown:
-            problems = ([f'lacks {missing}'] if missing else []) + (
-                [f'has names it does not know: {unknown}'] if unknown else [])
-            listing = ', '.join(f"{n!r} ({s['role']})" for n, s in specs.items()) or 'none'
-            raise ValueError(f'{name}: states= {" and ".join(problems)}; its states are: '
-                             f'{listing}.  Pass states={{name: value}} for every state it reads')
-        _check_leaves(name, 'the arguments', '', _leaves((args, kwargs)),
-                      self.manifest['arguments'])
-        for n, value in states.items():
-            _check_leaves(name, f'state {n!r}', f'state {n!r}', _leaves(value), specs[n]['leaves'])
-        values = {n: states[n] for n in needed}
-        return self.exported.call(args, kwargs, values)
-
-    def __repr__(self):
-        roles = ', '.join(f"{s['name']!r} {s['role']}" for s in self.manifest['states'])
-        return (f"Exported({self.manifest['function']!r}, platforms="
-                f"{tuple(self.manifest['platforms'])}, states: {roles or 'none'})")
-
-
-def _leaf_specs(labels, values) -> list:
-    """Manifest rows ``{path, shape, dtype[, sharding]}`` for array leaves."""
-    rows = []
-    for label, value in zip(labels, values):
-        shape, dtype, _ = _leaf_sig(value)
-        row = {'path': label, 'shape': list(shape), 'dtype': str(dtype)}
-        if _multi_device(value) is not None:
-            row['sharding'] = str(value.sharding)
-        rows.append(row)
-    return rows
-
-
-def _check_leaves(name: str, what: str, prefix: str, leaves, specs) -> None:
-    """Clear errors for leaves (of ``what``) that do not match the manifest's
-    ``specs``; a leaf is named ``prefix`` + its manifest path."""
-    if len(leaves) != len(specs):
-        expected = ', '.join(f"{prefix}{s['path']}" for s in specs) or 'none'
-        raise ValueError(f'{name}: {what} have {len(leaves)} array leaves, but it was exported '
-                         f'for {len(specs)} ({expected})')
-    for leaf, spec in zip(leaves, specs):
-        try:
-            got = _sig_text(*_leaf_sig(leaf)[:2])
-        except TypeError:
-            got = f'a {type(leaf).__name__}'
-        if got != _sig_text(spec['shape'], spec['dtype']):
-            raise ValueError(
-                f"{name}: {prefix}{spec['path']} is {got}, but it was exported for "
-                f"{_sig_text(spec['shape'], spec['dtype'])}; pass a value of that shape and dtype")
-
-
-def _export_names(sf, states) -> list:
-    """The states' names, which must exist and be unique (they key ``states=``)."""
-    names = [s._name for s in states]
-    bad = [s for s in states if not s._name or names.count(s._name) > 1]
-    if bad:
-        listing = '\n'.join(f'  - {s._describe()}' + ('' if s._name else ' (no name)')
-                            for s in bad)
-        raise ValueError(
-            f'export: the exported function takes and returns its states by name, but these '
-            f'States of {_who(sf)} have no name or share one:\n{listing}\n'
-            "Give each a unique name (State(..., name='w') or state.name = 'w')")
-    return names
-
-
-def export(fun, *args, platforms: Sequence[str] | None = None, **kwargs) -> Exported:
-    """Exports ``fun(*args, **kwargs)`` with ``jax.export``, its States becoming
-    named inputs and outputs; returns an :class:`Exported`.
-
-    ``fun`` is a :class:`StatefulFunction`, a :class:`StatefulMapping` or a
-    plain function (wrapped in a StatefulFunction).  The arguments fix the
-    shapes (static arguments are fixed by value); every State the function
-    touches needs a unique name.  ``platforms`` is ``jax.export``'s (e.g.
-    ``['cpu', 'cuda']``; default: the current backend).  No State changes.
-    Serialising needs the ``flatbuffers`` package (and ``absl-py`` on JAX
-    0.4.x), which ``pip install jax`` does not install: an ImportError names
-    the missing one.
-
-    Example
-    -------
-    >>> w = State(jnp.full(2, 3.0), name='w')
-    >>> ex = export(lambda x: (x * w.value).sum(), jnp.ones(2))
-    >>> ex.manifest['states'][0]['name'], ex.manifest['states'][0]['role']
-    ('w', 'read')
-    """
+    platforms = (platforms,) if isinstance(platforms, str) else platforms
+    if not (platforms is None or isinstance(platforms, Sequence)
+            and all(isinstance(p, str) for p in platforms)):
+        raise TypeError("export: platforms= takes a platform name or a sequence of names "
+                        f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
     module = _jax_export()
     sf = fun if isinstance(fun, _StatefulBase) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
     traced = sf._view(sf._entry_for(key, leaves, split, count=True))
-    names, roles = _export_names(sf, traced.states), _state_roles(traced)
+    names, roles = [s._name for s in traced.states], _state_roles(traced)
+    bad = [s for s in traced.states if not s._name or names.count(s._name) > 1]
+    if bad:
+        raise ValueError(
+            f'export: the exported function takes and returns its states by name, but these '
+            f'States of {_who(sf)} have no name or share one:\n' + '\n'.join(
+                f'  - {s._describe()}' + ('' if s._name else ' (no name)') for s in bad)
+            + "\nGive each a unique name (State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
-    rebuild = _rebuilder(split)
-    read = [role != 'written' for role in roles]
+    rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
+    inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
+    in_keys, out_keys = _key_impls((dyn_args, dyn_kwargs, inputs)), []
 
-    def pure(dyn_args, dyn_kwargs, state_values):
-        values = [state_values[n] if r else jax.tree_util.tree_unflatten(
+    def pure(*dyn_args, states, **dyn_kwargs):
+        dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
+        values = [states[n] if r else jax.tree_util.tree_unflatten(
                       sig[0], [jnp.zeros(shape, dtype) for shape, dtype in sig[1]])
                   for n, r, sig in zip(names, read, traced.state_sigs)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
-        return out, {n: v for n, v, role in zip(names, new, roles) if role != 'read'}
+        result = out, {n: v for n, v, role in zip(names, new, roles) if role != 'read'}
+        out_keys[:] = _key_impls(result)
+        return _key_data(result)
 
-    inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
-    exported = module.export(jax.jit(pure), platforms=platforms)(dyn_args, dyn_kwargs, inputs)
-    out_paths = [f'result{jax.tree_util.keystr(p)}' for p in _leaf_paths(traced.out_tree)]
-    manifest = {
-        'format': _EXPORT_FORMAT, 'function': sf.name, 'jax_version': jax.__version__,
-        'platforms': list(exported.platforms),
-        'static_arguments': {label: repr(v) for label, v in
-                             [(f'argument {i}', v) for i, v in static_args]
-                             + [(f'keyword {k!r}', v) for k, v in static_kwargs.items()]},
-        'arguments': _leaf_specs(_arg_labels(key), leaves),
-        'results': [{'path': p, 'shape': list(a.shape), 'dtype': str(a.dtype)}
-                    for p, a in zip(out_paths, traced.out_avals)],
+    pure.__name__ = pure.__qualname__ = sf.name   # how jax.export's own errors name it
+    try:
+        exported = module.export(jax.jit(pure), platforms=platforms)(
+            *_key_data(dyn_args), **_key_data(dyn_kwargs), states=_key_data(inputs))
+    except (TypeError, ValueError, NotImplementedError) as err:
+        raise _named(err, f'export of {_who(sf)}') from err
+    statics = [(f'argument {i}', v) for i, v in static_args] + [
+        (f'keyword {k!r}', v) for k, v in static_kwargs.items()]
+    return Exported(exported, {
+        'function': sf.name, 'jax_version': jax.__version__, 'result_keys': out_keys,
+        'static_arguments': {label: repr(v) for label, v in statics},
         'states': [{'name': n, 'type': type(s).__name__, 'role': role,
-                    'created_at': _format_site(s._source),
-                    'leaves': _leaf_specs([jax.tree_util.keystr(p) for p in _leaf_paths(sig[0])],
-                                          _leaves(s._value))}
-                   for n, s, role, sig in zip(names, traced.states, roles, traced.state_sigs)],
-    }
-    return Exported(exported, manifest)
+                    'created_at': _format_site(s._source)}
+                   for n, s, role in zip(names, traced.states, roles)]})
 
 
 def deserialize(data) -> Exported:
-    """Loads bytes from :meth:`Exported.serialize` (no user code needed).
+    """Loads bytes from :meth:`Exported.serialize` (no user code needed); bytes
+    that are damaged, cut short or of another kind are a ValueError.
 
     Example
     -------
     >>> n = State(jnp.zeros(()), name='n')
-    >>> def count(x):
-    ...     n.value = n.value + 1
-    ...     return x * n.value
-    >>> loaded = deserialize(export(count, 2.0).serialize())
-    >>> out, new = loaded(2.0, states={'n': jnp.float32(4.0)})
-    >>> float(out), float(new['n'])
-    (10.0, 5.0)
+    >>> loaded = deserialize(export(lambda x: x * n.value, 2.0).serialize())
+    >>> float(loaded(2.0, states={'n': jnp.float32(4.0)})[0])
+    8.0
     """
-    data = bytes(data)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError('deserialize takes the bytes Exported.serialize() returned, got '
+                        f'{type(data).__name__}')
+    data, start = bytes(data), len(_EXPORT_MAGIC) + 32
     if not data.startswith(_EXPORT_MAGIC):
-        raise ValueError('deserialize: these bytes were not made by stateful_jaxpr\'s '
-                         'Exported.serialize() (bytes from jax.export load with '
-                         'jax.export.deserialize)')
-    start = len(_EXPORT_MAGIC) + 8
-    end = start + int.from_bytes(data[len(_EXPORT_MAGIC):start], 'little')
-    manifest = json.loads(data[start:end])
-    if manifest.get('format') != _EXPORT_FORMAT:
-        raise ValueError(f"deserialize: export format {manifest.get('format')!r}, but this "
-                         f'stateful_jaxpr reads format {_EXPORT_FORMAT}; load it with the '
-                         'stateful_jaxpr that wrote it')
-    return Exported(_jax_export().deserialize(bytearray(data[end:])), manifest)
+        raise ValueError("deserialize: these bytes were not made by stateful_jaxpr's "
+                         'Exported.serialize() of this release, or were cut short (bytes '
+                         'from jax.export load with jax.export.deserialize)')
+    if hashlib.sha256(data[start:]).digest() != data[len(_EXPORT_MAGIC):start]:
+        raise ValueError('deserialize: these bytes are damaged or cut short (their checksum '
+                         'does not match); export and serialize the function again')
+    module = _jax_export()
+    try:   # only bytes with a valid checksum that this module did not write get here
+        end = start + 8 + int.from_bytes(data[start:start + 8], 'little')
+        manifest = json.loads(data[start + 8:end])
+        manifest['function'], manifest['result_keys'], [s['role'] for s in manifest['states']]
+        return Exported(module.deserialize(bytearray(data[end:])), manifest)
+    except Exception as err:
+        raise ValueError(f'deserialize: these bytes are not an export of stateful_jaxpr '
+                         f'({type(err).__name__}: {err})') from err
 
 
 # =============================================================================
@@ -4236,13 +4208,11 @@ def _numel(aval) -> int:
     return int(math.prod(getattr(aval, 'shape', ()) or ()))
 
 
-def _foldable(eqn, values) -> bool:
+def _foldable(eqn) -> bool:
     name = eqn.primitive.name
-    if not eqn.invars or eqn.effects or name in _NO_FOLD_PRIMITIVES:
+    if not eqn.invars or name in _NO_FOLD_PRIMITIVES or _nested_jaxprs(eqn.params):
         return False
-    if any(part in name for part in _NO_FOLD_PARTS) or _nested_jaxprs(eqn.params):
-        return False
-    if any(v is _MISSING or isinstance(v, Tracer) for v in values):
+    if any(part in name for part in _NO_FOLD_PARTS):
         return False
     out_size = sum(_numel(v.aval) for v in eqn.outvars)
     in_size = sum(_numel(v.aval) for v in eqn.invars)
@@ -4250,14 +4220,9 @@ def _foldable(eqn, values) -> bool:
 
 
 def _fold(jaxpr, consts, in_values=None):
-    """Folds ``jaxpr``.
-
-    Returns ``(new_jaxpr, out_values)``: ``new_jaxpr`` is closed over the new
-    consts unless ``consts`` is ``None`` (a bare Jaxpr), and ``out_values[i]``
-    is the known value of output ``i`` (or ``_MISSING``).  ``in_values`` gives
-    known values for the inputs, used to evaluate a call whose arguments are
-    all known.
-    """
+    """``(folded jaxpr, the known value of each output or _MISSING)``; the
+    jaxpr is closed over new consts unless ``consts`` is None (a bare Jaxpr).
+    ``in_values``: the inputs' values, for a call whose arguments are known."""
     known = {}        # Var -> value known at fold time
     if in_values is not None:
         known.update(zip(jaxpr.invars, in_values))
@@ -4275,26 +4240,26 @@ def _fold(jaxpr, consts, in_values=None):
         if outs is not None:
             known.update(zip(eqn.outvars, outs))
         else:
-            eqns.append(_fold_call_body(eqn) if _eqn_is_call(eqn) else eqn)
+            eqns.append(_fold_call_body(eqn))
     out_values = [value_of(v) for v in jaxpr.outvars]
     return _inline_known(jaxpr, consts, eqns, known), out_values
 
 
 def _evaluate(eqn, values):
-    """``eqn``'s outputs if it can be folded with these input values, else None."""
-    if _eqn_is_call(eqn):
+    """``eqn``'s outputs if it can be folded with these input values, else None.
+    A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
+    if (eqn.effects or any(v is _MISSING or isinstance(v, Tracer) for v in values)
+            or any(_is_typed_key(v.aval) for v in eqn.outvars)):
+        return None
+    if eqn.primitive.name in _CALL_PRIMITIVES:
         return _fold_call(eqn, values)   # known only if the whole body folds
-    if not _foldable(eqn, values):
+    if not _foldable(eqn):
         return None
     try:
         outs = eqn.primitive.bind(*values, **eqn.params)
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return None
     return outs if eqn.primitive.multiple_results else [outs]
-
-
-def _eqn_is_call(eqn) -> bool:
-    return eqn.primitive.name in _CALL_PRIMITIVES
 
 
 def _inline_known(jaxpr, consts, eqns, known):
@@ -4340,21 +4305,17 @@ def _call_body(eqn):
 
 def _fold_call(eqn, values):
     """The outputs of a call whose inputs are known, if its body folds completely."""
-    name, body = _call_body(eqn)
-    if body is None or eqn.effects or any(v is _MISSING or isinstance(v, Tracer)
-                                          for v in values):
+    body = _call_body(eqn)[1]
+    if body is None:
         return None
-    if isinstance(body, ClosedJaxpr):
-        _, outs = _fold(body.jaxpr, list(body.consts), values)
-    else:
-        _, outs = _fold(body, None, values)
-    if any(v is _MISSING for v in outs):
-        return None
-    return outs
+    closed = isinstance(body, ClosedJaxpr)
+    _, outs = _fold(body.jaxpr if closed else body, list(body.consts) if closed else None,
+                    values)
+    return None if any(v is _MISSING for v in outs) else outs
 
 
 def _fold_call_body(eqn):
-    name, body = _call_body(eqn)
+    name, body = _call_body(eqn) if eqn.primitive.name in _CALL_PRIMITIVES else (None, None)
     if body is None:
         return eqn
     return eqn.replace(params={**eqn.params, name: constant_fold_jaxpr(body)})
