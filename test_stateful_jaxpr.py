@@ -8041,6 +8041,17 @@ class DemoTest(unittest.TestCase):
                      "state 'weight' (ParamState), read,", 'argument 0',
                      'cache statistics', 'hit_rate', 'StatefulMapping'):
             self.assertIn(part, proc.stdout)
+        # Each State is shown where main() made it, as a user's own would be.
+        with open(os.path.join(HERE, 'stateful_jaxpr.py')) as fh:
+            source = fh.read().splitlines()
+        for name in ('weight', 'trace', 'count'):
+            line, = [i for i, text in enumerate(source, 1) if f"{name} = " in text
+                     and f"name='{name}'" in text]
+            site = re.search(rf"state '{name}' \(\w+\), read.*, created at (.*)", proc.stdout)
+            self.assertIsNotNone(site, proc.stdout)
+            path, _, where = site.group(1).rpartition(':')
+            self.assertEqual(os.path.basename(path), 'stateful_jaxpr.py')
+            self.assertEqual(where, f'{line} (in main)')
 
 
 # =============================================================================
