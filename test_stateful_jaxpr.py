@@ -171,7 +171,7 @@ def _legend(text):
     return rows
 
 
-# The bad-input catalogue: one test per row of the README table "Errors" (the
+# The bad-input catalogue: a test per case of the README table "Errors" (the
 # Errors*Test classes, each in the section of what it checks).  Each test checks
 # the exception type, that the message names the culprit (argument index/name,
 # or State name *and* its creation site in this file) and the remedy, and that
@@ -270,7 +270,7 @@ class ModuleTest(unittest.TestCase):
         self.assertGreater(self._docstring_examples(exporting=True), 10)
 
     def test_imports_only_stdlib_jax_and_numpy(self):
-        # The README's "depends on JAX (and NumPy, which JAX brings)".
+        # The README's "depends on JAX only" (NumPy comes with JAX).
         import ast
         with open(sj.__file__) as fh:
             tree = ast.parse(fh.read())
@@ -297,29 +297,18 @@ class ModuleTest(unittest.TestCase):
         checks = {'def step(x):': self._readme_check_example,
                   'def run(xs):': self._readme_check_scan,
                   'def neuron(i_ext):': self._readme_check_mapping,
-                  'def local_step(x):': self._readme_check_devices,
-                  'constant_fold_jaxpr(closed)': self._readme_check_folding,
-                  'def train_step(x):': self._readme_check_sharding,
-                  'def cell(x, *, scale):': self._readme_check_pretty,
-                  'explain_cache_misses=True)': self._readme_check_explain,
                   'def serve(x):': self._readme_check_export}
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
             with self.subTest(block=marker):
+                if 'export(' in block and _EXPORT_PROBLEM:
+                    self.skipTest(_EXPORT_PROBLEM)
                 g = {}
                 with contextlib.redirect_stdout(io.StringIO()), \
                         contextlib.redirect_stderr(io.StringIO()):   # they print and log
                     exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
                 check(g)
-
-    def _readme_check_sharding(self, g):
-        # 8 devices; w keeps P('d', None) and holds the last step's value
-        w, mesh = g['w'], g['mesh']
-        self.assertEqual(len(w.value.sharding.device_set), 8)
-        np.testing.assert_allclose(_host(w.value), np.full((8, 1024), 8.0))
-        self.assertEqual(float(g['loss']), 8.0)
-        self.assertTrue(g['step'].donate_states)
 
     def _readme_check_example(self, g):
         f, rng, w, h = g['f'], g['rng'], g['w'], g['h']
@@ -363,28 +352,6 @@ class ModuleTest(unittest.TestCase):
         self.assertEqual(g['v'].value.shape, (64, 3))
         np.testing.assert_array_equal(g['rng'].value,
                                       jax.random.split(jax.random.PRNGKey(0), 65)[0])
-
-    def _readme_check_devices(self, g):
-        total, acc = g['total'], g['acc']           # runs on 8 devices
-        self.assertEqual(len(total.sharding.device_set), 8)
-        np.testing.assert_array_equal(total, np.full(8, 32.0))
-        np.testing.assert_array_equal(acc.value, np.ones((8, 4)))
-
-    def _readme_check_folding(self, g):
-        self.assertEqual((len(g['closed'].eqns), len(g['folded'].eqns)), (4, 1))   # 4 -> 1
-
-    def _readme_check_pretty(self, g):
-        legend = _legend(g['sf'].pretty_jaxpr({'input': jnp.ones(3)}, scale=0.5))
-        self.assertEqual([(a, r.split(', created')[0]) for _, a, r in legend['inputs']], [
-            ('float32[3]', "argument 0['input']"), ('float32[]', "keyword 'scale'"),
-            ('float32[3]', "state 'w' (ParamState), read"),
-            ('float32[3]', "state 'h' (State), read and written")])
-        self.assertEqual([(a, r) for _, a, r in legend['outputs']], [
-            ('float32[]', "result['out']"), ('float32[3]', "state 'h': new value")])
-
-    def _readme_check_explain(self, g):
-        self.assertEqual(g['causes'], {'first trace': 1, 'argument shape/dtype': 1,
-                                       'state shape/dtype': 1})
 
     def _readme_check_export(self, g):
         np.testing.assert_array_equal(g['y'], np.full(3, 2.0))     # y == [2, 2, 2]
@@ -8113,8 +8080,6 @@ _BRAINSTATE_DIFFERENCES = {
     'cache_stats.counts': 'one cache entry per key: the four get_cache_stats() names report the '
                           'same hits/misses and a hit counts once per call (brainstate counts '
                           'every internal lookup of each of its four caches)',
-    'cache_stats.names': "get_cache_stats() adds 'miss_causes' (traces per cause) to "
-                         "brainstate's four cache names",
     'hashabledict.setitem': 'hashabledict keys are read-only (brainstate lets a cache key change '
                             'after it was hashed)',
     'State(State)': 'State(other_state) raises ValueError (brainstate silently unwraps)',
