@@ -390,9 +390,11 @@ _JAX_DIR = os.path.dirname(jax.__file__)
 
 
 def _outside(skip_jax: bool):
-    """``(frame, level)`` of the first caller outside this module (and JAX)."""
+    """``(frame, level)`` of the first caller outside this module (and JAX); the
+    demo ``main()`` is user code that lives here, so it counts as a caller."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and (frame.f_code.co_filename == __file__ or (
+    while frame is not None and ((frame.f_code.co_filename == __file__ and frame.f_code
+                                  is not main.__code__) or (
             skip_jax and frame.f_code.co_filename.startswith(_JAX_DIR))):
         frame, level = frame.f_back, level + 1
     return frame, level
@@ -4369,11 +4371,9 @@ def main() -> None:
         count.value = count.value + 1
         return jnp.dot(weight.value, trace.value)
 
-    sf = StatefulFunction(step)
-    x = jnp.ones(3)
-    print('1. step(x) traced to a jaxpr; the states it touches become inputs, the ones it')
-    print('   writes become outputs (sf.pretty_jaxpr(x)):\n')
-    print(sf.pretty_jaxpr(x))
+    sf, x = StatefulFunction(step), jnp.ones(3)
+    print('1. step(x) traced to a jaxpr; the states it touches become inputs, the ones it\n'
+          f'   writes become outputs (sf.pretty_jaxpr(x)):\n\n{sf.pretty_jaxpr(x)}')
     print('\n2. calling it runs a compiled executable and updates the states:')
     for i in range(3):
         y = sf(x)
@@ -4389,8 +4389,8 @@ def main() -> None:
 
     sm = StatefulMapping(noisy, in_axes=0, state_in_axes={0: 'per_lane'})
     out = sm(jnp.ones((4, 3)))
-    print('\n4. StatefulMapping over 4 lanes, one random key per lane:')
-    print(f'   out={np.round(np.asarray(out), 3)}')
+    print(f'\n4. StatefulMapping over 4 lanes, one random key per lane:\n'
+          f'   out={np.round(np.asarray(out), 3)}')
     print(f'   h=\n{np.round(np.asarray(h.value), 3)}')
 
 

@@ -173,7 +173,7 @@ def _legend(text):
     return rows
 
 
-# The bad-input catalogue: one test per row of the README table "Errors" (the
+# The bad-input catalogue: a test per case of the README table "Errors" (the
 # Errors*Test classes, each in the section of what it checks).  Each test checks
 # the exception type, that the message names the culprit (argument index/name,
 # or State name *and* its creation site in this file) and the remedy, and that
@@ -210,6 +210,26 @@ class _ErrorsCase(unittest.TestCase):
         return [repr(name), _THIS_FILE]
 
 
+# Exporting needs packages `pip install jax` does not bring (flatbuffers; absl-py
+# on JAX 0.4.x): every test and example that exports skips without them, the
+# reason naming the package and the pip command (the ImportError's own words).
+def _export_problem():
+    """Why export cannot run on this JAX (None if it can): a feature probe."""
+    try:
+        module = sj._jax_export()
+    except ImportError as err:
+        return str(err)
+    missing = [name for name in ('export', 'deserialize') if not hasattr(module, name)]
+    missing += [f'Exported.{name}' for name in ('call', 'serialize')
+                if not hasattr(module.Exported, name)]
+    if missing:
+        return f'jax.export of JAX {jax.__version__} lacks {", ".join(missing)}'
+    return None
+
+
+_EXPORT_PROBLEM = _export_problem()
+
+
 # =============================================================================
 # The module as a whole
 # =============================================================================
@@ -230,15 +250,29 @@ class ModuleTest(unittest.TestCase):
             obj = getattr(sj, name)
             self.assertTrue(obj.__doc__, name)
 
-    def test_docstring_examples(self):
+    def _docstring_examples(self, exporting):
+        """Runs the docstring examples that export (or the others); returns how many ran."""
         import doctest
-        result = doctest.testmod(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np}, verbose=False,
-                                 optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-        self.assertGreater(result.attempted, 40)
-        self.assertEqual(result.failed, 0)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        tests = doctest.DocTestFinder().find(sj, extraglobs={'jax': jax, 'jnp': jnp, 'np': np})
+        for test in tests:
+            if exporting == any(re.search(r'\b(export|deserialize)\(', example.source)
+                                for example in test.examples):
+                with contextlib.redirect_stdout(io.StringIO()) as out, \
+                        contextlib.redirect_stderr(io.StringIO()):    # a logging example
+                    runner.run(test)
+                self.assertEqual(runner.failures, 0, out.getvalue())
+        return runner.tries
+
+    def test_docstring_examples(self):
+        self.assertGreater(self._docstring_examples(exporting=False), 40)
+
+    @unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
+    def test_docstring_examples_that_export(self):
+        self.assertGreater(self._docstring_examples(exporting=True), 10)
 
     def test_imports_only_stdlib_jax_and_numpy(self):
-        # The README's "depends on JAX (and NumPy, which JAX brings)".
+        # The README's "depends on JAX only" (NumPy comes with JAX).
         import ast
         with open(sj.__file__) as fh:
             tree = ast.parse(fh.read())
@@ -265,29 +299,18 @@ class ModuleTest(unittest.TestCase):
         checks = {'def step(x):': self._readme_check_example,
                   'def run(xs):': self._readme_check_scan,
                   'def neuron(i_ext):': self._readme_check_mapping,
-                  'def local_step(x):': self._readme_check_devices,
-                  'constant_fold_jaxpr(closed)': self._readme_check_folding,
-                  'def train_step(x):': self._readme_check_sharding,
-                  'def cell(x, *, scale):': self._readme_check_pretty,
-                  'explain_cache_misses=True)': self._readme_check_explain,
                   'def serve(x):': self._readme_check_export}
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
             with self.subTest(block=marker):
+                if 'export(' in block and _EXPORT_PROBLEM:
+                    self.skipTest(_EXPORT_PROBLEM)
                 g = {}
                 with contextlib.redirect_stdout(io.StringIO()), \
                         contextlib.redirect_stderr(io.StringIO()):   # they print and log
                     exec(compile(block, f'README.md block {marker!r}', 'exec'), g)
                 check(g)
-
-    def _readme_check_sharding(self, g):
-        # 8 devices; w keeps P('d', None) and holds the last step's value
-        w, mesh = g['w'], g['mesh']
-        self.assertEqual(len(w.value.sharding.device_set), 8)
-        np.testing.assert_allclose(_host(w.value), np.full((8, 1024), 8.0))
-        self.assertEqual(float(g['loss']), 8.0)
-        self.assertTrue(g['step'].donate_states)
 
     def _readme_check_example(self, g):
         f, rng, w, h = g['f'], g['rng'], g['w'], g['h']
@@ -331,28 +354,6 @@ class ModuleTest(unittest.TestCase):
         self.assertEqual(g['v'].value.shape, (64, 3))
         np.testing.assert_array_equal(g['rng'].value,
                                       jax.random.split(jax.random.PRNGKey(0), 65)[0])
-
-    def _readme_check_devices(self, g):
-        total, acc = g['total'], g['acc']           # runs on 8 devices
-        self.assertEqual(len(total.sharding.device_set), 8)
-        np.testing.assert_array_equal(total, np.full(8, 32.0))
-        np.testing.assert_array_equal(acc.value, np.ones((8, 4)))
-
-    def _readme_check_folding(self, g):
-        self.assertEqual((len(g['closed'].eqns), len(g['folded'].eqns)), (4, 1))   # 4 -> 1
-
-    def _readme_check_pretty(self, g):
-        legend = _legend(g['sf'].pretty_jaxpr({'input': jnp.ones(3)}, scale=0.5))
-        self.assertEqual([(a, r.split(', created')[0]) for _, a, r in legend['inputs']], [
-            ('float32[3]', "argument 0['input']"), ('float32[]', "keyword 'scale'"),
-            ('float32[3]', "state 'w' (ParamState), read"),
-            ('float32[3]', "state 'h' (State), read and written")])
-        self.assertEqual([(a, r) for _, a, r in legend['outputs']], [
-            ('float32[]', "result['out']"), ('float32[3]', "state 'h': new value")])
-
-    def _readme_check_explain(self, g):
-        self.assertEqual(g['causes'], {'first trace': 1, 'argument shape/dtype': 1,
-                                       'state shape/dtype': 1})
 
     def _readme_check_export(self, g):
         np.testing.assert_array_equal(g['y'], np.full(3, 2.0))     # y == [2, 2, 2]
@@ -8563,21 +8564,6 @@ class ExplainCacheMissesTest(unittest.TestCase):
         np.testing.assert_array_equal(s.value, np.full(2, 4.0))
 
 
-def _export_problem():
-    """Why export cannot run on this JAX (None if it can): a feature probe."""
-    try:
-        module = sj._jax_export()
-    except ImportError as err:
-        return str(err)
-    missing = [name for name in ('export', 'deserialize') if not hasattr(module, name)]
-    missing += [f'Exported.{name}' for name in ('call', 'serialize')
-                if not hasattr(module.Exported, name)]
-    if missing:
-        return f'jax.export of JAX {jax.__version__} lacks {", ".join(missing)}'
-    return None
-
-
-_EXPORT_PROBLEM = _export_problem()
 _VJP_EXPORT = _EXPORT_PROBLEM is None and 'vjp_order' in inspect.signature(
     sj._jax_export().Exported.serialize).parameters
 
@@ -9450,6 +9436,17 @@ class DemoTest(unittest.TestCase):
                      "state 'weight' (ParamState), read,", 'argument 0',
                      'cache statistics', 'hit_rate', 'StatefulMapping'):
             self.assertIn(part, proc.stdout)
+        # Each State is shown where main() made it, as a user's own would be.
+        with open(os.path.join(HERE, 'stateful_jaxpr.py')) as fh:
+            source = fh.read().splitlines()
+        for name in ('weight', 'trace', 'count'):
+            line, = [i for i, text in enumerate(source, 1) if f"{name} = " in text
+                     and f"name='{name}'" in text]
+            site = re.search(rf"state '{name}' \(\w+\), read.*, created at (.*)", proc.stdout)
+            self.assertIsNotNone(site, proc.stdout)
+            path, _, where = site.group(1).rpartition(':')
+            self.assertEqual(os.path.basename(path), 'stateful_jaxpr.py')
+            self.assertEqual(where, f'{line} (in main)')
 
 
 # =============================================================================
