@@ -269,7 +269,7 @@ class ModuleTest(unittest.TestCase):
 
     @unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
     def test_docstring_examples_that_export(self):
-        self.assertGreater(self._docstring_examples(exporting=True), 10)
+        self.assertGreater(self._docstring_examples(exporting=True), 5)
 
     def test_imports_only_stdlib_jax_and_numpy(self):
         # The README's "depends on JAX only" (NumPy comes with JAX).
