@@ -940,8 +940,9 @@ def _make_key(seed_or_key, owner: str):
 
 
 def _check_n(owner, method: str, n, fix: str) -> None:
-    if not _is_int(n) or n < 1:
-        raise ValueError(f'{owner._describe()}: {method}(n) needs an int n >= 1, got {n!r}; {fix}')
+    if not _is_int(n) or not 0 < n < 2**31:
+        raise ValueError(f'{owner._describe()}: {method}(n) needs an int n >= 1 (below 2**31), '
+                         f'got {n!r}; {fix}')
 
 
 class RandomState(State):
@@ -3547,8 +3548,8 @@ class StatefulMapping(StatefulFunction):
             raise ValueError(
                 f'unexpected_out_state_mapping must be one of {_UNEXPECTED_POLICIES}, got '
                 f'{unexpected_out_state_mapping!r}')
-        if axis_size is not None and (not _is_int(axis_size) or axis_size < 1):
-            raise ValueError(f'axis_size must be a positive int, got {axis_size!r}')
+        if axis_size is not None and (not _is_int(axis_size) or not 0 < axis_size < 2**31):
+            raise ValueError(f'axis_size must be a positive int below 2**31, got {axis_size!r}')
         if not callable(mapping_fn):
             raise TypeError(f'mapping_fn must be callable like jax.vmap, got {mapping_fn!r}')
         self.in_axes, self.out_axes = in_axes, out_axes
@@ -4016,6 +4017,9 @@ class Exported:
     def serialize(self, vjp_order: int = 0) -> bytes:
         """Bytes for :func:`deserialize`; ``vjp_order=n`` also stores ``n``
         orders of derivatives (``jax.export``'s own argument)."""
+        if not _is_int(vjp_order) or vjp_order < 0:
+            raise (ValueError if _is_int(vjp_order) else TypeError)(
+                f'Exported.serialize(vjp_order=...) needs an int >= 0, got {vjp_order!r}')
         header = json.dumps(self.manifest, sort_keys=True).encode()
         body = (len(header).to_bytes(8, 'little') + header
                 + bytes(self.exported.serialize(vjp_order=vjp_order)))
@@ -4028,6 +4032,15 @@ class Exported:
             raise TypeError(f'{name}: states= must be a dict {{state name: value}}, got '
                             f'{type(states).__name__}')
         states, needed = states or {}, [n for n, role in roles.items() if role != 'written']
+        for what, tree in (('argument ', args), ('keyword argument ', kwargs), ('states=', states)):
+            _reject_states(tree, f'{name}: {what}')
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                try:
+                    _leaf_sig(leaf)
+                except (TypeError, OverflowError) as err:
+                    raise type(err)(f'{name}: {what}{jax.tree_util.keystr(path)} is {leaf!r} '
+                                    f'(a {type(leaf).__name__}), which JAX cannot take ({err}); '
+                                    'pass an array') from None
         problems = [f'{what} {names}' for what, names in (
             ('lacks', [n for n in needed if n not in states]),
             ('has names it does not know:', [n for n in states if n not in roles])) if names]
