@@ -515,18 +515,23 @@ def _leaf_sig(x) -> tuple:
 
 
 def _value_sig(value) -> tuple:
-    """Structure, shapes and dtypes of a state value (what makes a trace stale)."""
+    """Structure and leaf signatures of a state value (what makes a trace stale)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    return treedef, tuple(_leaf_sig(x)[:2] for x in leaves)
+    return treedef, tuple(map(_leaf_sig, leaves))
 
 
-def _stale_sig(value, sig):
-    """``value``'s signature where it is not ``sig`` (None where it is)."""
+def _stale_sig(value, sig, weak_type: bool = False):
+    """``value``'s signature where it is not ``sig`` (None where it is).  A
+    weak type counts only with ``weak_type``, for reusing a trace: it changes
+    promotion there, as an argument's does."""
     try:
         got = _value_sig(value)
     except TypeError:
         return 'not a pytree of arrays'
-    return None if got == sig else got
+    if got == sig or not weak_type and got[0] == sig[0] and all(
+            a[:2] == b[:2] for a, b in zip(got[1], sig[1])):
+        return None
+    return got
 
 
 def _contains_tracer(tree) -> bool:
@@ -1026,10 +1031,13 @@ class RandomState(State):
         if n is not None and (not _is_int(n) or n < 1):
             raise ValueError(f'{self._describe()}: split_key(n) needs an int n >= 1, '
                              f'got {n!r}; call split_key() for a single key')
-        keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
-        self.value = keys[0]
-        if backup:
-            self.backup_key()
+        # Eagerly, the read and the write are one step for other threads (a
+        # trace takes no lock: the call that runs it holds the State's).
+        with contextlib.nullcontext() if _ctx.frames else _state_lock(self):
+            keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
+            self.value = keys[0]
+            if backup:
+                self.backup_key()
         return keys[1] if n is None else keys[1:]
 
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
@@ -2093,7 +2101,7 @@ class _TraceFrame(StateTraceStack):
         return [self.placeholders[aval] for aval in cell.avals]
 
     def traced(self, closed, out_avals) -> _Traced:
-        sigs = {id(state): (treedef, tuple((a.shape, a.dtype) for a in avals))
+        sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
                 for state, treedef, avals in self.lifted}
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
                        states=tuple(self.states),
@@ -2936,10 +2944,37 @@ _plan_tokens = itertools.count(1)
 _MAX_PLAN_SWITCHES = 3
 
 
+# One lock per State, held from reading the states to writing them back, so
+# that calls sharing a State run as in some sequential order.  Plans take them
+# in one global order (by id; a plan keeps its States alive), and calls that
+# share no State never wait for each other.
+_state_locks = weakref.WeakKeyDictionary()
+_state_locks_guard = threading.Lock()
+
+
+def _state_lock(state):
+    with _state_locks_guard:
+        lock = _state_locks.get(state)
+        if lock is None:
+            lock = _state_locks[state] = threading.RLock()
+        return lock
+
+
+@contextlib.contextmanager
+def _holding(locks):
+    for lock in locks:
+        lock.acquire()
+    try:
+        yield
+    finally:
+        for lock in locks:
+            lock.release()
+
+
 class _Plan:
     """Which states a compiled call reads, writes and donates (positions in
-    ``states``); shared by entries that agree."""
-    __slots__ = ('token', 'states', 'write_states', 'write_index', 'donated', 'kept')
+    ``states``), and their locks; shared by entries that agree."""
+    __slots__ = ('token', 'states', 'write_states', 'write_index', 'donated', 'kept', 'locks')
 
     def __init__(self, states, write_index, donate):
         self.token = next(_plan_tokens)
@@ -2949,6 +2984,7 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None
                              and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
+        self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
 
 
 class _Entry:
@@ -3036,13 +3072,24 @@ def _layout_token(sf, plan) -> int:
 
 
 def _donating(sf, jitted, plan):
-    """Calls the donating ``jitted`` as the plain dispatcher is called."""
+    """Calls the donating ``jitted`` as the plain dispatcher is called.  An
+    array a donated state shares with another state is refused before the
+    call, as JAX may crash on it."""
     def call(values, *args, **kwargs):
+        owner = {}
+        for i in plan.donated + plan.kept:
+            for leaf in _leaves(values[i]):
+                j = owner.setdefault(id(leaf), i)
+                if j != i and j in plan.donated:
+                    raise ValueError(
+                        f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
+                        f'and {plan.states[i]._describe()} both hold; give one of them a copy '
+                        '(jnp.copy) or leave it out of donate_states')
         try:
             return jitted([values[i] for i in plan.donated],
                           [values[i] for i in plan.kept], *args, **kwargs)
         except BaseException as err:
-            _donation_failed(sf, plan, values, err)
+            _donation_failed(sf, plan, err)
             raise
     return call
 
@@ -3058,18 +3105,8 @@ def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
     return sf._dispatch_body(token, values, *args, **kwargs)
 
 
-def _donation_failed(sf, plan, values, err):
-    """After a failed donating call: explain a donated array that another
-    state holds too, and leave no State holding a deleted buffer."""
-    owner = {}
-    for i in plan.donated + plan.kept:
-        for leaf in _leaves(values[i]):
-            j = owner.setdefault(id(leaf), i)
-            if j != i and (i in plan.donated or j in plan.donated):
-                raise ValueError(
-                    f'{_who(sf)} would donate the array that {plan.states[j]._describe()} and '
-                    f'{plan.states[i]._describe()} both hold; give one of them a copy '
-                    '(jnp.copy) or leave it out of donate_states') from err
+def _donation_failed(sf, plan, err):
+    """After a failed donating call: no State keeps a deleted buffer."""
     for i in plan.donated:
         state = plan.states[i]
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
@@ -3082,38 +3119,30 @@ def _donation_failed(sf, plan, values, err):
 
 
 def _warm_path(plan, dispatch, nargs, new):
-    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its state
-    reads and writes unrolled, as dataclasses generates ``__init__``.
-
-    ``[s0._value, s1._value]``, ``s0._value, s1._value = new`` and passing
-    ``args[0]`` itself rather than ``*args, **kwargs`` cost about half of a
-    loop over the plan's states: 1-2 µs of a 10-15 µs jax.jit call at one
-    state, several at ten (2-core machine).  ``new``, the values the call
-    just returned, gives the type a written value has outside any JAX trace;
-    another type (a tracer, a pytree) goes through _write_back's checks.
-    """
+    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its locks,
+    state reads and writes unrolled (a loop over the states would cost a
+    visible part of a jax.jit call).  ``new``, the values the call just
+    returned, gives the type a written value has outside any JAX trace;
+    another type (a tracer, a pytree) goes through _write_back's checks."""
     first = new[0] if new else None
-    leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
-    names = {'dispatch': dispatch, 'plan': plan, 'leaf_type': leaf_type,
-             '_write_back': _write_back}
-    slot = {}
-    for i, state in enumerate(plan.states):
-        slot[id(state)] = f's{i}'
-        names[f's{i}'] = state
+    names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
+             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None}
+    names.update((f's{i}', s) for i, s in enumerate(plan.states))
+    names.update((f'l{i}', lock) for i, lock in enumerate(plan.locks))
+    slot = {id(s): f's{i}' for i, s in enumerate(plan.states)}
     reads = ''.join(f'{slot[id(s)]}._value, ' for s in plan.states)
     given = ''.join(f'args[{i}], ' for i in range(nargs))
-    lines = ['def warm(sf, args, kwargs):',
-             f'    values = [{reads}]',
-             '    if kwargs:',
-             '        out, new = dispatch(values, *args, **kwargs)',
-             '    else:',
-             f'        out, new = dispatch(values, {given})']
+    body = [f'values = [{reads}]', 'if kwargs:', '    out, new = dispatch(values, *args, **kwargs)',
+            'else:', f'    out, new = dispatch(values, {given})']
     if plan.write_states:
         writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
-        lines += ['    if type(new[0]) is leaf_type:',
-                  f'        {writes}= new',
-                  '    else:',
-                  '        _write_back(sf, plan, new)']
+        body += ['if type(new[0]) is leaf_type:', f'    {writes}= new',
+                 'else:', '    _write_back(sf, plan, new)']
+    if plan.locks:
+        locks = [f'l{i}' for i in range(len(plan.locks))]
+        body = ([f'{lock}.acquire()' for lock in locks] + ['try:'] + ['    ' + b for b in body]
+                + ['finally:'] + [f'    {lock}.release()' for lock in locks])
+    lines = ['def warm(sf, args, kwargs):'] + ['    ' + b for b in body]
     lines += ['    next(sf._cache._hits)', '    return out']
     exec('\n'.join(lines), names)
     return names['warm']
@@ -3145,9 +3174,13 @@ def _call(sf, *args, **kwargs):
     except (TypeError, ValueError) as err:
         if _ctx.trace_error is err:   # raised by the traced function itself
             raise
-        # Raised by jax.jit's argument handling: the slow path gives a
-        # clearer error, or copes (e.g. static args hashable only by value).
-        return sf._call_slow(args, kwargs)
+        # An argument jax.jit refuses gets the slow path's clearer error here,
+        # and a static argument hashable only by value goes the slow path.
+        # Anything else came from running the computation: never run it twice.
+        sf._cache_key(args, kwargs)
+        if sf._statics_by_value:
+            return sf._call_slow(args, kwargs)
+        raise
 
 
 _real_value = operator.attrgetter('_value')     # a State's own value
@@ -3221,7 +3254,7 @@ class _StatefulBase:
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan):
             return None
-        fresh = all(_stale_sig(read(state), sig) is None
+        fresh = all(_stale_sig(read(state), sig, True) is None
                     for state, sig in zip(entry.plan.states, entry.traced.state_sigs))
         return entry if fresh else None
 
@@ -3318,9 +3351,11 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
-        epoch, token = _layout_epoch, _layout_token(self, plan)
-        out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves, token)
-        _write_back(self, plan, new)
+        with _holding(plan.locks):
+            epoch, token = _layout_epoch, _layout_token(self, plan)
+            out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves,
+                                 token)
+            _write_back(self, plan, new)
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             key = (token, len(args), bool(plan.donated))
@@ -4562,7 +4597,7 @@ def export(fun, *args, platforms: Sequence[str] | None = None, **kwargs) -> Expo
 
     def pure(dyn_args, dyn_kwargs, state_values):
         values = [state_values[n] if r else jax.tree_util.tree_unflatten(
-                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype in sig[1]])
+                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype, _ in sig[1]])
                   for n, r, sig in zip(names, read, traced.state_sigs)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
