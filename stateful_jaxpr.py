@@ -2946,29 +2946,13 @@ _MAX_PLAN_SWITCHES = 3
 
 # One lock per State, held from reading the states to writing them back, so
 # that calls sharing a State run as in some sequential order.  Plans take them
-# in one global order (by id; a plan keeps its States alive), and calls that
+# in one global order (by id: a plan keeps its States alive), and calls that
 # share no State never wait for each other.
 _state_locks = weakref.WeakKeyDictionary()
-_state_locks_guard = threading.Lock()
 
 
 def _state_lock(state):
-    with _state_locks_guard:
-        lock = _state_locks.get(state)
-        if lock is None:
-            lock = _state_locks[state] = threading.RLock()
-        return lock
-
-
-@contextlib.contextmanager
-def _holding(locks):
-    for lock in locks:
-        lock.acquire()
-    try:
-        yield
-    finally:
-        for lock in locks:
-            lock.release()
+    return _state_locks.setdefault(state, threading.RLock())   # one atomic dict step
 
 
 class _Plan:
@@ -3088,8 +3072,15 @@ def _donating(sf, jitted, plan):
         try:
             return jitted([values[i] for i in plan.donated],
                           [values[i] for i in plan.kept], *args, **kwargs)
-        except BaseException as err:
-            _donation_failed(sf, plan, err)
+        except BaseException as err:      # no State may keep a deleted buffer
+            for state in (plan.states[i] for i in plan.donated):
+                if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
+                    state._broken = (
+                        RuntimeError,
+                        f'{state._describe()} has no value: its buffer was donated to a call '
+                        f'of {_who(sf)} that then failed ({type(err).__name__}: {err}); assign '
+                        'it a new value',
+                        'buffer deleted by a failed donating call')
             raise
     return call
 
@@ -3097,53 +3088,33 @@ def _donating(sf, jitted, plan):
 def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
     """The donating dispatcher's body: the donated values come apart."""
     plan = sf._plans_by_token[token]
-    values = [None] * len(plan.states)
-    for i, value in zip(plan.donated, donated):
-        values[i] = value
-    for i, value in zip(plan.kept, kept):
-        values[i] = value
-    return sf._dispatch_body(token, values, *args, **kwargs)
-
-
-def _donation_failed(sf, plan, err):
-    """After a failed donating call: no State keeps a deleted buffer."""
-    for i in plan.donated:
-        state = plan.states[i]
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-            state._broken = (
-                RuntimeError,
-                f'{state._describe()} has no value: its buffer was donated to a call of '
-                f'{_who(sf)} that then failed ({type(err).__name__}: {err}); assign it a '
-                'new value',
-                'buffer deleted by a failed donating call')
+    given = dict(zip(plan.donated + plan.kept, [*donated, *kept]))
+    return sf._dispatch_body(token, [given[i] for i in range(len(plan.states))], *args, **kwargs)
 
 
 def _warm_path(plan, dispatch, nargs, new):
     """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its locks,
-    state reads and writes unrolled (a loop over the states would cost a
-    visible part of a jax.jit call).  ``new``, the values the call just
-    returned, gives the type a written value has outside any JAX trace;
-    another type (a tracer, a pytree) goes through _write_back's checks."""
+    state reads and writes unrolled (a loop would cost a visible part of a
+    jax.jit call).  ``new``, the values the call just returned, gives the type
+    a written value has outside any JAX trace; another type (a tracer, a
+    pytree) goes through _write_back's checks."""
     first = new[0] if new else None
     names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
-             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None}
-    names.update((f's{i}', s) for i, s in enumerate(plan.states))
-    names.update((f'l{i}', lock) for i, lock in enumerate(plan.locks))
-    slot = {id(s): f's{i}' for i, s in enumerate(plan.states)}
-    reads = ''.join(f'{slot[id(s)]}._value, ' for s in plan.states)
-    given = ''.join(f'args[{i}], ' for i in range(nargs))
-    body = [f'values = [{reads}]', 'if kwargs:', '    out, new = dispatch(values, *args, **kwargs)',
-            'else:', f'    out, new = dispatch(values, {given})']
-    if plan.write_states:
-        writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
-        body += ['if type(new[0]) is leaf_type:', f'    {writes}= new',
+             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
+             **{f's{i}': state for i, state in enumerate(plan.states)},
+             **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
+    locks = [f'l{i}' for i in range(len(plan.locks))]
+    body = [f'values = [{"".join(f"s{i}._value, " for i in range(len(plan.states)))}]',
+            'out, new = (dispatch(values, *args, **kwargs) if kwargs else '
+            f'dispatch(values, {"".join(f"args[{i}], " for i in range(nargs))}))']
+    if plan.write_index:
+        body += ['if type(new[0]) is leaf_type:',
+                 f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
                  'else:', '    _write_back(sf, plan, new)']
-    if plan.locks:
-        locks = [f'l{i}' for i in range(len(plan.locks))]
-        body = ([f'{lock}.acquire()' for lock in locks] + ['try:'] + ['    ' + b for b in body]
-                + ['finally:'] + [f'    {lock}.release()' for lock in locks])
-    lines = ['def warm(sf, args, kwargs):'] + ['    ' + b for b in body]
-    lines += ['    next(sf._cache._hits)', '    return out']
+    lines = (['def warm(sf, args, kwargs):'] + [f'    {lock}.acquire()' for lock in locks]
+             + ['    try:'] + [f'        {line}' for line in body] + ['    finally:']
+             + ([f'        {lock}.release()' for lock in locks] or ['        pass'])
+             + ['    next(sf._cache._hits)', '    return out'])
     exec('\n'.join(lines), names)
     return names['warm']
 
@@ -3153,10 +3124,9 @@ def _call(sf, *args, **kwargs):
 
     The warm path (outside any trace, same number of positional arguments
     and same state layouts as the last call) is the last plan's _warm_path:
-    jax.jit's C++ cache keys on the state values and the arguments, which
-    saves the slow path's Python key, pytree walk and state-shape check on
-    every call.  A call during which the dispatcher traced counts itself a
-    miss in _dispatch_body.
+    jax.jit's C++ cache keys on the state values and the arguments, saving
+    the slow path's Python key.  A call during which the dispatcher traced
+    counts itself a miss in _dispatch_body.
     """
     if _frames_open and _ctx.frames:
         return sf._call_in_trace(args, kwargs)
@@ -3167,8 +3137,7 @@ def _call(sf, *args, **kwargs):
         return fast[0](sf, args, kwargs)
     except _PlanMismatch:
         # These arguments use other states.  Switching plans costs an aborted
-        # trace, so a function that keeps switching gives up the fast path
-        # and pays only the slow path's key computation.
+        # trace, so a function that keeps switching gives up the fast path.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
     except (TypeError, ValueError) as err:
@@ -3243,10 +3212,7 @@ class _StatefulBase:
         # Weakly held: a lock lives only while some thread traces that key, so
         # evicted keys (and their static arguments) are not kept alive.
         with self._key_locks_guard:
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = self._key_locks[key] = threading.RLock()
-            return lock
+            return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
         """The entry under ``key`` (and for ``plan`` if given) if it was traced
@@ -3285,8 +3251,7 @@ class _StatefulBase:
         plan_key = (tuple(map(id, states)), write_index)
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = _Plan(states, write_index, self._donate)
-            self._plans[plan_key] = plan
+            plan = self._plans[plan_key] = _Plan(states, write_index, self._donate)
             self._plans_by_token[plan.token] = plan
         return plan
 
@@ -3351,7 +3316,9 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
-        with _holding(plan.locks):
+        with contextlib.ExitStack() as held:
+            for lock in plan.locks:
+                held.enter_context(lock)
             epoch, token = _layout_epoch, _layout_token(self, plan)
             out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves,
                                  token)
