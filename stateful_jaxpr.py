@@ -528,8 +528,8 @@ def _stale_sig(value, sig, weak_type: bool = False):
         got = _value_sig(value)
     except TypeError:
         return 'not a pytree of arrays'
-    if got == sig or not weak_type and got[0] == sig[0] and all(
-            a[:2] == b[:2] for a, b in zip(got[1], sig[1])):
+    if got == sig or (not weak_type and got[0] == sig[0] and all(
+            a[:2] == b[:2] for a, b in zip(got[1], sig[1]))):
         return None
     return got
 

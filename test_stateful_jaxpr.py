@@ -4992,8 +4992,8 @@ class ErrorsCallsTest(_ErrorsCase):
         vals = [jnp.zeros((), jnp.float32) if s is self.n else s.value for s in states]
         self.check(ValueError, lambda: sf.jaxpr_call(vals, jnp.ones(2)), [self.w, self.n],
                    culprit=self.site('er_n') + [
-                       "has structure/shapes (PyTreeDef(*), (((), dtype('float32')),))",
-                       "traced with (PyTreeDef(*), (((), dtype('int32')),))"],
+                       "has structure/shapes (PyTreeDef(*), (((), dtype('float32')",
+                       "traced with (PyTreeDef(*), (((), dtype('int32')"],
                    fix=['pass a value of the traced shape and dtype'])
 
     def test_get_jaxpr_by_cache_unknown_key(self):
@@ -5027,8 +5027,8 @@ class ErrorsCallsTest(_ErrorsCase):
         self.w.value = jnp.ones(3)
         self.check(ValueError, lambda: sf.validate_states(key), [self.w, self.n],
                    culprit=self.site('er_w') + [
-                       "changed from (PyTreeDef(*), (((2,), dtype('float32')),))",
-                       "to (PyTreeDef(*), (((3,), dtype('float32')),)) since it was traced"],
+                       "changed from (PyTreeDef(*), (((2,), dtype('float32')",
+                       "to (PyTreeDef(*), (((3,), dtype('float32')", 'since it was traced'],
                    fix=['the next call retraces'])
 
 
