@@ -92,10 +92,11 @@ __all__ = [
 # 1. Compatibility shims
 #
 # Tracing over States needs what JAX keeps private: new inputs for the jaxpr
-# being traced, the current trace, mutable references, primitive names and
-# ``params`` keys.  Only this section touches them, each through ``_probe``
-# (has JAX the name?) or ``_takes`` (has the function the parameter?), with
-# the releases measured (0.4.30 .. 0.12.0.1) in a comment.
+# being traced, the current trace, mutable references and their discharge,
+# primitive names, ``params`` keys, the texts of a few JAX errors and the
+# layout of a printed jaxpr.  Only this section touches them, each through
+# ``_probe`` (has JAX the name?) or ``_takes`` (has the function the
+# parameter?), with the releases it serves in a comment.
 # =============================================================================
 
 import jax.extend.core as _jex_core               # all releases
@@ -132,12 +133,16 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
+_JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')        # all releases
+_NEW_ARG_TAKES_SOURCE_INFO = _takes(                          # 0.6.1 ..
+    _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
+# ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..); ``arg_names=None``
+# keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
+_ARG_NAMES_MAY_BE_NONE = _probe('jax._src.linear_util:DebugInfo.assert_arg_names') is not None
 
 
 def _close(jaxpr, consts):
-    if _CONSTS_ON_JAXPR:
-        return jaxpr.with_consts(list(consts))
-    return ClosedJaxpr(jaxpr, list(consts))
+    return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
 def _rebuild(jaxpr, consts, like=None, **fields):
@@ -150,10 +155,12 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return new if consts is None else ClosedJaxpr(new, list(consts))
 
 
+def _stack():   # .. 0.4.35: the main traces, outermost first
+    return _src_core.thread_local_state.trace_state.trace_stack.stack
+
+
 def _current_trace_id():
-    if _STACKLESS:
-        return _src_core.trace_ctx.trace
-    return _src_core.thread_local_state.trace_state.trace_stack.stack[-1]
+    return _src_core.trace_ctx.trace if _STACKLESS else _stack()[-1]
 
 
 def _tracer_trace_id(tracer):
@@ -163,55 +170,42 @@ def _tracer_trace_id(tracer):
 def _under_jax_trace() -> bool:
     if _STACKLESS:
         return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
-    return len(_src_core.thread_local_state.trace_state.trace_stack.stack) > 1
+    return len(_stack()) > 1
 
 
-_NEW_ARG_TAKES_SOURCE_INFO = _takes(   # 0.6.1 ..
-    _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
+def _trace_depth():
+    """Where tracing is now: the current trace; before 0.4.36 also how deep in
+    its main trace's sub-jaxprs (where a custom_vjp traces its function)."""
+    return _src_core.trace_ctx.trace if _STACKLESS else (
+        _stack()[-1], len(getattr(_stack()[-1], 'jaxpr_stack', ())))
+
+
+def _trace_path() -> tuple:
+    """``(ids, whole)``: the ids of the current JAX trace and of those it is
+    nested in, innermost first, and whether that is all of them (not so on
+    0.4.36 .. 0.5, where a jit or loop body does not name its parent trace)."""
+    if not _STACKLESS:
+        return [id(t) for t in reversed(_stack())], True
+    path, trace = [], _src_core.trace_ctx.trace
+    while not isinstance(trace, _src_core.EvalTrace):
+        path.append(id(trace))
+        trace = getattr(trace, 'parent_trace', None)   # on every trace from 0.6
+        if trace is None:
+            return path, False
+    return path, True
+
+
+def _drops_ref_tangents(home) -> bool:
+    """Whether a Ref written now, in a jaxpr trace nested in a JVP trace nested
+    in ``home``, would lose its tangent silently (.. 0.4.35; later refuse it)."""
+    above = [] if _STACKLESS or home not in _stack() else _stack()[_stack().index(home) + 1:]
+    return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
+        main.trace_type is _JVPTrace for main in above[:-1])
 
 
 def _new_arg(trace, aval):
     """Adds a fresh input of abstract value ``aval`` to the jaxpr ``trace`` builds."""
-    if _NEW_ARG_TAKES_SOURCE_INFO:
-        return trace.new_arg(aval, _siu.current())
-    return trace.new_arg(aval)
-
-
-# Replaying a cached jaxpr into a jit trace.  ``inline_jaxpr_into_trace``
-# (all releases; ``src``, the call's source info, from 0.6) copies the
-# equations without redoing their abstract evaluation, as jax.jit does for an
-# inlined call: at 1,000 states that is a tenth of a first call.  The copies
-# keep their name stack; the source line they carry is the caller's.
-_inline_jaxpr = _probe('jax._src.interpreters.partial_eval:inline_jaxpr_into_trace')
-_INLINE_TAKES_SRC = _takes(_inline_jaxpr, 'src')
-_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')
-
-
-def _inlined(closed, args):
-    """``closed``'s outputs on ``args`` as equations of the jit trace whose
-    tracers ``args`` all are, with exactly the avals ``closed`` was traced
-    for (which is what makes skipping abstract evaluation sound); None
-    otherwise, and under dynamic shapes (as in jax.jit): then evaluate it."""
-    if _inline_jaxpr is None or not args or getattr(jax.config, 'jax_dynamic_shapes', False):
-        return None
-    trace = _find_top_trace(args)
-    if type(trace) is not _JaxprTrace:
-        return None
-    owner = trace if _STACKLESS else trace.main
-    jaxpr, consts = closed.jaxpr, closed.consts
-    for arg, var in zip(args, jaxpr.invars):
-        if not (isinstance(arg, jax.core.Tracer) and _tracer_trace_id(arg) is owner
-                and arg.aval == var.aval):
-            return None
-    if _INLINE_TAKES_SRC:
-        return _inline_jaxpr(trace, _siu.current(), jaxpr, consts, *args)
-    return _inline_jaxpr(trace, jaxpr, consts, *args)
-
-
-# ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..).  ``arg_names=None`` keeps
-# state inputs clear of jax_enable_checks' arity check; 0.5, 0.6 need names.
-_ARG_NAMES_MAY_BE_NONE = _probe(   # 0.7 ..
-    'jax._src.linear_util:DebugInfo.assert_arg_names') is not None
+    return trace.new_arg(aval, _siu.current()) if _NEW_ARG_TAKES_SOURCE_INFO else trace.new_arg(aval)
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
@@ -234,176 +228,118 @@ def _axis_env(axis_env, feature: str = 'axis_env'):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# Mutable references and the discharge into a pure jaxpr: jax._src.state, all releases.
+# Mutable references and their discharge into a pure jaxpr (jax._src.state,
+# all releases): a State written inside a nested transformation is held as
+# Refs while tracing, and JAX's ``discharge_state`` threads the writes out.
 _ref_aval = _probe('jax._src.state.types:AbstractRef')
 _ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
 _ref_set = _probe('jax._src.state.primitives:ref_set')
 _discharge_state = _probe('jax._src.state.discharge:discharge_state')
-_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state)
+_RefEffect = _probe('jax._src.state.types:RefEffect')
+_ReadEffect = _probe('jax._src.state.types:ReadEffect')
+_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
 _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
-
-
-# Whole-Ref reads and writes.  ``ref_get`` / ``ref_set`` normalise and flatten
-# indexers, ``bind`` finds the trace, and the trace redoes the primitive's
-# abstract evaluation (uncached for get and swap up to 0.9): half of what a
-# State's read and write cost in a scan body.  Inside a jaxpr trace the
-# equation is emitted straight (``DynamicJaxprTrace.emit_eqn``, 0.7.2 ..) with
-# the params ``ref_get(ref, ())`` binds, no transforms, and the out aval and
-# effects of the primitive's own abstract evaluation, cached per avals as JAX
-# caches it from 0.10.  What the trace's ``process_primitive`` would add does
-# not apply: get and swap have no staging, folding or forwarding rule, are
-# not "high" on arrays, and take no constants (a Ref is a tracer, and a value
-# that is none is bound).  Elsewhere (before 0.7.2; under grad or vmap) they
-# are bound.
-_get_p = _probe('jax._src.state.primitives:get_p')      # all releases
-_swap_p = _probe('jax._src.state.primitives:swap_p')    # all releases
-_emit_eqn = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.emit_eqn')  # 0.7.2 ..
-_STAGE_REFS = (_STACKLESS and _takes(_emit_eqn, 'effects')
-               and None not in (_get_p, _swap_p, _JaxprTrace))
-_WHOLE_REF = {'tree': jax.tree_util.tree_structure(())}
-
-
-@functools.lru_cache(maxsize=1024)
-def _ref_type(aval):
-    """The aval of a Ref holding ``aval`` (built once: its constructor copies ``aval``)."""
-    return _ref_aval(aval)
-
-
-@functools.lru_cache(maxsize=1024)
-def _whole_ref_type(primitive, *avals):
-    """``(out_aval, effects)`` of ``primitive`` on whole Refs, for ``avals``."""
-    return primitive.abstract_eval(*avals, **_WHOLE_REF)
-
-
-def _staged(primitive, args):
-    """``primitive`` (get or swap) on ``args`` as an equation of the current
-    jaxpr trace, or None where that is not the current trace."""
-    trace = _src_core.trace_ctx.trace
-    if type(trace) is not _JaxprTrace:
-        return None
-    src = _siu.current()
-    tracers = [trace.to_jaxpr_tracer(a, src) for a in args]
-    out_aval, effects = _whole_ref_type(primitive, *(t.aval for t in tracers))
-    return trace.emit_eqn(tracers, [out_aval], primitive, _WHOLE_REF, effects, src)[0]
-
-
-def _read_ref(ref):
-    """The whole value of ``ref``, traced."""
-    if _STAGE_REFS:
-        out = _staged(_get_p, (ref,))
-        if out is not None:
-            return out
-    return _ref_get(ref, ())
-
-
-def _write_ref(ref, value) -> None:
-    """Sets the whole of ``ref`` to ``value``, traced.  (A value that is no
-    tracer, e.g. a Python scalar, is bound: bind makes it a JAX array.)"""
-    if _STAGE_REFS and isinstance(value, Tracer) and _staged(_swap_p, (ref, value)) is not None:
-        return
-    _ref_set(ref, (), value)
+_ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 
 
 def _discharge(closed):
-    """``closed`` made pure: Ref inputs become values, final values extra outputs."""
+    """``closed`` made pure: Ref inputs become values, each Ref's final value an
+    extra output after the original ones."""
     if _DISCHARGE_TAKES_CLOSED:
         return _discharge_state(closed)
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
 
 
-# Rewriting a Ref program by hand (``_fast_discharge``) needs fresh variables,
-# the Ref effects to drop, and the params layout of the equations it rewrites;
-# an equation laid out otherwise goes to ``_discharge``.  Jit lists per-output
-# 'out_shardings' and 'out_layouts' (all releases); scan's layout is below.
-try:
-    _VAR_TAKES_SUFFIX = _takes(Var.__init__, 'suffix')   # Var(suffix, aval) up to 0.6
-except (TypeError, ValueError):                         # (no Python signature)
-    _VAR_TAKES_SUFFIX = False
-_RefEffect = _probe('jax._src.state.types:RefEffect')           # all releases
-_ReadEffect = _probe('jax._src.state.types:ReadEffect')         # all releases
-_InputEffect = _probe('jax._src.effects:JaxprInputEffect')      # all releases
-_JIT_LAYOUT = ('jaxpr', 'in_shardings', 'out_shardings', 'in_layouts', 'out_layouts')
-_WHILE_LAYOUT = ('cond_jaxpr', 'body_jaxpr', 'cond_nconsts', 'body_nconsts')   # all releases
+def _nested_jaxprs(params) -> list:
+    """The jaxprs among the values of an equation's ``params``."""
+    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
+    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
+            if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
-def _effect_input(effect, jaxpr):
-    """The input of ``jaxpr`` (a constvar or invar) that a Ref effect of
-    ``jaxpr`` is on: numbered by ``input_index``, constvars first, up to 0.9;
-    the variable itself (``input``) from 0.10."""
-    inputs = [*jaxpr.constvars, *jaxpr.invars]
-    at = getattr(effect, 'input_index', None)
-    if at is not None:
-        return inputs[at]
-    return getattr(effect, 'input', None)
+def _written_refs(effects, jaxpr=None) -> set:
+    """The inputs of ``jaxpr`` whose Refs ``effects`` write (any: ``{True}``):
+    numbered by ``input_index``, constvars first, up to 0.9; the variable
+    itself (``input``) from 0.10."""
+    inputs = [*jaxpr.constvars, *jaxpr.invars] if jaxpr is not None else None
+    return {True if jaxpr is None else e.input if getattr(e, 'input_index', None) is None
+            else inputs[e.input_index] for e in effects
+            if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
 
-def _fresh_var(aval):
-    return Var('', aval) if _VAR_TAKES_SUFFIX else Var(aval)
+def _loop_condition_reads_a_write(jaxpr) -> bool:
+    """Whether a while loop in ``jaxpr`` (or a jaxpr inside it) has a condition
+    that reads a Ref its body writes.  JAX's discharge gives such a condition
+    the value from before the loop (0.7 .. 0.12) or refuses it (before)."""
+    for eqn in jaxpr.eqns:
+        p = eqn.params
+        if eqn.primitive.name == 'while' and 'cond_nconsts' in p:   # all releases
+            n_cond, n_body, body = p['cond_nconsts'], p['body_nconsts'], p['body_jaxpr'].jaxpr
+            outer = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
+            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
+            if read & {outer.get(v) for v in _written_refs(body.effects, body)}:
+                return True
+        if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(p)):
+            return True
+    return False
 
 
-# A scan's inputs are its consts, carries and scanned-over arrays: counted in
-# 'num_consts' / 'num_carry' up to 0.10 (with a per-input 'linear' up to 0.9),
-# and from 0.11 grouped in 'ft_in' = (consts, carry, xs) and 'ft_out' =
-# (carry, ys), jax._src.flattree trees.
-_ft_pack = _probe('jax._src.flattree:pack')     # 0.11 ..
-_ft_nones = _probe('jax._src.flattree:nones')   # 0.11 ..
+def _rematerialized_write(jaxpr) -> bool:
+    """Whether a ``jax.checkpoint`` function under differentiation (its
+    equation has ``differentiated=True``, all releases) writes a Ref: JAX runs
+    it again to rematerialize it, writes included (0.8 ..)."""
+    return any((eqn.params.get('differentiated') is True and _written_refs(eqn.effects))
+               or any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
-def _scan_counts(params):
-    """``(num_consts, num_carry)`` of a scan, or None if laid out otherwise."""
-    if 'num_consts' in params and 'num_carry' in params:
-        return params['num_consts'], params['num_carry']
-    if _ft_pack is None or _ft_nones is None or 'ft_out' not in params:
-        return None
-    try:
-        consts, carry, _ = params['ft_in'].unpack()
-        plain = consts == _ft_nones(len(consts)) and carry == _ft_nones(len(carry))
-    except Exception:   # (a layout this code does not know)
-        return None
-    return (len(consts), len(carry)) if plain else None
-
-
-def _scan_params(params, num_consts: int, num_carry: int) -> dict:
-    """A scan's ``params`` for new counts of consts and carries (the inputs
-    and outputs moving between the two sit at the front of the carries)."""
-    if 'num_consts' in params:
-        return dict(params, num_consts=num_consts, num_carry=num_carry)
-    _, _, xs = params['ft_in'].unpack()
-    _, ys = params['ft_out'].unpack()
-    return dict(params, ft_in=_ft_pack((_ft_nones(num_consts), _ft_nones(num_carry), xs)),
-                ft_out=_ft_pack((_ft_nones(num_carry), ys)))
-
-
-def _unnamed(debug_info):
-    """``debug_info`` for a body whose inputs and outputs were rewritten:
-    without argument names and result paths (0.7 ..), none (.. 0.4.38, which
-    asserts their counts), or as it was (0.5, 0.6 need names, assert nothing)."""
-    if _make_debug_info is None or debug_info is None:
-        return None
-    if not _ARG_NAMES_MAY_BE_NONE:
-        return debug_info
-    return debug_info._replace(arg_names=None, result_paths=None)
+def _refusal(err: BaseException):
+    """How JAX refused a Ref program, from its error text: 'effects' ("State
+    effect not supported in vmap-of-cond", all releases; "... cond
+    partial-eval" under grad before 0.7; "Effects not supported in
+    partial-eval of checkpoint" before 0.8; a Ref in a jit under jvp, 0.4.36
+    .. 0.4.38), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..),
+    'tangent' (a value with a gradient where JAX differentiates a whole body,
+    0.7 ..; a Ref's zero tangent before) or None."""
+    text = str(err)
+    if (isinstance(err, NotImplementedError) and ('State effect not supported' in text or (
+            'Effects not supported' in text and 'Effect(' in text))) or (
+            'does not have corresponding input' in text):
+        return 'effects'
+    if 'vmapped value on an unbatched' in text:
+        return 'batched'
+    if 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
+        return 'tangent'
+    return None
 
 
 # Primitive names and params keys the jaxpr passes rely on.  Call primitives:
 # 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call' became 'eval_jaxpr'
-# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.  Collectives name
-# their axes in 'axes' (or 'axis_name'); psum_invariant exists from 0.6.
+# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
-_COLLECTIVES = frozenset({'psum', 'pmax', 'pmin', 'psum_invariant'})
-_AXIS_INDEX = 'axis_index'
 _NO_FOLD_PARTS = ('random_', 'callback')   # random_bits, ..., io_callback, ...
 _NO_FOLD_PRIMITIVES = frozenset({
     'threefry2x32', 'rng_bit_generator', 'rng_uniform', 'cond', 'while', 'scan',
     'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'checkpoint', 'remat',
-    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', _AXIS_INDEX, 'pure_callback',
+    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', 'axis_index', 'pure_callback',
     'io_callback', 'debug_callback', 'debug_print', 'device_put'})
 
 
-def _collective_axes(eqn):
-    return eqn.params.get('axes', eqn.params.get('axis_name', ()))
+def _jaxpr_names(text: str, n_in: int, n_out: int):
+    """The names JAX printed for a jaxpr's inputs and outputs (it numbers
+    variables while printing), or ``#i`` if the text has another layout.
+    The main jaxpr's ``{ lambda`` starts a line; newer JAX prints shared
+    sub-jaxprs (``let _uniform = { lambda ...``) before it."""
+    head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
+    tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
+    if head and tail:
+        ins = [w.split(':')[0] for w in head.group(1).split()]
+        outs = [w.strip().split(':')[0] for w in tail.group(1).split(',') if w.strip()]
+        if (len(ins), len(outs)) == (n_in, n_out):
+            return ins, outs
+    return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
 # =============================================================================
@@ -565,7 +501,9 @@ def _multi_device(leaf):
 # A State is a mutable box for a pytree of arrays whose ``value`` property
 # knows whether a stateful trace is running in this thread: outside one it is
 # a plain attribute; inside, reads and writes go to the trace's frame (see
-# section 6).  StateTraceStack, the public recorder, is such a frame.
+# section 6).  StateTraceStack, the public recorder, is such a frame.  Side
+# slots (name, metadata, stack level, backup key) are written in the innermost
+# overlaying frame too, and reach the State when it closes without error.
 # =============================================================================
 
 # How many StateTraceStacks are open in all threads: while none is, a call
@@ -581,8 +519,6 @@ def _open_frames(delta: int) -> None:
 
 
 class _Context(threading.local):
-    """Per-thread tracing context."""
-
     def __init__(self):
         self.frames: list = []         # active StateTraceStacks, outermost first
         self.catchers: list = []       # active catch_new_states collectors
@@ -603,82 +539,46 @@ def _innermost_overlay(frames):
     return None
 
 
-class _StateSurface:
-    """The part of State's API that follows brainstate 0.2.1's names and
-    semantics, so that code written for brainstate runs unchanged."""
-    __slots__ = ()
-
-    @property
-    def stack_level(self) -> int:
-        """Depth of the state trace stack when this State was created."""
-        return self._stack_level
-
-    @stack_level.setter
-    def stack_level(self, level: int):
-        self._stack_level = level
-
-    def increase_stack_level(self) -> None:
-        """Adds one to :attr:`stack_level`."""
-        self._stack_level += 1
-
-    def decrease_stack_level(self) -> None:
-        """Subtracts one from :attr:`stack_level` (not below 0)."""
-        self._stack_level = max(self._stack_level - 1, 0)
-
-    def raise_error_with_source_info(self, error: BaseException):
-        """Raises ``error`` with this State's creation site attached.
-
-        Example
-        -------
-        >>> s = State(1.0, name='w')
-        >>> s.raise_error_with_source_info(ValueError('bad'))  # doctest: +SKIP
-        ValueError: bad [State 'w' created at ...]
-        """
-        message = f'{error} [{self._describe()}]'
-        try:
-            new = type(error)(message)
-        except Exception:  # exceptions with unusual constructors
-            new = RuntimeError(message)
-        raise new from error
-
-    def to_state_ref(self) -> 'TreefyState':
-        """A pytree snapshot of this State: its class, value and metadata."""
-        return TreefyState(type(self), self._value, _name=self._name, **self._metadata)
-
-    def update_from_ref(self, state_ref: 'TreefyState') -> None:
-        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
-        value is assigned as a write."""
-        metadata = state_ref.get_metadata()
-        self._name = metadata.pop('_name', self._name)
-        self._metadata.update(metadata)
-        self.value = state_ref.value
-
-    def value_call(self, func: Callable):
-        """``jax.tree.map(func, self.value)``."""
-        return jax.tree_util.tree_map(func, self.value)
-
-    def check_if_deleted(self) -> None:
-        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
-        if self._broken is not None:
-            self._raise_broken()
-        for leaf in _leaves(self._value):
-            if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
-                raise ValueError(
-                    f'{self._describe()} holds an array whose buffer was deleted (donated to '
-                    'a computation or deleted by hand); assign it a new value')
-
-    def numel(self) -> int:
-        """Total number of elements over all leaves of the value."""
-        return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
+def _slot(state, slot: str):
+    """A side slot of ``state`` as the innermost stack that wrote it sees it."""
+    for frame in reversed(_ctx.frames):
+        entry = frame._side.get((id(state), slot))
+        if entry is not None:
+            return entry[2]
+    return getattr(state, slot)
 
 
-class State(_StateSurface):
+def _set_slot(state, slot: str, value) -> None:
+    frame = _innermost_overlay(_ctx.frames)
+    if frame is not None:
+        frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack._commit
+        return
+    _check_slot(state, slot, value, ())
+    setattr(state, slot, value)
+
+
+def _slot_property(slot: str, doc: str, settable: bool = True) -> property:
+    return property(lambda self: _slot(self, slot),
+                    (lambda self, v: _set_slot(self, slot, v)) if settable else None, doc=doc)
+
+
+def _check_slot(state, slot: str, value, traces) -> None:
+    """Refuses a tracer that would outlive its trace in a side slot."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, Tracer) and not (
+                (trace := _tracer_trace_id(leaf)) is state._creation_trace or trace in traces):
+            fix = ('call restore_key() before the traced function returns, or backup_key() '
+                   'outside it' if slot == '_backup' else 'give it a concrete value')
+            raise TraceContextError(f'{state._describe()} would keep a tracer in its '
+                                    f'{slot[1:]} after the trace that made it; {fix}')
+
+
+class State:
     """A mutable container for a pytree of arrays.
 
-    Reading ``state.value`` inside a function traced by
-    :class:`StatefulFunction` records a read and returns the traced value;
-    assigning records a write.  Outside any trace ``value`` is a plain
-    attribute.
+    Inside a function traced by :class:`StatefulFunction`, reading
+    ``state.value`` records a read and assigning records a write; outside
+    any trace ``value`` is a plain attribute.
 
     Parameters
     ----------
@@ -708,16 +608,14 @@ class State(_StateSurface):
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
-        self._check_value(value)
+        self._check_leaves(value)
         self._value = value
         self._broken = None
         frames = _ctx.frames
         self._stack_level = len(frames)
-        self._owner = None
         self._creation_trace = _current_trace_id()
-        owner = _innermost_overlay(frames)
+        self._owner = owner = _innermost_overlay(frames)
         if owner is not None:
-            self._owner = owner
             owner._owned.append(self)
         for catcher in _ctx.catchers:
             catcher.append(self)
@@ -746,7 +644,15 @@ class State(_StateSurface):
 
     def _assign(self, v, written: bool) -> None:
         global _layout_epoch
-        self._check_assignment(v)
+        self._check_leaves(v)
+        if _ctx.check_tree:
+            old = jax.tree_util.tree_structure(self._current_for_compare())
+            new = jax.tree_util.tree_structure(v)
+            if old != new:
+                raise ValueError(
+                    f'the pytree structure of {self._describe()} would change from '
+                    f'{old} to {new} inside check_state_value_tree(); assign a value '
+                    'with the same structure or leave the check_state_value_tree() block')
         frames = _ctx.frames
         if frames:
             _traced_write(self, v, frames, written=written)
@@ -760,22 +666,22 @@ class State(_StateSurface):
     def _check_value(self, v) -> None:
         """Hook for subclasses that restrict what a value may be."""
 
-    def _check_assignment(self, v) -> None:
+    def _check_leaves(self, v) -> None:
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
-        if not isinstance(v, Tracer) and (
-                isinstance(v, State) or any(isinstance(x, State) for x in _leaves(v))):
-            raise ValueError(
-                f'cannot assign a State as the value of {self._describe()}; '
-                'assign its value instead: target.value = other.value')
+        if not isinstance(v, Tracer):
+            for leaf in _leaves(v):
+                if isinstance(leaf, State):
+                    raise ValueError(
+                        f'cannot assign a State as the value of {self._describe()}; '
+                        'assign its value instead: target.value = other.value')
+                if type(leaf) is int and not -2 ** 31 <= leaf < 2 ** 31:
+                    info = np.iinfo(jax.dtypes.canonicalize_dtype(int))
+                    if not info.min <= leaf <= info.max:
+                        raise OverflowError(
+                            f'{self._describe()}: the Python int {leaf} does not fit in '
+                            f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
+                            'an array of an explicit wider dtype with jax_enable_x64 on')
         self._check_value(v)
-        if _ctx.check_tree:
-            old = jax.tree_util.tree_structure(self._current_for_compare())
-            new = jax.tree_util.tree_structure(v)
-            if old != new:
-                raise ValueError(
-                    f'the pytree structure of {self._describe()} would change from '
-                    f'{old} to {new} inside check_state_value_tree(); assign a value '
-                    'with the same structure or leave the check_state_value_tree() block')
 
     def _current_for_compare(self):
         frame = _innermost_overlay(_ctx.frames)
@@ -791,29 +697,22 @@ class State(_StateSurface):
         kind, message, _ = self._broken
         raise kind(message)
 
-    # -- metadata --------------------------------------------------------------
-    @property
-    def name(self) -> str | None:
-        """The name given at creation (or ``None``)."""
-        return self._name
+    # -- metadata: side slots (see _slot) --------------------------------------
+    name = _slot_property('_name', 'The name given at creation (or ``None``).')
+    metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
+    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
+                                 'this State was created.')
+    tag = property(lambda self: self.metadata.get('tag'),
+                   lambda self, tag: _set_slot(self, '_metadata', {**self.metadata, 'tag': tag}),
+                   doc='The ``tag`` metadata entry (``None`` when absent).')
 
-    @name.setter
-    def name(self, name):
-        self._name = name
+    def increase_stack_level(self) -> None:
+        """Adds one to :attr:`stack_level`."""
+        self.stack_level += 1
 
-    @property
-    def tag(self):
-        """The ``tag`` metadata entry (``None`` when absent)."""
-        return self._metadata.get('tag')
-
-    @tag.setter
-    def tag(self, tag):
-        self._metadata['tag'] = tag
-
-    @property
-    def metadata(self) -> dict:
-        """Free-form metadata given at creation."""
-        return self._metadata
+    def decrease_stack_level(self) -> None:
+        """Subtracts one from :attr:`stack_level` (not below 0)."""
+        self.stack_level = max(self.stack_level - 1, 0)
 
     @property
     def source_info(self) -> str:
@@ -824,25 +723,71 @@ class State(_StateSurface):
         label = f"{type(self).__name__} {self._name!r}" if self._name else type(self).__name__
         return f'{label} created at {self.source_info}'
 
-    # -- copies ------------------------------------------------------------------
+    def raise_error_with_source_info(self, error: BaseException):
+        """Raises ``error`` (as its type, if it can) with this State's creation site attached."""
+        message = f'{error} [{self._describe()}]'
+        try:
+            new = type(error)(message)
+        except Exception:  # exceptions with unusual constructors
+            new = RuntimeError(message)
+        raise new from error
+
+    # -- copies and snapshots ----------------------------------------------------
     def copy(self) -> 'State':
         """A new State of the same class with the same value and metadata."""
-        return self.replace(self._value)
+        return self.replace()
+
+    def __copy__(self) -> 'State':
+        # ``copy.copy``: also keeps the creation site and stack level; the
+        # metadata dict is the copy's own.
+        new = self.replace()
+        new._source, new._stack_level = self._source, self.stack_level
+        vars(new).update(vars(self))
+        return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of the same class holding ``value`` (default: the
-        current one), with this State's metadata updated by ``metadata``.
-        Given a State of the same class as ``value``, returns that State
-        (``replace``-d with ``metadata`` if any).
-        """
+        """A new State of the same class holding ``value`` (default: the current
+        one) and this State's metadata updated by ``metadata``; a State of the
+        same class as ``value`` is returned (``replace``-d with ``metadata``)."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
                     f'{self._describe()}.replace() got a {type(value).__name__} as the value; '
                     f'pass a {type(self).__name__} or a plain value')
             return value.replace(**metadata) if metadata else value
-        return _new_state(type(self), self._value if value is _MISSING else value,
-                          self._name, {**self._metadata, **metadata})
+        return _new_state(type(self), self.value if value is _MISSING else value,
+                          self.name, {**self.metadata, **metadata})
+
+    def to_state_ref(self) -> 'TreefyState':
+        """A pytree snapshot of this State: its class, value and metadata."""
+        return TreefyState(type(self), self.value, _name=self.name, **self.metadata)
+
+    def update_from_ref(self, state_ref: 'TreefyState') -> None:
+        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
+        value is assigned as a write."""
+        metadata = state_ref.get_metadata()
+        name = metadata.pop('_name', self.name)
+        self.value = state_ref.value
+        self.name = name
+        _set_slot(self, '_metadata', {**self.metadata, **metadata})
+
+    def value_call(self, func: Callable):
+        """``jax.tree.map(func, self.value)``."""
+        return jax.tree_util.tree_map(func, self.value)
+
+    def check_if_deleted(self) -> None:
+        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
+        if self._broken is not None:
+            self._raise_broken()
+        for leaf in _leaves(self._value):
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
+                raise ValueError(
+                    f'{self._describe()} holds an array whose buffer was deleted (donated to '
+                    'a computation or deleted by hand); assign it a new value')
+
+    def numel(self) -> int:
+        """Total number of elements over all leaves of the value."""
+        return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
 
     # -- identity --------------------------------------------------------------
     def __hash__(self):
@@ -852,10 +797,7 @@ class State(_StateSurface):
         return self is other
 
     def __repr__(self):
-        if self._broken is not None:
-            shown = f'<{self._broken[2]}>'
-        else:
-            shown = repr(self._value)
+        shown = f'<{self._broken[2]}>' if self._broken is not None else repr(self._value)
         name = f'name={self._name!r}, ' if self._name else ''
         if '\n' in shown:
             shown = '\n  ' + shown.replace('\n', '\n  ')
@@ -883,6 +825,8 @@ class TreefyState:
     """
 
     def __init__(self, type: type, value, **metadata):
+        if not (inspect.isclass(type) and issubclass(type, State)):
+            raise TypeError(f'TreefyState(type, value) needs a State class, got {type!r}')
         self.type = type
         self.value = value
         vars(self).update(metadata)
@@ -914,28 +858,23 @@ jax.tree_util.register_pytree_with_keys(
     TreefyState,
     lambda r: (((jax.tree_util.GetAttrKey('value'), r.value),),
                (r.type, tuple(r.get_metadata().items()))),
-    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])),
-    flatten_func=lambda r: ((r.value,), (r.type, tuple(r.get_metadata().items()))))
+    lambda aux, children: TreefyState(aux[0], children[0], **dict(aux[1])))
 
 
 class ShortTermState(State):
     """A State whose value is transient (e.g. the last input or spike)."""
-    __slots__ = ()
 
 
 class LongTermState(State):
     """A State whose value persists across steps (e.g. running statistics)."""
-    __slots__ = ()
 
 
 class ParamState(LongTermState):
     """A trainable parameter."""
-    __slots__ = ()
 
 
 class BatchState(LongTermState):
     """A State holding per-batch statistics."""
-    __slots__ = ()
 
 
 class HiddenState(ShortTermState):
@@ -945,14 +884,18 @@ class HiddenState(ShortTermState):
     -------
     >>> h = HiddenState(jnp.zeros(4))
     """
-    __slots__ = ()
 
     def _check_value(self, v):
-        if not (isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-                or isinstance(v, Tracer)):
+        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex, bool)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
                 'use State for pytree values')
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple:
+    with jax.ensure_compile_time_eval():   # (the first ask may come inside a trace)
+        return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
 def _is_typed_key(x) -> bool:
@@ -960,8 +903,15 @@ def _is_typed_key(x) -> bool:
 
 
 def _is_raw_key(x) -> bool:
+    """A raw key of the default PRNG implementation (``jax.random.PRNGKey``'s)."""
+    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
     return (hasattr(x, 'dtype') and not _is_typed_key(x) and x.dtype == np.uint32
-            and len(np.shape(x)) >= 1 and np.shape(x)[-1] == 2)
+            and np.shape(x)[-len(shape):] == shape)
+
+
+def _raw_key_text(batch: str = '') -> str:
+    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
+    return f"raw uint32[{batch}{', '.join(map(str, shape))}]"
 
 
 def _make_key(seed_or_key, owner: str):
@@ -970,8 +920,11 @@ def _make_key(seed_or_key, owner: str):
     if isinstance(seed_or_key, (bool, np.bool_)):
         raise ValueError(f'{owner}: a seed must be an int or a PRNG key, got a bool')
     if isinstance(seed_or_key, (int, np.integer)):
+        if not -2 ** 63 <= seed_or_key < 2 ** 63:
+            raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
+                                'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
         return jax.random.PRNGKey(int(seed_or_key))
-    if isinstance(seed_or_key, Tracer) or isinstance(seed_or_key, (jax.Array, np.ndarray)):
+    if isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)):
         if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
             return seed_or_key
         if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
@@ -979,9 +932,13 @@ def _make_key(seed_or_key, owner: str):
     kind = type(seed_or_key).__name__
     if hasattr(seed_or_key, 'shape'):
         kind += f' {getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key))}'
-    raise ValueError(
-        f'{owner}: expected an int seed, None, a raw uint32[2] key or a typed key '
-        f'(jax.random.key), got {kind}')
+    raise ValueError(f'{owner}: expected an int seed, None, a {_raw_key_text()} key (the '
+                     f'default PRNG implementation\'s) or a typed key (jax.random.key), got {kind}')
+
+
+def _check_n(owner, method: str, n, fix: str) -> None:
+    if not _is_int(n) or n < 1:
+        raise ValueError(f'{owner._describe()}: {method}(n) needs an int n >= 1, got {n!r}; {fix}')
 
 
 class RandomState(State):
@@ -990,25 +947,25 @@ class RandomState(State):
     Parameters
     ----------
     seed_or_key : int, key array or None
-        An int seeds ``jax.random.PRNGKey(seed)`` (raw ``uint32[2]``); a raw
-        or typed key is held as given; ``None`` draws a fresh random seed.
+        An int seeds ``jax.random.PRNGKey(seed)`` (raw, under the default PRNG
+        implementation); a raw or typed key is held as given; ``None`` draws a
+        fresh random seed.
 
     Example
     -------
     >>> rng = RandomState(0)
     >>> noise = jax.random.normal(rng.split_key(), (3,))
     """
-    __slots__ = ()
-    _backup = None   # the key saved by backup_key()
+    _backup = None   # the key saved by backup_key(): a side slot (see _slot)
 
     def __init__(self, seed_or_key=None, name: str | None = None, **metadata):
         owner = f'{type(self).__name__}(name={name!r}) created at {_format_site(_user_site())}'
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
 
     def _check_value(self, v):
-        if not (_is_raw_key(v) or _is_typed_key(v)):
+        if not (_is_typed_key(v) or _is_raw_key(v)):
             raise ValueError(
-                f'{self._describe()} holds a PRNG key (raw uint32[..., 2] or typed), got '
+                f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
                 f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
 
     def seed(self, seed_or_key=None) -> None:
@@ -1028,9 +985,8 @@ class RandomState(State):
         >>> rng = RandomState(0)
         >>> keys = rng.split_key(4)    # 4 independent keys
         """
-        if n is not None and (not _is_int(n) or n < 1):
-            raise ValueError(f'{self._describe()}: split_key(n) needs an int n >= 1, '
-                             f'got {n!r}; call split_key() for a single key')
+        if n is not None:
+            _check_n(self, 'split_key', n, 'call split_key() for a single key')
         # Eagerly, the read and the write are one step for other threads (a
         # trace takes no lock: the call that runs it holds the State's).
         with contextlib.nullcontext() if _ctx.frames else _state_lock(self):
@@ -1044,115 +1000,43 @@ class RandomState(State):
         """Replaces the key by ``n`` keys split from it (a ``[n, ...]`` key
         array, e.g. one per lane).  With ``backup`` the state first advances
         and saves its key, so :meth:`restore_key` returns to a single key."""
-        if backup:
-            keys = jax.random.split(self.value, n + 1)
-            self.value = keys[0]
-            self.backup_key()
-            self.value = keys[1:]
-        else:
-            self.value = jax.random.split(self.value, n)
+        _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
+        self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
-        if self._backup is not None:
+        if _slot(self, '_backup') is not None:
             raise ValueError(f'{self._describe()}: backup_key() called twice without '
                              'restore_key(); restore the saved key first')
-        self._backup = self.value
+        _set_slot(self, '_backup', self.value)
 
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
-        if self._backup is None:
+        backup = _slot(self, '_backup')
+        if backup is None:
             raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                              'call backup_key() first')
-        self.value, self._backup = self._backup, None
+        self.value = backup
+        _set_slot(self, '_backup', None)
 
     def clone(self) -> 'RandomState':
         """A new, independent RandomState seeded from a key split off this one."""
-        return type(self)(self.split_key(), self._name, **dict(self._metadata))
+        return type(self)(self.split_key(), self.name, **self.metadata)
 
 
-class _StackSurface:
-    """The part of StateTraceStack's API that follows brainstate 0.2.1's
-    names and return types (``been_writen`` is its spelling too)."""
-    __slots__ = ()
-
-    def read_its_value(self, state: State) -> None:
-        """Records a read of ``state``."""
-        self._touch(state, state._value, False)
-
-    def write_its_value(self, state: State) -> None:
-        """Records a write of ``state``."""
-        self._touch(state, state._value, True)
-
-    def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
-        """Current values of the recorded states.
-
-        With ``separate=True`` returns ``(write_values, read_values)``; with
-        ``replace=True`` as well, excluded entries are ``None`` so that
-        positions line up with :attr:`states`.
-        """
-        if not separate:
-            return tuple(s.value for s in self.states)
-        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
-
-    def get_read_state_values(self, replace_writen: bool = False) -> tuple:
-        """Values of :meth:`get_read_states`."""
-        return tuple(None if s is None else s.value for s in self.get_read_states(replace_writen))
-
-    def get_write_state_values(self, replace_read: bool = False) -> tuple:
-        """Values of :meth:`get_write_states`."""
-        return tuple(None if s is None else s.value for s in self.get_write_states(replace_read))
-
-    def recovery_original_values(self) -> None:
-        """Gives every recorded state back the value it had when first touched."""
-        for state, original in zip(self.states, self._originals):
-            if (original is not None and type(original) is not _RefCell
-                    and not _contains_tracer(original)):
-                state.restore_value(original)
-
-    def assign_state_vals(self, state_vals: Sequence) -> None:
-        """Assigns ``state_vals`` (one per state): written states by ``value``,
-        the others by ``restore_value``."""
-        if len(state_vals) != len(self.states):
-            raise ValueError(f'State length mismatch: expected {len(self.states)} values, '
-                             f'got {len(state_vals)}')
-        self._assign_each(state_vals, state_vals)
-
-    def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
-        """Like :meth:`assign_state_vals` with separate read and write lists
-        (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
-        if not (len(read_state_vals) == len(write_state_vals) == len(self.states)):
-            raise ValueError(
-                f'State length mismatch: expected {len(self.states)} read and write values, '
-                f'got {len(read_state_vals)} and {len(write_state_vals)}')
-        self._assign_each(read_state_vals, write_state_vals)
-
-    def _assign_each(self, read_vals, write_vals) -> None:
-        for state, rv, wv, written in zip(self.states, read_vals, write_vals, self.been_writen):
-            if written:
-                state.value = wv
-            else:
-                state.restore_value(rv)
-
-    def state_subset(self, state_type: type) -> list:
-        """The recorded states that are instances of ``state_type``."""
-        return [s for s in self.states if isinstance(s, state_type)]
-
-
-class StateTraceStack(_StackSurface):
+class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
-    Used as a context manager; stacks nest LIFO and are thread-local.  A read
-    inside a nested stack is also recorded by every enclosing stack.  Query
-    results are tuples (``state_subset`` gives a list), as in brainstate.
+    A context manager; stacks nest LIFO, per thread, and an enclosing stack
+    also records what a nested one does.  Names, return types and the
+    spelling ``been_writen`` follow brainstate 0.2.1.
 
     Parameters
     ----------
     new_arg : callable, optional
-        ``new_arg(state) -> value``: called on a state's first touch; its
-        result is what the code inside the stack sees for that state.  A stack
-        with ``new_arg`` keeps the values assigned to states inside it (an
-        overlay) instead of writing them into the States.
+        ``new_arg(state) -> value``, called on a state's first touch, gives
+        what the code inside sees for it; the values assigned inside then stay
+        in the stack (an overlay) instead of going into the States.
     name : str, optional
         A label for error messages.
 
@@ -1169,16 +1053,14 @@ class StateTraceStack(_StackSurface):
 
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
-        self.states: list = []
-        self.been_writen: list = []
+        self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        self._originals: list = []
         # With new_arg the stack *overlays*: what code inside sees and writes
-        # lives in this overlay (state id -> value), and the States created
-        # inside are its own until it closes.
+        # lives in this overlay (state id -> value), the side slots written
+        # inside too ((state id, slot) -> (state, slot, value)), and the
+        # States created inside are its own until it closes.
         self._overlays = False
-        self._values: dict = {}
-        self._owned: list = []
+        self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(
@@ -1201,11 +1083,6 @@ class StateTraceStack(_StackSurface):
         if self._overlays:
             self._values[id(state)] = self._lift(state, state._value)
 
-    @property
-    def original_state_values(self) -> tuple:
-        """Each recorded state's value when this stack first saw it."""
-        return tuple(self._originals)
-
     # -- recording -----------------------------------------------------------
     def _touch(self, state, current, write: bool):
         index = self._index.get(id(state))
@@ -1221,13 +1098,21 @@ class StateTraceStack(_StackSurface):
             self.been_writen[index] = True
         return self._values[id(state)] if self._overlays else current
 
+    def read_its_value(self, state: State) -> None:
+        """Records a read of ``state``."""
+        self._touch(state, state._value, False)
+
+    def write_its_value(self, state: State) -> None:
+        """Records a write of ``state``."""
+        self._touch(state, state._value, True)
+
     # -- context -------------------------------------------------------------
     def __enter__(self):
         _open_frames(+1)
         _ctx.frames.append(self)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         frames = _ctx.frames
         if self in frames:
             _open_frames(-1)
@@ -1238,36 +1123,108 @@ class StateTraceStack(_StackSurface):
                 f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
                 'be exited in the reverse order they were entered (use nested `with`)')
         frames.pop()
-        self._close()
+        try:
+            if exc_type is None:
+                self._commit()
+        finally:
+            self._close()
         return False
 
+    def _commit(self):
+        """Hands the side slots written inside on, to the enclosing overlay or
+        the States.  A tracer that would outlive this trace is an error, or
+        dropped where its State was created inside (and dies with it)."""
+        traces = tuple(f._jax_trace for f in _ctx.frames)
+        entries = [e for e in self._side.values()
+                   if not (e[0]._owner is self and _contains_tracer(e[2]))]
+        for state, slot, value in entries:
+            _check_slot(state, slot, value, traces)
+        for entry in entries:
+            _set_slot(*entry)
+
     def _close(self):
-        """Ends an overlay: drop its tracers, flag States that kept one."""
+        """Ends an overlay: its values and side slots go, and the States made
+        inside that kept a tracer keep only its shape, flagged."""
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
-                state._broken = (
-                    TraceContextError,
-                    f'{state._describe()} was created inside a traced function and still '
-                    'holds a tracer from that finished trace; return its value from the '
-                    'function (or create the State outside it) instead of reading it afterwards',
-                    'tracer from a finished trace')
-        self._owned = []
-        self._values = {}
+                state._value = jax.tree_util.tree_map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                    if isinstance(x, Tracer) else x, state._value)
+                state._broken = (TraceContextError, f'{state._describe()} was created inside '
+                                 'a traced function and still holds a tracer from that finished '
+                                 'trace; return its value from the function (or create the State '
+                                 'outside it) instead of reading it afterwards',
+                                 'tracer from a finished trace')
+        self._owned, self._values, self._side = [], {}, {}
 
     # -- queries -------------------------------------------------------------
+    @property
+    def original_state_values(self) -> tuple:
+        """Each recorded state's value when this stack first saw it."""
+        return tuple(self._originals)
+
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
-        if replace_writen:
-            return tuple(None if w else s for s, w in zip(self.states, self.been_writen))
-        return tuple(s for s, w in zip(self.states, self.been_writen) if not w)
+        return self._pick(False, replace_writen)
 
     def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
-        if replace_read:
-            return tuple(s if w else None for s, w in zip(self.states, self.been_writen))
-        return tuple(s for s, w in zip(self.states, self.been_writen) if w)
+        return self._pick(True, replace_read)
 
+    def _pick(self, written: bool, keep_places: bool) -> tuple:
+        pairs = zip(self.states, self.been_writen)
+        if keep_places:
+            return tuple(s if w == written else None for s, w in pairs)
+        return tuple(s for s, w in pairs if w == written)
+
+    def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
+        """Current values of the recorded states; ``separate``: ``(write_values,
+        read_values)``, with ``None`` for the others where ``replace``."""
+        if not separate:
+            return tuple(s.value for s in self.states)
+        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
+
+    def get_read_state_values(self, replace_writen: bool = False) -> tuple:
+        """Values of :meth:`get_read_states`."""
+        return tuple(None if s is None else s.value for s in self.get_read_states(replace_writen))
+
+    def get_write_state_values(self, replace_read: bool = False) -> tuple:
+        """Values of :meth:`get_write_states`."""
+        return tuple(None if s is None else s.value for s in self.get_write_states(replace_read))
+
+    def state_subset(self, state_type: type) -> list:
+        """The recorded states that are instances of ``state_type``."""
+        return [s for s in self.states if isinstance(s, state_type)]
+
+    # -- giving values back ----------------------------------------------------
+    def recovery_original_values(self) -> None:
+        """Gives every recorded state back the value it had when first touched."""
+        for state, original in zip(self.states, self._originals):
+            if (original is not None and type(original) is not _RefCell
+                    and not _contains_tracer(original)):
+                state.restore_value(original)
+
+    def assign_state_vals(self, state_vals: Sequence) -> None:
+        """Assigns ``state_vals`` (one per state): written states by ``value``,
+        the others by ``restore_value``."""
+        self.assign_state_vals_v2(state_vals, state_vals)
+
+    def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
+        """Like :meth:`assign_state_vals` with separate read and write lists
+        (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
+        got = (len(read_state_vals), len(write_state_vals))
+        if got != (len(self.states),) * 2:
+            raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
+                             f'write values, got {got[0]} and {got[1]}')
+        for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
+                                          self.been_writen):
+            if written:
+                state.value = wv
+            else:
+                state.restore_value(rv)
+
+    # -- combining -------------------------------------------------------------
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
@@ -1277,12 +1234,8 @@ class StateTraceStack(_StackSurface):
         return self
 
     def _record_copy(self) -> 'StateTraceStack':
-        """A plain stack recording what this one recorded (``merge`` into a
-        fresh stack, without a touch per state)."""
-        copy = StateTraceStack(name=self.name)
-        copy.states, copy.been_writen = list(self.states), list(self.been_writen)
-        copy._index, copy._originals = dict(self._index), list(self._originals)
-        return copy
+        """A plain stack recording what this one recorded."""
+        return StateTraceStack(name=self.name).merge(self)
 
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
         """A new stack holding the states of both."""
@@ -1299,10 +1252,8 @@ class _StateCatcher:
     creation order (iterable, indexable, ``in`` by identity)."""
 
     def __init__(self, state_tag, state_to_exclude):
-        self.state_tag = state_tag
-        self.state_to_exclude = to_predicate(state_to_exclude)
-        self.state_ids: set = set()
-        self.states: list = []
+        self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
+        self.state_ids, self.states = set(), []
 
     def append(self, state: State) -> None:
         """Adds ``state`` (tagging it) unless excluded or already caught."""
@@ -1419,6 +1370,8 @@ class OfType(_Filter):
     """
 
     def __init__(self, type: type):
+        if not inspect.isclass(type):
+            raise TypeError(f'OfType(type) needs a class (e.g. ParamState), got {type!r}')
         self.type = type
 
     def __call__(self, path, x):
@@ -1438,6 +1391,8 @@ class WithTag(_Filter):
     """
 
     def __init__(self, tag: str):
+        if not isinstance(tag, str):
+            raise TypeError(f'WithTag(tag) needs a str, got {tag!r}')
         self.tag = tag
 
     def __call__(self, path, x):
@@ -1599,6 +1554,9 @@ class hashabledict(dict):
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _readonly
 
+    def __reduce__(self):   # copies and pickles rebuild it whole, never item by item
+        return type(self), (dict(self),)
+
     def __repr__(self):
         return f'hashabledict({dict.__repr__(self)})'
 
@@ -1757,37 +1715,26 @@ _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 # functions take the StatefulFunction (``sf``) only for its static_argnums,
 # static_argnames and name.
 
-def _normalize_argnums(argnums, what: str) -> tuple:
-    if argnums is None:
-        return ()
-    if _is_int(argnums):
-        argnums = (argnums,)
-    if not isinstance(argnums, Iterable) or not all(_is_int(a) for a in argnums):
-        raise TypeError(f'{what} must be an int or a sequence of ints, got {argnums!r}')
-    return tuple(operator.index(a) for a in argnums)
-
-
-def _normalize_argnames(argnames, what: str) -> tuple:
-    if argnames is None:
-        return ()
-    if isinstance(argnames, str):
-        return (argnames,)
-    argnames = tuple(argnames)
-    if not all(isinstance(a, str) for a in argnames):
-        raise TypeError(f'{what} must be a str or a sequence of str, got {argnames!r}')
-    return argnames
+def _static_spec(value, what: str) -> tuple:
+    """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
+    names = what == 'static_argnames'
+    one = (lambda a: isinstance(a, str)) if names else _is_int
+    items = () if value is None else (value,) if one(value) else value
+    if isinstance(items, Iterable) and not isinstance(items, (str, bytes, dict)):
+        items = tuple(items)
+        if all(map(one, items)):
+            return items if names else tuple(map(operator.index, items))
+    raise TypeError(f'{what} must be {"a str" if names else "an int"} or a sequence of them, '
+                    f'got {value!r}')
 
 
 def _static_positions(sf, nargs: int) -> tuple:
-    out = []
     for i in sf.static_argnums:
-        j = i + nargs if i < 0 else i
-        if not 0 <= j < nargs:
+        if not -nargs <= i < nargs:
             raise ValueError(
                 f'{_who(sf)}: static_argnums contains {i}, but the call passed only {nargs} '
                 'positional argument(s); pass that argument positionally or fix static_argnums')
-        out.append(j)
-    return tuple(sorted(set(out)))
+    return tuple(sorted({i % nargs for i in sf.static_argnums}))
 
 
 def _split_args(sf, args, kwargs) -> tuple:
@@ -1796,9 +1743,8 @@ def _split_args(sf, args, kwargs) -> tuple:
     statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    names = sf.static_argnames
-    static_kwargs = {k: v for k, v in kwargs.items() if k in names}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
     return static_args, dyn_args, static_kwargs, dyn_kwargs
 
 
@@ -1807,36 +1753,35 @@ def _hash_static(sf, where: str, value):
     ``make_hashable`` form hashes (jax.jit then needs it wrapped)."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
-    try:
-        hash(h)
-    except TypeError:
+    if not _hashes(h):
         raise TypeError(
             f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
             'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic') from None
+            'the argument dynamic')
+    return h, not _hashes(value)
+
+
+def _hashes(x) -> bool:
     try:
-        hash(value)
+        hash(x)
     except TypeError:
-        return h, True
-    return h, False
+        return False
+    return True
 
 
 def _call_key(sf, args, kwargs):
     """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear
     errors; ``by_value``: some static argument hashes only by value."""
     split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
-    by_value = False
-    hashed = []
-    for where, value in ([(f'positional argument {i}', v) for i, v in static_args]
-                         + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]):
-        h, wrapped = _hash_static(sf, where, value)
-        hashed.append(h)
-        by_value |= wrapped
+    hashed = [_hash_static(sf, where, value) for where, value in
+              [(f'positional argument {i}', v) for i, v in static_args]
+              + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]]
+    by_value, hashed = any(wrapped for _, wrapped in hashed), [h for h, _ in hashed]
     leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
     leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
     try:
         sigs = tuple(map(_leaf_sig, leaves_a + leaves_k))
-    except TypeError:
+    except (TypeError, OverflowError):
         _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
         raise
     n = len(static_args)
@@ -1853,13 +1798,17 @@ def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
         _reject_states(tree, f'{_who(sf)}: {what}')
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            where = f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)}'
             try:
                 _leaf_sig(leaf)
+            except OverflowError:
+                raise OverflowError(f'{where} is the Python int {leaf}, out of range for the '
+                                    'default integer dtype; pass an array of a wide enough dtype '
+                                    '(int64 needs jax_enable_x64) or mark it static') from None
             except TypeError:
                 raise TypeError(
-                    f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)} has type '
-                    f'{type(leaf).__name__}, which is not a JAX type; mark it static '
-                    '(static_argnums / static_argnames) or pass an array') from None
+                    f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark it '
+                    'static (static_argnums / static_argnames) or pass an array') from None
 
 
 def _rebuilder(split):
@@ -1915,8 +1864,9 @@ def _wrap_statics(sf, args, kwargs):
 # captured when tracing starts, so a first read deep inside ``lax.scan``,
 # ``grad`` or an inner ``jit`` is an input rather than a baked-in constant.
 # A State *written* inside such a nested transformation is lifted as Refs
-# instead (``_RefCell``), and the finished jaxpr is discharged into a pure
-# one, which threads the write out as a scan carry, a cond output and so on.
+# instead (``_RefCell``): the trace that meets the write is redone with the
+# State so lifted, and JAX's own discharge turns the finished jaxpr into a
+# pure one, which threads the write out as a scan carry, a cond output...
 #
 # Staying clear of JAX's trace caches.  JAX caches the traces of lax
 # control-flow bodies and of jitted functions, keyed on the Python function
@@ -1926,10 +1876,9 @@ def _wrap_statics(sf, args, kwargs):
 # trace (``_BAKED_STATES``) may sit inside any cached jaxpr.  The axis
 # environment is part of that context on every release, so binding a unique
 # size-1 axis (``_TraceEpoch``; no jaxpr refers to it) makes those caches
-# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace
-# (about a millisecond per trace), so a trace is isolated only once it is
-# known to need it (``_TraceHints``), and renews its epoch when a write
-# follows a nested read of the same State.
+# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace,
+# so a trace is isolated only once it is known to need it (``_TraceHints``),
+# and renews its epoch when a write follows a nested read of the same State.
 # =============================================================================
 
 class _Traced:
@@ -1942,19 +1891,12 @@ class _Traced:
             setattr(self, k, v)
 
     def runner(self) -> Callable:
-        """``run(flat_args, state_values) -> (out, returned_state_values)``.
-
-        Outside any stateful trace (in a dispatcher's jit trace) the jaxpr is
-        inlined rather than evaluated; inside one it is evaluated, so that the
-        enclosing jaxpr is what eval_jaxpr gives."""
-        closed, n_out = self.closed_jaxpr, self.n_out
-        run, out_tree, state_tree = _jaxpr_as_fun(closed), self.out_tree, self.state_tree
+        """``run(flat_args, state_values) -> (out, returned_state_values)``."""
+        run, n_out = _jaxpr_as_fun(self.closed_jaxpr), self.n_out
+        out_tree, state_tree = self.out_tree, self.state_tree
 
         def apply(flat_args, state_values):
-            args = [*flat_args, *_leaves(state_values)]
-            outs = None if _ctx.frames else _inlined(closed, args)
-            if outs is None:
-                outs = run(*args)
+            outs = run(*flat_args, *_leaves(state_values))
             return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
                     jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
         return apply
@@ -2007,26 +1949,21 @@ class _TraceFrame(StateTraceStack):
     inside the traced function, where its JAX trace is the current one.
 
     ``pending`` collects the States written inside nested transformations
-    that were not lifted as Refs, ``speculated`` the ones lifted as Refs
-    only because they were first touched there (see _TraceHints)."""
+    that were not lifted as Refs (see _TraceHints)."""
 
     def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
-                 speculated: list, isolated: bool):
+                 nested: list, isolated: bool):
         super().__init__(name=name)
         self._overlays = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
         self._pending = pending if _HAS_REFS else None
-        self._speculated = speculated
+        self._nested, self._depth = nested, _trace_depth()   # first touched deeper
         self._nested_reads = set()              # ids of states read in nested traces
         self._epoch = _TraceEpoch()
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
-        self.final_reads: list = []             # (output position, Ref number): finish()
-        self.placeholders: dict = {}            # aval -> its placeholder input: _final()
-        self._ref_numbers: dict = {}            # id(cell) -> its first Ref's number
-        self._n_refs = 0
         self.lifted: list = []                  # (state, treedef, avals) per lift
         self.result: dict = {}                  # what finish() found out
 
@@ -2046,16 +1983,13 @@ class _TraceFrame(StateTraceStack):
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
         self.lifted.append((state, treedef, avals))
+        if _trace_depth() != self._depth:
+            self._nested.append(state)
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        known = bool(self._hints.ref_states) and state in self._hints.ref_states
-        if known or (self._hints.speculate and _current_trace_id() is not self._jax_trace):
-            if not known:
-                self._speculated.append(state)
+        if self._hints.ref_states and state in self._hints.ref_states:
             cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
-                            treedef, avals)
-            self._ref_numbers[id(cell)] = self._n_refs
-            self._n_refs += len(avals)
+                            treedef, avals, self._jax_trace)
             self.cells.append(cell)
             return cell
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
@@ -2065,15 +1999,23 @@ class _TraceFrame(StateTraceStack):
         then the values of the returned states (the written ones, or all)."""
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        for i, leaf in enumerate(out_leaves):
+            if not isinstance(leaf, Tracer):
+                try:
+                    _typeof(leaf)
+                except TypeError:
+                    path = jax.tree_util.tree_flatten_with_path(out)[0][i][0]
+                    raise TypeError(
+                        f'the stateful function {self.name!r} returned {leaf!r} (a '
+                        f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
+                        'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values, state_leaves = [], []
         for i in returned:
             value = self._values[id(self.states[i])]
             if type(value) is _RefCell:
-                leaves = self._final(value, len(out_leaves) + len(state_leaves))
-                value = jax.tree_util.tree_unflatten(value.treedef, leaves)
-            else:
-                leaves = _leaves(value)
+                value = value.read()
+            leaves = _leaves(value)
             values.append(value)
             state_leaves.extend(leaves)
         state_tree = jax.tree_util.tree_structure(values)
@@ -2086,19 +2028,6 @@ class _TraceFrame(StateTraceStack):
                            state_tree=state_tree,
                            full_tree=jax.tree_util.tree_structure((out, tuple(part))))
         return out_leaves + state_leaves
-
-    def _final(self, cell: '_RefCell', position: int) -> list:
-        """The output leaves, from ``position`` on, of a state held as Refs:
-        placeholders, one new last jaxpr input per aval, that the discharge
-        replaces by the Refs' final values (``final_reads`` pairs each output
-        position with its Ref's number among the Ref inputs).  Reading the
-        Refs instead would cost a traced read each."""
-        first = self._ref_numbers[id(cell)]
-        self.final_reads.extend((position + j, first + j) for j in range(len(cell.refs)))
-        for aval in cell.avals:
-            if aval not in self.placeholders:
-                self.placeholders[aval] = _new_arg(self._builder, aval)
-        return [self.placeholders[aval] for aval in cell.avals]
 
     def traced(self, closed, out_avals) -> _Traced:
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
@@ -2227,30 +2156,74 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                 'thread the values explicitly with StatefulFunction.jaxpr_call().')
 
 
-# -- Writes inside nested transformations: Refs and their discharge -----------
+# -- Writes inside nested transformations: Refs ----------------------------------
 class _RefCell:
     """A State that a stateful trace lifted as Refs, one per leaf, because the
     function writes it inside a nested transformation.  Reads and writes bind
     at whatever JAX trace is current, so a scan body sees the value of its
-    own iteration and an inner jit's write reaches the code after it."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals', 'leaf')
+    own iteration and an inner jit's write reaches the code after it; JAX's
+    discharge then threads the writes out.
 
-    def __init__(self, state, refs, treedef, avals):
+    A Ref takes no tangent, so a write under differentiation stores the
+    primal (what the State holds once the transformation returns) and keeps
+    the written value in ``shadow`` with the trace it was written in: reads
+    inside that trace, or inside a trace nested in it, see the value with its
+    tangent, as they would see a local variable."""
+    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow')
+
+    def __init__(self, state, refs, treedef, avals, home):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
-        # A State holding one array, the common case, skips the pytree walks.
-        self.leaf = len(refs) == 1 and jax.tree_util.treedef_is_leaf(treedef)
+        self.home, self.shadow = home, None   # the stateful trace's own JAX trace
 
     def read(self):
-        if self.leaf:
-            return _read_ref(self.refs[0])
-        return jax.tree_util.tree_unflatten(self.treedef, [_read_ref(r) for r in self.refs])
+        if self.shadow is not None and _current_trace_id() is not self.home:
+            (written, *outer), value, _ = self.shadow
+            path, whole = _trace_path()
+            if written in path:
+                return value
+            if not whole and not any(t in path for t in outer):
+                raise TraceContextError(
+                    f'{self.state._describe()} was written inside a differentiated function '
+                    '(jax.grad / jax.jvp ...) and is read inside a jit or loop body nested in '
+                    f'some transformation, where JAX {jax.__version__} cannot tell whether that '
+                    'differentiation is still running.  Read the value into a local variable '
+                    'before the body, or upgrade to JAX 0.6 or newer')
+            self.shadow = None
+        return self.treedef.unflatten([_ref_get(ref, ()) for ref in self.refs])
 
     def write(self, value) -> None:
-        if self.leaf and isinstance(value, Tracer):
-            got, want = value.aval, self.avals[0]
-            if got.shape == want.shape and got.dtype == want.dtype:
-                self._set(self.refs[0], value)
-                return
+        leaves = self._leaves_for(value)
+        if _drops_ref_tangents(self.home):
+            raise TraceContextError(
+                f'{self.state._describe()} is written inside a jit or loop body nested in a '
+                f'differentiated function, where JAX {jax.__version__} would drop the '
+                "written value's derivative.  Write it in the differentiated function itself, "
+                'or return the value from the body and assign it outside')
+        stripped = False
+        for ref, leaf in zip(self.refs, leaves):
+            try:
+                _ref_set(ref, (), leaf)
+            except Exception as err:
+                try:   # a value with a tangent, which a Ref cannot take: store the primal
+                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
+                    stripped = True
+                except Exception:
+                    raise TraceContextError(
+                        f'{self.state._describe()} cannot be written inside this nested '
+                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                        'varies across jax.vmap lanes cannot go into an unbatched State '
+                        '(and jax.jacfwd / jax.hessian batch every value on recent JAX): map '
+                        'the function with StatefulMapping, differentiate with jax.jacrev, '
+                        'or return the value from the transformation and assign it '
+                        'outside') from err
+        # (The trace and those it is nested in, kept alive so their ids stay theirs.)
+        self.shadow = ((_trace_path()[0], self.treedef.unflatten(leaves), _current_trace_id())
+                       if stripped else None)
+
+    def _leaves_for(self, value) -> list:
+        """``value``'s leaves, checked against the Refs; a weakly typed leaf
+        (a Python scalar) is cast to the State's dtype where that is how JAX
+        would promote the two, as a write at top level could not change it."""
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
@@ -2258,337 +2231,48 @@ class _RefCell:
                 got = [_aval_of(x) for x in leaves]
             except TypeError:
                 pass
-        if got is None or any(g.shape != a.shape or (g.dtype != a.dtype and not g.weak_type)
-                              for g, a in zip(got, self.avals)):
-            unflatten = jax.tree_util.tree_unflatten
-            expected = unflatten(self.treedef, [a.str_short() for a in self.avals])
-            shown = (unflatten(treedef, [g.str_short() for g in got]) if got is not None
+        if got is None or any(
+                g.shape != a.shape or (g.dtype != a.dtype and not (
+                    g.weak_type and jnp.result_type(a.dtype, x) == a.dtype))
+                for x, g, a in zip(leaves, got, self.avals)):
+            expected = self.treedef.unflatten([a.str_short() for a in self.avals])
+            shown = (treedef.unflatten([g.str_short() for g in got]) if got is not None
                      else f'a value of structure {treedef}')
             raise TraceContextError(
                 f'{self.state._describe()} is written inside a nested JAX transformation '
                 '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
                 f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
-                'Cast or reshape the value before assigning it')
-        for ref, leaf, g, a in zip(self.refs, leaves, got, self.avals):
-            if g.dtype != a.dtype:   # a weakly typed value (e.g. a Python scalar)
-                leaf = jax.lax.convert_element_type(leaf, a.dtype)
-            self._set(ref, leaf)
-
-    def _set(self, ref, leaf) -> None:
-        try:
-            _write_ref(ref, leaf)
-        except Exception as err:
-            # Under jax.grad the value carries a tangent, which a Ref the
-            # gradient does not flow through cannot take: keep the primal.
-            try:
-                _write_ref(ref, jax.lax.stop_gradient(leaf))
-            except Exception:
-                raise TraceContextError(
-                    f'{self.state._describe()} cannot be written inside this nested '
-                    f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                    'varies across jax.vmap lanes cannot go into an unbatched State: map '
-                    'the function with StatefulMapping instead, or return the value '
-                    'from the transformation and assign it outside') from err
-
-
-# -- The discharge, by renaming ------------------------------------------------
-# JAX's discharge re-traces every equation, abstract evaluation included: as
-# much again as tracing the function.  The Refs of a stateful trace are used in
-# few ways, all written by _RefCell: read or written whole (get, swap), or
-# passed into a scan, a while loop, a cond or an inner jit.  Those are
-# discharged here by renaming variables: a read becomes the value last
-# written, a loop threads the written Refs as carries, a cond and a jit return
-# them as extra outputs.  A Ref used any other way (custom_jvp, JAX's own
-# rewriting under grad or vmap) sends the whole jaxpr to JAX's discharge.
-
-class _Unhandled(Exception):
-    """A Ref use the renaming discharge leaves to JAX's."""
-
-
-def _fast_discharge(closed: ClosedJaxpr, final_reads=(), placeholders: int = 0) -> ClosedJaxpr:
-    """``closed`` with its Ref inputs made values, without its last
-    ``placeholders`` inputs, and each output at position ``p`` of a pair
-    ``(p, k)`` in ``final_reads`` the final value of its ``k``-th Ref input."""
-    if _RefEffect is None or _InputEffect is None:   # (a JAX without them: its own discharge)
-        raise _Unhandled
-    jaxpr = closed.jaxpr
-    refs = [i for i, v in enumerate(jaxpr.invars) if isinstance(v.aval, _ref_aval)]
-    body, written = _discharge_body(jaxpr, refs)
-    outvars = list(body.outvars)
-    for p, k in final_reads:
-        outvars[p] = written.get(refs[k], body.invars[refs[k]])
-    cut = len(jaxpr.invars) - placeholders
-    return body.close(closed.consts, body.invars[:cut], outvars, like=jaxpr)
-
-
-class _Body:
-    """A jaxpr being discharged: its rewritten inputs, equations and outputs."""
-    __slots__ = ('jaxpr', 'invars', 'eqns', 'outvars')
-
-    def __init__(self, jaxpr, invars, eqns, outvars):
-        self.jaxpr, self.invars, self.eqns, self.outvars = jaxpr, invars, eqns, outvars
-
-    def close(self, consts, invars, outvars, like=None):
-        effects = _pure_effects(set().union(*(e.effects for e in self.eqns)))
-        return _rebuild(self.jaxpr, consts, like=like, invars=invars, outvars=outvars,
-                        eqns=self.eqns, effects=effects,
-                        **({} if like is not None else
-                           {'debug_info': _unnamed(self.jaxpr.debug_info)}))
-
-
-def _discharge_body(jaxpr, refs):
-    """Discharges the Ref inputs of ``jaxpr`` at positions ``refs``; returns
-    the _Body and ``{position: final value}`` for the Refs it writes."""
-    at = set(refs)
-    if any(isinstance(v.aval, _ref_aval) for v in jaxpr.constvars) or any(
-            isinstance(v.aval, _ref_aval) for i, v in enumerate(jaxpr.invars) if i not in at):
-        raise _Unhandled
-    env = {jaxpr.invars[i]: None for i in refs}   # None until first used (_entry_value)
-    sub, inputs = {}, {}
-    eqns = _discharge_eqns(jaxpr.eqns, env, sub, inputs)
-    outvars = [_renamed(sub, v) for v in jaxpr.outvars]
-    if any(isinstance(v, Var) and isinstance(v.aval, _ref_aval) for v in outvars):
-        raise _Unhandled
-    invars, written = list(jaxpr.invars), {}
-    for i in refs:
-        ref = jaxpr.invars[i]
-        invars[i] = inputs[ref] if ref in inputs else _fresh_var(ref.aval.inner_aval)
-        if env[ref] is not None and env[ref] is not invars[i]:
-            written[i] = env[ref]
-    return _Body(jaxpr, invars, eqns, outvars), written
-
-
-def _entry_value(eqn, ref, env, inputs):
-    """The variable for ``ref``'s value on entry to the body, at its first use
-    (in ``eqn``): the output of ``eqn`` where that is a whole read, so that
-    the equations using the read need no renaming; else a fresh one."""
-    inner, out = ref.aval.inner_aval, eqn.outvars[0] if eqn.outvars else None
-    if not (eqn.primitive.name == 'get' and len(eqn.invars) == 1 and type(out) is Var
-            and out.aval == inner):
-        out = _fresh_var(inner)
-    env[ref] = inputs[ref] = out
-    return out
-
-
-def _renamed(sub, atom):
-    return sub.get(atom, atom) if isinstance(atom, Var) else atom
-
-
-def _discharge_eqns(eqns, env, sub, inputs) -> list:
-    """``eqns`` with the Refs in ``env`` (Ref variable -> current value)
-    discharged; ``sub`` maps each read's variable to the value it reads."""
-    out, rename = [], sub.get
-    for eqn in eqns:
-        invars, refs, renamed = [], [], False
-        for i, v in enumerate(eqn.invars):
-            if type(v) is not Literal:
-                if v in env:
-                    refs.append(i)
-                new = rename(v, v)
-                renamed |= new is not v
-                v = new
-            invars.append(v)
-        # Every other Ref comes out of some equation (or is an input, which
-        # _discharge_body checks): one made by JAX, left to JAX.
-        for v in eqn.outvars:
-            if isinstance(v.aval, _ref_aval):
-                raise _Unhandled
-        if not refs:
-            out.append(eqn.replace(invars=invars) if renamed else eqn)
-            continue
-        rule = _DISCHARGE_RULES.get(eqn.primitive.name)
-        if rule is None:
-            raise _Unhandled
-        values = list(invars)
-        for i in refs:
-            ref = eqn.invars[i]
-            value = env[ref]
-            values[i] = value if value is not None else _entry_value(eqn, ref, env, inputs)
-        finals, new = rule(eqn, values, refs)
-        for i, final in finals.items():
-            env[eqn.invars[i]] = final
-        if new is not None:
-            out.append(new)
-        elif values[0] is not eqn.outvars[0]:
-            # a get, or a swap (whose output is the value before the write)
-            sub[eqn.outvars[0]] = values[0]
-    return out
-
-
-def _pure_effects(effects) -> set:
-    kept = {e for e in effects if not isinstance(e, _RefEffect)}
-    if any(isinstance(e, _InputEffect) for e in kept):
-        raise _Unhandled
-    return kept
-
-
-def _same_type(aval, ref_aval) -> bool:
-    inner = ref_aval.inner_aval
-    return aval.shape == inner.shape and aval.dtype == inner.dtype
-
-
-def _discharge_get(eqn, values, refs):
-    if len(eqn.invars) != 1 or not _same_type(eqn.outvars[0].aval, eqn.invars[0].aval):
-        raise _Unhandled   # an indexed or transformed read
-    return {}, None
-
-
-def _discharge_swap(eqn, values, refs):
-    if (len(eqn.invars) != 2 or refs != [0]
-            or not _same_type(eqn.invars[1].aval, eqn.invars[0].aval)):
-        raise _Unhandled
-    return {0: values[1]}, None
-
-
-def _finals(eqn, positions):
-    """Fresh outputs of ``eqn`` for the Refs it writes, keyed by input position."""
-    return {i: _fresh_var(eqn.invars[i].aval.inner_aval) for i in positions}
-
-
-def _discharge_scan(eqn, values, refs):
-    """Written Refs become leading carries; read-only ones stay consts."""
-    params, counts = eqn.params, _scan_counts(eqn.params)
-    if counts is None or max(refs) >= counts[0]:
-        raise _Unhandled
-    n_consts, n_carry = counts
-    body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
-    moved = sorted(written)
-    order = ([i for i in range(n_consts) if i not in written] + moved
-             + list(range(n_consts, len(values))))
-    closed = body.close(params['jaxpr'].consts, [body.invars[i] for i in order],
-                        [written[i] for i in moved] + body.outvars)
-    finals = _finals(eqn, moved)
-    params = dict(_scan_params(params, n_consts - len(moved), n_carry + len(moved)),
-                  jaxpr=closed)
-    if 'linear' in params:
-        params['linear'] = tuple(params['linear'][i] for i in order)
-    return finals, eqn.replace(
-        invars=[values[i] for i in order], outvars=[finals[i] for i in moved] + list(eqn.outvars),
-        params=params, effects=_pure_effects(eqn.effects))
-
-
-def _discharge_cond(eqn, values, refs):
-    """Each branch returns the final values of the Refs any branch writes."""
-    if 0 in refs:
-        raise _Unhandled
-    positions = [i - 1 for i in refs]
-    bodies = [_discharge_body(b.jaxpr, positions) for b in eqn.params['branches']]
-    moved = sorted(set().union(*(written for _, written in bodies)))
-    branches = tuple(
-        body.close(b.consts, body.invars,
-                   body.outvars + [written.get(p, body.invars[p]) for p in moved])
-        for b, (body, written) in zip(eqn.params['branches'], bodies))
-    finals = _finals(eqn, [p + 1 for p in moved])
-    return finals, eqn.replace(
-        invars=values, outvars=[*eqn.outvars, *(finals[p + 1] for p in moved)],
-        params=dict(eqn.params, branches=branches), effects=_pure_effects(eqn.effects))
-
-
-def _discharge_jit(eqn, values, refs):
-    """The jitted body returns the final values of the Refs it writes."""
-    params = eqn.params
-    if any(k not in params for k in _JIT_LAYOUT):
-        raise _Unhandled
-    body, written = _discharge_body(params['jaxpr'].jaxpr, refs)
-    moved = sorted(written)
-    closed = body.close(params['jaxpr'].consts, body.invars,
-                        body.outvars + [written[i] for i in moved])
-    finals = _finals(eqn, moved)
-    params = dict(
-        params, jaxpr=closed,
-        out_shardings=(*params['out_shardings'], *(params['in_shardings'][i] for i in moved)),
-        out_layouts=(*params['out_layouts'], *(params['in_layouts'][i] for i in moved)))
-    return finals, eqn.replace(invars=values, outvars=[*eqn.outvars, *(finals[i] for i in moved)],
-                               params=params, effects=_pure_effects(eqn.effects))
-
-
-def _discharge_while(eqn, values, refs):
-    """Refs the body writes become leading carries, which the condition reads
-    in place of its consts; the others stay consts of both."""
-    params = eqn.params
-    if any(k not in params for k in _WHILE_LAYOUT):
-        raise _Unhandled
-    n_cond, n_body = params['cond_nconsts'], params['cond_nconsts'] + params['body_nconsts']
-    cond_refs = [i for i in refs if i < n_cond]
-    body_refs = [i for i in refs if i >= n_cond]
-    if max(refs) >= n_body or any(len({eqn.invars[i] for i in at}) < len(at)
-                                  for at in (cond_refs, body_refs)):
-        raise _Unhandled   # a Ref as a carry, or passed twice to one jaxpr
-    body, written = _discharge_body(params['body_jaxpr'].jaxpr, [i - n_cond for i in body_refs])
-    cond, cond_written = _discharge_body(params['cond_jaxpr'].jaxpr, cond_refs)
-    if cond_written:
-        raise _Unhandled
-    moved = [n_cond + p for p in sorted(written)]          # eqn positions of the carried Refs
-    carried = {eqn.invars[i]: k for k, i in enumerate(moved)}
-    slots = [_fresh_var(eqn.invars[i].aval.inner_aval) for i in moved]
-    for i in cond_refs:   # the condition reads a carried Ref from its carry slot
-        if eqn.invars[i] in carried:
-            slots[carried[eqn.invars[i]]] = cond.invars[i]
-    keep_cond = [i for i in range(n_cond) if eqn.invars[i] not in carried]
-    keep_body = [i for i in range(n_cond, n_body) if i not in moved]
-    carry = list(range(n_body, len(values)))
-    cond_jaxpr = cond.close(params['cond_jaxpr'].consts,
-                            [cond.invars[i] for i in keep_cond] + slots
-                            + cond.invars[n_cond:], cond.outvars)
-    body_at = [i - n_cond for i in keep_body + moved] + [i - n_cond for i in carry]
-    body_jaxpr = body.close(params['body_jaxpr'].consts, [body.invars[i] for i in body_at],
-                            [written[i - n_cond] for i in moved] + body.outvars)
-    finals = _finals(eqn, moved)
-    params = dict(params, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
-                  cond_nconsts=len(keep_cond), body_nconsts=len(keep_body))
-    return finals, eqn.replace(
-        invars=[values[i] for i in keep_cond + keep_body + moved + carry],
-        outvars=[finals[i] for i in moved] + list(eqn.outvars),
-        params=params, effects=_pure_effects(eqn.effects))
-
-
-_DISCHARGE_RULES = {'get': _discharge_get, 'swap': _discharge_swap, 'scan': _discharge_scan,
-                    'cond': _discharge_cond, 'pjit': _discharge_jit, 'jit': _discharge_jit,
-                    'while': _discharge_while}
-
-
-class _CannotDischarge(TraceContextError):
-    """JAX has no discharge rule for a transformation a Ref went through."""
-
-
-def _refuses_state_effects(err: BaseException) -> bool:
-    """Whether ``err`` is a JAX rule refusing a jaxpr with Ref effects: "State
-    effect not supported in vmap-of-cond" (all releases), "... in cond
-    partial-eval" (under jax.grad, before 0.7), "Effects not supported in
-    partial-eval of `checkpoint`/`remat`: [ReadEffect(0)]" (before 0.8)."""
-    text = str(err)
-    return isinstance(err, NotImplementedError) and (
-        'State effect not supported' in text
-        or ('Effects not supported' in text and 'Effect(' in text))
+                'Cast or reshape the value before assigning it (a write at top level may '
+                'change them)')
+        return [x if g.dtype == a.dtype else jax.lax.convert_element_type(x, a.dtype)
+                for x, g, a in zip(leaves, got, self.avals)]
 
 
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
     """Raises a TraceContextError naming ``ref_states`` (the States a trace
-    lifted as Refs, as it writes or may write them inside nested
-    transformations) where ``err`` is JAX refusing such a write; returns
-    otherwise."""
-    # The last two are JAX's batching and JVP rules for swap (0.6 ..), met
-    # where a body is transformed after it was traced (a loop under jax.vmap,
-    # a jax.checkpoint under jax.grad) rather than at the write; before 0.7
-    # JAX trips over the Ref's zero tangent instead of the latter.
-    text = str(err)
-    if _refuses_state_effects(err):
-        why = (f'goes through one that JAX {jax.__version__} cannot carry it through: "{err}" '
-               '(e.g. a lax.cond under jax.vmap; on older releases a lax.cond or '
-               'jax.checkpoint under jax.grad).  Return the value from that transformation and '
-               'assign it outside, or, under jax.vmap, map the function with StatefulMapping '
-               'instead')
-    elif 'vmapped value on an unbatched' in text:
-        why = ('is given a value that JAX batches across jax.vmap lanes (one that differs per '
-               'lane, or any value where JAX batches the whole body, as under jax.jacfwd / '
-               'jax.hessian on recent releases), which an unbatched State cannot hold: map the '
-               'function with StatefulMapping instead, or return the value from the '
-               'transformation and assign it outside')
-    elif 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
-        why = ('is given a value that carries a gradient, inside a transformation JAX '
-               'differentiates as a whole (such as a jax.checkpoint function under jax.grad).  '
-               'Return the value from that transformation and assign it outside')
-    else:
+    lifted as Refs) where ``err`` is JAX refusing such a write; returns
+    otherwise.  The last two kinds are met where JAX transforms a body after
+    tracing it (a loop under jax.vmap, a jax.checkpoint under jax.grad)."""
+    if isinstance(err, TraceContextError):
+        return
+    why = {
+        'effects': f'goes through one that JAX {jax.__version__} cannot carry it through: '
+                   f'"{err}" (e.g. a lax.cond under jax.vmap; on older releases a lax.cond '
+                   'or jax.checkpoint under jax.grad).  Return the value from that '
+                   'transformation and assign it outside, or, under jax.vmap, map the '
+                   'function with StatefulMapping instead',
+        'batched': 'is given a value that JAX batches across jax.vmap lanes (one that differs '
+                   'per lane, or any value where JAX batches the whole body, as under '
+                   'jax.jacfwd / jax.hessian on recent releases), which an unbatched State '
+                   'cannot hold: map the function with StatefulMapping, differentiate with '
+                   'jax.jacrev, or return the value from the transformation and assign it '
+                   'outside',
+        'tangent': 'is given a value that carries a gradient, inside a transformation JAX '
+                   'differentiates as a whole (such as a loop, an inner jax.jit or a '
+                   'jax.checkpoint function under jax.grad).  Return the value from that '
+                   'transformation and assign it outside',
+    }.get(_refusal(err))
+    if why is None:
         return
     described = ', '.join(sorted(s._describe() for s in ref_states))
     if len(ref_states) > 1:
@@ -2597,93 +2281,17 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
         f'a State written inside a nested transformation ({described}) {why}') from err
 
 
-def _refused_ref(err: BaseException) -> bool:
-    """Whether ``err`` is how JAX refuses a Ref somewhere (rather than an
-    error of the traced function): a closure it cannot convert (custom_jvp
-    before 0.4.36), an attribute Refs lack (shard_map), a Ref's read effect
-    where none may be (custom_jvp under jax_enable_checks, 0.4.38 .. 0.6), a
-    rule that refuses Ref effects ("State effect not supported in ...": a
-    lax.cond under jax.vmap, all releases, or under jax.grad before 0.7),
-    no discharge rule."""
-    if isinstance(err, (jax.errors.UnexpectedTracerError, _CannotDischarge)):
-        return True
-    if isinstance(err, jax.errors.ConcretizationTypeError) or not isinstance(
-            err, (AttributeError, TypeError, NotImplementedError)):
-        return False   # (a traced value used as a Python one is the function's bug)
-    # JAX appends where a tracer came from, which may name _RefCell's methods.
-    text = str(err).split('The error occurred while tracing')[0]
-    return 'Ref' in text or 'Effect' in text or _refuses_state_effects(err)
-
-
-def _nested_jaxprs(params) -> list:
-    """The jaxprs among the values of an equation's ``params``."""
-    found = []
-    for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
-
-
-def _loop_condition_reads_a_write(jaxpr) -> bool:
-    """Whether a while loop in ``jaxpr`` (or in a jaxpr inside it) has a
-    condition that reads a Ref its body writes.  JAX's own discharge gives
-    such a condition the value from before the loop on 0.7 .. 0.12 (the loop
-    never ends or ends wrongly) and refuses it before."""
-    for eqn in jaxpr.eqns:
-        params = eqn.params
-        if eqn.primitive.name == 'while' and all(k in params for k in _WHILE_LAYOUT):
-            n_cond, n_body = params['cond_nconsts'], params['body_nconsts']
-            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
-            body = params['body_jaxpr'].jaxpr
-            consts = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
-            written = {consts.get(_effect_input(e, body)) for e in body.effects
-                       if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
-            if read & written:
-                return True
-        if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(params)):
-            return True
-    return False
-
-
-def _rematerialized_write(jaxpr) -> bool:
-    """Whether a function under ``jax.checkpoint`` and differentiation (an
-    equation with ``differentiated=True``, in ``jaxpr`` or a jaxpr inside it)
-    writes a Ref.  JAX runs such a function once for the primal and again to
-    rematerialize it, its writes included, so the State would be written
-    twice (0.8 ..; before, JAX refuses the effect)."""
-    for eqn in jaxpr.eqns:
-        if eqn.params.get('differentiated') is True and any(
-                isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)
-                for e in eqn.effects):
-            return True
-        if any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params)):
-            return True
-    return False
-
-
-def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int) -> ClosedJaxpr:
-    """Turns a jaxpr with Ref inputs into the pure one with value inputs and
-    the same outputs, but for the ``final_reads`` (see :meth:`_TraceFrame._final`):
-    the final values of the Refs they name, instead of the last
-    ``placeholders`` inputs, which go."""
-    try:
-        return _fast_discharge(closed, final_reads, placeholders)
-    except _Unhandled:
-        pass
+def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
+    """The pure jaxpr of ``closed``, whose Ref inputs (``cells``) become value
+    inputs, with the same outputs."""
     described = ', '.join(c.state._describe() for c in cells)
-    if _ReadEffect is not None and _loop_condition_reads_a_write(closed.jaxpr):
-        raise _CannotDischarge(
-            f'a lax.while_loop condition reads a State its body writes, among {described}, '
-            f'in a program that JAX {jax.__version__} must discharge itself (it writes a State '
-            'inside a transformation other than scan, while_loop, cond or jit, or a Ref went '
-            'through jax.grad / jax.vmap), and JAX would give that condition the value from '
-            'before the loop.  Compute the condition from the loop carry instead (carry the '
-            "State's value or the test)")
-    if _ReadEffect is not None and _rematerialized_write(closed.jaxpr):
-        raise _CannotDischarge(
+    if _loop_condition_reads_a_write(closed.jaxpr):
+        raise TraceContextError(
+            f'a lax.while_loop condition reads a State its body writes, among {described}; '
+            'JAX would give that condition the value from before the loop.  Compute the '
+            "condition from the loop carry instead (carry the State's value or the test)")
+    if _rematerialized_write(closed.jaxpr):
+        raise TraceContextError(
             f'a State among {described} is written inside a jax.checkpoint function that is '
             'differentiated (jax.grad / jax.vjp / jax.linearize): JAX runs that function again '
             'to rematerialize it, so the write would happen twice.  Write the State outside '
@@ -2691,15 +2299,11 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int)
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
-        raise _CannotDischarge(
+        raise TraceContextError(
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
-    # JAX's discharge appends each Ref's final value to the outputs, in order.
-    n, cut = len(closed.jaxpr.outvars), len(closed.jaxpr.invars) - placeholders
-    outvars = list(pure.jaxpr.outvars[:n])
-    for p, k in final_reads:
-        outvars[p] = pure.jaxpr.outvars[n + k]
+    outvars = pure.jaxpr.outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
@@ -2707,8 +2311,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells, final_reads, placeholders: int)
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
                 'writing a per-lane value inside jax.vmap; map the function with '
                 'StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr,
-                    invars=pure.jaxpr.invars[:cut], outvars=outvars)
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
 # -- Staying clear of JAX's trace caches --------------------------------------
@@ -2746,22 +2349,17 @@ class _TraceHints:
     A trace is isolated (see the section comment) once the function is known
     to write States inside nested transformations, or JAX handed one of its
     traces a body with a finished trace's tracer inside; any trace is while a
-    live State was read by a plain JAX trace.
-
-    A State first touched inside a nested transformation is lifted as Refs
-    straight away (*speculatively*): it is usually written there too (a scan
-    carry kept in a State), and so the trace needs neither the abort nor the
-    isolated retrace.  Where JAX cannot take a Ref (a transformation without
-    a discharge rule, e.g. jax.checkpoint before 0.7; a rule refusing Ref
-    effects, e.g. lax.cond under jax.vmap), the trace fails inside JAX and is
-    redone without speculation, for good, and isolated.
+    live State was read by a plain JAX trace.  Only the States known to be
+    written inside nested transformations are lifted as Refs: a State merely
+    read there stays a plain input, which every JAX rule (a custom_vjp's
+    included) takes as it takes any closed-over value.
     """
-    __slots__ = ('ref_states', 'isolate', 'speculate')
+    __slots__ = ('ref_states', 'isolate', 'prelift')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = False                  # trace under a fresh _TraceEpoch
-        self.speculate = _HAS_REFS            # lift first touches in nested traces as Refs
+        self.prelift: list = []               # States to lift before the function runs
 
 
 class _Retrace(Exception):
@@ -2793,27 +2391,24 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         hints = _TraceHints()
     spec = _TraceSpec(name, return_only_write, axis_env, lift_aval, trace_with)
     while True:
-        pending, speculated = set(), []
+        pending, nested = set(), []
         isolated = hints.isolate
         try:
-            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, speculated)
+            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, nested)
         except _Retrace:
             continue   # (the finally clause records what it found)
         except Exception as err:
-            if speculated and _refused_ref(err):
-                # Trace as before (abort at nested writes), and isolated: JAX
-                # may have cached a body it traced with a Ref inside.  (An
-                # UnexpectedTracerError isolates the next trace if it recurs.)
-                hints.speculate = False
-                if not isinstance(err, jax.errors.UnexpectedTracerError):
+            if isinstance(err, jax.errors.UnexpectedTracerError):
+                # A body JAX cached with a finished trace's tracer (isolate), or
+                # a State first read where JAX takes no closed-over tracer (a
+                # custom_vjp before 0.4.36): lift those States up front.
+                new = [s for s in nested if s not in hints.prelift]
+                if new or not isolated:
                     hints.isolate = True
-                continue
-            if isinstance(err, jax.errors.UnexpectedTracerError) and not isolated:
-                hints.isolate = True
-                continue
-            lifted = {*hints.ref_states, *speculated}
-            if lifted:
-                _explain_ref_refusal(err, lifted)
+                    hints.prelift.extend(new)
+                    continue
+            if hints.ref_states:
+                _explain_ref_refusal(err, set(hints.ref_states))
             raise
         finally:
             # Also when the function raised: the next trace starts informed.
@@ -2828,15 +2423,17 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
 
 def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
-                pending: set, speculated: list) -> _Traced:
+                pending: set, nested: list) -> _Traced:
     """One attempt of ``_trace_stateful``, in a fresh _TraceFrame."""
     isolated = hints.isolate or len(_BAKED_STATES) > 0
     frames = []
 
     def flat_fun(*flat):
-        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, speculated, isolated)
+        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, nested, isolated)
         frames.append(frame)
         with frame:
+            for state in hints.prelift:
+                state.value
             args, kwargs = rebuild(list(flat))
             return frame.finish(fun(*args, **kwargs), spec.return_only_write)
 
@@ -2854,11 +2451,8 @@ def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
         del jaxpr, consts
         frame = frames[-1]
         if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, frame.cells, frame.final_reads,
-                                      len(frame.placeholders))
-            # The Ref jaxpr and the cells' tracers go now, not after the
-            # collector resumes: it would scan them once more (~1% of a trace).
-            frame.cells = frame.placeholders = None
+            closed = _discharge_cells(closed, frame.cells)
+            frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
     return frame.traced(closed, out_avals)
 
 
@@ -2958,13 +2552,15 @@ def _state_lock(state):
 class _Plan:
     """Which states a compiled call reads, writes and donates (positions in
     ``states``), and their locks; shared by entries that agree."""
-    __slots__ = ('token', 'states', 'write_states', 'write_index', 'donated', 'kept', 'locks')
+    __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
+                 'locks')
 
-    def __init__(self, states, write_index, donate):
+    def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
         self.states = states
         self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
+        self.written = tuple(i in written for i in write_index)   # assigned, not just returned
         self.donated = tuple(i for i in write_index if donate is not None
                              and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
@@ -2982,37 +2578,38 @@ class _Entry:
 
 
 def _check_callable(fun, who: str):
+    kind = type(fun).__name__
     if isinstance(fun, (staticmethod, classmethod)):
-        raise TypeError(
-            f'{who} got a {type(fun).__name__} object; pass the underlying function '
-            f'instead ({type(fun).__name__} objects are descriptors: use obj.__func__ or '
-            'apply the decorator outside @staticmethod)')
+        raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
+                        f'(obj.__func__) or apply the decorator outside @{kind}')
     if not callable(fun):
-        raise TypeError(f'{who} needs a callable, got {type(fun).__name__}: {fun!r}')
-    if inspect.isgeneratorfunction(fun) or inspect.isasyncgenfunction(fun):
-        raise TypeError(
-            f'{who} cannot trace generator function {getattr(fun, "__qualname__", fun)!r}: '
-            'a generator only runs when iterated; return a value (e.g. a list) instead')
-    if inspect.iscoroutinefunction(fun):
-        raise TypeError(f'{who} cannot trace coroutine function {fun!r}; make it synchronous')
+        raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
+    if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
+                            inspect.iscoroutinefunction)):
+        raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a generator '
+                        'or coroutine function (its body runs only when iterated or awaited); '
+                        'make it a plain function that returns its value (e.g. a list)')
 
 
 def _write_back(fun, plan, new) -> None:
     """Gives ``plan``'s written states the values a compiled call returned."""
-    if not new:
-        return
-    first = new[0]
-    # An array value has an ``aval``; only a pytree value needs a walk.
-    if isinstance(first, Tracer) or (getattr(first, 'aval', None) is None
-                                     and _contains_tracer(first)):
-        # Called under a plain JAX transformation: the new values are tracers.
-        raise TraceContextError(
-            f'{_who(fun)} writes {plan.write_states[0]._describe()} '
-            'but was called inside a JAX transformation (jax.jit / jax.grad / jax.vmap ...) '
-            'with no enclosing stateful trace, so the new state values would be tracers that '
-            'outlive it.  Wrap the outer function in StatefulFunction, or call '
-            'jaxpr_call(state_values, ...) and thread the values explicitly.')
-    for state, value in zip(plan.write_states, new):
+    pairs = zip(plan.write_states, new)
+    if new and _under_jax_trace():
+        # Under a plain JAX transformation the write would happen once per
+        # trace, not per lane or per derivative, and may be a tracer: refused
+        # whatever the value depends on, unless the State lives in this trace.
+        pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
+        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
+        if refused:
+            raise TraceContextError(
+                f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
+                'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
+                'trace, which cannot carry the new value out.  Wrap the outer function in '
+                'StatefulFunction (or StatefulMapping), or call jaxpr_call(state_values, ...) '
+                'and thread the values explicitly.')
+        for state, value in pairs:
+            _check_tracers_may_enter(state, value, ())
+    for state, value in pairs:
         state._value = value
 
 
@@ -3100,6 +2697,7 @@ def _warm_path(plan, dispatch, nargs, new):
     pytree) goes through _write_back's checks."""
     first = new[0] if new else None
     names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
+             'traced': _under_jax_trace,
              'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
              **{f's{i}': state for i, state in enumerate(plan.states)},
              **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
@@ -3108,7 +2706,7 @@ def _warm_path(plan, dispatch, nargs, new):
             'out, new = (dispatch(values, *args, **kwargs) if kwargs else '
             f'dispatch(values, {"".join(f"args[{i}], " for i in range(nargs))}))']
     if plan.write_index:
-        body += ['if type(new[0]) is leaf_type:',
+        body += ['if type(new[0]) is leaf_type and not traced():',
                  f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
                  'else:', '    _write_back(sf, plan, new)']
     lines = (['def warm(sf, args, kwargs):'] + [f'    {lock}.acquire()' for lock in locks]
@@ -3140,7 +2738,7 @@ def _call(sf, *args, **kwargs):
         # trace, so a function that keeps switching gives up the fast path.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         if _ctx.trace_error is err:   # raised by the traced function itself
             raise
         # An argument jax.jit refuses gets the slow path's clearer error here,
@@ -3164,18 +2762,33 @@ class _StatefulBase:
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                  name, return_only_write, donate_states, keep_sharding, explain_cache_misses):
-        _check_callable(fun, type(self).__name__)
+        who = type(self).__name__
+        _check_callable(fun, who)
         self.fun = fun
-        self.static_argnums = _normalize_argnums(static_argnums, 'static_argnums')
-        self.static_argnames = _normalize_argnames(static_argnames, 'static_argnames')
-        self.axis_env = tuple(axis_env) if axis_env else None
+        self.static_argnums = _static_spec(static_argnums, 'static_argnums')
+        self.static_argnames = _static_spec(static_argnames, 'static_argnames')
+        env = tuple(axis_env) if isinstance(axis_env, (list, tuple)) else axis_env
+        for what, value, ok, want in (
+                ('name', name, name is None or isinstance(name, str), 'a str or None'),
+                ('return_only_write', return_only_write,
+                 isinstance(return_only_write, (bool, np.bool_)), 'True or False'),
+                ('axis_env', axis_env, not env or isinstance(env, tuple) and all(
+                    isinstance(p, (list, tuple)) and len(p) == 2 and _is_int(p[1]) and p[1] > 0
+                    for p in env), '(axis_name, size) pairs with int sizes >= 1')):
+            if not ok:
+                raise TypeError(f'{who}({what}=...) needs {want}, got {value!r}')
+        self.axis_env = env or None
         self.abstracted_axes = abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
         self.return_only_write = return_only_write
         self.donate_states = donate_states
         self.keep_sharding = keep_sharding
-        self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
-        self._keep = to_predicate(keep_sharding)
+        try:
+            self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
+            self._keep = to_predicate(keep_sharding)
+        except TypeError as err:
+            raise TypeError(f'{who}(donate_states={donate_states!r}, keep_sharding='
+                            f'{keep_sharding!r}): {err}') from None
         if abstracted_axes is not None and not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
             raise NotImplementedError(
                 f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
@@ -3183,7 +2796,7 @@ class _StatefulBase:
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
         self._cache = BoundedCache(128)
-        self._miss_causes: dict = {}   # why traces happened: cause -> count (_note_miss)
+        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._hints = _TraceHints()
         self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
@@ -3247,11 +2860,12 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         return key, self._entry_for(key, leaves, split, count=True)
 
-    def _plan_for(self, states, write_index) -> _Plan:
-        plan_key = (tuple(map(id, states)), write_index)
+    def _plan_for(self, states, write_index, written=None) -> _Plan:
+        written = write_index if written is None else written
+        plan_key = (tuple(map(id, states)), write_index, written)
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = self._plans[plan_key] = _Plan(states, write_index, self._donate)
+            plan = self._plans[plan_key] = _Plan(states, write_index, self._donate, written)
             self._plans_by_token[plan.token] = plan
         return plan
 
@@ -3284,6 +2898,8 @@ class _StatefulBase:
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
+        if token > 0 and jax.config.jax_disable_jit and not _under_jax_trace():   # a warm call
+            return self._call_eagerly(args, kwargs), [s._value for s in plan.write_states]
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values))
         entry = self._cached(key, lambda state: given[id(state)], plan)
@@ -3312,6 +2928,8 @@ class _StatefulBase:
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
     def _call_slow(self, args, kwargs):
+        if jax.config.jax_disable_jit and not _under_jax_trace():
+            return self._call_eagerly(args, kwargs)
         ntraces = _ctx.ntraces
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
@@ -3336,6 +2954,24 @@ class _StatefulBase:
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
+    def _call_eagerly(self, args, kwargs):
+        """Under ``jax.disable_jit()``, as jax.jit there, the body runs as Python on concrete
+        values (a StatefulMapping traces anew: jax.vmap traces; it runs op by op)."""
+        key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
+        try:
+            if not isinstance(self, StatefulMapping):
+                return self.fun(*args, **kwargs)
+            entry = self._build_entry(key, leaves, split)
+            out, new = entry.apply([s._value for s in entry.plan.states], leaves)
+        except Exception as err:
+            _ctx.trace_error = err    # the warm path must not run it again
+            if isinstance(err, TraceContextError):   # e.g. a write inside jax.grad in the body
+                err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
+                             'inside a JAX transformation in it needs a compiled call')
+            raise
+        _write_back(self, entry.plan, new)
+        return out
+
     def _call_in_trace(self, args, kwargs):
         """A call inside an enclosing stateful trace: the states are read and
         written through ``value``, so that the enclosing trace threads them."""
@@ -3343,8 +2979,9 @@ class _StatefulBase:
         ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
         out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-        for state, value in zip(entry.plan.write_states, new):
-            state.value = value
+        for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
+            if written:   # (not the read ones return_only_write=False returns)
+                state.value = value
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -3352,20 +2989,29 @@ class _StatefulBase:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
-        self._miss_causes = {}
+        self._miss_causes = collections.Counter()
         with self._key_locks_guard:
             self._key_locks.clear()
         self._reset_dispatch()
 
     def get_cache_stats(self) -> dict:
-        """Statistics of the (single) entry cache, under brainstate's four names,
-        and under ``'miss_causes'`` how many traces each cause triggered (see
-        :func:`explain_cache_misses`)."""
+        """Statistics of the (single) entry cache under brainstate's four names,
+        each ``{size, maxsize, hits, misses, hit_rate}``."""
         stats = self._cache.get_stats()
-        out = {name: dict(stats) for name in
-               ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
-        out['miss_causes'] = dict(self._miss_causes)
-        return out
+        return {name: dict(stats) for name in
+                ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
+
+    def get_miss_causes(self) -> dict:
+        """``{cause: number of traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`).
+
+        Example
+        -------
+        >>> sf = StatefulFunction(lambda x: x * 2)
+        >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3)); _ = sf(jnp.ones(3))
+        >>> sf.get_miss_causes()
+        {'first trace': 1, 'argument shape/dtype': 1}
+        """
+        return dict(self._miss_causes)
 
 
 class _BrainstateAccessors:
@@ -3559,7 +3205,9 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
                     'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
                     'Create it without abstracted_axes to call it')
             return run(flat_args, state_values)
-        return _Entry(traced, self._plan_for(traced.states, traced.returned), apply, traced)
+        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
+                      traced)
 
     def _run_trace(self, leaves, split) -> _Traced:
         trace_with = None
@@ -3595,10 +3243,16 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         >>> float(new_vals[0]), float(s.value)      # s itself is untouched
         (3.0, 0.0)
         """
+        try:
+            state_vals = list(state_vals)
+        except TypeError:
+            raise TypeError(f'{_who(self)}.jaxpr_call(state_vals, ...) needs a sequence of state '
+                            f'values in get_states() order, got {state_vals!r}') from None
+        _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=True)
         view = self._view(entry)
-        states, state_vals = view.states, list(state_vals)
+        states = view.states
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches '
@@ -3715,11 +3369,11 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A discovery trace of ``fun`` at per-lane shapes finds the states it touches
-# and, by a dataflow pass over that jaxpr, which written values depend on the
-# batch.  The state values are then handed to ``mapping_fn`` explicitly with
-# per-state ``in_axes`` / ``out_axes``; no batching internals are needed.  The
-# plan is cached per cache key, so a warm call does no discovery.
+# A discovery trace of ``fun`` at per-lane shapes finds the states it touches;
+# ``jax.vmap`` of that jaxpr says which written values vary across lanes.  The
+# state values are then handed to ``mapping_fn`` explicitly with per-state
+# ``in_axes`` / ``out_axes``.  The plan is cached per cache key, so a warm call
+# does no discovery.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
@@ -3737,55 +3391,19 @@ def _normalize_state_axes(spec, what: str) -> tuple:
 
 
 def _axis_for(state, axes: tuple):
-    for axis, predicate in axes:
-        if predicate((), state):
-            return axis
-    return None
+    return next((axis for axis, predicate in axes if predicate((), state)), None)
 
 
 _UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 
 
-def _lane_axis(axis: int, aval, error: Callable) -> int:
-    """``axis`` of ``aval`` counted from the front; raises ``error()`` if out of range."""
-    nd = len(aval.shape)
-    a = axis + nd if axis < 0 else axis
-    if not 0 <= a < nd:
-        raise error()
-    return a
-
-
-def _lane_aval(aval, axis: int):
+def _lane_aval(axis: int, aval, error: Callable):
+    """``(axis counted from the front, aval without it)``, or raises ``error()``."""
     shape = tuple(aval.shape)
-    return ShapedArray(shape[:axis] + shape[axis + 1:], aval.dtype, weak_type=aval.weak_type)
-
-
-def _uses_axis_index(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == _AXIS_INDEX:
-            return True
-        if any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params)):
-            return True
-    return False
-
-
-def _batched_outputs(jaxpr, in_batched: Sequence[bool], axis_name) -> list:
-    """Which outputs of ``jaxpr`` vary across lanes, given which inputs do."""
-    batched = {v for v, b in zip(jaxpr.invars, in_batched) if b}
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        any_in = any(isinstance(v, Var) and v in batched for v in eqn.invars)
-        if name == _AXIS_INDEX:
-            out = True
-        elif name in _COLLECTIVES and axis_name is not None:
-            axes = _collective_axes(eqn)
-            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-            out = any_in and axis_name not in axes
-        else:
-            out = any_in or any(_uses_axis_index(j) for j in _nested_jaxprs(eqn.params))
-        if out:
-            batched.update(eqn.outvars)
-    return [isinstance(v, Var) and v in batched for v in jaxpr.outvars]
+    a = axis + len(shape) if axis < 0 else axis
+    if not 0 <= a < len(shape):
+        raise error()
+    return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
@@ -3794,14 +3412,13 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
     with, then the RandomStates split per lane."""
     def grouped(pairs):
         groups = {}
-        for state, axis in pairs:
-            groups.setdefault(axis, []).append(state)
-        return [s for group in groups.values() for s in group]
-    rng = [states[i] for i in rng_index]
-    plain = [(i, s) for i, s in enumerate(states) if i not in rng_index]
-    first = grouped((s, in_axes[i]) for i, s in plain if in_axes[i] is not None)
-    rest = grouped((s, out_axes.get(i, in_axes[i])) for i, s in plain)
-    return first + [s for s in rest if s not in first] + rng
+        for i, axis in pairs:
+            groups.setdefault(axis, []).append(i)
+        return [i for group in groups.values() for i in group]
+    plain = [i for i in range(len(states)) if i not in rng_index]
+    first = grouped((i, in_axes[i]) for i in plain if in_axes[i] is not None)
+    rest = [i for i in grouped((i, out_axes.get(i, in_axes[i])) for i in plain) if i not in first]
+    return [states[i] for i in first + rest + rng_index]
 
 
 def _leaf_axes(sf, split) -> list:
@@ -3851,56 +3468,42 @@ def _lane_args(sf, leaves, split):
             lane_avals.append(aval)
             arg_axes.append(None)
             continue
-        a = _lane_axis(ax, aval, lambda: ValueError(
+        a, lane = _lane_aval(ax, aval, lambda: ValueError(
             f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
             f'shape {tuple(aval.shape)}'))
         sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
-        lane_avals.append(_lane_aval(aval, a))
+        lane_avals.append(lane)
         arg_axes.append(a)
     return lane_avals, arg_axes, sizes, avals
 
 
-def _batch_size(sf, sizes) -> int:
-    """The one batch size all mapped arguments and states agree on."""
-    if sf.axis_size is not None:
-        sizes = sizes + [('axis_size', sf.axis_size)]
-    distinct = {s for _, s in sizes}
-    if len(distinct) > 1:
+def _check_sizes(sf, sizes) -> None:
+    """``sizes``, ``[(where, size), ...]``, must name one batch size."""
+    if len({s for _, s in sizes}) > 1:
         listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
-        raise ValueError(f'{_who(sf)}: inconsistent batch sizes:\n{listing}\nall mapped '
-                         'arguments and batched states must share one batch size')
-    if not distinct:
-        raise ValueError(
-            f'{_who(sf)}: nothing is batched (no argument has an in_axes entry and no '
-            'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
-    return distinct.pop()
+        raise BatchAxisError(f'{_who(sf)}: Inconsistent batch sizes:\n{listing}\nall mapped '
+                             'arguments and batched states must share one batch size')
 
 
-def _mapped_apply(sf, traced, n, arg_axes, state_axes, returned_pos, write_axes,
-                  rng_index, nothing_batched):
+def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, nothing_batched):
+    """The mapped call; ``write_axes`` maps a returned state's position to its out axis."""
     run = traced.runner()
-    extra = {}
-    if sf.axis_name is not None:
-        extra['axis_name'] = sf.axis_name
-    if nothing_batched:
-        extra['axis_size'] = n
 
     def lane(lane_args, lane_states):
         out, returned = run(lane_args, lane_states)
-        return out, [returned[r] for r in returned_pos]
+        return out, [returned[r] for r in write_axes]
 
     mapped = sf.mapping_fn(lane, in_axes=(list(arg_axes), list(state_axes)),
-                           out_axes=(sf.out_axes, list(write_axes)), **extra)
+                           out_axes=(sf.out_axes, list(write_axes.values())),
+                           axis_name=sf.axis_name, axis_size=n if nothing_batched else None)
 
     def apply(state_values, flat_args):
-        values = list(state_values)
-        new_keys = []
-        for i in rng_index:
-            keys = jax.random.split(values[i], n + 1)
-            new_keys.append(keys[0])
-            values[i] = keys[1:]
+        values, keys = list(state_values), [jax.random.split(state_values[i], n + 1)
+                                            for i in rng_index]
+        for i, k in zip(rng_index, keys):
+            values[i] = k[1:]
         out, written = mapped(list(flat_args), values)
-        return out, list(written) + new_keys
+        return out, list(written) + [k[0] for k in keys]
     return apply
 
 
@@ -3910,7 +3513,7 @@ class StatefulMapping(StatefulFunction):
     States matched by ``state_in_axes`` are split along their axis on the way
     in and stacked on the way out; other states are broadcast.  Every touched
     :class:`RandomState` is split into one key per lane (as ``split_key(n)``
-    would) and afterwards holds the advanced key.
+    would), whatever the filters say, and afterwards holds the advanced key.
 
     It is a :class:`StatefulFunction`: the accessors (``get_jaxpr``,
     ``get_states``, ``jaxpr_call`` ...) describe the whole mapped call, with
@@ -3987,40 +3590,37 @@ class StatefulMapping(StatefulFunction):
     # -- discovery -------------------------------------------------------------
     def _build_entry(self, key, leaves, split) -> _Entry:
         lane_avals, arg_axes, sizes, avals = _lane_args(self, leaves, split)
-        guess = sizes[0][1] if sizes else (self.axis_size or 1)
-        traced, state_axes, state_sizes = self._discover(lane_avals, split, guess)
-        if (self.axis_name is not None and state_sizes and not sizes
-                and self.axis_size is None and state_sizes[0][1] != guess):
-            # Collectives saw the guessed axis size: trace again with the real one.
-            traced, state_axes, state_sizes = self._discover(lane_avals, split, state_sizes[0][1])
-        n = _batch_size(self, sizes + state_sizes)
-        states = traced.states
-        rng_index = [i for i, s in enumerate(states)
-                     if isinstance(s, RandomState) and state_axes[i] is None]
+        if self.axis_size is not None:
+            sizes.append(('axis_size', self.axis_size))
+        _check_sizes(self, sizes)
+        traced, state_axes, found = self._discover(lane_avals, split, sizes,
+                                                   sizes[0][1] if sizes else 1)
+        if self.axis_name is not None and found and not sizes and found[0][1] != 1:
+            # Collectives saw a guessed axis size: trace again with the real one.
+            traced, state_axes, found = self._discover(lane_avals, split, [], found[0][1])
+        if not found:
+            raise ValueError(
+                f'{_who(self)}: nothing is batched (no argument has an in_axes entry and no '
+                'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
+        n, states = found[0][1], traced.states
+        rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
 
         in_batched = [a is not None for a in arg_axes]
         for axis, sig in zip(in_state_axes, traced.state_sigs):
             in_batched += [axis is not None] * len(sig[1])
-        ret_batched = self._returned_batched(traced, in_batched)
-
-        mapped_write, write_axes = [], []
+        write_axes, out_axes = {}, {}    # by returned position, by state index
         for r, i in enumerate(traced.returned):
-            if i in rng_index:          # a RandomState leaves with the advanced key
-                continue
-            axis = _axis_for(states[i], self._state_out)
-            if axis is None:
-                axis = state_axes[i]
-            if axis is None and ret_batched[r]:
-                self._unexpected(states[i])
-                axis = 0
-            mapped_write.append((r, i))
-            write_axes.append(axis)
-        plan = self._plan_for(states, tuple(i for _, i in mapped_write) + tuple(rng_index))
-        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes,
-                              [r for r, _ in mapped_write], write_axes, rng_index,
+            if i not in rng_index:      # a RandomState leaves with the advanced key
+                axis = _axis_for(states[i], self._state_out)
+                write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
+        unbatched = [r for r, axis in write_axes.items() if axis is None]
+        for r in self._batched_returns(traced, in_batched, n, unbatched):
+            self._unexpected(states[traced.returned[r]])
+            write_axes[r] = out_axes[traced.returned[r]] = 0
+        plan = self._plan_for(states, (*out_axes, *rng_index))
+        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
-        out_axes = dict(zip((i for _, i in mapped_write), write_axes))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
         entry = _Entry(traced, plan, apply, None)
         entry.view = functools.partial(self._trace_whole, order, avals, _rebuilder(split))
@@ -4035,29 +3635,53 @@ class StatefulMapping(StatefulFunction):
         return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
                                axis_env=self.axis_env)
 
-    def _returned_batched(self, traced, in_batched) -> list:
-        """For each returned state: does its new value vary across lanes?"""
-        out_batched = _batched_outputs(traced.closed_jaxpr.jaxpr, in_batched, self.axis_name)
-        first = traced.n_out
-        positions = jax.tree_util.tree_unflatten(
+    def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
+        """Those of the returned positions ``wanted`` whose new value varies across
+        lanes, as ``jax.vmap`` decides: a custom_vmap identity on their values
+        has its rule told which are batched (it never runs if none is)."""
+        closed, first, seen = traced.closed_jaxpr, traced.n_out, []
+        at = jax.tree_util.tree_unflatten(
             traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
-        return [any(out_batched[j] for j in _leaves(value)) for value in positions]
+        leaves = [_leaves(at[r]) for r in wanted]
+        picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
+        identity = jax.custom_batching.custom_vmap(lambda *new: new)
 
-    def _discover(self, lane_avals, split, size):
-        state_axes, state_sizes = {}, []
+        @identity.def_vmap
+        def rule(axis_size, batched, *new):
+            seen.extend(batched)
+            return new, tuple(batched)
+
+        def lanes(*xs):
+            outs = run(*xs)
+            return identity(*[outs[j] for j in picked])
+        if picked:
+            avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
+                                 weak_type=v.aval.weak_type)
+                     for v, b in zip(closed.jaxpr.invars, in_batched)]
+            with _axis_env(self.axis_env):
+                jax.eval_shape(jax.vmap(lanes, in_axes=[0 if b else None for b in in_batched],
+                                        axis_name=self.axis_name, axis_size=n), *avals)
+        flags = iter(seen or [False] * len(picked))
+        return [r for r, js in zip(wanted, leaves) if any([next(flags) for _ in js])]
+
+    def _discover(self, lane_avals, split, sizes, size):
+        """Traces ``fun`` per lane: the trace, each state's axis (never a RandomState's),
+        and ``sizes`` with the batched states' added, checked at each first read."""
+        state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
             axis = state_axes.get(id(state), _MISSING)
             if axis is _MISSING:
-                axis = _axis_for(state, self._state_in)
+                axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
             if axis is None:
                 return aval
-            a = _lane_axis(axis, aval, lambda: BatchAxisError(
+            a, lane = _lane_aval(axis, aval, lambda: BatchAxisError(
                 f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
                 f'has shape {tuple(aval.shape)}; fix state_in_axes or the state\'s shape'))
-            state_sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
-            return _lane_aval(aval, a)
+            sizes.append((f'{state._describe()} (axis {axis})', aval.shape[a]))
+            _check_sizes(self, sizes)
+            return lane
 
         axis_env = list(self.axis_env or ())
         if self.axis_name is not None:
@@ -4074,7 +3698,7 @@ class StatefulMapping(StatefulFunction):
                 'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
                 "pass axis_name='<name>' to StatefulMapping and use that name") from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
-        return traced, [state_axes.get(id(s)) for s in traced.states], state_sizes
+        return traced, [state_axes.get(id(s)) for s in traced.states], sizes
 
     def _unexpected(self, state):
         policy = self.unexpected_out_state_mapping
@@ -4187,21 +3811,6 @@ def _state_roles(traced) -> list:
     return roles
 
 
-def _jaxpr_names(text: str, n_in: int, n_out: int):
-    """The names JAX printed for the jaxpr's inputs and outputs (it numbers
-    variables while printing), or ``#i`` if the text has another layout."""
-    # The main jaxpr's ``{ lambda`` starts a line; newer JAX prints shared
-    # sub-jaxprs (``let _uniform = { lambda ...``) before it.
-    head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
-    tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
-    if head and tail:
-        ins = [w.split(':')[0] for w in head.group(1).split()]
-        outs = [w.strip().split(':')[0] for w in tail.group(1).split(',') if w.strip()]
-        if (len(ins), len(outs)) == (n_in, n_out):
-            return ins, outs
-    return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
-
-
 def _pretty(traced: _Traced, key) -> str:
     """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
     jaxpr, text = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr)
@@ -4256,31 +3865,27 @@ _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 't
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns explanations of cache misses on or off for every function built
-    without its own ``explain_cache_misses=`` argument; returns the previous
-    setting.  The environment variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``
-    turns them on at import (named after JAX's ``jax_explain_cache_misses``).
+    """Turns cache-miss explanations on or off for every function built without
+    its own ``explain_cache_misses=``; returns the previous setting (the
+    variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
 
-    With explanations on, every trace of a function after its first logs a
-    warning on the ``stateful_jaxpr`` logger naming the function, the nearest
-    cached entry and what differs: argument paths with old and new
-    shape/dtype/weak type, static arguments with old and new value, States
-    (name and creation site) whose shape or dtype changed, and States the new
-    trace touches that the entry did not, or no longer touches.  Whether on
-    or off, ``get_cache_stats()['miss_causes']`` counts traces per cause; a
-    warm call does no extra work either way.
+    With them on, every trace after a function's first logs a warning on the
+    ``stateful_jaxpr`` logger naming the function, the nearest cached entry
+    and what differs: argument paths (old and new shape/dtype/weak type),
+    static values, States whose shape or dtype changed, States newly or no
+    longer touched.  ``get_miss_causes()`` counts traces per cause either
+    way; a warm call does no extra work.
 
     Example
     -------
     >>> previous = explain_cache_misses(True)
     >>> sf = StatefulFunction(lambda x: x * 2)
     >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3))     # logs: argument 0: float32[2] -> float32[3]
-    >>> sf.get_cache_stats()['miss_causes']
+    >>> sf.get_miss_causes()
     {'first trace': 1, 'argument shape/dtype': 1}
     >>> _ = explain_cache_misses(previous)
     """
-    _explain_flag(enabled)
-    if enabled is None:
+    if _explain_flag(enabled) is None:
         raise TypeError('explain_cache_misses(enabled) needs True or False, got None')
     previous, _explain_default[0] = _explain_default[0], bool(enabled)
     return previous
@@ -4295,27 +3900,25 @@ def _explain_flag(value):
 
 
 def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` differs from ``old``;
-    ``labels`` are ``new``'s argument labels (None: causes only, no lines)."""
-    found, text = [], labels is not None
+    """``(cause, line)`` for each way cache key ``new`` (argument labels
+    ``labels``) differs from ``old``."""
+    found = []
     if old['static_args'] != new['static_args'] or old['static_kwargs'] != new['static_kwargs']:
         olds, news = dict(_static_items(old)), dict(_static_items(new))
         for label in dict.fromkeys(list(olds) + list(news)):
             a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
             if a != b:
                 shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-                line = f'{label}: {shown[0]} -> {shown[1]}' if text else ''
-                found.append(('static argument', line))
+                found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
     offset = 0
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
         if tree_a != tree_b:
-            found.append(('argument structure',
-                          f'{what} argument structure: {tree_a} -> {tree_b}' if text else ''))
-        elif sigs_a != sigs_b:
-            found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
-                       f'{_sig_text(*b)}' if text else '')
-                      for i, (a, b) in enumerate(zip(sigs_a, sigs_b)) if a != b]
+            found.append(('argument structure', f'{what} argument structure: {tree_a} -> '
+                                                f'{tree_b}'))
+        found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
+                   f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
+                  if a != b and tree_a == tree_b]
         offset += len(sigs_b)
     return found
 
@@ -4354,22 +3957,16 @@ def _note_miss(sf, key, stale, entry) -> None:
     elif stale is not None:
         near = key
         found = _state_differences(stale.traced, entry.traced)
+    elif cached:   # the nearest: the fewest differences, ties to the most recently used
+        labels = _arg_labels(key)
+        near, old, found = min([(k, old, _key_differences(k, key, labels))
+                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
+        found = found + _state_differences(old.traced, entry.traced)
     else:
-        labels, best = _arg_labels(key) if explain else None, None
-        for old_key, old in cached:   # the fewest differences; ties: most recently used
-            diff = _key_differences(old_key, key, labels)
-            if best is None or len(diff) <= len(best[2]):
-                best = (old_key, old, diff)
-        if best is None:
-            found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                               f'cacheable; cache_size={sf._cache.maxsize})')], None
-        else:
-            near, old, found = best
-            found = found + _state_differences(old.traced, entry.traced)
-    causes = list(dict.fromkeys(cause for cause, _ in found)) or ['unknown']
+        found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                           f'cacheable; cache_size={sf._cache.maxsize})')], None
     with sf._cache._lock:
-        for cause in causes:
-            sf._miss_causes[cause] = sf._miss_causes.get(cause, 0) + 1
+        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
     if not explain:
         return
     nearest = 'none' if near is None else f'({_key_summary(near)})'

@@ -16,8 +16,10 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 import argparse
 import contextlib
 import io
+import functools
 import gc
 import inspect
+import itertools
 import json
 import pprint
 import random
@@ -1071,6 +1073,229 @@ class ErrorsStateMisuseTest(_ErrorsCase):
                    fix=['raw uint32[..., 2] or typed'])
 
 
+# -- A State's side slots, PRNG implementations, copies and huge ints -----------
+class StateRobustnessTest(_ErrorsCase):
+
+    def _side(self, states):
+        return [{k: v for k, v in _side_slots(s).items()} for s in states]
+
+    def _assert_side(self, states, before):
+        for s, b in zip(states, before):
+            now = _side_slots(s)
+            self.assertFalse(_contains_tracer([s._value, now]), f'{s!r} holds a tracer')
+            self.assertIs(now.pop('_backup'), b['_backup'], f'backup of {s.name!r} changed')
+            self.assertEqual(now, {k: v for k, v in b.items() if k != '_backup'})
+
+    def test_backup_key_in_a_failed_trace_leaves_no_tracer(self):
+        rng = RandomState(0, name='rb_rng')
+        key = rng.value
+
+        def f(x):
+            rng.backup_key()
+            rng.split_key()
+            raise _Boom('after backup_key')
+        for call in (StatefulFunction(f), StatefulFunction(lambda x: StatefulFunction(f)(x))):
+            with self.assertRaises(_Boom):
+                call(1.0)
+            self.assertIsNone(rng._backup)
+            self.assertIs(rng.value, key)
+            rng.backup_key()     # not "called twice"
+            rng.restore_key()
+
+    def test_backup_restored_inside_the_trace(self):
+        rng = RandomState(3, name='rb_pair')
+        expected = jax.random.split(jax.random.split(jax.random.PRNGKey(3), 5)[0])[1]
+
+        def f():
+            rng.self_assign_multi_keys(4)
+            lanes = rng.value
+            rng.restore_key()
+            return lanes, rng.split_key()
+        lanes, key = StatefulFunction(f)()
+        self.assertEqual(lanes.shape, (4, 2))
+        np.testing.assert_array_equal(key, expected)
+        self.assertIsNone(rng._backup)
+        self.assertFalse(_tracer_in(rng))
+
+    def test_backup_left_in_a_finished_trace_is_an_error(self):
+        rng = RandomState(0, name='rb_pending')
+
+        def f(x):
+            rng.backup_key()
+            return x
+        self.check(TraceContextError, lambda: StatefulFunction(f)(1.0), [rng],
+                   culprit=self.site('rb_pending') + ['backup'], fix=['restore_key()'])
+        self.assertIsNone(rng._backup)
+
+        def g(x):           # a RandomState made inside: its backup goes with it
+            local = RandomState(jax.random.PRNGKey(1))
+            local.split_key(backup=True)
+            return x
+        self.assertEqual(float(StatefulFunction(g)(2.0)), 2.0)
+
+    def test_side_slots_of_a_failed_trace_are_unchanged(self):
+        s = State(jnp.ones(2), name='rb_meta', tag='t0', unit='mV')
+        rng = RandomState(1, name='rb_meta_rng')
+        before = self._side([s, rng])
+
+        def f(x, fail):
+            s.name, s.tag = 'renamed', 't1'
+            s.increase_stack_level()
+            s.update_from_ref(sj.TreefyState(State, x * 2, _name='from_ref', extra=1))
+            self.assertEqual((s.name, s.tag, s.stack_level, s.metadata['extra']),
+                             ('from_ref', 't1', 1, 1))
+            rng.backup_key()
+            with StateTraceStack(lambda st: st._value):     # a nested overlay
+                rng.restore_key()
+                rng.backup_key()
+            if fail:
+                raise _Boom('after the side slots')
+            rng.restore_key()
+            return x
+        sf = StatefulFunction(f, static_argnums=1)
+        with self.assertRaises(_Boom):
+            sf(jnp.ones(2), True)
+        self._assert_side([s, rng], before)
+        np.testing.assert_array_equal(s.value, np.ones(2))
+        with StateTraceStack(lambda st: st._value):         # an overlay that fails
+            with self.assertRaises(_Boom):
+                with StateTraceStack(lambda st: st._value):
+                    s.tag = 'inner'
+                    raise _Boom
+            self.assertEqual(s.tag, 't0')
+        sf(jnp.ones(2), False)      # written at trace time, as brainstate does
+        self.assertEqual((s.name, s.tag, s.stack_level), ('from_ref', 't1', 1))
+        self.assertEqual(s.metadata, {'tag': 't1', 'unit': 'mV', 'extra': 1})
+        self.assertIsNone(rng._backup)
+
+    def test_tracer_into_metadata_is_refused(self):
+        s = State(jnp.zeros(()), name='rb_tracer_tag', tag='t')
+
+        def f(x):
+            s.tag = x
+            return x
+        self.check(TraceContextError, lambda: StatefulFunction(f)(1.0), [s],
+                   culprit=self.site('rb_tracer_tag') + ['metadata'], fix=['concrete value'])
+        self.check(TraceContextError, lambda: jax.jit(f)(1.0), [s],
+                   culprit=self.site('rb_tracer_tag'), fix=['concrete value'])
+        self.assertEqual(s.tag, 't')
+
+    def test_replace_copy_and_to_state_ref_see_the_traced_value(self):
+        s = State(jnp.zeros(2), name='rb_replace', tag='r')
+        made = []
+
+        def f(x):
+            s.value = s.value + x
+            made.append(s.replace())
+            return s.copy().value, s.to_state_ref().value, made[-1].value
+        outs = StatefulFunction(f)(jnp.ones(2))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.ones(2))
+        self.assertEqual(made[0].tag, 'r')
+        self.assertFalse(_tracer_in(made[0]))          # only the shape stays, flagged
+        with self.assertRaisesRegex(TraceContextError, 'finished trace'):
+            made[0].value
+
+    def test_every_prng_implementation(self):
+        was = jax.config.jax_default_prng_impl
+        self.addCleanup(jax.config.update, 'jax_default_prng_impl', was)
+        for impl in ('threefry2x32', 'rbg', 'unsafe_rbg'):
+            for how in ('default', 'typed'):
+                with self.subTest(impl=impl, how=how):
+                    if how == 'default':
+                        jax.config.update('jax_default_prng_impl', impl)
+                        key, rng = jax.random.PRNGKey(5), RandomState(5)
+                        self.assertEqual(RandomState().value.shape, key.shape)
+                    else:
+                        jax.config.update('jax_default_prng_impl', was)
+                        key = jax.random.key(5, impl=impl)
+                        rng = RandomState(key)
+                    np.testing.assert_array_equal(_host(rng.value), _host(key))
+                    key, sub = jax.random.split(key)
+                    np.testing.assert_array_equal(jax.random.normal(rng.split_key(), (3,)),
+                                                  jax.random.normal(sub, (3,)))
+                    subs = jax.random.split(key, 4)
+                    key, subs = subs[0], subs[1:]
+                    sf = StatefulFunction(lambda: jax.random.uniform(rng.split_key(3)[1]))
+                    np.testing.assert_allclose(sf(), jax.random.uniform(subs[1]), rtol=1e-6)
+                    rng.self_assign_multi_keys(2)
+                    rng.restore_key()
+                    np.testing.assert_array_equal(_host(rng.value),
+                                                  _host(jax.random.split(key, 3)[0]))
+        jax.config.update('jax_default_prng_impl', 'threefry2x32')
+        rbg_raw = np.zeros(4, np.uint32)
+        self.check(ValueError, lambda: RandomState(rbg_raw, name='rb_impl'), [],
+                   culprit=["'rb_impl'", 'uint32[4]'], fix=['raw uint32[2]', 'typed key'])
+
+    def test_hashabledict_copies_and_pickles(self):
+        import copy
+        import pickle
+        d = sj.hashabledict(b=(1, 2), a=('x', 3.5))
+        for twin in (copy.copy(d), copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
+            self.assertIs(type(twin), sj.hashabledict)
+            self.assertEqual(twin, d)
+            self.assertEqual(hash(twin), hash(d))
+            with self.assertRaises(TypeError):
+                twin['c'] = 1
+        sf = StatefulFunction(lambda x, n: x * n, static_argnums=1)
+        sf(1.0, 2)
+        key = sf.get_arg_cache_key(1.0, 2)
+        self.assertEqual(copy.deepcopy(key), key)
+
+    def test_copy_of_a_state_owns_its_metadata(self):
+        import copy
+        s = sj.ParamState(jnp.ones(2), name='rb_copy', tag='a')
+        c = copy.copy(s)
+        self.assertIs(type(c), sj.ParamState)
+        self.assertIs(c.value, s.value)
+        self.assertEqual((c.name, c.tag, c.source_info, c.stack_level),
+                         (s.name, s.tag, s.source_info, s.stack_level))
+        c.tag = 'b'
+        c.metadata['unit'] = 'mV'
+        c.value = jnp.zeros(2)
+        self.assertEqual((s.tag, s.metadata), ('a', {'tag': 'a'}))
+        np.testing.assert_array_equal(s.value, np.ones(2))
+        rng = RandomState(0)
+        rng.backup_key()
+        twin = copy.copy(rng)
+        twin.restore_key()
+        rng.restore_key()
+
+    def test_huge_python_int(self):
+        s = State(jnp.int32(1), name='rb_int')
+        self.check(OverflowError, lambda: State(10 ** 30, name='rb_int_new'), [],
+                   culprit=["'rb_int_new'", str(10 ** 30)], fix=['float'])
+
+        def assign(v):
+            s.value = {'n': v}
+        for v in (10 ** 30, 2 ** 31, -2 ** 31 - 1):
+            self.check(OverflowError, lambda: assign(v), [s],
+                       culprit=self.site('rb_int') + [str(v)], fix=['float'])
+        sf = StatefulFunction(lambda x: assign(10 ** 30))
+        self.check(OverflowError, lambda: sf(1.0), [s], culprit=self.site('rb_int'))
+        s.value = 2 ** 31 - 1
+        self.assertEqual(int(StatefulFunction(lambda: s.value)()), 2 ** 31 - 1)
+        for seed in (10 ** 30, 2 ** 63, -2 ** 63 - 1):
+            self.check(OverflowError, lambda: RandomState(seed, name='rb_seed'), [],
+                       culprit=["'rb_seed'", str(seed)], fix=['2**63'])
+        rng = RandomState(2 ** 63 - 1, name='rb_seed_ok')
+        self.check(OverflowError, lambda: rng.seed(10 ** 30), [rng],
+                   culprit=self.site('rb_seed_ok'), fix=['2**63'])
+
+    def test_self_assign_multi_keys_validates_n_as_split_key(self):
+        rng = RandomState(0, name='rb_n')
+        for bad in (0, -1, '3', 2.5, True, None):
+            for method in ('split_key', 'self_assign_multi_keys'):
+                if bad is None and method == 'split_key':
+                    continue        # split_key() is the single-key call
+                self.check(ValueError, lambda: getattr(rng, method)(bad), [rng],
+                           culprit=self.site('rb_n') + [f'{method}(n)', f'got {bad!r}'],
+                           fix=['int n >= 1'])
+        self.assertIsNone(rng._backup)
+        rng.self_assign_multi_keys(np.int64(3), backup=False)
+        self.assertEqual(rng.value.shape, (3, 2))
+
+
 # =============================================================================
 # 4. State filters
 # =============================================================================
@@ -1389,83 +1614,16 @@ def _eqns_within(jaxpr):
                     yield from _eqns_within(inner)
 
 
-def _by_renaming(tc, trace):
-    """``trace()``, checking that the one trace it runs is discharged by
-    renaming (not by JAX's discharge_state) into a jaxpr without Refs."""
-    done, fast = [], sj._fast_discharge
-
-    def spy(*args):
-        done.append(fast(*args))
-        return done[-1]
-    with mock.patch.object(sj, '_fast_discharge', spy):
-        result = trace()
-    tc.assertEqual(len(done), 1)
-    _no_refs(tc, done[0])
-    names = {e.primitive.name for e in _eqns_within(done[0].jaxpr)}
-    tc.assertFalse(names & {'get', 'swap'}, names)
-    return result
-
-
 class NestedWriteTest(unittest.TestCase):
     """A write inside a lax.scan / cond / while body, an inner jax.jit or
     jax.grad propagates to the enclosing stateful trace."""
 
-    def test_writes_are_discharged_by_renaming_and_agree_with_jax(self):
-        """Reads and writes of States inside scan, cond and an inner jit become
-        plain variables: a State written in a scan body is a carry, one only
-        read there stays a const.  The program computes what JAX's own
-        discharge (used for every other Ref use) computes."""
-        w = State(jnp.zeros(3), name='rn_w')
-        r = State(jnp.arange(3.0), name='rn_r')
-        c = State(jnp.float32(1.0), name='rn_c')
-
-        def f(xs):
-            def body(carry, x):
-                w.value = w.value * 0.5 + x * r.value
-                return carry + 1, w.value.sum()
-            _, ys = lax.scan(body, 0, xs)
-
-            def write(y):
-                c.value = c.value + y
-                return y
-            out = lax.cond(ys[-1] > 0, write, lambda y: -y, ys.sum())
-
-            @jax.jit
-            def inner(z):
-                w.value = w.value + z
-                c.value = c.value * 2
-                return z + r.value.sum()
-            return inner(out) + ys
-
-        xs = jnp.arange(12.0).reshape(4, 3) / 7
-        start = {st: st.value for st in (w, r, c)}
-
-        def run(sf):
-            for st, v in start.items():
-                st.value = v
-            out = sf(xs)
-            return [out] + [st.value for st in (w, r, c)], sf.get_jaxpr(xs)
-
-        got, closed = _by_renaming(self, lambda: run(StatefulFunction(f)))
-        # The scan takes r (a const), w and the counter (carries) and xs, and
-        # returns the carries and ys: nothing else is threaded through it.
-        scan = next(e for e in closed.jaxpr.eqns if e.primitive.name == 'scan')
-        self.assertEqual([v.aval.shape for v in scan.invars], [(3,), (3,), (), (4, 3)])
-        self.assertEqual([v.aval.shape for v in scan.outvars], [(3,), (), (4,)])
-
-        def refuse(*args):
-            raise sj._Unhandled
-        with mock.patch.object(sj, '_fast_discharge', refuse):
-            want, _ = run(StatefulFunction(f))
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=1e-6)
-
-    def test_renaming_keeps_every_order_of_reads_and_writes(self):
-        """A body's input for a State is the variable of its first read where a
-        read comes first; every order of reads and writes (read twice, written
-        first, read after the write, used only by a nested loop, read in one
-        cond branch and written in the other, read by a loop condition)
-        computes what the same program with the States as values computes."""
+    def test_every_order_of_reads_and_writes_computes_the_plain_program(self):
+        """Every order of reads and writes inside scan, an inner jit, cond and
+        while bodies (read twice, written first, read after the write, used
+        only by a nested loop, read in one cond branch and written in the
+        other) computes what the same program with the States as values
+        computes, in a jaxpr without Refs."""
         a = State(jnp.arange(3.0), name='ord_a')
         b = State(jnp.ones(3), name='ord_b')
         c = State(jnp.float32(2.0), name='ord_c')
@@ -1498,7 +1656,7 @@ class NestedWriteTest(unittest.TestCase):
             def grow(i):
                 a.value = a.value + 1
                 return i + 1
-            n = lax.while_loop(lambda i: a.value.sum() < 50.0, grow, 0)
+            n = lax.while_loop(lambda i: i < 4, grow, 0)
             return out + ys.sum() + n
 
         xs = jnp.arange(12.0).reshape(4, 3) / 5
@@ -1509,7 +1667,9 @@ class NestedWriteTest(unittest.TestCase):
                 st.value = v
             return [sf(xs)] + [st.value for st in (a, b, c)]
 
-        got = _by_renaming(self, lambda: run(StatefulFunction(f)))
+        sf = StatefulFunction(f)
+        got = run(sf)
+        _no_refs(self, sf.get_jaxpr(xs))
         # What the same program computes with the States as plain values.
         av, bv, cv = start[a], start[b], start[c]
         ys, carry = [], 1.0
@@ -1526,18 +1686,15 @@ class NestedWriteTest(unittest.TestCase):
             bv = bv - out
         else:
             out = out + bv.sum()
-        n = 0
-        while av.sum() < 50.0:
-            av, n = av + 1, n + 1
+        av, n = av + 4, 4
         for x, y in zip(got, [out + sum(ys) + n, av, bv, cv]):
             np.testing.assert_allclose(x, y, rtol=1e-5)
 
-    def test_jax_discharge_is_not_given_a_loop_condition_reading_a_write(self):
-        """Where the program goes to JAX's own discharge, a while loop whose
-        condition reads a State its body writes is refused with a clear
-        error (JAX would give the condition the value from before the loop,
-        and the loop would never end); one whose condition reads only the
-        carry is discharged."""
+    def test_while_loop_condition_reading_a_write_is_refused(self):
+        """A while loop whose condition reads a State its body writes is a
+        TraceContextError naming the State (JAX's discharge would give the
+        condition the value from before the loop); one whose condition reads
+        its carry is discharged."""
         total = State(jnp.zeros(2), name='jd_total')
 
         def reads_state(limit):
@@ -1552,73 +1709,12 @@ class NestedWriteTest(unittest.TestCase):
                 return i + 1
             return lax.while_loop(lambda i: i < limit, body, 0)
 
-        def refuse(*args):
-            raise sj._Unhandled
-        with mock.patch.object(sj, '_fast_discharge', refuse):
-            with self.assertRaisesRegex(TraceContextError,
-                                        'while_loop condition reads a State its body writes'):
-                StatefulFunction(reads_state)(10.0)
-            np.testing.assert_array_equal(total.value, [0.0, 0.0])
-            self.assertEqual(int(StatefulFunction(reads_carry)(3)), 3)
+        with self.assertRaisesRegex(TraceContextError,
+                                    "while_loop condition reads a State its body writes.*jd_total"):
+            StatefulFunction(reads_state)(10.0)
+        np.testing.assert_array_equal(total.value, [0.0, 0.0])
+        self.assertEqual(int(StatefulFunction(reads_carry)(3)), 3)
         np.testing.assert_array_equal(total.value, [3.0, 3.0])
-
-    def test_whole_ref_reads_and_writes_go_straight_into_the_trace(self):
-        """Where JAX's jaxpr trace takes equations directly, a Ref's get and
-        swap skip ref_get / ref_set and bind, and give the same program
-        (checked by jax_enable_checks too, in the WithChecks run)."""
-        if not sj._STAGE_REFS:
-            self.skipTest(f'JAX {jax.__version__} binds Ref reads and writes (its jaxpr '
-                          'trace has no emit_eqn)')
-        s = State(jnp.zeros(3), name='st_s')
-        t = State({'u': jnp.ones(2), 'v': jnp.int32(1)}, name='st_t')
-        k = State(jnp.float32(0.0), name='st_k')
-
-        def f(xs):
-            def body(carry, x):
-                s.value = s.value + x
-                t.value = {'u': t.value['u'] * 2, 'v': t.value['v'] + 1}
-                k.value = 2.0                        # a Python scalar,
-                s.value = np.ones(3, np.float32)      # a NumPy array
-                return carry, s.value.sum() + t.value['u'].sum() + k.value
-            return lax.scan(body, 0.0, xs)[1]
-
-        xs = jnp.ones((4, 3))
-        staged, real = [], sj._staged
-
-        def spy(primitive, args):
-            staged.append(primitive.name)
-            return real(primitive, args)
-        with mock.patch.object(sj, '_staged', spy):
-            fast = str(StatefulFunction(f).get_jaxpr(xs))
-        # reads: s twice, t three times (two leaves each), k once; writes of
-        # tracers: s once, t once (two leaves); the Python scalar and the
-        # NumPy array are bound (bind makes them JAX arrays)
-        self.assertEqual((staged.count('get'), staged.count('swap')), (9, 3))
-        with mock.patch.object(sj, '_STAGE_REFS', False):
-            bound = str(StatefulFunction(f).get_jaxpr(xs))
-        self.assertEqual(fast, bound)
-
-    def test_while_loop_condition_reads_a_state_its_body_writes(self):
-        """The body's written State becomes a while carry that the condition
-        reads each iteration; a State only read stays a const of both."""
-        total = State(jnp.zeros(2), name='wl_total')
-        step = State(jnp.array([1.0, 2.0]), name='wl_step')
-
-        def f(limit):
-            def body(i):
-                total.value = total.value + step.value
-                return i + 1
-            return lax.while_loop(lambda i: total.value.sum() < limit, body, 0)
-        sf = StatefulFunction(f)
-        closed = _by_renaming(self, lambda: sf.get_jaxpr(10.0))
-        loop = next(e for e in closed.jaxpr.eqns if e.primitive.name == 'while')
-        # consts: limit (condition), step (body); carries: total, the counter
-        self.assertEqual([v.aval.shape for v in loop.invars], [(), (2,), (2,), ()])
-        self.assertEqual(int(sf(10.0)), 4)          # sums 3, 6, 9, 12
-        np.testing.assert_allclose(total.value, [4.0, 8.0])
-        self.assertEqual(int(sf(20.0)), 3)          # from 12: 15, 18, 21
-        np.testing.assert_allclose(total.value, [7.0, 14.0])
-        np.testing.assert_allclose(step.value, [1.0, 2.0])
 
     def test_scan_body_read_then_write_threads_per_iteration(self):
         s = State(jnp.zeros(3), name='nw_scan')
@@ -1846,7 +1942,8 @@ class NestedWriteTest(unittest.TestCase):
             np.testing.assert_allclose(sf(jnp.float32(1.0)), 3.0)
             np.testing.assert_allclose(s.value, 3.0)
         else:
-            with self.assertRaisesRegex(TraceContextError, r"'cw_state'.*cannot carry it through"):
+            with self.assertRaisesRegex(TraceContextError, r"'cw_state'.*(cannot carry it "
+                                        r"through|drop the written value's derivative)"):
                 sf(jnp.float32(1.0))
             np.testing.assert_allclose(s.value, 2.0)
         self.assertFalse(_tracer_in(s))
@@ -1887,7 +1984,8 @@ class NestedWriteTest(unittest.TestCase):
                         lambda c, _: (c + jax.grad(jax.checkpoint(touch))(p), None),
                         0.0, None, length=2)[0]
                 with self.assertRaisesRegex(
-                        TraceContextError, r"'gc_state'.*(happen twice|cannot carry it through)"):
+                        TraceContextError, r"'gc_state'.*(happen twice|cannot carry it through"
+                                           r"|drop the written value's derivative)"):
                     StatefulFunction(f)(jnp.float32(1.0))
                 np.testing.assert_allclose(s.value, 2.0)
                 self.assertFalse(_tracer_in(s))
@@ -1902,9 +2000,8 @@ class NestedWriteTest(unittest.TestCase):
         # As the README states per release: a write inside a custom_jvp
         # function raises TraceContextError (JAX's UnexpectedTracerError before
         # 0.4.36); one inside a custom_vjp function raises the same before 0.7
-        # and works from 0.7, also under jax.grad.  Before 0.4.36 a read inside
-        # either is an UnexpectedTracerError too when it is the State's first
-        # touch; a State read before the call is fine.  Every State is left
+        # and works from 0.7, also under jax.grad.  A read inside either works
+        # on every release, first touch there or not.  Every State is left
         # unchanged and tracer-free after a raise.  Each write is tried with
         # and without a State read by a plain jax.jit alive (then the trace is
         # isolated under a fresh named axis, see the README).
@@ -1976,18 +2073,51 @@ class NestedWriteTest(unittest.TestCase):
                     elif old:
                         # isolated and under jax.grad, old JAX fails inside its
                         # own tracer bookkeeping instead
-                        raises(KeyError if isolated and under_grad else ute, sf)
+                        raises(KeyError if isolated and under_grad else (ute, TraceContextError),
+                               sf, 'cv_w')
                     else:
                         raises(TraceContextError, sf, 'cv_w')
         # a read inside either, first touch there / touched before the call
         for fn, s in ((jvp_read, jr), (vjp_read, vr)):
-            if old:
-                raises(ute, StatefulFunction(fn))
-            else:
-                self.assertEqual(float(StatefulFunction(fn)(jnp.float32(2.0))), 6.0)
+            self.assertEqual(float(StatefulFunction(fn)(jnp.float32(2.0))), 6.0)
             self.assertEqual(
                 float(StatefulFunction(lambda x: s.value + fn(x))(jnp.float32(2.0))), 9.0)
         self.assertEqual((float(jw.value), float(jr.value), float(vr.value)), (0.0, 3.0, 3.0))
+
+    def test_custom_rules_survive_a_state_first_read_inside(self):
+        """A custom_vjp / custom_jvp function reading a State keeps its rule,
+        whether the State is first touched inside it or before, with the
+        differentiation inside the stateful function or outside it: the
+        derivative is the rule's (which differs from JAX's own), and the
+        traced jaxpr keeps the custom call."""
+        w = State(jnp.arange(1.0, 5.0), name='cr_w')
+
+        @jax.custom_vjp
+        def vjp_sq(x):
+            return x * x * w.value
+        vjp_sq.defvjp(lambda x: (vjp_sq(x), x), lambda r, g: (3.0 * g * r * w.value,))
+
+        @jax.custom_jvp
+        def jvp_sin(x):
+            return jnp.sin(x) * w.value
+        jvp_sin.defjvp(lambda p, t: (jvp_sin(p[0]), 5.0 * t[0] * w.value))
+        x = jnp.linspace(0.5, 2.0, 4)
+        rules = ((vjp_sq, 3.0 * x * w.value), (jvp_sin, 5.0 * w.value))
+        for (fn, want), read_first, outside in itertools.product(
+                rules, (False, True), (False, True)):
+            with self.subTest(fn=fn.__name__ if hasattr(fn, '__name__') else fn,
+                              read_first=read_first, outside=outside):
+                def loss(y, fn=fn, read_first=read_first):
+                    return (w.value.sum() * 0.0 if read_first else 0.0) + fn(y).sum()
+                if outside:
+                    sf = StatefulFunction(loss)
+                    got = jax.grad(sf)(x)
+                    names = {e.primitive.name for e in _eqns_within(sf.get_jaxpr(x).jaxpr)}
+                    self.assertTrue(any(n.startswith('custom_') for n in names), names)
+                else:
+                    got = StatefulFunction(jax.grad(loss))(x)
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_array_equal(w.value, jnp.arange(1.0, 5.0))
 
     def test_gradient_flows_through_scan_written_state(self):
         s = State(jnp.zeros(2), name='nw_bptt')
@@ -2023,11 +2153,11 @@ class NestedWriteTest(unittest.TestCase):
             return s.value
         sf = StatefulFunction(f)
         sf(jnp.ones(3))
-        self.assertEqual(len(calls), 1)     # first touched in the body: a Ref at once
+        self.assertEqual(len(calls), 2)     # aborted at the write, then with a Ref
         sf(jnp.ones(3))
-        self.assertEqual(len(calls), 1)     # cache hit
+        self.assertEqual(len(calls), 2)     # cache hit
         sf(jnp.ones(5))
-        self.assertEqual(len(calls), 2)     # new shapes: one trace
+        self.assertEqual(len(calls), 3)     # new shapes: one trace
         self.assertEqual(float(s.value), 11.0)
         # Read outside the body first: the first trace finds the nested write.
         calls.clear()
@@ -2062,7 +2192,7 @@ class NestedWriteTest(unittest.TestCase):
             return states[-1].value
         sf = StatefulFunction(f, static_argnums=1)
         self.assertEqual(float(sf(jnp.ones(2), False)), 10.0)
-        self.assertEqual(len(calls), 1)     # all first touched in the body
+        self.assertIn(len(calls), (2, 3))   # as below: a State only read stays an input
         calls.clear()
         sf2 = StatefulFunction(f, static_argnums=1)
         self.assertEqual(float(sf2(jnp.ones(2), True)), 20.0)
@@ -2178,6 +2308,154 @@ class NestedWriteTest(unittest.TestCase):
             return a, read(x)
         a, b = StatefulFunction(f)(jnp.float32(3.0))
         self.assertEqual((float(a), float(b)), (3.0, 6.0))
+
+
+_DIFF_TRANSFORMS = {
+    'grad': lambda f, x: jax.grad(lambda y: f(y).sum())(x),
+    'value_and_grad': lambda f, x: jax.value_and_grad(lambda y: f(y).sum())(x),
+    'vjp': lambda f, x: jax.vjp(f, x)[1](jnp.arange(1.0, 4.0)),
+    'jvp': lambda f, x: jax.jvp(f, (x,), (jnp.arange(1.0, 4.0),)),
+    'linearize': lambda f, x: jax.linearize(f, x)[1](jnp.arange(1.0, 4.0)),
+    'jacfwd': lambda f, x: jax.jacfwd(f)(x),
+    'jacrev': lambda f, x: jax.jacrev(f)(x),
+    'hessian': lambda f, x: jax.hessian(lambda y: f(y).sum())(x),
+}
+
+
+def _step(y, h):
+    """The differentiated program with its State as a value: ``(out, new h)``."""
+    h = jnp.tanh(y * 2.0) * h + y          # read, then write
+    h = h * y                              # written again after a read
+    return h * 3.0 + h.sum(), h            # read after the writes
+
+
+class DerivativeThroughStateTest(unittest.TestCase):
+    """Inside a differentiated function a State written and then read acts as
+    a local variable: values and derivatives are those of the program with
+    the State threaded explicitly, and afterwards the State holds the primal
+    value.  Also inside scan and fori_loop bodies and through a nested
+    StatefulFunction."""
+
+    def _check(self, how, where):
+        h = State(jnp.array([0.5, -1.0, 2.0]), name='dts_h')
+        h0 = h.value
+
+        def inner(y):
+            out, h.value = _step(y, h.value)
+            return out
+
+        nested = StatefulFunction(inner)
+        fun = {'direct': inner, 'nested': nested}.get(where, inner)
+        transform = _DIFF_TRANSFORMS[how]
+        x = jnp.array([0.3, -0.7, 1.1])
+        if how in ('jacfwd', 'hessian') and _JAX_VERSION >= (0, 8):
+            # JAX batches the primal too: refused, naming the State and jacrev.
+            with self.assertRaisesRegex(TraceContextError, 'dts_h.*jax.jacrev'):
+                StatefulFunction(lambda x: transform(fun, x))(x)
+            np.testing.assert_array_equal(h.value, h0)
+            return
+        if where == 'scan':
+            xs = jnp.stack([x, x * 0.5])
+
+            def f(xs):
+                return lax.scan(lambda c, xi: (c, transform(inner, xi)), 0.0, xs)[1]
+
+            def ref(xs, hv):
+                def body(hv, xi):
+                    return _step(xi, hv)[1], transform(lambda y: _step(y, hv)[0], xi)
+                return lax.scan(body, hv, xs)
+            got, (hv, want) = StatefulFunction(f)(xs), ref(xs, h0)
+        elif where == 'fori':
+            def f(x):
+                return lax.fori_loop(0, 2, lambda i, acc: acc + jax.tree_util.tree_leaves(
+                    transform(inner, x))[0].sum(), 0.0)
+
+            def ref(x, hv):
+                acc = 0.0
+                for _ in range(2):
+                    acc += jax.tree_util.tree_leaves(
+                        transform(lambda y, hv=hv: _step(y, hv)[0], x))[0].sum()
+                    hv = _step(x, hv)[1]
+                return hv, acc
+            got, (hv, want) = StatefulFunction(f)(x), ref(x, h0)
+        else:
+            got = StatefulFunction(lambda x: transform(fun, x))(x)
+            want = transform(lambda y: _step(y, h0)[0], x)
+            hv = _step(x, h0)[1]
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6, err_msg=f'{how} {where}')
+        np.testing.assert_allclose(h.value, hv, rtol=2e-5, atol=1e-6, err_msg=f'{how} {where}')
+        self.assertFalse(_tracer_in(h))
+
+    def test_every_differentiation_matches_the_explicit_program(self):
+        for how in _DIFF_TRANSFORMS:
+            loops = ('scan', 'fori') if how in ('grad', 'jvp', 'jacrev', 'hessian') else ()
+            for where in ('direct', 'nested', *loops):
+                with self.subTest(how=how, where=where):
+                    self._check(how, where)
+
+    def test_read_inside_an_inner_jit_under_grad(self):
+        """A read inside a jit nested in the differentiated function sees the
+        written value with its tangent (JAX before 0.6 cannot tell the
+        traces apart there: a TraceContextError naming the State)."""
+        h = State(jnp.ones(3), name='dts_jit')
+
+        def f(x):
+            def inner(y):
+                h.value = h.value * y
+                return (h.value ** 2).sum() + jax.jit(lambda: h.value.sum())()
+            return jax.grad(inner)(x)
+        x = jnp.full(3, 0.3)
+        if (0, 4, 36) <= _JAX_VERSION < (0, 6):
+            with self.assertRaisesRegex(TraceContextError, "dts_jit.*local variable"):
+                StatefulFunction(f)(x)
+            np.testing.assert_array_equal(h.value, jnp.ones(3))
+            return
+        np.testing.assert_allclose(StatefulFunction(f)(x), 2 * x + 1, rtol=1e-6)
+        np.testing.assert_allclose(h.value, x, rtol=1e-6)
+
+
+class NestedDtypeAndResultTest(unittest.TestCase):
+    """A write inside a nested transformation never changes a value silently,
+    and a non-JAX result is a clear error."""
+
+    def test_dtype_changing_nested_write_is_refused(self):
+        """At top level an int State written with ``* 0.5`` becomes float32;
+        inside a scan body, a cond branch or an inner jit, where the State
+        must keep its dtype, the write is a TraceContextError naming it
+        (never a truncation to int)."""
+        c = State(jnp.array([3, 5], jnp.int32), name='ndt_c')
+        StatefulFunction(lambda: setattr(c, 'value', c.value * 0.5))()
+        self.assertEqual(c.value.dtype, jnp.float32)
+        np.testing.assert_array_equal(c.value, [1.5, 2.5])
+        halve = lambda: setattr(c, 'value', c.value * 0.5)
+        nested = {
+            'scan': lambda x: lax.scan(lambda k, _: (halve(), (k, None))[1], x, None, length=1)[0],
+            'cond': lambda x: lax.cond(x > 0, lambda: halve() or x, lambda: x),
+            'jit': lambda x: jax.jit(lambda: halve() or x)(),
+        }
+        for where, f in nested.items():
+            with self.subTest(where=where):
+                c.value = jnp.array([3, 5], jnp.int32)
+                with self.assertRaisesRegex(TraceContextError, r"ndt_c.*int32\[2\].*float32\[2\]"):
+                    StatefulFunction(f)(1.0)
+                np.testing.assert_array_equal(c.value, [3, 5])
+                self.assertEqual(c.value.dtype, jnp.int32)
+
+    def test_non_jax_result_names_the_function_and_the_path(self):
+        class Model:
+            def __init__(self, x):
+                self.x = x
+        for fun, shown, where in ((lambda x: 'hi', "'hi'", 'result,'),
+                                  (lambda x: {'a': x, 'b': print}, 'builtin_function',
+                                   "result['b']"),
+                                  (Model, 'Model', 'result,')):
+            with self.subTest(shown=shown):
+                with self.assertRaises(TypeError) as cm:
+                    StatefulFunction(fun)(1.0)
+                self.assertIn(shown, str(cm.exception))
+                self.assertIn(where, str(cm.exception))
+                self.assertIn('not a JAX type', str(cm.exception))
 
 
 class FailureSafetyTest(unittest.TestCase):
@@ -2813,6 +3091,36 @@ def _scenario_mapping_in_sf(S):
     return sj.StatefulFunction(f, static_argnames='tag')
 
 
+def _scenario_side_slots(S):
+    op = _counted_op
+
+    def f(x, tag):
+        # Side slots written, then put back before the function returns: a
+        # fault in between must leave every one of them as it was.
+        def body(c, _):   # a backup made and restored inside a loop body
+            S.b.value = S.b.value + 1
+            S.key.backup_key()
+            d = S.key.split_key()
+            S.key.restore_key()
+            return c + op(_key_uniform, d, (3,)), None
+        c, _ = lax.scan(body, x, None, length=2)
+        S.key.backup_key()
+        k = S.key.split_key()
+        S.rng.self_assign_multi_keys(2)
+        lanes = S.rng.value
+        S.rng.restore_key()
+        S.h.tag, S.w.name = 'moved', 'renamed'
+        S.w.increase_stack_level()
+        a2 = S.a.replace(op(jnp.tanh, S.a.value + c))
+        ref = S.t.to_state_ref()
+        S.a.value = a2.value + op(_key_uniform, k, (3,)) + op(_key_uniform, lanes[1], (3,))
+        S.key.restore_key()
+        S.w.decrease_stack_level()
+        S.h.tag, S.w.name = 'lane', 'w'
+        return op(jnp.sum, ref.value['m']) + op(jnp.sum, S.a.value)
+    return sj.StatefulFunction(f, static_argnames='tag')
+
+
 _X3 = np.array([0.3, -0.7, 1.1], np.float32)
 _X23 = np.array([[0.3, -0.7, 1.1], [0.2, 0.5, -0.4]], np.float32)
 
@@ -2822,7 +3130,8 @@ _SCENARIOS = [(name, make, _X3) for name, make in (
     ('grad', _scenario_grad), ('inner_jit', _scenario_jit), ('nested_sf', _scenario_nested),
     ('nested_sf_in_scan', _scenario_nested_in_scan), ('scan_write', _scenario_scan_write),
     ('cond_jit_write', _scenario_cond_jit_write),
-    ('nested_writer_in_scan', _scenario_nested_writer_in_scan))] + [
+    ('nested_writer_in_scan', _scenario_nested_writer_in_scan),
+    ('side_slots', _scenario_side_slots))] + [
     ('mapping', _scenario_mapping, _X23), ('mapping_in_sf', _scenario_mapping_in_sf, _X23)]
 
 
@@ -2880,11 +3189,14 @@ def _assert_states(expected, got, what):
         _assert_close(e, g, f'{what}, state {i}')
 
 
+def _side_slots(state):
+    """A State's slots besides its value: name, metadata, stack level, backup key."""
+    return {k: getattr(state, k, None) for k in ('_name', '_metadata', '_stack_level', '_backup')}
+
+
 def _tracer_leaves(state):
-    found = [x for x in jax.tree_util.tree_leaves(state._value) if isinstance(x, jax.core.Tracer)]
-    backup = getattr(state, '_backup', None)
-    found += [x for x in jax.tree_util.tree_leaves(backup) if isinstance(x, jax.core.Tracer)]
-    return found
+    return [x for x in jax.tree_util.tree_leaves([state._value, _side_slots(state)])
+            if isinstance(x, jax.core.Tracer)]
 
 
 class FaultInjectionTest(unittest.TestCase):
@@ -2900,9 +3212,13 @@ class FaultInjectionTest(unittest.TestCase):
     def _check_clean(self, S, before, stats_before, call, where):
         frames = getattr(getattr(sj, '_ctx', None), 'frames', [])
         self.assertEqual(list(frames), [], f'{where}: a state trace frame is still active')
-        for s, v0 in zip(S.all, before):
+        for s, v0, side0 in zip(S.all, before, self._side_before):
             self.assertIs(s._value, v0, f'{where}: {s.name} does not hold its old value object')
             self.assertEqual(_tracer_leaves(s), [], f'{where}: {s.name} holds a tracer')
+            side = _side_slots(s)
+            self.assertIs(side.pop('_backup'), side0['_backup'], f'{where}: {s.name} backup')
+            self.assertEqual(side, {k: v for k, v in side0.items() if k != '_backup'},
+                             f'{where}: a side slot of {s.name} changed')
             self.assertNotIn('Trace', repr(s), f'{where}: repr of {s.name} shows a tracer')
             self.assertIsNone(getattr(s, '_broken', None), f'{where}: {s.name} flagged as leaking')
             self.assertIs(sj.State.value.fget(s), v0,
@@ -2956,6 +3272,7 @@ class FaultInjectionTest(unittest.TestCase):
         warm = make(S)
         warm(x, tag='warm')
         before = [s._value for s in S.all]
+        self._side_before = [dict(_side_slots(s)) for s in S.all]
         _assert_close(v0_twin, before, f'{name}: warm-up')
         n = 0
         for kind in ('state', 'op'):
@@ -4521,7 +4838,7 @@ class CachingTest(unittest.TestCase):
         sf(jnp.ones(2))
         sf.get_jaxpr(jnp.ones(3))
         stats = sf.get_cache_stats()
-        self.assertEqual(stats.pop('miss_causes'), {'first trace': 1, 'argument shape/dtype': 2})
+        self.assertEqual(sf.get_miss_causes(), {'first trace': 1, 'argument shape/dtype': 2})
         self.assertEqual(set(stats), {'jaxpr_cache', 'out_shapes_cache',
                                       'jaxpr_out_tree_cache', 'state_trace_cache'})
         self.assertEqual(stats['jaxpr_cache']['size'], 3)
@@ -4530,7 +4847,7 @@ class CachingTest(unittest.TestCase):
             self.assertEqual(v, stats['jaxpr_cache'], name)
         sf.clear_cache()
         stats = sf.get_cache_stats()
-        self.assertEqual(stats.pop('miss_causes'), {})
+        self.assertEqual(sf.get_miss_causes(), {})
         for v in stats.values():
             self.assertEqual(v['size'], 0)
         self.assertEqual(float(sf(3.0)), 3.0)
@@ -4637,28 +4954,6 @@ class CallingTest(unittest.TestCase):
             out = sf(jnp.ones(3))
         self.assertGreater(spy.count, 0)
         np.testing.assert_array_equal(out, 8 * np.ones(3))
-
-    def test_dispatcher_inlines_the_cached_jaxpr_and_traces_evaluate_it(self):
-        # Compiling the dispatcher copies the cached jaxpr's equations into its
-        # jit trace (no add is bound again); a call inside another stateful
-        # trace evaluates it, so that trace's jaxpr is built by ordinary binds.
-        s = State(jnp.zeros(3), name='s')
-
-        def f(x):
-            s.value = s.value + x
-            return s.value * 2
-        sf = StatefulFunction(f)
-        sf.make_jaxpr(jnp.ones(3))
-        with _BindSpy() as spy:
-            out = sf(jnp.ones(3))
-        self.assertEqual(spy.count, 0)
-        np.testing.assert_array_equal(out, np.full(3, 2.0))
-        np.testing.assert_array_equal(s.value, np.ones(3))
-        outer = StatefulFunction(lambda x: sf(x))
-        with _BindSpy() as spy:
-            jaxpr = outer.get_jaxpr(jnp.ones(3))
-        self.assertGreater(spy.count, 0)
-        self.assertIn('add', str(jaxpr))
 
     def test_warm_path_writes_arrays_pytrees_and_keyword_calls(self):
         # The warm path unrolls each plan's reads and writes; a written pytree
@@ -4805,7 +5100,7 @@ class CallingTest(unittest.TestCase):
             made.append(State(x * 2, name='local'))
             return x
         StatefulFunction(f)(1.0)
-        self.assertTrue(_tracer_in(made[0]))
+        self.assertFalse(_tracer_in(made[0]))     # only the tracer's shape and dtype stay
         with self.assertRaisesRegex(TraceContextError, r"'local'.*test_stateful_jaxpr\.py"):
             made[0].value
         self.assertIn('finished trace', repr(made[0]))
@@ -4818,6 +5113,214 @@ class CallingTest(unittest.TestCase):
         sf = StatefulFunction(f)
         self.assertEqual(float(sf(1.0)), 4.0)
         self.assertEqual(sf.get_states(1.0), ())
+
+
+class PlainTransformTest(unittest.TestCase):
+    """Calls under a plain JAX transformation, under jax.disable_jit(), and the
+    cache statistics brainstate's own tests read."""
+
+    _TRANSFORMS = (
+        ('vmap', lambda g: jax.vmap(g), jnp.ones((4, 3))),
+        ('grad', lambda g: jax.grad(lambda x: g(x).sum()), jnp.ones(3)),
+        ('jit', lambda g: jax.jit(g), jnp.ones(3)),
+        ('jvp', lambda g: lambda x: jax.jvp(g, (x,), (x,))[1], jnp.ones(3)),
+        ('value_and_grad', lambda g: jax.value_and_grad(lambda x: g(x).sum()), jnp.ones(3)),
+    )
+
+    def test_a_writing_call_raises_whatever_the_value_depends_on(self):
+        cnt = State(jnp.zeros(()), name='pt_cnt')
+        acc = State(jnp.zeros(3), name='pt_acc')
+        writes = {'a constant step': lambda x: setattr(cnt, 'value', cnt.value + 1),
+                  'the argument': lambda x: setattr(acc, 'value', acc.value + x)}
+        for (how, transform, x), (what, write) in itertools.product(self._TRANSFORMS,
+                                                                     writes.items()):
+            for warm in (False, True):
+                def f(x):
+                    write(x)
+                    return x * 2.0
+                sf = StatefulFunction(f)
+                if warm:
+                    sf(jnp.ones(3))
+                    sf(jnp.ones(3))
+                snapshot = _snapshot([cnt, acc])
+                with self.subTest(transform=how, writes=what, warm=warm):
+                    with self.assertRaises(TraceContextError) as cm:
+                        transform(sf)(x)
+                    msg = str(cm.exception)
+                    self.assertIn("'pt_cnt'" if what == 'a constant step' else "'pt_acc'", msg)
+                    for word in ('StatefulFunction', 'StatefulMapping', 'jaxpr_call'):
+                        self.assertIn(word, msg)
+                    _assert_unchanged(self, [cnt, acc], snapshot)
+
+    def test_read_only_calls_work_also_returning_every_state(self):
+        w = State(jnp.arange(3.0), name='pt_w')
+        for row in (True, False):
+            sf = StatefulFunction(lambda x: jnp.sin(x * w.value), return_only_write=row)
+            plain = lambda x: jnp.sin(x * w.value)   # noqa: E731
+            for how, transform, x in self._TRANSFORMS:
+                with self.subTest(transform=how, return_only_write=row):
+                    got, want = transform(sf)(x), transform(plain)(x)
+                    for a, b in zip(jax.tree_util.tree_leaves(got),
+                                    jax.tree_util.tree_leaves(want)):
+                        np.testing.assert_allclose(a, b, rtol=1e-6)
+                    self.assertFalse(_tracer_in(w))
+
+    def test_an_inner_call_returning_every_state_writes_only_what_it_writes(self):
+        r, w = State(jnp.ones(3), name='pt_r'), State(jnp.zeros(3), name='pt_wr')
+
+        def f(x):
+            w.value = w.value + x
+            return x * r.value
+        inner = StatefulFunction(f, return_only_write=False)
+        outer = StatefulFunction(lambda x: inner(x) + 1.0)
+        self.assertEqual(outer.get_write_states(jnp.ones(3)), (w,))
+        self.assertEqual(outer.get_read_states(jnp.ones(3)), (r,))
+
+    def test_a_state_created_in_the_same_trace_may_be_written(self):
+        def per_lane(x):
+            local = State(jnp.zeros(()), name='pt_local')
+
+            def f(y):
+                local.value = local.value + y.sum()
+                return y
+            StatefulFunction(f)(x)
+            return local.value * 2.0
+        np.testing.assert_allclose(jax.vmap(per_lane)(jnp.arange(12.0).reshape(4, 3)),
+                                   jax.vmap(lambda x: x.sum() * 2.0)(
+                                       jnp.arange(12.0).reshape(4, 3)))
+
+    def test_disable_jit_runs_the_body_eagerly_on_every_call(self):
+        s = State(jnp.zeros(()), name='pt_s')
+        seen = []
+
+        def f(x):
+            seen.append((type(x), type(s.value)))
+            if x > 0:            # a Python branch on a value: only eager code can
+                s.value = s.value + x
+            else:
+                s.value = s.value - 1.0
+            return s.value * 2.0
+        sf = StatefulFunction(lambda x: f(x) if jax.config.jax_disable_jit else x)
+        sf(jnp.float32(1.0))
+        sf(jnp.float32(1.0))                      # warm before disable_jit
+        del seen[:]
+        with jax.disable_jit():
+            outs = [sf(jnp.float32(v)) for v in (2.0, -3.0, 0.5)]
+        self.assertEqual(len(seen), 3)
+        for kinds in seen:
+            self.assertFalse(any(issubclass(k, jax.core.Tracer) for k in kinds), kinds)
+        np.testing.assert_allclose([float(o) for o in outs], [4.0, 2.0, 3.0])
+        self.assertEqual(float(s.value), 1.5)
+        self.assertFalse(_tracer_in(s))
+        with _BindSpy() as spy:                   # compiled again afterwards
+            sf(jnp.float32(1.0))
+        self.assertEqual(spy.count, 0)
+
+    def test_disable_jit_fresh_function_nested_and_with_loops(self):
+        t = State(jnp.zeros(3), name='pt_t')
+        calls = []
+
+        def inner(x):
+            calls.append(type(x))
+            t.value = t.value + x
+            return x
+        sf_inner = StatefulFunction(inner)
+
+        def outer(x):
+            def body(c, y):
+                t.value = t.value + y
+                return c + 1, y
+            lax.scan(body, 0, jnp.stack([x, x]))
+            sf_inner(x)
+            lax.fori_loop(0, 2, lambda i, c: (setattr(t, 'value', t.value * 2.0), c)[1], 0)
+            return t.value.sum()
+        compiled = float(StatefulFunction(outer)(jnp.ones(3)))
+        want = np.asarray(t.value)
+        t.value = jnp.zeros(3)
+        del calls[:]
+        with jax.disable_jit():
+            got = float(StatefulFunction(outer)(jnp.ones(3)))
+        self.assertEqual(got, compiled)
+        np.testing.assert_array_equal(t.value, want)
+        self.assertEqual(len(calls), 1)
+        self.assertFalse(issubclass(calls[0], jax.core.Tracer))
+
+    def test_disable_jit_refuses_a_write_inside_a_transformation_of_the_body(self):
+        h = State(jnp.zeros(3), name='pt_h')
+
+        def f(x):
+            def loss(y):
+                h.value = y * 2.0
+                return (h.value ** 2).sum()
+            return jax.grad(loss)(x)
+        sf = StatefulFunction(f)
+        snapshot = _snapshot([h])
+        with jax.disable_jit(), self.assertRaises(TraceContextError) as cm:
+            sf(jnp.ones(3))
+        self.assertIn("'pt_h'", str(cm.exception))
+        self.assertIn('jax.disable_jit()', ' '.join(getattr(cm.exception, '__notes__', [])))
+        _assert_unchanged(self, [h], snapshot)
+
+    def test_disable_jit_mapping_and_jaxpr_call(self):
+        def run(eager):
+            rng = RandomState(3, name='pt_rng')
+            acc = State(jnp.zeros(()), name='pt_macc')
+
+            def f(x):
+                acc.value = acc.value + 1.0
+                return x * jax.random.uniform(rng.split_key())
+            sm = sj.StatefulMapping(f, in_axes=0)
+            outs = [sm(jnp.ones((4, 2)))]
+            with jax.disable_jit() if eager else contextlib.nullcontext():
+                outs += [sm(jnp.ones((4, 2))), sm(jnp.ones((4, 2)))]
+            outs.append(sm(jnp.ones((4, 2))))
+            return outs, acc.value, rng.value
+        (o1, a1, k1), (o2, a2, k2) = run(False), run(True)
+        for x, y in zip(o1, o2):
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+        np.testing.assert_array_equal(a1, a2)
+        np.testing.assert_array_equal(k1, k2)
+        s = State(jnp.ones(2), name='pt_pure')
+
+        def g(x):
+            s.value = s.value + x
+            return x
+        sf = StatefulFunction(g)
+        with jax.disable_jit():
+            new, out = sf.jaxpr_call([jnp.full(2, 5.0)], jnp.ones(2))
+        np.testing.assert_array_equal(new[0], jnp.full(2, 6.0))
+        np.testing.assert_array_equal(s.value, jnp.ones(2))
+
+    def test_cache_stats_have_brainstates_shape(self):
+        # What brainstate 0.2.1's own test_cache_stats checks, on both
+        # implementations where brainstate is installed.
+        for impl in ('sj', 'bs') if _BRAINSTATE_AVAILABLE else ('sj',):
+            ns = _implementation_namespace(impl)
+            st = ns.State(jnp.array([1.0, 2.0]))
+
+            def f(x):
+                st.value += x
+                return st.value * 2
+            sf = ns.StatefulFunction(f)
+            sf.make_jaxpr(jnp.array([0.5, 0.5]))
+            sf.make_jaxpr(jnp.array([1.0, 1.0]))
+            stats = sf.get_cache_stats()
+            with self.subTest(impl=impl):
+                self.assertEqual(sorted(stats), ['jaxpr_cache', 'jaxpr_out_tree_cache',
+                                                 'out_shapes_cache', 'state_trace_cache'])
+                for name, cache in stats.items():
+                    self.assertEqual(sorted(cache), ['hit_rate', 'hits', 'maxsize', 'misses',
+                                                     'size'], name)
+        sf = StatefulFunction(lambda x: x * 2)
+        sf(jnp.ones(2))
+        sf(jnp.ones(3))
+        sf(jnp.ones(3))
+        self.assertEqual(sf.get_miss_causes(), {'first trace': 1, 'argument shape/dtype': 1})
+        causes = sf.get_miss_causes()
+        causes['first trace'] = 99                 # a copy
+        self.assertEqual(sf.get_miss_causes()['first trace'], 1)
+        sf.clear_cache()
+        self.assertEqual(sf.get_miss_causes(), {})
 
 
 # -- constructors and configuration --------------------------------------------
@@ -5030,6 +5533,533 @@ class ErrorsCallsTest(_ErrorsCase):
                        "changed from (PyTreeDef(*), (((2,), dtype('float32')",
                        "to (PyTreeDef(*), (((3,), dtype('float32')", 'since it was traced'],
                    fix=['the next call retraces'])
+
+
+class _BadInputFixture:
+    """Fresh States and functions for one bad-input case."""
+
+    def __init__(self):
+        self.s = State(jnp.ones(3), name='bi_s')
+        self.t = State(jnp.zeros(3), name='bi_t')
+        self.rng = RandomState(0, name='bi_rng')
+        self.b = sj.BatchState(jnp.zeros((5, 3)), name='bi_b')
+        self.states = [self.s, self.t, self.rng, self.b]
+        self.sf = StatefulFunction(self.write)
+        self.sfs = StatefulFunction(lambda x, n: x * n, static_argnums=1)
+        self.sm = sj.StatefulMapping(self.write, in_axes=0)
+
+    def write(self, x):
+        self.s.value = self.s.value + x
+        return x
+
+    def warm(self, sf=None, *args):
+        """``sf`` (default: ``self.sf``) after two calls (compiled, on the warm path)."""
+        sf = self.sf if sf is None else sf
+        args = args or (jnp.ones(3),)
+        sf(*args)
+        sf(*args)
+        return sf
+
+    def traced(self):
+        return self.sf.make_jaxpr(jnp.ones(3))
+
+    def exported(self):
+        return _BadInputFixture._exported
+
+    def jaxpr(self):
+        return sj.make_jaxpr(lambda x: x * 2.0)(1.0)[0]
+
+
+_HUGE = 10 ** 30
+_P = functools.partial
+_DIGITS = str(_HUGE)
+
+
+def _unhashable_key():
+    return {'not': 'a key'}
+
+
+def _generator_fn():
+    yield 1
+
+
+async def _coroutine_fn():
+    return 1
+
+
+# (entry point in stateful_jaxpr.__all__, label, exception type,
+#  make(fixture) -> the bad call, words the message must contain; a tuple: any one)
+_BAD_INPUT_CASES = [
+    # -- States --
+    ('State', 'State(a State)', ValueError,
+     lambda fx: _P(State, fx.s), ["'bi_s'", 'State(other.value)']),
+    ('ShortTermState', 'ShortTermState(a State)', ValueError,
+     lambda fx: _P(sj.ShortTermState, fx.s), ["'bi_s'"]),
+    ('LongTermState', 'LongTermState(a State)', ValueError,
+     lambda fx: _P(sj.LongTermState, fx.t), ["'bi_t'"]),
+    ('ParamState', 'ParamState(a State)', ValueError,
+     lambda fx: _P(sj.ParamState, fx.s), ["'bi_s'"]),
+    ('BatchState', 'BatchState(a State)', ValueError,
+     lambda fx: _P(sj.BatchState, fx.b), ["'bi_b'"]),
+    ('HiddenState', 'HiddenState(str)', ValueError,
+     lambda fx: _P(sj.HiddenState, 'x'), ['str', 'HiddenState']),
+    ('HiddenState', 'HiddenState(None)', ValueError,
+     lambda fx: _P(sj.HiddenState, None), ['NoneType']),
+    ('HiddenState', 'HiddenState(empty list)', ValueError,
+     lambda fx: _P(sj.HiddenState, []), ['list']),
+    ('HiddenState', 'HiddenState(dict)', ValueError,
+     lambda fx: _P(sj.HiddenState, {'a': 1.0}), ['dict']),
+    ('State', 'state.value = a State', ValueError,
+     lambda fx: _P(setattr, fx.s, 'value', fx.t), ["'bi_s'", 'other.value']),
+    ('State', 'state.value = a State in a pytree', ValueError,
+     lambda fx: _P(setattr, fx.s, 'value', {'k': fx.t}), ["'bi_s'"]),
+    ('State', 'restore_value(a State)', ValueError,
+     lambda fx: _P(fx.s.restore_value, fx.t), ["'bi_s'"]),
+    # -- RandomState --
+    ('RandomState', 'RandomState(str)', ValueError,
+     lambda fx: _P(RandomState, 'abc'), ['str', 'int seed']),
+    ('RandomState', 'RandomState(float)', ValueError, lambda fx: _P(RandomState, 2.5), ['float']),
+    ('RandomState', 'RandomState(a State)', ValueError,
+     lambda fx: _P(RandomState, fx.s), ['State']),
+    ('RandomState', 'RandomState(float array)', ValueError,
+     lambda fx: _P(RandomState, jnp.ones(3)), ['float32[3]']),
+    ('RandomState', 'RandomState(empty list)', ValueError,
+     lambda fx: _P(RandomState, []), ['list']),
+    ('RandomState', 'RandomState(empty dict)', ValueError,
+     lambda fx: _P(RandomState, {}), ['dict']),
+    ('RandomState', 'split_key(0)', ValueError,
+     lambda fx: _P(fx.rng.split_key, 0), ["'bi_rng'", 'split_key(n)', 'got 0']),
+    ('RandomState', 'split_key(-1)', ValueError,
+     lambda fx: _P(fx.rng.split_key, -1), ["'bi_rng'", 'got -1']),
+    ('RandomState', "split_key('3')", ValueError,
+     lambda fx: _P(fx.rng.split_key, '3'), ["'bi_rng'", "got '3'"]),
+    ('RandomState', 'split_key(2.5)', ValueError,
+     lambda fx: _P(fx.rng.split_key, 2.5), ["'bi_rng'", 'got 2.5']),
+    ('RandomState', 'split_key(a State)', ValueError,
+     lambda fx: _P(fx.rng.split_key, fx.s), ["'bi_rng'", "'bi_s'"]),
+    ('RandomState', "seed('a')", ValueError,
+     lambda fx: _P(fx.rng.seed, 'a'), ["'bi_rng'", 'seed', 'str']),
+    ('RandomState', 'seed(2.5)', ValueError,
+     lambda fx: _P(fx.rng.seed, 2.5), ["'bi_rng'", 'float']),
+    ('RandomState', 'set_key(int)', ValueError,
+     lambda fx: _P(fx.rng.set_key, 5), ["'bi_rng'", 'int']),
+    ('RandomState', 'set_key(None)', ValueError,
+     lambda fx: _P(fx.rng.set_key, None), ["'bi_rng'", 'NoneType']),
+    ('RandomState', 'set_key(float array)', ValueError,
+     lambda fx: _P(fx.rng.set_key, jnp.ones(2)), ["'bi_rng'", 'float32[2]']),
+    ('RandomState', 'rng.value = an int', ValueError,
+     lambda fx: _P(setattr, fx.rng, 'value', 5), ["'bi_rng'", 'PRNG key']),
+    ('RandomState', 'rng.value = a State', ValueError,
+     lambda fx: _P(setattr, fx.rng, 'value', fx.s), ["'bi_rng'"]),
+    ('RandomState', 'restore_key() without backup', ValueError,
+     lambda fx: fx.rng.restore_key, ["'bi_rng'", 'backup_key()']),
+    ('RandomState', 'backup_key() twice', ValueError,
+     lambda fx: (fx.rng.backup_key(), fx.rng.backup_key)[1], ["'bi_rng'", 'twice']),
+    # -- TreefyState, catch_new_states, check_state_value_tree, StateTraceStack --
+    ('TreefyState', 'TreefyState(int type)', TypeError,
+     lambda fx: _P(sj.TreefyState, 5, 1.0), ['TreefyState', '5']),
+    ('TreefyState', 'TreefyState(not a State class)', TypeError,
+     lambda fx: _P(sj.TreefyState, int, 1.0), ["<class 'int'>"]),
+    ('catch_new_states', 'catch_new_states(state_to_exclude=5)', TypeError,
+     lambda fx: sj.catch_new_states(state_to_exclude=5).__enter__, ['filter 5']),
+    ('catch_new_states', 'catch_new_states(state_to_exclude=2.5)', TypeError,
+     lambda fx: sj.catch_new_states(state_to_exclude=2.5).__enter__, ['filter 2.5']),
+    ('check_state_value_tree', 'structure change inside check_state_value_tree', ValueError,
+     lambda fx: lambda: _in_check_tree(fx.s, {'a': jnp.ones(3)}), ["'bi_s'", 'pytree structure']),
+    ('check_state_value_tree', 'empty pytree inside check_state_value_tree', ValueError,
+     lambda fx: lambda: _in_check_tree(fx.t, ()), ["'bi_t'", 'pytree structure']),
+    ('StateTraceStack', 'StateTraceStack(new_arg=5)', TypeError,
+     lambda fx: _P(StateTraceStack, 5), ['new_arg=5']),
+    ('StateTraceStack', "StateTraceStack(new_arg='name')", TypeError,
+     lambda fx: _P(StateTraceStack, 'nm'), ["new_arg='nm'"]),
+    ('StateTraceStack', 'assign_state_vals(wrong length)', ValueError,
+     lambda fx: _P(StateTraceStack().assign_state_vals, [1.0]), ['State length mismatch', 'got 1']),
+    # -- the cache --
+    ('BoundedCache', 'BoundedCache(0)', ValueError,
+     lambda fx: _P(sj.BoundedCache, 0), ['maxsize', 'got 0']),
+    ('BoundedCache', 'BoundedCache(-1)', ValueError,
+     lambda fx: _P(sj.BoundedCache, -1), ['maxsize', 'got -1']),
+    ('BoundedCache', "BoundedCache('3')", ValueError,
+     lambda fx: _P(sj.BoundedCache, '3'), ['maxsize', "got '3'"]),
+    ('BoundedCache', 'BoundedCache(None)', ValueError,
+     lambda fx: _P(sj.BoundedCache, None), ['maxsize', 'got None']),
+    ('BoundedCache', 'BoundedCache(2.5)', ValueError,
+     lambda fx: _P(sj.BoundedCache, 2.5), ['maxsize', 'got 2.5']),
+    ('BoundedCache', 'set(existing key)', ValueError,
+     lambda fx: _P(_cache_with('k').set, 'k', 2), ['Cache key already exists', "'k'"]),
+    ('BoundedCache', 'replace(missing key)', KeyError,
+     lambda fx: _P(sj.BoundedCache().replace, 'k', 2), ['Cache key does not exist', "'k'"]),
+    ('BoundedCache', 'get(missing, raise_on_miss=True)', ValueError,
+     lambda fx: _P(sj.BoundedCache().get, 'k', raise_on_miss=True), ["Requested key: 'k'"]),
+    ('hashabledict', 'hashabledict[k] = v', TypeError,
+     lambda fx: _P(sj.hashabledict(a=1).__setitem__, 'a', 2), ['hashabledict is immutable']),
+    ('hashabledict', 'del hashabledict[k]', TypeError,
+     lambda fx: _P(sj.hashabledict(a=1).__delitem__, 'a'), ['hashabledict is immutable']),
+    ('hashabledict', 'hashabledict.update', TypeError,
+     lambda fx: _P(sj.hashabledict(a=1).update, b=2), ['hashabledict is immutable']),
+    ('hashabledict', 'hashabledict.pop', TypeError,
+     lambda fx: _P(sj.hashabledict(a=1).pop, 'a'), ['hashabledict is immutable']),
+    # -- StatefulFunction: construction --
+    ('StatefulFunction', 'StatefulFunction(5)', TypeError,
+     lambda fx: _P(StatefulFunction, 5), ['fun', 'int: 5']),
+    ('StatefulFunction', 'StatefulFunction(None)', TypeError,
+     lambda fx: _P(StatefulFunction, None), ['fun', 'None']),
+    ('StatefulFunction', "StatefulFunction('f')", TypeError,
+     lambda fx: _P(StatefulFunction, 'f'), ['fun', "'f'"]),
+    ('StatefulFunction', 'StatefulFunction(a State)', TypeError,
+     lambda fx: _P(StatefulFunction, fx.s), ['fun', "'bi_s'"]),
+    ('StatefulFunction', 'StatefulFunction(staticmethod)', TypeError,
+     lambda fx: _P(StatefulFunction, staticmethod(fx.write)), ['staticmethod', '__func__']),
+    ('StatefulFunction', 'StatefulFunction(generator function)', TypeError,
+     lambda fx: _P(StatefulFunction, _generator_fn), ['generator', '_generator_fn']),
+    ('StatefulFunction', 'StatefulFunction(coroutine function)', TypeError,
+     lambda fx: _P(StatefulFunction, _coroutine_fn), ['coroutine', '_coroutine_fn']),
+    ('StatefulFunction', "static_argnums='a'", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnums='a'), ['static_argnums', "'a'"]),
+    ('StatefulFunction', 'static_argnums=2.5', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnums=2.5), ['static_argnums', '2.5']),
+    ('StatefulFunction', "static_argnums=[1, 'a']", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnums=[1, 'a']),
+     ['static_argnums', "[1, 'a']"]),
+    ('StatefulFunction', 'static_argnums=True', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnums=True), ['static_argnums', 'True']),
+    ('StatefulFunction', 'static_argnums=a State', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnums=fx.s), ['static_argnums', "'bi_s'"]),
+    ('StatefulFunction', 'static_argnames=5', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnames=5), ['static_argnames', 'got 5']),
+    ('StatefulFunction', 'static_argnames=[1]', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnames=[1]), ['static_argnames', '[1]']),
+    ('StatefulFunction', 'static_argnames=a State', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnames=fx.s),
+     ['static_argnames', "'bi_s'"]),
+    ('StatefulFunction', "static_argnames=b'x'", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnames=b'x'), ['static_argnames', "b'x'"]),
+    ('StatefulFunction', 'static_argnames={dict}', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, static_argnames={'a': 1}),
+     ['static_argnames', "{'a': 1}"]),
+    ('StatefulFunction', 'axis_env=5', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, axis_env=5), ['axis_env', 'got 5']),
+    ('StatefulFunction', "axis_env=[('i', 'x')]", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, axis_env=[('i', 'x')]), ['axis_env', "('i', 'x')"]),
+    ('StatefulFunction', "axis_env=[('i', -1)]", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, axis_env=[('i', -1)]), ['axis_env', "('i', -1)"]),
+    ('StatefulFunction', "axis_env=['i']", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, axis_env=['i']), ['axis_env', "['i']"]),
+    ('StatefulFunction', 'name=5', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, name=5), ['name=', 'got 5']),
+    ('StatefulFunction', "return_only_write='y'", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, return_only_write='y'),
+     ['return_only_write', "'y'"]),
+    ('StatefulFunction', 'return_only_write=None', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, return_only_write=None),
+     ['return_only_write', 'None']),
+    ('StatefulFunction', 'donate_states=5', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, donate_states=5), ['donate_states=5', 'filter 5']),
+    ('StatefulFunction', 'keep_sharding=2.5', TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, keep_sharding=2.5),
+     ['keep_sharding=2.5', 'filter 2.5']),
+    ('StatefulFunction', "explain_cache_misses='y'", TypeError,
+     lambda fx: _P(StatefulFunction, fx.write, explain_cache_misses='y'),
+     ['explain_cache_misses', "'y'"]),
+    # -- StatefulFunction: calls --
+    ('StatefulFunction', 'sf(10**30)', OverflowError,
+     lambda fx: _P(fx.sf, _HUGE), ["'write'", 'argument [0]', _DIGITS]),
+    ('StatefulFunction', 'sf(-10**30)', OverflowError,
+     lambda fx: _P(fx.sf, -_HUGE), ['argument [0]', '-' + _DIGITS]),
+    ('StatefulFunction', 'sf(x=10**30)', OverflowError,
+     lambda fx: _P(StatefulFunction(lambda x=0: x), x=_HUGE), ["keyword argument ['x']", _DIGITS]),
+    ('StatefulFunction', 'sf({a: [1, 10**30]})', OverflowError,
+     lambda fx: _P(StatefulFunction(lambda d: d), {'a': [1, _HUGE]}), ["argument [0]['a'][1]"]),
+    ('StatefulFunction', 'warm sf(10**30)', OverflowError,
+     lambda fx: _P(fx.warm(), _HUGE), ['argument [0]', _DIGITS]),
+    ('StatefulFunction', 'warm int sf(2**70)', OverflowError,
+     lambda fx: _P(fx.warm(StatefulFunction(lambda i: i + 1), 1), 2 ** 70),
+     ['argument [0]', str(2 ** 70)]),
+    ('StatefulFunction', "sf('str')", TypeError,
+     lambda fx: _P(fx.sf, 'str'), ['argument [0]', 'str']),
+    ('StatefulFunction', 'sf(object())', TypeError,
+     lambda fx: _P(fx.sf, object()), ['argument [0]', 'object']),
+    ('StatefulFunction', 'warm sf(str)', TypeError,
+     lambda fx: _P(fx.warm(), 'str'), ['argument [0]', 'str']),
+    ('StatefulFunction', 'sf(a State)', ValueError,
+     lambda fx: _P(fx.sf, fx.s), ['argument [0]', "'bi_s'"]),
+    ('StatefulFunction', 'sf({k: a State})', ValueError,
+     lambda fx: _P(fx.sf, {'k': fx.t}), ["argument [0]['k']", "'bi_t'"]),
+    ('StatefulFunction', 'sf(x=a State)', ValueError,
+     lambda fx: _P(StatefulFunction(lambda x=0: x), x=fx.t), ["keyword argument ['x']", "'bi_t'"]),
+    ('StatefulFunction', 'warm sf(a State)', ValueError,
+     lambda fx: _P(fx.warm(), fx.s), ['argument [0]', "'bi_s'"]),
+    ('StatefulFunction', 'static argument a State', ValueError,
+     lambda fx: _P(fx.sfs, 1.0, fx.s), ['static positional argument 1', "'bi_s'"]),
+    ('StatefulFunction', 'static argument missing', ValueError,
+     lambda fx: _P(fx.sfs, 1.0), ['static_argnums contains 1']),
+    ('StatefulFunction', 'static argument an array', TypeError,
+     lambda fx: _P(fx.sfs, 1.0, jnp.ones(3)), ['static positional argument 1', 'not hashable']),
+    ('StatefulFunction', 'static_argnums=-5 call', ValueError,
+     lambda fx: _P(StatefulFunction(fx.write, static_argnums=-5), 1.0),
+     ['static_argnums contains -5']),
+    ('StatefulFunction', 'static_argnums=10**30 call', ValueError,
+     lambda fx: _P(StatefulFunction(fx.write, static_argnums=_HUGE), 1.0),
+     ['static_argnums contains ' + _DIGITS]),
+    ('StatefulFunction', 'jaxpr_call(None, x)', TypeError,
+     lambda fx: _P(fx.sf.jaxpr_call, None, jnp.ones(3)), ['jaxpr_call', 'state_vals', 'None']),
+    ('StatefulFunction', 'jaxpr_call(5, x)', TypeError,
+     lambda fx: _P(fx.sf.jaxpr_call, 5, jnp.ones(3)), ['state_vals', 'got 5']),
+    ('StatefulFunction', 'jaxpr_call(a State, x)', TypeError,
+     lambda fx: _P(fx.sf.jaxpr_call, fx.s, jnp.ones(3)), ['state_vals', "'bi_s'"]),
+    ('StatefulFunction', 'jaxpr_call([], x)', ValueError,
+     lambda fx: _P(fx.sf.jaxpr_call, [], jnp.ones(3)), ['State length mismatch', 'got 0']),
+    ('StatefulFunction', 'jaxpr_call([a State], x)', ValueError,
+     lambda fx: _P(fx.sf.jaxpr_call, [fx.s], jnp.ones(3)), ['state_vals[0]', "'bi_s'"]),
+    ('StatefulFunction', 'jaxpr_call([wrong shape], x)', ValueError,
+     lambda fx: _P(fx.sf.jaxpr_call, [jnp.ones(4)], jnp.ones(3)), ["'bi_s'", 'traced with']),
+    ('StatefulFunction', 'jaxpr_call([v], 10**30)', OverflowError,
+     lambda fx: _P(fx.sf.jaxpr_call, [jnp.ones(3)], _HUGE), ['argument [0]', _DIGITS]),
+    ('StatefulFunction', 'get_jaxpr_by_cache(5)', ValueError,
+     lambda fx: _P(fx.traced().get_jaxpr_by_cache, 5), ['JAX expression', 'Requested key: 5']),
+    ('StatefulFunction', 'get_out_shapes_by_cache(None)', ValueError,
+     lambda fx: _P(fx.traced().get_out_shapes_by_cache, None),
+     ['Output shapes', 'Requested key: None']),
+    ('StatefulFunction', 'get_state_trace_by_cache(dict)', TypeError,
+     lambda fx: _P(fx.traced().get_state_trace_by_cache, _unhashable_key()), ["'dict'"]),
+    ('StatefulFunction', 'validate_states(5)', ValueError,
+     lambda fx: _P(fx.traced().validate_states, 5), ['Requested key: 5']),
+    ('StatefulFunction', 'get_jaxpr(str)', TypeError,
+     lambda fx: _P(fx.sf.get_jaxpr, 'x'), ['argument [0]', 'str']),
+    ('StatefulFunction', 'get_arg_cache_key(10**30)', OverflowError,
+     lambda fx: _P(fx.sf.get_arg_cache_key, _HUGE), ['argument [0]', _DIGITS]),
+    ('StatefulFunction', 'get_states(a State)', ValueError,
+     lambda fx: _P(fx.sf.get_states, fx.s), ['argument [0]', "'bi_s'"]),
+    ('StatefulFunction', 'make_jaxpr(object())', TypeError,
+     lambda fx: _P(fx.sf.make_jaxpr, object()), ['argument [0]', 'object']),
+    ('StatefulFunction', 'jaxpr_call_auto(10**30)', OverflowError,
+     lambda fx: _P(fx.sf.jaxpr_call_auto, _HUGE), ['argument [0]', _DIGITS]),
+    ('StatefulFunction', 'pretty_jaxpr(str)', TypeError,
+     lambda fx: _P(fx.sf.pretty_jaxpr, 'x'), ['argument [0]', 'str']),
+    ('StatefulFunction', 'writing call under jax.vmap', TraceContextError,
+     lambda fx: _P(jax.vmap(fx.sf), jnp.ones((4, 3))), ["'bi_s'", 'StatefulMapping', 'jaxpr_call']),
+    ('StatefulFunction', 'writing call under jax.grad', TraceContextError,
+     lambda fx: _P(jax.grad(lambda x: fx.sf(x).sum()), jnp.ones(3)), ["'bi_s'", 'jaxpr_call']),
+    ('StatefulFunction', 'warm writing call under jax.jit', TraceContextError,
+     lambda fx: _P(jax.jit(fx.warm()), jnp.ones(3)), ["'bi_s'", 'jaxpr_call']),
+    # -- make_jaxpr, explain_cache_misses --
+    ('make_jaxpr', 'make_jaxpr(5)', TypeError, lambda fx: _P(sj.make_jaxpr, 5), ['fun', 'int: 5']),
+    ('make_jaxpr', "make_jaxpr(static_argnums='a')", TypeError,
+     lambda fx: _P(sj.make_jaxpr, fx.write, static_argnums='a'), ['static_argnums', "'a'"]),
+    ('make_jaxpr', 'make_jaxpr(static_argnames=5)', TypeError,
+     lambda fx: _P(sj.make_jaxpr, fx.write, static_argnames=5), ['static_argnames', 'got 5']),
+    ('make_jaxpr', 'make_jaxpr(f)(10**30)', OverflowError,
+     lambda fx: _P(sj.make_jaxpr(fx.write), _HUGE), ['argument [0]', _DIGITS]),
+    ('make_jaxpr', 'make_jaxpr(f)(a State)', ValueError,
+     lambda fx: _P(sj.make_jaxpr(fx.write), fx.s), ['argument [0]', "'bi_s'"]),
+    ('explain_cache_misses', 'explain_cache_misses(None)', TypeError,
+     lambda fx: _P(sj.explain_cache_misses, None), ['explain_cache_misses', 'None']),
+    ('explain_cache_misses', "explain_cache_misses('y')", TypeError,
+     lambda fx: _P(sj.explain_cache_misses, 'y'), ['explain_cache_misses', "'y'"]),
+    ('explain_cache_misses', 'explain_cache_misses(5)', TypeError,
+     lambda fx: _P(sj.explain_cache_misses, 5), ['explain_cache_misses', 'got 5']),
+    # -- export, deserialize, Exported --
+    ('export', 'export(5, x)', TypeError, lambda fx: _P(sj.export, 5, 1.0), ['fun', 'int: 5']),
+    ('export', 'export(sf, 10**30)', OverflowError,
+     lambda fx: _P(sj.export, fx.sf, _HUGE), ['argument [0]', _DIGITS]),
+    ('export', 'export(sf, str)', TypeError,
+     lambda fx: _P(sj.export, fx.sf, 's'), ['argument [0]', 'str']),
+    ('export', 'export(sf, a State)', ValueError,
+     lambda fx: _P(sj.export, fx.sf, fx.s), ['argument [0]', "'bi_s'"]),
+    ('deserialize', 'deserialize(empty bytes)', ValueError,
+     lambda fx: _P(sj.deserialize, b''), ['deserialize', 'Exported.serialize()']),
+    ('deserialize', 'deserialize(garbage)', ValueError,
+     lambda fx: _P(sj.deserialize, b'garbage'), ['deserialize', 'Exported.serialize()']),
+    ('Exported', 'exported(x, states={})', ValueError,
+     lambda fx: _P(fx.exported(), jnp.ones(3), states={}), ["lacks ['bi_s']"]),
+    ('Exported', 'exported(x) without states', ValueError,
+     lambda fx: _P(fx.exported(), jnp.ones(3)), ["lacks ['bi_s']"]),
+    ('Exported', 'exported(x, states=wrong shape)', ValueError,
+     lambda fx: _P(fx.exported(), jnp.ones(3), states={'bi_s': jnp.ones(4)}),
+     ["'bi_s'", 'float32[4]']),
+    ('Exported', 'exported(x, states=unknown name)', ValueError,
+     lambda fx: _P(fx.exported(), jnp.ones(3), states={'bi_s': jnp.ones(3), 'bogus': 1}),
+     ["['bogus']"]),
+    ('Exported', 'exported(x, states=5)', TypeError,
+     lambda fx: _P(fx.exported(), jnp.ones(3), states=5), ['states=', 'int']),
+    ('Exported', 'exported(x, states={name: a State})', ValueError,
+     lambda fx: _P(fx.exported(), jnp.ones(3), states={'bi_s': fx.s}), ["'bi_s'", 'a State']),
+    ('Exported', 'exported(str)', ValueError,
+     lambda fx: _P(fx.exported(), 'str', states={'bi_s': jnp.ones(3)}), ['argument 0', 'str']),
+    ('Exported', 'exported(wrong shape)', ValueError,
+     lambda fx: _P(fx.exported(), jnp.ones(4), states={'bi_s': jnp.ones(3)}),
+     ['argument 0', 'float32[4]']),
+    ('Exported', 'exported(a State)', ValueError,
+     lambda fx: _P(fx.exported(), fx.t, states={'bi_s': jnp.ones(3)}), ['argument 0', 'a State']),
+    # -- StatefulMapping --
+    ('StatefulMapping', 'StatefulMapping(5)', TypeError,
+     lambda fx: _P(sj.StatefulMapping, 5), ['fun', 'int: 5']),
+    ('StatefulMapping', "in_axes='x'", ValueError,
+     lambda fx: _P(sj.StatefulMapping(fx.write, in_axes='x'), jnp.ones((2, 3))),
+     ['in_axes', "'x'"]),
+    ('StatefulMapping', "out_axes='x'", TypeError,
+     lambda fx: _P(sj.StatefulMapping(fx.write, out_axes='x'), jnp.ones((2, 3))),
+     ['out_axes', "'x'"]),
+    ('StatefulMapping', 'state_in_axes=5', TypeError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, state_in_axes=5), ['filter 5']),
+    ('StatefulMapping', 'state_out_axes=2.5', TypeError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, state_out_axes=2.5), ['filter 2.5']),
+    ('StatefulMapping', "state_in_axes={'a': filter}", TypeError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, state_in_axes={'a': sj.OfType(State)}),
+     ['state_in_axes', "'a'"]),
+    ('StatefulMapping', 'axis_size=-1', ValueError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, axis_size=-1), ['axis_size', 'got -1']),
+    ('StatefulMapping', "axis_size='3'", ValueError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, axis_size='3'), ['axis_size', "got '3'"]),
+    ('StatefulMapping', 'axis_size=0', ValueError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, axis_size=0), ['axis_size', 'got 0']),
+    ('StatefulMapping', "unexpected_out_state_mapping='bogus'", ValueError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, unexpected_out_state_mapping='bogus'),
+     ['unexpected_out_state_mapping', "'bogus'"]),
+    ('StatefulMapping', 'mapping_fn=5', TypeError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, mapping_fn=5), ['mapping_fn', '5']),
+    ('StatefulMapping', 'StatefulMapping(static_argnames=5)', TypeError,
+     lambda fx: _P(sj.StatefulMapping, fx.write, static_argnames=5), ['static_argnames', 'got 5']),
+    ('StatefulMapping', 'sm(10**30)', OverflowError,
+     lambda fx: _P(fx.sm, _HUGE), ["StatefulMapping('write')", 'argument [0]', _DIGITS]),
+    ('StatefulMapping', 'sm(scalar)', ValueError,
+     lambda fx: _P(fx.sm, 1.0), ['in_axes=0', 'argument leaf [0]', 'shape ()']),
+    ('StatefulMapping', 'sm(a State)', ValueError,
+     lambda fx: _P(fx.sm, fx.s), ['argument [0]', "'bi_s'"]),
+    ('StatefulMapping', 'sm(str)', TypeError, lambda fx: _P(fx.sm, 'str'), ['argument [0]', 'str']),
+    # -- filters --
+    ('to_predicate', 'to_predicate(5)', TypeError,
+     lambda fx: _P(sj.to_predicate, 5), ['filter 5', 'int']),
+    ('to_predicate', 'to_predicate(2.5)', TypeError,
+     lambda fx: _P(sj.to_predicate, 2.5), ['filter 2.5', 'float']),
+    ('to_predicate', 'to_predicate(b"x")', TypeError,
+     lambda fx: _P(sj.to_predicate, b'x'), ["filter b'x'"]),
+    ('OfType', 'OfType(5)', TypeError, lambda fx: _P(sj.OfType, 5), ['OfType', 'got 5']),
+    ('OfType', "OfType('State')", TypeError,
+     lambda fx: _P(sj.OfType, 'State'), ['OfType', "got 'State'"]),
+    ('OfType', 'OfType(a State)', TypeError, lambda fx: _P(sj.OfType, fx.s), ['OfType', "'bi_s'"]),
+    ('WithTag', 'WithTag(5)', TypeError, lambda fx: _P(sj.WithTag, 5), ['WithTag', 'got 5']),
+    ('WithTag', 'WithTag(None)', TypeError,
+     lambda fx: _P(sj.WithTag, None), ['WithTag', 'got None']),
+    ('Any', 'Any(5)', TypeError, lambda fx: _P(sj.Any, 5), ['filter 5']),
+    ('Any', 'Any(OfType(State), 2.5)', TypeError,
+     lambda fx: _P(sj.Any, sj.OfType(State), 2.5), ['filter 2.5']),
+    ('All', 'All(5)', TypeError, lambda fx: _P(sj.All, 5), ['filter 5']),
+    ('Not', 'Not(5)', TypeError, lambda fx: _P(sj.Not, 5), ['filter 5']),
+    ('Everything', 'Everything(5)', TypeError, lambda fx: _P(sj.Everything, 5), ['Everything']),
+    ('Nothing', 'Nothing(5)', TypeError, lambda fx: _P(sj.Nothing, 5), ['Nothing']),
+    # -- jaxpr passes --
+    ('constant_fold_jaxpr', 'constant_fold_jaxpr(5)', TypeError,
+     lambda fx: _P(sj.constant_fold_jaxpr, 5), ['constant_fold_jaxpr', 'int']),
+    ('constant_fold_jaxpr', 'constant_fold_jaxpr(None)', TypeError,
+     lambda fx: _P(sj.constant_fold_jaxpr, None), ['NoneType']),
+    ('constant_fold_jaxpr', 'constant_fold_jaxpr(a State)', TypeError,
+     lambda fx: _P(sj.constant_fold_jaxpr, fx.s), ['got State']),
+    ('constant_fold_jaxpr', 'constant_fold_jaxpr(str)', TypeError,
+     lambda fx: _P(sj.constant_fold_jaxpr, str(fx.jaxpr())), ['got str']),
+    ('IdentitySet', 'IdentitySet(5)', TypeError, lambda fx: _P(sj.IdentitySet, 5), ["'int'"]),
+]
+
+# Cases whose fix lives on other branches (the messages they will give).
+_CASES_FIXED_ELSEWHERE = [
+    ('State', 'State(10**30) read by a call', (OverflowError, ValueError, TypeError),
+     lambda fx: _P(_read_huge_state), ["'bi_big'"]),
+    ('RandomState', 'RandomState(10**30)', (OverflowError, ValueError),
+     lambda fx: _P(RandomState, _HUGE), [_DIGITS]),
+    ('RandomState', 'seed(10**30)', (OverflowError, ValueError),
+     lambda fx: _P(fx.rng.seed, _HUGE), ["'bi_rng'", _DIGITS]),
+    ('RandomState', 'split_key(10**30)', (OverflowError, ValueError),
+     lambda fx: _P(fx.rng.split_key, _HUGE), ["'bi_rng'", _DIGITS]),
+    ('RandomState', 'self_assign_multi_keys(0)', ValueError,
+     lambda fx: _P(fx.rng.self_assign_multi_keys, 0), ["'bi_rng'", 'got 0']),
+    ('RandomState', 'self_assign_multi_keys(-1)', ValueError,
+     lambda fx: _P(fx.rng.self_assign_multi_keys, -1), ["'bi_rng'", 'got -1']),
+    ('RandomState', "self_assign_multi_keys('3')", ValueError,
+     lambda fx: _P(fx.rng.self_assign_multi_keys, '3'), ["'bi_rng'", "got '3'"]),
+    ('RandomState', 'self_assign_multi_keys(2.5)', ValueError,
+     lambda fx: _P(fx.rng.self_assign_multi_keys, 2.5), ["'bi_rng'", 'got 2.5']),
+    ('export', 'export(platforms=5)', TypeError,
+     lambda fx: _P(sj.export, fx.sf, jnp.ones(3), platforms=5), ['platforms', '5']),
+    ('export', "export(platforms=['cpu', 5])", TypeError,
+     lambda fx: _P(sj.export, fx.sf, jnp.ones(3), platforms=['cpu', 5]), ['platforms', '5']),
+    ('Exported', 'exported(10**30)', OverflowError,
+     lambda fx: _P(fx.exported(), _HUGE, states={'bi_s': jnp.ones(3)}), ['argument 0', _DIGITS]),
+    ('Exported', "serialize(vjp_order='a')", TypeError,
+     lambda fx: _P(fx.exported().serialize, 'a'), ['vjp_order', "'a'"]),
+    ('Exported', 'serialize(vjp_order=-1)', ValueError,
+     lambda fx: _P(fx.exported().serialize, -1), ['vjp_order', '-1']),
+    ('deserialize', 'deserialize(None)', TypeError,
+     lambda fx: _P(sj.deserialize, None), ['deserialize', 'None']),
+    ('deserialize', "deserialize('str')", TypeError,
+     lambda fx: _P(sj.deserialize, 'str'), ['deserialize', 'str']),
+    ('StatefulMapping', 'axis_size=10**30', (ValueError, OverflowError),
+     lambda fx: _P(sj.StatefulMapping(fx.write, in_axes=None, axis_size=_HUGE), jnp.ones(3)),
+     ['axis_size', _DIGITS]),
+    ('StatefulMapping', 'batch sizes of two arguments', sj.BatchAxisError,
+     lambda fx: _P(sj.StatefulMapping(lambda a, c: a + c, in_axes=0), jnp.ones((2, 3)),
+                   jnp.ones((3, 3))),
+     ['Inconsistent batch sizes', '2', '3']),
+    ('StatefulMapping', 'batch sizes of an argument and a batched State', sj.BatchAxisError,
+     lambda fx: _P(sj.StatefulMapping(lambda a: a + fx.b.value, in_axes=0,
+                                      state_in_axes={0: sj.OfType(sj.BatchState)}),
+                   jnp.ones((3, 3))),
+     ['Inconsistent batch sizes', "'bi_b'", '3', '5']),
+]
+
+# Public names no bad input reaches: exception classes take any message, and
+# make_hashable has a stand-in for every object (as brainstate's).
+_NO_BAD_INPUT = ('TraceContextError', 'BatchAxisError', 'make_hashable')
+
+
+def _in_check_tree(state, value):
+    with sj.check_state_value_tree():
+        state.value = value
+
+
+def _cache_with(key):
+    cache = sj.BoundedCache()
+    cache.set(key, 1)
+    return cache
+
+
+def _read_huge_state():
+    big = State(_HUGE, name='bi_big')
+    return StatefulFunction(lambda x: x + big.value)(1)
+
+
+class BadInputTableTest(_ErrorsCase):
+    """Bad input to every public entry point: the error type, a message naming
+    the culprit, and every State as it was."""
+
+    @classmethod
+    def setUpClass(cls):
+        s = State(jnp.ones(3), name='bi_s')
+
+        def write(x):
+            s.value = s.value + x
+            return x
+        _BadInputFixture._exported = sj.export(StatefulFunction(write), jnp.ones(3))
+
+    def _run(self, cases):
+        for entry, label, exc, make, words in cases:
+            with self.subTest(entry=entry, case=label):
+                fx = _BadInputFixture()
+                self.check(exc, make(fx), fx.states, culprit=words)
+
+    def test_every_entry_point_has_cases(self):
+        cases = _BAD_INPUT_CASES + _CASES_FIXED_ELSEWHERE
+        self.assertGreaterEqual(len(cases), 100)
+        self.assertEqual(len({label for _, label, *_ in cases}), len(cases), 'duplicate labels')
+        for entry, *_ in cases:
+            self.assertIn(entry, sj.__all__)
+        self.assertEqual(sorted(set(sj.__all__) - {c[0] for c in cases}), sorted(_NO_BAD_INPUT))
+
+    def test_table(self):
+        self._run(_BAD_INPUT_CASES)
+
+    @unittest.skip('_CASES_FIXED_ELSEWHERE: their fixes are on other branches')
+    def test_cases_fixed_elsewhere(self):
+        self._run(_CASES_FIXED_ELSEWHERE)
 
 
 _add_with_checks(CachingTest, CallingTest)
@@ -6790,18 +7820,6 @@ class MappingRandomTest(unittest.TestCase):
         sj.StatefulMapping(lambda x: x + jax.random.normal(other.split_key(), ()))(jnp.zeros(3))
         np.testing.assert_array_equal(_host(rng.value), k_unused)
 
-    def test_batched_random_state_uses_its_own_lane_keys(self):
-        keys = jax.random.split(jax.random.PRNGKey(5), 4)
-        rng = sj.RandomState(keys, name='stacked')
-        sm = sj.StatefulMapping(lambda: _draw_bits(rng.split_key()),
-                                state_in_axes={0: sj.RandomState})
-        out = np.asarray(sm())
-        for i in range(4):
-            nk = jax.random.split(keys[i])
-            np.testing.assert_array_equal(out[i], _host(_draw_bits(nk[1])))
-            np.testing.assert_array_equal(_host(rng.value)[i], _host(nk[0]))
-        self.assertEqual(rng.value.shape, (4, 2))
-
 
 # -- arguments ------------------------------------------------------------------
 
@@ -6898,11 +7916,15 @@ class MappingArgsTest(unittest.TestCase):
             return x + zeta_kw
 
         sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: lambda p, s: s is odd})
-        with self.assertRaises(ValueError) as cm:
+        with self.assertRaises(ValueError) as cm:      # the arguments, before any trace
             sm(jnp.zeros(7), zeta_kw=jnp.zeros(11))
-        msg = str(cm.exception)
-        for piece in ('7', '11', '13', 'zeta_kw', 'odd_sized_state'):
-            self.assertIn(piece, msg)
+        for piece in ('7', '11', 'zeta_kw'):
+            self.assertIn(piece, str(cm.exception))
+        _assert_unchanged(self, [odd, keep], snap)
+        with self.assertRaises(ValueError) as cm:      # a state, at its first read
+            sm(jnp.zeros(7), zeta_kw=jnp.zeros(7))
+        for piece in ('7', '13', 'odd_sized_state'):
+            self.assertIn(piece, str(cm.exception))
         _assert_unchanged(self, [odd, keep], snap)
         # Two positional arguments and axis_size.
         with self.assertRaises(ValueError) as cm:
@@ -7300,6 +8322,175 @@ class MappingFailureTest(unittest.TestCase):
         np.testing.assert_allclose(w.value, 2 * np.ones((8, 2)))
 
 
+# -- collectives, random states under filters, batch sizes -----------------------
+
+def _collective_bodies():
+    """Writes whose value JAX leaves unbatched (a collective's result), each
+    in a different place; and ones it batches."""
+    psum = lambda y: lax.psum(y, 'i')
+    unbatched = {
+        'psum': psum,
+        'jit_psum': lambda y: jax.jit(psum)(y),
+        'cond_pmean': lambda y: lax.cond(jnp.float32(1.0) > 0, lambda v: lax.pmean(v, 'i'),
+                                         lambda v: lax.psum(v, 'i'), y),
+        'scan_pmax': lambda y: lax.scan(lambda c, _: (c + lax.pmax(y, 'i'), None),
+                                        jnp.zeros_like(y), None, length=3)[0],
+        'while_psum': lambda y: lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + lax.psum(y, 'i')),
+            (0, jnp.zeros_like(y)))[1],
+        'all_gather_sum': lambda y: lax.all_gather(y, 'i').sum(0),
+        'jit_all_gather': lambda y: jax.jit(lambda v: lax.all_gather(v, 'i').sum(0))(y),
+    }
+    batched = {
+        'cond_one_branch_per_lane': lambda y: lax.cond(
+            jnp.float32(1.0) > 0, lambda v: lax.psum(v, 'i'), lambda v: v * 2, y),
+        'jit_axis_index': lambda y: y + jax.jit(lambda: lax.axis_index('i'))(),
+        'scan_per_lane': lambda y: lax.scan(lambda c, _: (c + y, None),
+                                            lax.psum(y, 'i'), None, length=2)[0],
+    }
+    return unbatched, batched
+
+
+class MappingCollectiveTest(unittest.TestCase):
+
+    def _mapped(self, body, x, mapping_fn=jax.vmap):
+        s = sj.State(jnp.zeros(x.shape[1:]), name='s_coll')
+
+        def f(v):
+            s.value = body(v)
+            return v * 2
+        out = sj.StatefulMapping(f, in_axes=0, axis_name='i', mapping_fn=mapping_fn,
+                                 unexpected_out_state_mapping='ignore')(x)
+        return out, s.value
+
+    def _plain(self, body, x, out_axis):
+        """Plain jax.vmap with the State threaded explicitly."""
+        return jax.vmap(lambda v, s: (v * 2, body(v)), in_axes=(0, None),
+                        out_axes=(0, out_axis), axis_name='i')(x, jnp.zeros(x.shape[1:]))
+
+    def test_collective_writes_leave_unbatched_like_plain_vmap(self):
+        x = jnp.arange(12.0).reshape(4, 3)
+        for name, body in _collective_bodies()[0].items():
+            with self.subTest(name):
+                out, value = self._mapped(body, x)
+                ref_out, ref_value = self._plain(body, x, None)
+                self.assertEqual(value.shape, ref_value.shape)
+                np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+                np.testing.assert_allclose(out, ref_out)
+
+    def test_per_lane_writes_stay_batched_like_plain_vmap(self):
+        x = jnp.arange(12.0).reshape(4, 3)
+        for name, body in _collective_bodies()[1].items():
+            with self.subTest(name):
+                with self.assertRaises(ValueError):     # plain vmap cannot leave it unmapped
+                    self._plain(body, x, None)
+                _, value = self._mapped(body, x)
+                ref_value = self._plain(body, x, 0)[1]
+                self.assertEqual(value.shape, ref_value.shape)
+                np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+
+    def test_collective_write_under_raise_policy(self):
+        s = sj.State(jnp.zeros(()), name='s_coll_raise')
+
+        def f(v):
+            s.value = jax.jit(lambda y: lax.psum(y, 'i'))(v)
+            return v
+        sj.StatefulMapping(f, in_axes=0, axis_name='i',
+                           unexpected_out_state_mapping='raise')(jnp.arange(4.0))
+        self.assertEqual(float(s.value), 6.0)
+
+    def test_collective_write_with_pmap_and_shard_map(self):
+        _need_8_devices(self)
+        x = jnp.arange(24.0).reshape(8, 3)
+        for mapping_fn in (jax.pmap, _shard_mapper):
+            for name in ('jit_psum', 'scan_pmax', 'all_gather_sum'):
+                body = _collective_bodies()[0][name]
+                with self.subTest(f'{getattr(mapping_fn, "__name__", mapping_fn)}/{name}'):
+                    _, value = self._mapped(body, x, mapping_fn)
+                    ref_value = self._plain(body, x, None)[1]
+                    self.assertEqual(value.shape, ref_value.shape)
+                    np.testing.assert_allclose(_host(value), ref_value, rtol=1e-6)
+
+    def test_collective_over_an_outer_axis(self):
+        s = sj.State(jnp.zeros(()), name='s_coll_nest')
+        t = sj.State(jnp.zeros(()), name='t_coll_nest')
+
+        def inner(v):
+            s.value = jax.jit(lambda y: lax.psum(y, 'i'))(v)          # varies with 'outer'
+            t.value = jax.jit(lambda y: lax.psum(y, ('i', 'outer')))(v)
+            return v
+        im = sj.StatefulMapping(inner, in_axes=0, axis_name='i')
+        x = jnp.arange(6.0).reshape(2, 3)
+        sj.StatefulMapping(im, in_axes=0, axis_name='outer')(x)
+        ref = jax.vmap(jax.vmap(lambda v: (lax.psum(v, 'i'), lax.psum(v, ('i', 'outer'))),
+                                axis_name='i', out_axes=(None, None)),
+                       axis_name='outer', out_axes=(0, None))(x)
+        for state, value in zip((s, t), ref):
+            self.assertEqual(state.value.shape, value.shape)
+            np.testing.assert_allclose(state.value, value)
+        # An outer axis named only in axis_env, for the jaxpr accessors.
+        u = sj.State(jnp.zeros(()), name='u_coll_env')
+
+        def g(v):
+            u.value = lax.psum(v, ('i', 'z'))
+            return v
+        jaxpr = sj.StatefulMapping(g, in_axes=0, axis_name='i',
+                                   axis_env=[('z', 2)]).get_jaxpr(jnp.arange(3.0))
+        self.assertEqual([v.aval.shape for v in jaxpr.jaxpr.outvars], [(3,), ()])
+
+    def test_random_state_is_split_per_lane_whatever_the_filters(self):
+        n = 4
+        for typed in (False, True):
+            for filt in (sj.State, (sj.RandomState, sj.HiddenState), lambda p, s: True):
+                with self.subTest(typed=typed, filt=filt):
+                    key = jax.random.key(3) if typed else jax.random.PRNGKey(3)
+                    rng = sj.RandomState(key, name='rng_filt')
+                    h = sj.HiddenState(jnp.zeros((n, 3)), name='h_filt')
+
+                    def f(x):
+                        h.value = h.value + x
+                        return _draw_bits(rng.split_key())
+                    sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: filt},
+                                            state_out_axes={0: filt})
+                    out = sm(jnp.ones((n, 3)))
+                    # Plain JAX: one key per lane, each split once inside its lane.
+                    keys = jax.random.split(key, n + 1)
+                    ref = jax.vmap(lambda k: _draw_bits(jax.random.split(k)[1]))(keys[1:])
+                    np.testing.assert_array_equal(_host(out), _host(ref))
+                    np.testing.assert_array_equal(_host(rng.value), _host(keys[0]))
+                    np.testing.assert_allclose(h.value, np.ones((n, 3)))
+
+    def test_state_batch_size_mismatch_is_found_before_the_body_uses_it(self):
+        h = sj.HiddenState(jnp.zeros((5, 5)), name='h_bs_early')
+        snap = _snapshot([h])
+        after_read = []
+
+        def f(x):
+            value = h.value
+            after_read.append(True)
+            h.value = value + x               # (3,) + (5,) per lane
+            return x
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: sj.HiddenState})
+        with self.assertRaises(sj.BatchAxisError) as cm:
+            sm(jnp.ones((4, 3)))
+        msg = str(cm.exception)
+        for piece in ('Inconsistent batch sizes', 'argument [0] (axis 0): 4', 'h_bs_early',
+                      ') (axis 0): 5'):
+            self.assertIn(piece, msg)
+        self.assertEqual(after_read, [])
+        _assert_unchanged(self, [h], snap)
+
+    def test_argument_batch_size_mismatch_is_found_before_the_function_runs(self):
+        calls = []
+        sm = sj.StatefulMapping(lambda a, b: calls.append(1) or a + b, in_axes=(0, 0))
+        with self.assertRaises(sj.BatchAxisError) as cm:
+            sm(jnp.ones((4, 2)), jnp.ones((3, 2)))
+        for piece in ('Inconsistent batch sizes', 'argument [0] (axis 0): 4',
+                      'argument [1] (axis 0): 3'):
+            self.assertIn(piece, str(cm.exception))
+        self.assertEqual(calls, [])
+
+
 # -- StatefulMapping --------------------------------------------------------------
 class ErrorsMappingTest(_ErrorsCase):
 
@@ -7534,11 +8725,11 @@ class ExplainCacheMissesTest(unittest.TestCase):
                       'float32[3] -> float32[4]', msg)
         msg, = self._messages(lambda: sf({'p': jnp.ones(4), 'q': 0.0}, scale=2.0))
         self.assertIn('positional argument structure: ', msg)
-        self.assertEqual(sf.get_cache_stats()['miss_causes'], {
+        self.assertEqual(sf.get_miss_causes(), {
             'first trace': 1, 'argument shape/dtype': 2, 'static argument': 1, 'new state': 1,
             'state shape/dtype': 1, 'argument structure': 1})
         sf.clear_cache()
-        self.assertEqual(sf.get_cache_stats()['miss_causes'], {})
+        self.assertEqual(sf.get_miss_causes(), {})
 
     def test_causes_are_counted_with_explanations_off(self):
         """Without explanations the causes are still counted, each as with them."""
@@ -7554,7 +8745,7 @@ class ExplainCacheMissesTest(unittest.TestCase):
             w.value = jnp.ones(4)
             sf({'p': jnp.ones(4)}, scale=2.0)
             sf({'p': jnp.ones(4), 'q': 0.0}, scale=2.0)
-        self.assertEqual(sf.get_cache_stats()['miss_causes'], {
+        self.assertEqual(sf.get_miss_causes(), {
             'first trace': 1, 'argument shape/dtype': 2, 'static argument': 1, 'new state': 1,
             'state shape/dtype': 1, 'argument structure': 1})
 
@@ -7575,7 +8766,7 @@ class ExplainCacheMissesTest(unittest.TestCase):
             sf(jnp.ones(2))
         with self.assertNoLogs('stateful_jaxpr'):          # off by default
             sf_default(jnp.ones(3))
-        self.assertEqual(sf_default.get_cache_stats()['miss_causes'],
+        self.assertEqual(sf_default.get_miss_causes(),
                          {'first trace': 1, 'argument shape/dtype': 1})
         self.assertFalse(sj.explain_cache_misses(True))
         self.assertEqual(len(self._messages(lambda: sf_default(jnp.ones(4)))), 1)
@@ -8347,8 +9538,6 @@ _BRAINSTATE_DIFFERENCES = {
     'cache_stats.counts': 'one cache entry per key: the four get_cache_stats() names report the '
                           'same hits/misses and a hit counts once per call (brainstate counts '
                           'every internal lookup of each of its four caches)',
-    'cache_stats.names': "get_cache_stats() adds 'miss_causes' (traces per cause) to "
-                         "brainstate's four cache names",
     'hashabledict.setitem': 'hashabledict keys are read-only (brainstate lets a cache key change '
                             'after it was hashed)',
     'State(State)': 'State(other_state) raises ValueError (brainstate silently unwraps)',
@@ -8633,14 +9822,11 @@ def _record_cache_stats(rec, key, sf):
     """Cache statistics: the names; sizes and maxsize of brainstate's four caches;
     hit/miss counts separately."""
     rec(f'{key}.cache_stats.names', lambda: sorted(sf.get_cache_stats()))
-
-    def caches():
-        return {k: v for k, v in sf.get_cache_stats().items() if k != 'miss_causes'}
-    stats = rec(f'{key}.cache_stats.shape',
-                lambda: {k: (v['size'], v['maxsize'], sorted(v)) for k, v in caches().items()})
+    stats = rec(f'{key}.cache_stats.shape', lambda: {
+        k: (v['size'], v['maxsize'], sorted(v)) for k, v in sf.get_cache_stats().items()})
     if stats is not None:
-        rec(f'{key}.cache_stats.counts', lambda: {k: (v['hits'], v['misses']) for k, v in
-                                                  caches().items()})
+        rec(f'{key}.cache_stats.counts', lambda: {
+            k: (v['hits'], v['misses']) for k, v in sf.get_cache_stats().items()})
 
 
 def _record_accessors(rec, key, sf, args, kwargs=None):
@@ -9018,9 +10204,8 @@ class BrainstateFidelityTest(_BrainstateChecks, _BrainstateCase):
                 rec(f'{key}.kw.in_avals', lambda: list(sf.get_jaxpr(
                     *args, scale=jnp.float32(0.5)).in_avals))
                 _record_cache_stats(rec, key, sf)
-                rec(f'{key}.clear_cache', lambda: (sf.clear_cache(), {   # (names: above)
-                    k2: v['size'] for k2, v in sf.get_cache_stats().items()
-                    if k2 != 'miss_causes'})[1])
+                rec(f'{key}.clear_cache', lambda: (sf.clear_cache(), {
+                    k2: v['size'] for k2, v in sf.get_cache_stats().items()})[1])
                 rec(f'{key}.state_arg', lambda: sf(a, args[1]))
             made = ns.make_jaxpr(f)
             rec('make_jaxpr', lambda: (lambda r: (type(r).__name__, len(r), r[1]))(made(*args)))
