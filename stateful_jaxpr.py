@@ -459,18 +459,23 @@ def _leaf_sig(x) -> tuple:
 
 
 def _value_sig(value) -> tuple:
-    """Structure, shapes and dtypes of a state value (what makes a trace stale)."""
+    """Structure and leaf signatures of a state value (what makes a trace stale)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    return treedef, tuple(_leaf_sig(x)[:2] for x in leaves)
+    return treedef, tuple(map(_leaf_sig, leaves))
 
 
-def _stale_sig(value, sig):
-    """``value``'s signature where it is not ``sig`` (None where it is)."""
+def _stale_sig(value, sig, weak_type: bool = False):
+    """``value``'s signature where it is not ``sig`` (None where it is).  A
+    weak type counts only with ``weak_type``, for reusing a trace: it changes
+    promotion there, as an argument's does."""
     try:
         got = _value_sig(value)
     except TypeError:
         return 'not a pytree of arrays'
-    return None if got == sig else got
+    if got == sig or (not weak_type and got[0] == sig[0] and all(
+            a[:2] == b[:2] for a, b in zip(got[1], sig[1]))):
+        return None
+    return got
 
 
 def _contains_tracer(tree) -> bool:
@@ -991,10 +996,13 @@ class RandomState(State):
         """
         if n is not None:
             _check_n(self, 'split_key', n, 'call split_key() for a single key')
-        keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
-        self.value = keys[0]
-        if backup:
-            self.backup_key()
+        # Eagerly, the read and the write are one step for other threads (a
+        # trace takes no lock: the call that runs it holds the State's).
+        with contextlib.nullcontext() if _ctx.frames else _state_lock(self):
+            keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
+            self.value = keys[0]
+            if backup:
+                self.backup_key()
         return keys[1] if n is None else keys[1:]
 
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
@@ -2031,7 +2039,7 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + state_leaves
 
     def traced(self, closed, out_avals) -> _Traced:
-        sigs = {id(state): (treedef, tuple((a.shape, a.dtype) for a in avals))
+        sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
                 for state, treedef, avals in self.lifted}
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
                        states=tuple(self.states),
@@ -2539,10 +2547,22 @@ _plan_tokens = itertools.count(1)
 _MAX_PLAN_SWITCHES = 3
 
 
+# One lock per State, held from reading the states to writing them back, so
+# that calls sharing a State run as in some sequential order.  Plans take them
+# in one global order (by id: a plan keeps its States alive), and calls that
+# share no State never wait for each other.
+_state_locks = weakref.WeakKeyDictionary()
+
+
+def _state_lock(state):
+    return _state_locks.setdefault(state, threading.RLock())   # one atomic dict step
+
+
 class _Plan:
     """Which states a compiled call reads, writes and donates (positions in
-    ``states``); shared by entries that agree."""
-    __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept')
+    ``states``), and their locks; shared by entries that agree."""
+    __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
+                 'locks')
 
     def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
@@ -2553,6 +2573,7 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None
                              and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
+        self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
 
 
 class _Entry:
@@ -2641,13 +2662,31 @@ def _layout_token(sf, plan) -> int:
 
 
 def _donating(sf, jitted, plan):
-    """Calls the donating ``jitted`` as the plain dispatcher is called."""
+    """Calls the donating ``jitted`` as the plain dispatcher is called.  An
+    array a donated state shares with another state is refused before the
+    call, as JAX may crash on it."""
     def call(values, *args, **kwargs):
+        owner = {}
+        for i in plan.donated + plan.kept:
+            for leaf in _leaves(values[i]):
+                j = owner.setdefault(id(leaf), i)
+                if j != i and j in plan.donated:
+                    raise ValueError(
+                        f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
+                        f'and {plan.states[i]._describe()} both hold; give one of them a copy '
+                        '(jnp.copy) or leave it out of donate_states')
         try:
             return jitted([values[i] for i in plan.donated],
                           [values[i] for i in plan.kept], *args, **kwargs)
-        except BaseException as err:
-            _donation_failed(sf, plan, values, err)
+        except BaseException as err:      # no State may keep a deleted buffer
+            for state in (plan.states[i] for i in plan.donated):
+                if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
+                    state._broken = (
+                        RuntimeError,
+                        f'{state._describe()} has no value: its buffer was donated to a call '
+                        f'of {_who(sf)} that then failed ({type(err).__name__}: {err}); assign '
+                        'it a new value',
+                        'buffer deleted by a failed donating call')
             raise
     return call
 
@@ -2655,71 +2694,34 @@ def _donating(sf, jitted, plan):
 def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
     """The donating dispatcher's body: the donated values come apart."""
     plan = sf._plans_by_token[token]
-    values = [None] * len(plan.states)
-    for i, value in zip(plan.donated, donated):
-        values[i] = value
-    for i, value in zip(plan.kept, kept):
-        values[i] = value
-    return sf._dispatch_body(token, values, *args, **kwargs)
-
-
-def _donation_failed(sf, plan, values, err):
-    """After a failed donating call: explain a donated array that another
-    state holds too, and leave no State holding a deleted buffer."""
-    owner = {}
-    for i in plan.donated + plan.kept:
-        for leaf in _leaves(values[i]):
-            j = owner.setdefault(id(leaf), i)
-            if j != i and (i in plan.donated or j in plan.donated):
-                raise ValueError(
-                    f'{_who(sf)} would donate the array that {plan.states[j]._describe()} and '
-                    f'{plan.states[i]._describe()} both hold; give one of them a copy '
-                    '(jnp.copy) or leave it out of donate_states') from err
-    for i in plan.donated:
-        state = plan.states[i]
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-            state._broken = (
-                RuntimeError,
-                f'{state._describe()} has no value: its buffer was donated to a call of '
-                f'{_who(sf)} that then failed ({type(err).__name__}: {err}); assign it a '
-                'new value',
-                'buffer deleted by a failed donating call')
+    given = dict(zip(plan.donated + plan.kept, [*donated, *kept]))
+    return sf._dispatch_body(token, [given[i] for i in range(len(plan.states))], *args, **kwargs)
 
 
 def _warm_path(plan, dispatch, nargs, new):
-    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its state
-    reads and writes unrolled, as dataclasses generates ``__init__``.
-
-    ``[s0._value, s1._value]``, ``s0._value, s1._value = new`` and passing
-    ``args[0]`` itself rather than ``*args, **kwargs`` cost about half of a
-    loop over the plan's states: 1-2 µs of a 10-15 µs jax.jit call at one
-    state, several at ten (2-core machine).  ``new``, the values the call
-    just returned, gives the type a written value has outside any JAX trace;
-    another type (a tracer, a pytree) goes through _write_back's checks.
-    """
+    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its locks,
+    state reads and writes unrolled (a loop would cost a visible part of a
+    jax.jit call).  ``new``, the values the call just returned, gives the type
+    a written value has outside any JAX trace; another type (a tracer, a
+    pytree) goes through _write_back's checks."""
     first = new[0] if new else None
-    leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
-    names = {'dispatch': dispatch, 'plan': plan, 'leaf_type': leaf_type,
-             '_write_back': _write_back, 'traced': _under_jax_trace}
-    slot = {}
-    for i, state in enumerate(plan.states):
-        slot[id(state)] = f's{i}'
-        names[f's{i}'] = state
-    reads = ''.join(f'{slot[id(s)]}._value, ' for s in plan.states)
-    given = ''.join(f'args[{i}], ' for i in range(nargs))
-    lines = ['def warm(sf, args, kwargs):',
-             f'    values = [{reads}]',
-             '    if kwargs:',
-             '        out, new = dispatch(values, *args, **kwargs)',
-             '    else:',
-             f'        out, new = dispatch(values, {given})']
-    if plan.write_states:
-        writes = ''.join(f'{slot[id(s)]}._value, ' for s in plan.write_states)
-        lines += ['    if type(new[0]) is leaf_type and not traced():',
-                  f'        {writes}= new',
-                  '    else:',
-                  '        _write_back(sf, plan, new)']
-    lines += ['    next(sf._cache._hits)', '    return out']
+    names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
+             'traced': _under_jax_trace,
+             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
+             **{f's{i}': state for i, state in enumerate(plan.states)},
+             **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
+    locks = [f'l{i}' for i in range(len(plan.locks))]
+    body = [f'values = [{"".join(f"s{i}._value, " for i in range(len(plan.states)))}]',
+            'out, new = (dispatch(values, *args, **kwargs) if kwargs else '
+            f'dispatch(values, {"".join(f"args[{i}], " for i in range(nargs))}))']
+    if plan.write_index:
+        body += ['if type(new[0]) is leaf_type and not traced():',
+                 f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
+                 'else:', '    _write_back(sf, plan, new)']
+    lines = (['def warm(sf, args, kwargs):'] + [f'    {lock}.acquire()' for lock in locks]
+             + ['    try:'] + [f'        {line}' for line in body] + ['    finally:']
+             + ([f'        {lock}.release()' for lock in locks] or ['        pass'])
+             + ['    next(sf._cache._hits)', '    return out'])
     exec('\n'.join(lines), names)
     return names['warm']
 
@@ -2729,10 +2731,9 @@ def _call(sf, *args, **kwargs):
 
     The warm path (outside any trace, same number of positional arguments
     and same state layouts as the last call) is the last plan's _warm_path:
-    jax.jit's C++ cache keys on the state values and the arguments, which
-    saves the slow path's Python key, pytree walk and state-shape check on
-    every call.  A call during which the dispatcher traced counts itself a
-    miss in _dispatch_body.
+    jax.jit's C++ cache keys on the state values and the arguments, saving
+    the slow path's Python key.  A call during which the dispatcher traced
+    counts itself a miss in _dispatch_body.
     """
     if _frames_open and _ctx.frames:
         return sf._call_in_trace(args, kwargs)
@@ -2743,16 +2744,19 @@ def _call(sf, *args, **kwargs):
         return fast[0](sf, args, kwargs)
     except _PlanMismatch:
         # These arguments use other states.  Switching plans costs an aborted
-        # trace, so a function that keeps switching gives up the fast path
-        # and pays only the slow path's key computation.
+        # trace, so a function that keeps switching gives up the fast path.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
     except (TypeError, ValueError, OverflowError) as err:
         if _ctx.trace_error is err:   # raised by the traced function itself
             raise
-        # Raised by jax.jit's argument handling: the slow path gives a
-        # clearer error, or copes (e.g. static args hashable only by value).
-        return sf._call_slow(args, kwargs)
+        # An argument jax.jit refuses gets the slow path's clearer error here,
+        # and a static argument hashable only by value goes the slow path.
+        # Anything else came from running the computation: never run it twice.
+        sf._cache_key(args, kwargs)
+        if sf._statics_by_value:
+            return sf._call_slow(args, kwargs)
+        raise
 
 
 _real_value = operator.attrgetter('_value')     # a State's own value
@@ -2830,10 +2834,7 @@ class _StatefulBase:
         # Weakly held: a lock lives only while some thread traces that key, so
         # evicted keys (and their static arguments) are not kept alive.
         with self._key_locks_guard:
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = self._key_locks[key] = threading.RLock()
-            return lock
+            return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
         """The entry under ``key`` (and for ``plan`` if given) if it was traced
@@ -2841,7 +2842,7 @@ class _StatefulBase:
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan):
             return None
-        fresh = all(_stale_sig(read(state), sig) is None
+        fresh = all(_stale_sig(read(state), sig, True) is None
                     for state, sig in zip(entry.plan.states, entry.traced.state_sigs))
         return entry if fresh else None
 
@@ -2873,8 +2874,7 @@ class _StatefulBase:
         plan_key = (tuple(map(id, states)), write_index, written)
         plan = self._plans.get(plan_key)
         if plan is None:
-            plan = _Plan(states, write_index, self._donate, written)
-            self._plans[plan_key] = plan
+            plan = self._plans[plan_key] = _Plan(states, write_index, self._donate, written)
             self._plans_by_token[plan.token] = plan
         return plan
 
@@ -2943,9 +2943,13 @@ class _StatefulBase:
         key, leaves, split = self._cache_key(args, kwargs)
         entry = self._entry_for(key, leaves, split, count=False)
         plan = entry.plan
-        epoch, token = _layout_epoch, _layout_token(self, plan)
-        out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves, token)
-        _write_back(self, plan, new)
+        with contextlib.ExitStack() as held:
+            for lock in plan.locks:
+                held.enter_context(lock)
+            epoch, token = _layout_epoch, _layout_token(self, plan)
+            out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves,
+                                 token)
+            _write_back(self, plan, new)
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             key = (token, len(args), bool(plan.donated))
@@ -4112,7 +4116,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
     def pure(*dyn_args, states, **dyn_kwargs):
         dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
         values = [states[n] if r else jax.tree_util.tree_unflatten(
-                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype in sig[1]])
+                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype, _ in sig[1]])
                   for n, r, sig in zip(names, read, traced.state_sigs)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)

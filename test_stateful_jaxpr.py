@@ -4862,6 +4862,50 @@ class CachingTest(unittest.TestCase):
         np.testing.assert_array_equal(sf(jnp.ones(1)), 2 * np.ones(1))
 
 
+class StateSignatureTest(unittest.TestCase):
+    """A State's weak type decides whether a cached trace is reused, as an argument's does."""
+
+    def test_weak_type_change_retraces(self):
+        s = State(2.0, name='scale')
+        sf = StatefulFunction(lambda x: s.value * x)
+        xb = jnp.ones(3, jnp.bfloat16)
+        for call in (lambda: sf(xb), lambda: sf(x=xb)):    # warm path, slow path
+            with self.subTest(call=call):
+                s.value = 2.0
+                self.assertEqual(call().dtype, jnp.bfloat16)
+                s.value = jnp.float32(2.0)
+                expect = (s.value * xb).dtype                  # eager code
+                self.assertEqual(expect, jnp.float32)
+                self.assertEqual(jax.jit(lambda v, x: v * x)(s.value, xb).dtype, expect)
+                self.assertEqual(StatefulFunction(lambda x: s.value * x)(xb).dtype, expect)
+                self.assertEqual(call().dtype, expect)
+                self.assertEqual(call().dtype, expect)
+                s.value = 3.0                                  # weak again
+                out = call()
+                self.assertEqual(out.dtype, jnp.bfloat16)
+                np.testing.assert_allclose(np.asarray(out, np.float32), np.full(3, 3.0))
+
+    def test_weak_type_of_a_written_pytree_leaf(self):
+        s = State({'a': 1.0, 'b': jnp.zeros(2)}, name='tree')
+
+        def f(x):
+            s.value = {'a': s.value['a'], 'b': s.value['b'] + 1}
+            return s.value['a'] * x
+        sf = StatefulFunction(f)
+        x16 = jnp.ones(2, jnp.float16)
+        self.assertEqual(sf(x16).dtype, jnp.float16)
+        s.value = {'a': jnp.float32(1.0), 'b': s.value['b']}
+        self.assertEqual(sf(x16).dtype, jnp.float32)
+        np.testing.assert_allclose(s.value['b'], np.full(2, 2.0))
+
+    def test_jaxpr_call_accepts_a_strong_value_for_a_weak_state(self):
+        s = State(2.0, name='weak_read')
+        sf = StatefulFunction(lambda x: s.value * x)
+        sf(jnp.ones(2))
+        _, out = sf.jaxpr_call([jnp.float32(3.0)], jnp.ones(2))
+        np.testing.assert_allclose(out, np.full(2, 3.0))
+
+
 class _BindSpy:
     """Counts Python-level binds of ``lax.add_p`` (op-by-op evaluation)."""
 
@@ -5452,8 +5496,8 @@ class ErrorsCallsTest(_ErrorsCase):
         vals = [jnp.zeros((), jnp.float32) if s is self.n else s.value for s in states]
         self.check(ValueError, lambda: sf.jaxpr_call(vals, jnp.ones(2)), [self.w, self.n],
                    culprit=self.site('er_n') + [
-                       "has structure/shapes (PyTreeDef(*), (((), dtype('float32')),))",
-                       "traced with (PyTreeDef(*), (((), dtype('int32')),))"],
+                       "has structure/shapes (PyTreeDef(*), (((), dtype('float32')",
+                       "traced with (PyTreeDef(*), (((), dtype('int32')"],
                    fix=['pass a value of the traced shape and dtype'])
 
     def test_get_jaxpr_by_cache_unknown_key(self):
@@ -5487,8 +5531,8 @@ class ErrorsCallsTest(_ErrorsCase):
         self.w.value = jnp.ones(3)
         self.check(ValueError, lambda: sf.validate_states(key), [self.w, self.n],
                    culprit=self.site('er_w') + [
-                       "changed from (PyTreeDef(*), (((2,), dtype('float32')),))",
-                       "to (PyTreeDef(*), (((3,), dtype('float32')),)) since it was traced"],
+                       "changed from (PyTreeDef(*), (((2,), dtype('float32')",
+                       "to (PyTreeDef(*), (((3,), dtype('float32')", 'since it was traced'],
                    fix=['the next call retraces'])
 
 
@@ -6617,6 +6661,134 @@ def _build_mapping_and_states():
     return [weakref.ref(o) for o in (h, w, rng, sm)] + [weakref.ref(lane)]
 
 
+class CallAtomicityTest(unittest.TestCase):
+    """Calls sharing a State run as in some sequential order; calls sharing
+    none do not wait for each other."""
+
+    def test_concurrent_writes_of_one_state_lose_no_update(self):
+        s = State(jnp.zeros((), jnp.float32), name='total')
+        other = State(jnp.zeros((), jnp.float32), name='count')
+
+        def add(x):
+            s.value = s.value + x
+            return x
+
+        def add_and_count(x):
+            s.value = s.value + x
+            other.value = other.value + 1
+            return x
+        fs = [StatefulFunction(add), StatefulFunction(add_and_count)]
+        barrier = threading.Barrier(4)
+
+        def worker(k):
+            f, x = fs[k % 2], jnp.float32(k + 1)
+            barrier.wait()
+            for _ in range(300):
+                f(x) if k < 3 else f(x=x)          # the last thread takes the slow path
+        errors = _run_threads([worker] * 4)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual(float(s.value), 3000.0)
+        self.assertEqual(float(other.value), 600.0)
+
+    def test_shared_random_state_never_repeats_a_key(self):
+        rng = RandomState(0, name='shared_rng')
+        draw = StatefulFunction(lambda: rng.split_key())
+        keys = [[] for _ in range(4)]
+        barrier = threading.Barrier(4)
+
+        def worker(k):
+            barrier.wait()
+            for _ in range(300):
+                keys[k].append(rng.split_key() if k % 2 else draw())
+        errors = _run_threads([worker] * 4)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        got = {tuple(np.asarray(key).tolist()) for ks in keys for key in ks}
+        self.assertEqual(len(got), 1200)
+        reference = RandomState(0)         # the same draws in one sequential order
+        self.assertEqual(got, {tuple(np.asarray(reference.split_key()).tolist())
+                               for _ in range(1200)})
+
+    def test_calls_sharing_no_state_do_not_wait_for_each_other(self):
+        a, b = State(jnp.zeros(()), name='a_own'), State(jnp.zeros(()), name='b_own')
+        released = threading.Event()
+
+        def wait(x):
+            return np.float32(released.wait(30))
+
+        def release(x):
+            released.set()
+            return np.asarray(x, np.float32)
+
+        def blocked(x):
+            a.value = a.value + jax.pure_callback(wait, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+
+        def releasing(x):
+            b.value = b.value + jax.pure_callback(release, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+        f, g = StatefulFunction(blocked), StatefulFunction(releasing)
+        released.set()
+        f(1.0), g(1.0)                        # warm both
+        released.clear()
+        errors = _run_threads([lambda _: jax.block_until_ready(f(1.0)),
+                               lambda _: (time.sleep(0.2), g(1.0))], join_timeout=60)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual(float(a.value), 2.0)   # the callback saw the event set in time
+        self.assertEqual(float(b.value), 2.0)
+
+    def test_a_first_trace_does_not_block_other_functions(self):
+        a, b = State(jnp.zeros(()), name='a_tracing'), State(jnp.zeros(()), name='b_warm')
+        tracing, done = threading.Event(), threading.Event()
+
+        def slow_to_trace(x):
+            tracing.set()
+            self.assertTrue(done.wait(30), 'the warm call waited for the trace')
+            a.value = a.value + x
+            return x
+
+        def warm(x):
+            b.value = b.value + x
+            return x
+        f, g = StatefulFunction(slow_to_trace), StatefulFunction(warm)
+        g(1.0)
+
+        def other(_):
+            self.assertTrue(tracing.wait(30))
+            g(1.0)
+            done.set()
+        errors = _run_threads([lambda _: f(1.0), other], join_timeout=60)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual((float(a.value), float(b.value)), (1.0, 2.0))
+
+    def test_a_failed_call_runs_its_computation_once(self):
+        s = State(jnp.zeros(()), name='untouched')
+        runs, fail = [0], [False]
+
+        def callback(x):
+            runs[0] += 1
+            if fail[0]:
+                raise _Boom('the user callback failed')
+            return np.asarray(x, np.float32)
+
+        def f(x):
+            s.value = s.value + jax.pure_callback(
+                callback, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+        sf = StatefulFunction(f)
+        sf(1.0), sf(1.0)                     # the second call takes the warm path
+        self.assertEqual(runs[0], 2)
+        fail[0] = True
+        for call in (lambda: sf(1.0), lambda: sf(x=1.0)):
+            before = runs[0]
+            with self.assertRaisesRegex(Exception, 'the user callback failed'):
+                jax.block_until_ready(call())
+            self.assertEqual(runs[0], before + 1)
+            self.assertEqual(float(s.value), 2.0)
+        # Bad arguments still get the slow path's clear error.
+        with self.assertRaisesRegex(TypeError, 'not a JAX type'):
+            sf('text')
+
+
 def _build_nested_functions():
     inner_state = sj.State(jnp.zeros(()), name='mem_inner')
     outer_state = sj.State(jnp.zeros(()), name='mem_outer')
@@ -6952,6 +7124,98 @@ class DonationTest(unittest.TestCase):
             StatefulFunction(f, donate_states=True)(1.0)
         self.assertFalse(a.value.is_deleted())
         np.testing.assert_allclose(b.value, np.ones(4))
+
+
+class DonationSafetyTest(unittest.TestCase):
+    """Donation refuses shared arrays before the call, and a failed donating
+    call raises its own error."""
+
+    def test_shared_array_refused_before_the_call(self):
+        runs = [0]
+
+        def count(x):
+            runs[0] += 1
+            return np.asarray(x, np.float32)
+        for both_written in (False, True):
+            with self.subTest(both_written=both_written):
+                runs[0] = 0
+                a = State(jnp.ones(4), name='a_donor')
+                b = State(a.value, name='b_sharer')
+
+                def f(x):
+                    a.value = a.value + b.value + jax.pure_callback(
+                        count, jax.ShapeDtypeStruct((), jnp.float32), x)
+                    if both_written:
+                        b.value = b.value * 2
+                    return x
+                sf = StatefulFunction(f, donate_states=True)
+                with self.assertRaisesRegex(ValueError, "'a_donor'.*'b_sharer'") as cm:
+                    sf(1.0)
+                self.assertIsNone(cm.exception.__cause__)    # not JAX's failure explained
+                self.assertEqual(runs[0], 0)
+                self.assertFalse(a.value.is_deleted())
+                np.testing.assert_allclose(b.value, np.ones(4))
+                b.value = jnp.copy(a.value)                  # the way out works
+                sf(1.0)
+                np.testing.assert_allclose(a.value, np.full(4, 3.0))
+
+    def test_shared_sharded_array_refused_on_8_devices(self):
+        code = textwrap.dedent("""
+            import os
+            os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+            import jax, jax.numpy as jnp, numpy as np
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            import stateful_jaxpr as sj
+            mesh = Mesh(np.array(jax.devices()), ('d',))
+            x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P('d')))
+            a, b = sj.State(x, name='a_sharded'), sj.State(x, name='b_sharded')
+            def f(y):
+                a.value = a.value + b.value + y
+                return y
+            try:
+                sj.StatefulFunction(f, donate_states=True)(1.0)
+            except ValueError as err:
+                assert not x.is_deleted()
+                print('REFUSED', err)
+            """)
+        proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
+                              cwd=HERE, capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        self.assertRegex(proc.stdout, "REFUSED .*'a_sharded'.*'b_sharded'")
+
+    def test_failed_donating_call_raises_its_own_error(self):
+        w = State(jnp.arange(4.0), name='w_donated')
+        r = State(jnp.ones(4), name='r_read')
+        runs, fail = [0], [False]
+
+        def callback(x):
+            runs[0] += 1
+            if fail[0]:
+                raise _Boom('the user callback failed')
+            return np.asarray(x, np.float32)
+
+        def f(x):
+            y = jax.pure_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), x)
+            w.value = w.value + r.value + y
+            return x
+        sf = StatefulFunction(f, donate_states=True)
+        sf(0.0), sf(0.0)                       # the second call takes the warm path
+        fail[0] = True
+        with self.assertRaisesRegex(Exception, 'the user callback failed'):
+            jax.block_until_ready(sf(0.0))
+        self.assertEqual(runs[0], 3)
+        np.testing.assert_allclose(r.value, np.ones(4))
+        try:                                   # kept its value, or says why it has none
+            value = w.value
+        except RuntimeError as err:
+            self.assertIn("'w_donated'", str(err))
+            self.assertIn('the user callback failed', str(err))
+        else:
+            np.testing.assert_allclose(value, np.arange(4.0) + 2)
+        w.value = jnp.zeros(4)
+        fail[0] = False
+        sf(0.0)
+        np.testing.assert_allclose(w.value, np.ones(4))
 
 
 # -- many hosts -------------------------------------------------------------------
@@ -9496,6 +9760,9 @@ _BRAINSTATE_DIFFERENCES = {
     'StateTraceStack.new_arg.after_exit': 'a traced function never swaps values into States: '
                                           'the new_arg overlay ends with the stack (brainstate '
                                           'leaves the lifted value in the State)',
+    'in_avals.weak_type': "a State's weak type is part of the trace key, as an argument's: once "
+                          'a call made a weakly typed State strongly typed, get_jaxpr traces '
+                          "again (brainstate returns the first call's trace)",
     'StatefulMapping.axis_size_in_axes_None': 'brainstate 0.2.1 refuses in_axes=None even with '
                                               'axis_size given (ValueError "Cannot infer batch '
                                               'size when in_axes is None")',
@@ -9895,7 +10162,9 @@ def _fuzz_program(T, prog):
             rec('get_states', lambda: sf.get_states(*pos, **kw))
             rec('get_read_states', lambda: sf.get_read_states(*pos, **kw))
             rec('get_write_states', lambda: sf.get_write_states(*pos, **kw))
-            rec('in_avals', lambda: list(sf.get_jaxpr(*pos, **kw).in_avals))
+            in_avals = lambda: sf.get_jaxpr(*pos, **kw).in_avals     # noqa: E731
+            rec('in_avals', lambda: [(a.shape, str(a.dtype)) for a in in_avals()])
+            rec('in_avals.weak_type', lambda: [a.weak_type for a in in_avals()])
             rec('out_avals', lambda: list(sf.get_jaxpr(*pos, **kw).out_avals))
             rec('get_out_shapes', lambda: sf.get_out_shapes(*pos, **kw))
             rec('get_out_treedef', lambda: sf.get_out_treedef(*pos, **kw))
