@@ -3389,11 +3389,11 @@ class _ProgramGenerator:
         self.coll = mapped and r.random() < 0.6
         body = prog['body']
 
-        def add(make, first_share=0.5):
-            if r.random() < first_share:
-                body.insert(0, make(dict(sc0, vars=[])))
-            else:
-                body.append(make(sc))
+        def add(make, first_share=0.5):   # its value is an output too
+            first = r.random() < first_share
+            let = make(dict(sc0, vars=[]) if first else sc)
+            body.insert(0 if first else len(body), let)
+            prog['outs'].append(('var', let[1]))
         if any(lf[2] in ('f32', 'c64') for lf in self.writable) and r.random() < 0.3:
             add(self.diff_write)
         if self.leaves and r.random() < 0.1:
