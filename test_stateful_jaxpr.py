@@ -3063,6 +3063,19 @@ del _name, _make, _x
 #   ('wseq', dom, state, path, w, e)   [write the state leaf from w, then give e:
 #   also inside lax bodies and inner jits, but not under jax.grad (the eager
 #   reference cannot write there) nor in sub-programs (called under jax.vmap)]
+#   ('diff', mode, u, at, body, sure)   [grad / vjp / jvp / jacfwd of a function
+#   writing a float State and reading it back; the reference threads the States
+#   it writes as local variables, and after it they hold the primal values]
+#   ('custom', kind, u, at, body, rule)   [value_and_grad through a custom_vjp /
+#   custom_jvp function reading States; the rule is not its own derivative]
+#   ('halve', state, path, e)   [an int32 leaf times 0.5, inside a lax body or an
+#   inner jit: float32 as at top level, or a TraceContextError naming it]
+#   ('coll', kind, dom, x) ('cwseq', dom, state, path, coll, e)   [psum / pmean /
+#   all_gather / axis_index over the mapped axis 'i', x of the arguments only;
+#   the lane-loop reference reduces x over the lanes; a State written only from
+#   collectives leaves unbatched, as plain jax.vmap returns it]
+#   ('raw', state, arg)   [an output whose dtype follows the State's weak type: a
+#   Python float State times a bfloat16 argument; between calls it turns strong]
 # Statements: ('let', v, e) ('write', state, path, e) ('draw', rng, kind, v)
 #   ('call', sub, f, v) ('local', v, dom, e, e) [a State created inside]
 #   ('pyif', stmts, stmts) [Python-level branch on the static argument].
@@ -3664,7 +3677,13 @@ def _differentiate(e, env):
 def _custom_rule(e, env):
     """('custom', kind, u, at, body, rule): value and gradient through a
     custom_vjp / custom_jvp function whose derivative is the rule's factor."""
-    _, kind, u, at_e, body, rule = e
+    f = _custom_fn(e, env)
+    value, grad = jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p))))(_eval_expr(e[3], env))
+    return grad + 0.1 * value
+
+
+def _custom_fn(e, env):
+    _, kind, u, _, body, rule = e
 
     def primal(p):
         return _eval_expr(body, env.child({(u, 'p'): p}))
@@ -3677,8 +3696,7 @@ def _custom_rule(e, env):
     else:
         f = jax.custom_jvp(primal)
         f.defjvp(lambda ps, ts: (primal(ps[0]), ts[0] * factor()))
-    value, grad = jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p))))(_eval_expr(at_e, env))
-    return grad + 0.1 * value
+    return f
 
 
 def _to_work(leaf, dt, sk, W):
@@ -4294,6 +4312,22 @@ def _check_program(seed, extras=True):
         base[si] = _tree_set(base[si], path, leaf)
         against_reference(base, pos, kw, 'state changed shape', may_refuse=f's{si}')
     _reset_states(every, inits)
+
+    # (b'_) jax.grad of a fresh StatefulFunction whose States are first read
+    # inside a custom_vjp / custom_jvp function (or its rule) at the program's
+    # start: the rule's derivative, as in plain JAX.
+    for node in [st[2] for st in prog['body'][:1] if st[0] == 'let' and st[2][0] == 'custom']:
+        def outer(p, mod):
+            env = _Env(prog, states, rngs, dyn, prog['static'], [], explicit=not mod)
+            return jnp.sum(jnp.sin(_custom_fn(node, env)(p)))
+        with _reference_mode():
+            at = _eval_expr(node[3], _Env(prog, states, rngs, dyn, prog['static'],
+                                          _make_subs(prog, states, rngs, False), explicit=True))
+            want = jax.grad(outer)(at, False)
+        _assert_user_path("(b'_) grad(sf)")
+        _assert_close(want, jax.grad(sj.StatefulFunction(lambda p: outer(p, True)))(at),
+                      "(b'_) jax.grad(sf) through a custom rule")
+        _assert_close(inits, _state_values(every), "(b'_) states after jax.grad(sf)")
 
     # (b') the module's eager debugging mode: a fresh StatefulFunction under
     # jax.disable_jit() (one in ten programs).
