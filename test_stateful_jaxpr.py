@@ -4045,8 +4045,9 @@ def _build_program(prog):
     states, inits = [], []
     for i, st in enumerate(prog['states']):
         axis = st['axis'] if st['batched'] else None
-        if i == weak.get('state'):   # a Python float: weakly typed
-            value = round(float(wrng.uniform(-1, 1)), 3)
+        if i == weak.get('state'):   # a Python float (weakly typed), a power of two:
+            # its products with bfloat16 are exact, with or without XLA's excess precision
+            value = float(wrng.choice([-2, -1, -0.5, -0.25, 0.25, 0.5, 1, 2]))
         else:
             value = _tree_value(nrng, st['tree'], W, n, axis)
         meta = {'tag': 'lane' if axis == 0 else 'lane1'} if st['batched'] else {}
