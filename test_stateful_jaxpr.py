@@ -3584,14 +3584,18 @@ def _generate_program(seed):
 # -- interpreter ------------------------------------------------------------------
 class _Env:
     # explicit: the reference (a differentiated function threads the States it
-    # writes as local variables: ``ov``); coll: a lane's collective results.
+    # writes as local variables: ``ov``); coll: a lane's collective results;
+    # custom: the custom_vjp / custom_jvp functions, made once and called by
+    # every trace (as a user's module-level function is).
     __slots__ = ('prog', 'W', 'states', 'rngs', 'args', 'static', 'c', 'cf', 'vars', 'locs',
-                 'subs', 'specs', 'explicit', 'ov', 'coll')
+                 'subs', 'specs', 'explicit', 'ov', 'coll', 'custom')
 
-    def __init__(self, prog, states, rngs, args, static, subs, explicit=False, coll=None):
+    def __init__(self, prog, states, rngs, args, static, subs, explicit=False, coll=None,
+                 custom=None):
         self.prog, self.W, self.states, self.rngs = prog, prog['W'], states, rngs
         self.args, self.static, self.subs = list(args), static, subs
         self.explicit, self.ov, self.coll = explicit, None, coll
+        self.custom = {} if custom is None else custom
         if isinstance(static, int):
             self.c, self.cf = static, 0.0
         elif isinstance(static, dict):
@@ -3683,19 +3687,25 @@ def _custom_rule(e, env):
 
 
 def _custom_fn(e, env):
+    if e in env.custom:
+        f, box = env.custom[e]
+        box[0] = env
+        return f
     _, kind, u, _, body, rule = e
+    box = [env]
 
     def primal(p):
-        return _eval_expr(body, env.child({(u, 'p'): p}))
+        return _eval_expr(body, box[0].child({(u, 'p'): p}))
 
     def factor():
-        return 1.5 + 0.5 * jnp.tanh(_eval_expr(rule, env))
+        return 1.5 + 0.5 * jnp.tanh(_eval_expr(rule, box[0]))
     if kind == 'vjp':
         f = jax.custom_vjp(primal)
         f.defvjp(lambda p: (primal(p), None), lambda _, g: (g * factor(),))
     else:
         f = jax.custom_jvp(primal)
         f.defjvp(lambda ps, ts: (primal(ps[0]), ts[0] * factor()))
+    env.custom[e] = f, box
     return f
 
 
@@ -3982,11 +3992,12 @@ def _make_main(prog, states, rngs, nested, lane=None):
     """``nested=False``: the reference; ``lane``: a dict whose 'coll' is the
     current lane's collective results (the lane-loop reference)."""
     subs = _make_subs(prog, states, rngs, nested)
+    custom = {}
 
     def main(*pos, **kw):
         dyn, static = _unpack_args(prog, pos, kw)
         env = _Env(prog, states, rngs, dyn, static, subs, explicit=not nested,
-                   coll=lane and lane['coll'])
+                   coll=lane and lane['coll'], custom=custom)
         _exec_stmts(prog['body'], env)
         outs = [_eval_expr(e, env) for e in prog['outs']]
         if prog['out_form'] == 'tuple':
@@ -4214,6 +4225,8 @@ def _check_program(seed, extras=True):
     prog = _generate_program(seed)
     if not extras:
         prog.update(restatic=False, stale=False, eager_sf=False)
+    if len(sj._BAKED_STATES):   # (States of earlier programs, unreachable: collect them)
+        gc.collect()
     if prog['lanes']:
         return _check_mapped(prog)
     states, rngs, inits, dyn = _build_program(prog)
@@ -4314,22 +4327,6 @@ def _check_program(seed, extras=True):
         against_reference(base, pos, kw, 'state changed shape', may_refuse=f's{si}')
     _reset_states(every, inits)
 
-    # (b'_) jax.grad of a fresh StatefulFunction whose States are first read
-    # inside a custom_vjp / custom_jvp function (or its rule) at the program's
-    # start: the rule's derivative, as in plain JAX.
-    for node in [st[2] for st in prog['body'][:1] if st[0] == 'let' and st[2][0] == 'custom']:
-        def outer(p, mod):
-            env = _Env(prog, states, rngs, dyn, prog['static'], [], explicit=not mod)
-            return jnp.sum(jnp.sin(_custom_fn(node, env)(p)))
-        with _reference_mode():
-            at = _eval_expr(node[3], _Env(prog, states, rngs, dyn, prog['static'],
-                                          _make_subs(prog, states, rngs, False), explicit=True))
-            want = jax.grad(outer)(at, False)
-        _assert_user_path("(b'_) grad(sf)")
-        _assert_close(want, jax.grad(sj.StatefulFunction(lambda p: outer(p, True)))(at),
-                      "(b'_) jax.grad(sf) through a custom rule")
-        _assert_close(inits, _state_values(every), "(b'_) states after jax.grad(sf)")
-
     # (b') the module's eager debugging mode: a fresh StatefulFunction under
     # jax.disable_jit() (one in ten programs).
     if prog['eager_sf']:
@@ -4423,6 +4420,28 @@ def _check_program(seed, extras=True):
     out_shapes, state_shapes = sf.get_out_shapes(*pos, **kw)
     _check_shapes(out_shapes, got, 'get_out_shapes() outputs')
     _check_shapes(state_shapes, got_states, 'get_out_shapes() states')
+
+    # (f) jax.grad of a fresh StatefulFunction whose States are first read
+    # inside a custom_vjp / custom_jvp function (or its rule) at the program's
+    # start: the rule's derivative, as in plain JAX.  Last: a plain JAX trace
+    # reading States takes the module off the user path while they live.
+    for node in [st[2] for st in prog['body'][:1] if st[0] == 'let' and st[2][0] == 'custom']:
+        made = {False: {}, True: {}}
+
+        def outer(p, mod):
+            env = _Env(prog, states, rngs, dyn, prog['static'], [], explicit=not mod,
+                       custom=made[mod])
+            return jnp.sum(jnp.sin(_custom_fn(node, env)(p)))
+        with _reference_mode():
+            at = _eval_expr(node[3], _Env(prog, states, rngs, dyn, prog['static'],
+                                          _make_subs(prog, states, rngs, False), explicit=True))
+            want = jax.grad(outer)(at, False)
+        _assert_user_path("(f) grad(sf)")
+        _assert_close(want, jax.grad(sj.StatefulFunction(lambda p: outer(p, True)))(at),
+                      "(f) jax.grad(sf) through a custom rule")
+        _assert_close(inits, _state_values(every), "(f) states after jax.grad(sf)")
+        for f, box in [*made[False].values(), *made[True].values()]:
+            box[0] = None   # JAX's caches keep the function: let the States go
     return prog
 
 
@@ -4633,7 +4652,8 @@ class FuzzDifferentialTest(unittest.TestCase):
                 # benchmarks/fuzz.py runs them for every program.
                 _check_program(seed, extras=seed % 6 == 0)
             except Exception as err:  # report every failing seed, not just the first
-                failures.append((seed, err, traceback.format_exc()))
+                # (not the exception: its frames would keep that program's States alive)
+                failures.append((seed, _failure_kind(err), traceback.format_exc()))
         dt = time.perf_counter() - t0
         shares = {k: v / self.N for k, v in counts.items()}
         print(f'\n[fuzz] {self.N} programs in {dt:.1f}s ({self.N / dt:.1f} programs/s), '
@@ -4644,11 +4664,11 @@ class FuzzDifferentialTest(unittest.TestCase):
                                     f'programs exercise {key}')
         if failures:
             kinds = {}
-            for seed, err, _ in failures:
-                kinds.setdefault(_failure_kind(err), []).append(seed)
+            for seed, kind, _ in failures:
+                kinds.setdefault(kind, []).append(seed)
             listing = '\n'.join(f'  {len(v)} x {k}\n      seeds {v[:12]}'
                                 for k, v in sorted(kinds.items(), key=lambda kv: -len(kv[1])))
-            seed, err, tb = failures[0]
+            seed, _, tb = failures[0]
             self.fail(f'{len(failures)} of {self.N} programs disagree, by kind:\n{listing}\n'
                       f'First failure (seed {seed}; replay with fuzz_main(["--replay", '
                       f'"{seed}"]) or benchmarks/fuzz.py --replay {seed}):\n{tb}\n'
