@@ -4432,16 +4432,19 @@ def _check_program(seed, extras=True):
             env = _Env(prog, states, rngs, dyn, prog['static'], [], explicit=not mod,
                        custom=made[mod])
             return jnp.sum(jnp.sin(_custom_fn(node, env)(p)))
-        with _reference_mode():
-            at = _eval_expr(node[3], _Env(prog, states, rngs, dyn, prog['static'],
-                                          _make_subs(prog, states, rngs, False), explicit=True))
-            want = jax.grad(outer)(at, False)
-        _assert_user_path("(f) grad(sf)")
-        _assert_close(want, jax.grad(sj.StatefulFunction(lambda p: outer(p, True)))(at),
-                      "(f) jax.grad(sf) through a custom rule")
-        _assert_close(inits, _state_values(every), "(f) states after jax.grad(sf)")
-        for f, box in [*made[False].values(), *made[True].values()]:
-            box[0] = None   # JAX's caches keep the function: let the States go
+        try:
+            with _reference_mode():
+                at = _eval_expr(node[3], _Env(prog, states, rngs, dyn, prog['static'],
+                                              _make_subs(prog, states, rngs, False),
+                                              explicit=True))
+                want = jax.grad(outer)(at, False)
+            _assert_user_path("(f) grad(sf)")
+            _assert_close(want, jax.grad(sj.StatefulFunction(lambda p: outer(p, True)))(at),
+                          "(f) jax.grad(sf) through a custom rule")
+            _assert_close(inits, _state_values(every), "(f) states after jax.grad(sf)")
+        finally:
+            for f, box in [*made[False].values(), *made[True].values()]:
+                box[0] = None   # JAX's caches keep the function: let the States go
     return prog
 
 
