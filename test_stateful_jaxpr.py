@@ -8858,7 +8858,10 @@ _OPS_BRAINSTATE_LACKS = frozenset((
     # brainstate cannot thread state through plain JAX transformations, nor lift a
     # State first read inside one (its tracer escapes): no lax bodies, inner jit,
     # grad or vmap in the programs compared.
-    'scan', 'fori', 'cond', 'jit', 'grad', 'vmapsf'))
+    'scan', 'fori', 'cond', 'jit', 'grad', 'vmapsf',
+    # nor give a State written under jax.jacfwd / jax.vjp its primal value (a
+    # tracer stays in it)
+    'diff:jacfwd', 'diff:vjp'))
 
 
 def _fuzz_ops(node, found):
@@ -8867,6 +8870,8 @@ def _fuzz_ops(node, found):
     if isinstance(node, (list, tuple)):
         if node and isinstance(node[0], str):
             found.add(node[0])
+            if node[0] == 'diff':
+                found.add(f'diff:{node[1]}')
         for x in node:
             _fuzz_ops(x, found)
     return found
