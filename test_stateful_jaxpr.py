@@ -3381,6 +3381,19 @@ del _name, _make, _x
 #   ('wseq', dom, state, path, w, e)   [write the state leaf from w, then give e:
 #   also inside lax bodies and inner jits, but not under jax.grad (the eager
 #   reference cannot write there) nor in sub-programs (called under jax.vmap)]
+#   ('diff', mode, u, at, body, sure)   [grad / vjp / jvp / jacfwd of a function
+#   writing a float State and reading it back; the reference threads the States
+#   it writes as local variables, and after it they hold the primal values]
+#   ('custom', kind, u, at, body, rule)   [value_and_grad through a custom_vjp /
+#   custom_jvp function reading States; the rule is not its own derivative]
+#   ('halve', state, path, e)   [an int32 leaf times 0.5, inside a lax body or an
+#   inner jit: float32 as at top level, or a TraceContextError naming it]
+#   ('coll', kind, dom, x) ('cwseq', dom, state, path, coll, e)   [psum / pmean /
+#   all_gather / axis_index over the mapped axis 'i', x of the arguments only;
+#   the lane-loop reference reduces x over the lanes; a State written only from
+#   collectives leaves unbatched, as plain jax.vmap returns it]
+#   ('raw', state, arg)   [an output whose dtype follows the State's weak type: a
+#   Python float State times a bfloat16 argument; between calls it turns strong]
 # Statements: ('let', v, e) ('write', state, path, e) ('draw', rng, kind, v)
 #   ('call', sub, f, v) ('local', v, dom, e, e) [a State created inside]
 #   ('pyif', stmts, stmts) [Python-level branch on the static argument].
@@ -3436,6 +3449,7 @@ class _ProgramGenerator:
         self.seed = seed
         self.next_var = 0
         self.next_loc = 0
+        self.coll = False   # collectives (set by extend() for mapped programs)
 
     def tree(self, depth):
         r = self.r
@@ -3476,6 +3490,9 @@ class _ProgramGenerator:
         r = self.r
         if depth <= 0 or r.random() < 0.25:
             return self.leaf(dom, sc)
+        if self.coll and not sc.get('nocoll') and r.random() < 0.05:
+            kind = r.choice(('psum', 'all_gather', 'axis_index') + (('pmean',) * (dom == 'f')))
+            return ('coll', kind, dom, None if kind == 'axis_index' else self.pure(dom, 1))
         if self.writable and not sc.get('nowrite') and r.random() < 0.07:
             si, path, dt, sk = r.choice(self.writable)
             return ('wseq', dom, si, path, self.expr(_DOMAIN[dt], depth - 1, sc),
@@ -3506,7 +3523,7 @@ class _ProgramGenerator:
                 u = self.next_loc
                 self.next_loc += 1
                 inner = dict(sc, locs=sc['locs'] + [((u, 'p'), 'f')], no_while=True,
-                             nowrite=True)
+                             nowrite=True, nocoll=True)
                 return ('grad', u, self.expr('f', depth - 1, sc), self.expr('f', depth - 1, inner))
             return ('jit', dom, self.expr(dom, depth - 1, sc))
         if dom == 'f':
@@ -3567,6 +3584,168 @@ class _ProgramGenerator:
         v = self.new_var()
         sc['vars'].append((v, dom))
         return ('let', v, e)
+
+    def pure(self, dom, depth):
+        """An expression of the arguments and constants only (a collective's
+        operand: the lane-loop reference evaluates it for every lane first)."""
+        r = self.r
+        if depth <= 0 or r.random() < 0.4:
+            cands = [('arg', j) for j, d in enumerate(self.arg_doms) if d == dom]
+            cands += [('fconst', round(r.uniform(-1, 1), 3))] if dom == 'f' else [
+                ('iconst', r.randint(-5, 30)), ('static',)]
+            return r.choice(cands)
+        if dom == 'f':
+            op = r.choice(('fadd', 'fmul', 'tanh', 'itof'))
+            if op == 'tanh':
+                return (op, self.pure('f', depth - 1))
+            if op == 'itof':
+                return (op, self.pure('i', depth - 1))
+            return (op, self.pure('f', depth - 1), self.pure('f', depth - 1))
+        op = r.choice(('iadd', 'imul', 'isum'))
+        if op == 'isum':
+            return (op, self.pure('i', depth - 1))
+        return (op, self.pure('i', depth - 1), self.pure('i', depth - 1))
+
+    def diff_write(self, sc):
+        """A 'let' differentiating (grad / vjp / jvp / jacfwd) a function that
+        writes a float State from its argument and then reads it back, at its
+        top, inside an inner jit, or in a lax.cond branch (not sure to run)."""
+        r = self.r
+        si, path, dt, sk = r.choice([lf for lf in self.writable if lf[2] in ('f32', 'c64')])
+        u = self.next_loc
+        self.next_loc += 1
+        inner = dict(sc, locs=sc['locs'] + [((u, 'p'), 'f')], no_while=True, nowrite=True,
+                     nocoll=True, ro_subs=[])
+        write = (r.choice(('fadd', 'fmul')), ('loc', u, 'p'), self.expr('f', 1, inner))
+        back = (r.choice(('fadd', 'fmul')), ('read', si, path), self.expr('f', 1, inner))
+        body = ('wseq', 'f', si, path, write, back)
+        where = r.choice(('top', 'top', 'top', 'jit', 'jit', 'cond'))
+        if where == 'jit':
+            body = ('fadd', ('jit', 'f', body), ('read', si, path))
+        elif where == 'cond':
+            body = ('fadd', ('cond', 'f', self.expr('i', 1, inner),
+                             *r.sample([body, self.expr('f', 1, inner)], 2)), ('read', si, path))
+        e = ('diff', r.choice(('grad', 'vjp', 'jvp', 'jacfwd')), u, self.expr('f', 1, sc), body,
+             where != 'cond')
+        v = self.new_var()
+        sc['vars'].append((v, 'f'))
+        return ('let', v, e)
+
+    def custom_rule(self, sc):
+        """A 'let' taking jax.value_and_grad through a jax.custom_vjp /
+        custom_jvp function that reads a State; its rule (which may read a State
+        too) is not the function's own derivative."""
+        r = self.r
+        si, path, dt, sk = r.choice([lf for lf in self.leaves if lf[2] in ('f32', 'c64')]
+                                    or self.leaves)
+        u = self.next_loc
+        self.next_loc += 1
+        inner = dict(sc, locs=sc['locs'] + [((u, 'p'), 'f')], no_while=True, nowrite=True,
+                     nocoll=True, ro_subs=[])
+        read = ('read', si, path) if _DOMAIN[dt] == 'f' else ('itof', ('read', si, path))
+        body = ('fmul', ('fadd', ('loc', u, 'p'), read), self.expr('f', 1, inner))
+        rule = self.expr('f', 1, dict(inner, locs=sc['locs']))
+        e = ('custom', r.choice(('vjp', 'jvp')), u, self.expr('f', 1, sc), body, rule)
+        v = self.new_var()
+        sc['vars'].append((v, 'f'))
+        return ('let', v, e)
+
+    def dtype_write(self, sc):
+        """A 'let' halving an int32 State (it becomes float32, as at top level)
+        inside a lax.scan / lax.fori_loop body, both lax.cond branches or an
+        inner jit."""
+        r = self.r
+        si, path, dt, sk = r.choice([lf for lf in self.writable
+                                     if lf[2] == 'i32' and lf[3] != 'L'])
+        dom = r.choice('fi')
+        kind = r.choice(('scan', 'cond', 'fori', 'jit'))
+        u = self.next_loc
+        self.next_loc += 1
+        if kind == 'scan':
+            inner = dict(sc, locs=sc['locs'] + [((u, 'cf'), 'f'), ((u, 'ci'), 'i'),
+                                                ((u, 'x'), 'i')])
+            e = ('scan', dom, r.choice((1, 2, ('static',))), u, self.expr('f', 1, sc),
+                 self.expr('i', 1, sc), ('halve', si, path, self.expr('f', 1, inner)),
+                 self.expr('i', 1, inner))
+        elif kind == 'fori':
+            inner = dict(sc, locs=sc['locs'] + [((u, 'acc'), dom), ((u, 'k'), 'i')])
+            e = ('fori', dom, r.choice((1, 2, ('static',))), u, self.expr(dom, 1, sc),
+                 ('halve', si, path, self.expr(dom, 1, inner)))
+        elif kind == 'jit':
+            e = ('jit', dom, ('halve', si, path, self.expr(dom, 1, sc)))
+        else:
+            e = ('cond', dom, self.expr('i', 1, sc), ('halve', si, path, self.expr(dom, 1, sc)),
+                 ('halve', si, path, self.expr(dom, 1, sc)))
+        v = self.new_var()
+        sc['vars'].append((v, dom))
+        return ('let', v, e)
+
+    def collective_write(self, sc):
+        """A 'let' writing a State (unbatched if there is one) from psum / pmean /
+        all_gather inside an inner jit, a lax.scan body or a lax.cond branch
+        whose predicate is itself a psum (unbatched): plain jax.vmap would
+        return that State unbatched."""
+        r = self.r
+        unbatched = [lf for lf in self.leaves if not self.states[lf[0]]['batched']]
+        si, path, dt, sk = r.choice(unbatched or self.leaves)
+        ldom = _DOMAIN[dt]
+        value = ('coll', r.choice(('psum', 'all_gather') + (('pmean',) * (ldom == 'f'))), ldom,
+                 self.pure(ldom, 1))
+        dom = r.choice('fi')
+        kind = r.choice(('jit', 'cond', 'scan'))
+        u = self.next_loc
+        self.next_loc += 1
+        if kind == 'scan':
+            inner = dict(sc, locs=sc['locs'] + [((u, 'cf'), 'f'), ((u, 'ci'), 'i'),
+                                                ((u, 'x'), 'i')])
+            e = ('scan', dom, r.choice((1, 2, ('static',))), u, self.expr('f', 1, sc),
+                 self.expr('i', 1, sc), ('cwseq', 'f', si, path, value, self.expr('f', 1, inner)),
+                 self.expr('i', 1, inner))
+        else:
+            write = ('cwseq', dom, si, path, value, self.expr(dom, 1, sc))
+            if kind == 'jit':
+                e = ('jit', dom, write)
+            else:
+                e = ('cond', dom, ('coll', 'psum', 'i', self.pure('i', 1)),
+                     *r.sample([write, self.expr(dom, 1, sc)], 2))
+        v = self.new_var()
+        sc['vars'].append((v, dom))
+        return ('let', v, e)
+
+    def extend(self, prog, sc0, sc):
+        """Adds this suite's newer features from a second random stream, so
+        that every seed keeps the rest of its program (campaign seeds replay)."""
+        self.r = r = random.Random(f'features-{self.seed}')
+        mapped = bool(prog['lanes'])
+        self.coll = mapped and r.random() < 0.6
+        body = prog['body']
+
+        def add(make, first_share=0.5):   # its value is an output too
+            first = r.random() < first_share
+            let = make(dict(sc0, vars=[]) if first else sc)
+            body.insert(0 if first else len(body), let)
+            prog['outs'].append(('var', let[1]))
+        if any(lf[2] in ('f32', 'c64') for lf in self.writable) and r.random() < 0.3:
+            add(self.diff_write)
+        if self.leaves and r.random() < 0.1:
+            add(self.custom_rule, 0.7)    # first: its States are first touched inside it
+        if self.coll:
+            add(self.collective_write)
+        if not mapped and r.random() < 0.2 and any(
+                lf[2] == 'i32' and lf[3] != 'L' for lf in self.writable):
+            add(self.dtype_write)
+            prog.update(stale=False, restatic=False)
+        prog['weak'] = None
+        if not mapped and r.random() < 0.1:
+            # A State holding a Python float (weakly typed), read-only, times a
+            # bfloat16 argument: the result's dtype follows the State's weak type.
+            prog['states'].append({'tree': ('leaf', 'f32', 'S'), 'cls': 'State',
+                                   'batched': False, 'axis': None})
+            prog['args'].append('f')
+            prog['weak'] = {'state': len(prog['states']) - 1, 'arg': len(prog['args']) - 1}
+            prog['outs'].append(('raw', prog['weak']['state'], prog['weak']['arg']))
+        prog['coll'] = self.coll
+        return prog
 
     def new_var(self):
         self.next_var += 1
@@ -3685,11 +3864,13 @@ class _ProgramGenerator:
             ro = [i for i, s in enumerate(subs) if s['readonly']]
             # (no while_loop in sub-programs: they may be called under jax.grad)
             sc = {'args': ['f'], 'vars': [], 'locs': [], 'ro_subs': ro, 'no_while': True,
-                  'nowrite': True}
+                  'nowrite': True, 'nocoll': True}
             body = self.stmts(sc, r.randint(1, 2 if large else 1), not readonly, [])
             subs.append({'readonly': readonly, 'body': body, 'ret': self.expr('f', 2, sc)})
         sc = {'args': list(args), 'vars': [], 'locs': [],
               'ro_subs': [i for i, s in enumerate(subs) if s['readonly']]}
+        sc0 = dict(sc)
+        self.states, self.arg_doms = states, args
         rw_subs = [i for i, s in enumerate(subs) if not s['readonly']]
         # Two programs in five write a State inside a lax body or an inner jit
         # (the headline feature), first or last.
@@ -3701,7 +3882,7 @@ class _ProgramGenerator:
             body.append(self.nested_write(sc))
         outs = [self.expr(r.choice('ffi'), r.randint(1, 2), sc)
                 for _ in range(r.randint(1, 3 if large else 2))]
-        return {
+        return self.extend({
             'seed': self.seed, 'W': W, 'lanes': n, 'states': states, 'rngs': rngs,
             'args': args, 'static': static, 'call': call, 'subs': subs, 'body': body,
             'outs': outs, 'out_form': r.choice(('tuple', 'tuple', 'dict', 'extra')),
@@ -3710,7 +3891,7 @@ class _ProgramGenerator:
             'stale': r.random() < 0.15,
             'return_only_write': r.random() < 0.8, 'check_tree': r.random() < 0.2,
             'filter': r.choice(_FILTER_KINDS), 'compose': r.random() < 0.4, 'map': mapping,
-        }
+        }, sc0, sc)
 
 
 def _generate_program(seed):
@@ -3720,12 +3901,19 @@ def _generate_program(seed):
 
 # -- interpreter ------------------------------------------------------------------
 class _Env:
+    # explicit: the reference (a differentiated function threads the States it
+    # writes as local variables: ``ov``); coll: a lane's collective results;
+    # custom: the custom_vjp / custom_jvp functions, made once and called by
+    # every trace (as a user's module-level function is).
     __slots__ = ('prog', 'W', 'states', 'rngs', 'args', 'static', 'c', 'cf', 'vars', 'locs',
-                 'subs', 'specs')
+                 'subs', 'specs', 'explicit', 'ov', 'coll', 'custom')
 
-    def __init__(self, prog, states, rngs, args, static, subs):
+    def __init__(self, prog, states, rngs, args, static, subs, explicit=False, coll=None,
+                 custom=None):
         self.prog, self.W, self.states, self.rngs = prog, prog['W'], states, rngs
         self.args, self.static, self.subs = list(args), static, subs
+        self.explicit, self.ov, self.coll = explicit, None, coll
+        self.custom = {} if custom is None else custom
         if isinstance(static, int):
             self.c, self.cf = static, 0.0
         elif isinstance(static, dict):
@@ -3746,6 +3934,97 @@ class _Env:
 
 def _i32(x):
     return jnp.asarray(x).astype(jnp.int32)
+
+
+def _state_get(env, si):
+    return env.ov[si] if env.ov is not None and si in env.ov else env.states[si].value
+
+
+def _state_put(env, si, value):
+    if env.ov is not None:
+        env.ov[si] = value
+    else:
+        env.states[si].value = value
+
+
+def _collective(kind, dom, W, x, ops):
+    """A collective's work value; ``ops``: (sum, mean, gather, lane index) over the
+    lanes, from lax (the program) or from every lane's operand (the reference)."""
+    total, mean, gather, index = ops
+    M = _INT_MASK
+    if kind == 'axis_index':
+        i = jnp.broadcast_to(index(), W)
+        return i.astype(jnp.int32) if dom == 'i' else i.astype(jnp.float32) * 0.25
+    if kind == 'psum':
+        return _i32(total(x) & M) if dom == 'i' else total(x) * 0.5
+    if kind == 'pmean':
+        return mean(x)
+    g = gather(x)
+    return _i32((g[0] + 2 * g[-1]) & M) if dom == 'i' else g[0] - 0.5 * g[-1]
+
+
+def _lax_collectives():
+    return (lambda x: lax.psum(x, 'i'), lambda x: lax.pmean(x, 'i'),
+            lambda x: lax.all_gather(x, 'i'), lambda: lax.axis_index('i'))
+
+
+def _differentiate(e, env):
+    """('diff', mode, u, at, body, sure): a transformation of a function that
+    writes a State and reads it back.  In the reference the States it writes
+    are local variables (has_aux hands their primal values out)."""
+    _, mode, u, at_e, body, _ = e
+    at = _eval_expr(at_e, env)
+
+    def fn(p):
+        inner = env.child({(u, 'p'): p})
+        if env.explicit:
+            inner.ov = dict(env.ov or {})
+        return jnp.sin(_eval_expr(body, inner)), inner.ov
+    if mode == 'grad':
+        res, ov = jax.grad(lambda p: (lambda y, a: (jnp.sum(y), a))(*fn(p)), has_aux=True)(at)
+    elif mode == 'vjp':
+        y, pull, ov = jax.vjp(fn, at, has_aux=True)
+        res = 0.5 * (y + pull(jnp.cos(at))[0])
+    elif mode == 'jvp':
+        y, t, ov = jax.jvp(fn, (at,), (jnp.cos(at),), has_aux=True)
+        res = 0.5 * (y + t)
+    else:
+        jac, ov = jax.jacfwd(fn, has_aux=True)(at)
+        res = jnp.sum(jac.reshape(env.W + (-1,)), -1) if env.W else jac
+    for si, value in (ov or {}).items():
+        _state_put(env, si, value)
+    return res
+
+
+def _custom_rule(e, env):
+    """('custom', kind, u, at, body, rule): value and gradient through a
+    custom_vjp / custom_jvp function whose derivative is the rule's factor."""
+    f = _custom_fn(e, env)
+    value, grad = jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p))))(_eval_expr(e[3], env))
+    return grad + 0.1 * value
+
+
+def _custom_fn(e, env):
+    if e in env.custom:
+        f, box = env.custom[e]
+        box[0] = env
+        return f
+    _, kind, u, _, body, rule = e
+    box = [env]
+
+    def primal(p):
+        return _eval_expr(body, box[0].child({(u, 'p'): p}))
+
+    def factor():
+        return 1.5 + 0.5 * jnp.tanh(_eval_expr(rule, box[0]))
+    if kind == 'vjp':
+        f = jax.custom_vjp(primal)
+        f.defvjp(lambda p: (primal(p), None), lambda _, g: (g * factor(),))
+    else:
+        f = jax.custom_jvp(primal)
+        f.defjvp(lambda ps, ts: (primal(ps[0]), ts[0] * factor()))
+    env.custom[e] = f, box
+    return f
 
 
 def _to_work(leaf, dt, sk, W):
@@ -3814,7 +4093,7 @@ def _eval_expr(e, env):
         return env.locs[(e[1], e[2])]
     if op == 'read':
         dt, sk = env.specs[(e[1], e[2])]
-        return _to_work(_tree_get(env.states[e[1]].value, e[2]), dt, sk, W)
+        return _to_work(_tree_get(_state_get(env, e[1]), e[2]), dt, sk, W)
     if op == 'fconst':
         return jnp.full(W, e[1], jnp.float32)
     if op == 'iconst':
@@ -3859,9 +4138,23 @@ def _eval_expr(e, env):
         return jax.jit(lambda: _eval_expr(e[2], env))()
     if op == 'peek':
         return _key_uniform(env.rngs[e[1]].value, W)
-    if op == 'wseq':
+    if op in ('wseq', 'cwseq'):
         _write_leaf(env, e[2], e[3], _eval_expr(e[4], env))
         return _eval_expr(e[5], env)
+    if op == 'halve':   # no cast: an int32 leaf becomes float32
+        old = _state_get(env, e[1])
+        _state_put(env, e[1], _tree_set(old, e[2], jnp.asarray(_tree_get(old, e[2])) * 0.5))
+        return _eval_expr(e[3], env)
+    if op == 'coll':
+        if env.coll is not None:
+            return env.coll[e]
+        return _collective(e[1], e[2], W, e[3] and _eval_expr(e[3], env), _lax_collectives())
+    if op == 'diff':
+        return _differentiate(e, env)
+    if op == 'custom':
+        return _custom_rule(e, env)
+    if op == 'raw':   # no cast: the dtype follows the State's weak type
+        return _state_get(env, e[1]) * env.args[e[2]]
     if op == 'vmapsf':
         sub = env.subs[e[1]]
         rows = jnp.stack([_eval_expr(e[2], env), _eval_expr(e[3], env)])
@@ -3923,9 +4216,8 @@ def _draw(rng, kind, W):
 def _write_leaf(env, si, path, val):
     """Writes work value ``val`` into leaf ``path`` of state ``si``."""
     dt, sk = env.specs[(si, path)]
-    state = env.states[si]
-    old = state.value
-    state.value = _tree_set(old, path, _from_work(val, _tree_get(old, path), dt, sk))
+    old = _state_get(env, si)
+    _state_put(env, si, _tree_set(old, path, _from_work(val, _tree_get(old, path), dt, sk)))
 
 
 def _wseq_states(tree) -> set:
@@ -3934,8 +4226,9 @@ def _wseq_states(tree) -> set:
     if isinstance(tree, dict):
         tree = list(tree.values())
     if isinstance(tree, (tuple, list)):
-        if len(tree) == 6 and tree[0] == 'wseq':
-            found.add(tree[2])
+        if (len(tree) == 6 and tree[0] in ('wseq', 'cwseq')) or (
+                len(tree) == 4 and tree[0] == 'halve'):
+            found.add(tree[2] if tree[0] != 'halve' else tree[1])
         for item in tree:
             found |= _wseq_states(item)
     return found
@@ -4006,19 +4299,26 @@ def _make_subs(prog, states, rngs, nested):
     subs = []
     for sub in prog['subs']:
         def fn(x, static, _sub=sub):
-            env = _Env(prog, states, rngs, [x], static, subs)
+            env = _Env(prog, states, rngs, [x], static, subs, explicit=not nested)
             _exec_stmts(_sub['body'], env)
             return _eval_expr(_sub['ret'], env)
         subs.append(sj.StatefulFunction(fn, static_argnums=(1,)) if nested else fn)
     return subs
 
 
-def _make_main(prog, states, rngs, nested):
+def _make_main(prog, states, rngs, nested, lane=None, explicit=None):
+    """``nested=False``: the reference (sub-programs plain functions and, unless
+    ``explicit=False``, the States a differentiated function writes threaded as
+    local variables); ``lane``: a dict whose 'coll' is the current lane's
+    collective results (the lane-loop reference)."""
     subs = _make_subs(prog, states, rngs, nested)
+    explicit = not nested if explicit is None else explicit
+    custom = {}
 
     def main(*pos, **kw):
         dyn, static = _unpack_args(prog, pos, kw)
-        env = _Env(prog, states, rngs, dyn, static, subs)
+        env = _Env(prog, states, rngs, dyn, static, subs, explicit=explicit,
+                   coll=lane and lane['coll'], custom=custom)
         _exec_stmts(prog['body'], env)
         outs = [_eval_expr(e, env) for e in prog['outs']]
         if prog['out_form'] == 'tuple':
@@ -4071,11 +4371,17 @@ def _tree_value(nrng, tree, W, n, axis):
 def _build_program(prog):
     """``(states, rngs, initial values, dynamic args)`` for a program."""
     nrng = np.random.default_rng(prog['seed'])
+    weak = prog['weak'] or {}
+    wrng = np.random.default_rng([prog['seed'], 1])   # (the other values stay as they were)
     W, n = prog['W'], prog['lanes']
     states, inits = [], []
     for i, st in enumerate(prog['states']):
         axis = st['axis'] if st['batched'] else None
-        value = _tree_value(nrng, st['tree'], W, n, axis)
+        if i == weak.get('state'):   # a Python float (weakly typed), a power of two:
+            # its products with bfloat16 are exact, with or without XLA's excess precision
+            value = float(wrng.choice([-2, -1, -0.5, -0.25, 0.25, 0.5, 1, 2]))
+        else:
+            value = _tree_value(nrng, st['tree'], W, n, axis)
         meta = {'tag': 'lane' if axis == 0 else 'lane1'} if st['batched'] else {}
         states.append(getattr(sj, st['cls'])(value, name=f's{i}', **meta))
         inits.append(value)
@@ -4086,7 +4392,10 @@ def _build_program(prog):
         inits.append(key)
     axes = prog['map']['arg_axes'] if n else [None] * len(prog['args'])
     dyn = []
-    for d, axis in zip(prog['args'], axes):
+    for j, (d, axis) in enumerate(zip(prog['args'], axes)):
+        if j == weak.get('arg'):
+            dyn.append(jnp.asarray(wrng.uniform(-1, 1, W), jnp.bfloat16))
+            continue
         x = _leaf_value(nrng, 'f32' if d == 'f' else 'i32', _insert_axis(W, n, axis))
         if prog['call']['pyargs'] and nrng.random() < 0.7:
             x = float(x) if d == 'f' else int(x)   # a weakly typed Python scalar
@@ -4133,41 +4442,74 @@ def _rngs_used(prog):
     return used
 
 
-def _nested_write(node, odd, inside=False):
-    """Whether ``node`` writes a State inside a lax body or an inner jit (in
-    the Python-level branch that ``odd``, the static argument's parity, runs)."""
+def _nodes(node, odd, inside=False):
+    """``(node, whether inside a lax body or an inner jit)`` for each node
+    ``node`` runs (in the Python-level branch that ``odd``, the static
+    argument's parity, takes)."""
     if isinstance(node, list):
-        return any(_nested_write(x, odd, inside) for x in node)
-    if not (isinstance(node, tuple) and node and isinstance(node[0], str)):
-        return False
-    op = node[0]
-    if op == 'pyif':
-        return _nested_write(node[1] if odd else node[2], odd, inside)
-    if op == 'wseq' and inside:
-        return True
-    bodies = {'scan': (6, 7), 'fori': (5,), 'cond': (3, 4), 'jit': (2,)}.get(op, ())
-    return any(_nested_write(x, odd, inside or i in bodies)
-               for i, x in enumerate(node) if i)
+        for x in node:
+            yield from _nodes(x, odd, inside)
+    elif isinstance(node, tuple) and node and isinstance(node[0], str):
+        if node[0] == 'pyif':
+            yield from _nodes(node[1] if odd else node[2], odd, inside)
+            return
+        yield node, inside
+        bodies = {'scan': (6, 7), 'fori': (5,), 'cond': (3, 4), 'jit': (2,)}.get(node[0], ())
+        for i, x in enumerate(node):
+            if i:
+                yield from _nodes(x, odd, inside or i in bodies)
 
 
 def _program_features(prog) -> dict:
     """What a program exercises, for the fuzzer's coverage shares."""
     odd = _Env(prog, [], [], [], prog['static'], []).c % 2
-    return {'nested_write': _nested_write([prog['body'], prog['outs']], odd),
+    found = {}
+    for node, inside in _nodes([prog['body'], prog['outs']], odd):
+        found[node[0]] = found.get(node[0], False) or inside
+        if node[0] == 'diff' and node[-1]:   # the write surely runs
+            found['diff_state'] = True
+    return {'nested_write': found.get('wseq', False),
             'batched': bool(prog['lanes']),
-            'mapping_in_sf': bool(prog['lanes']) and prog['compose']}
+            'mapping_in_sf': bool(prog['lanes']) and prog['compose'],
+            'diff_state': 'diff_state' in found,
+            'custom_rule': 'custom' in found,
+            'collective_nested': found.get('coll', False),
+            'nested_dtype_change': found.get('halve', False),
+            'weak_change': prog['weak'] is not None}
+
+
+def _collective_states(prog) -> set:
+    """Unbatched States written only from psum / pmean / all_gather results
+    (in an inner jit, a scan body or a cond on a psum): plain jax.vmap, with
+    the State threaded explicitly, returns each of them unbatched."""
+    only, other = set(), set()
+
+    def walk(node):
+        if isinstance(node, (list, dict)):
+            for x in (node.values() if isinstance(node, dict) else node):
+                walk(x)
+        elif isinstance(node, tuple):
+            if node and node[0] == 'cwseq' and len(node) == 6:
+                (only if node[4][1] != 'axis_index' else other).add(node[2])
+            elif node and node[0] in ('write', 'wseq', 'halve') and len(node) in (4, 6):
+                other.add(node[1] if node[0] != 'wseq' else node[2])
+            for x in node:
+                walk(x)
+    walk([prog['body'], prog['outs'], prog['subs']])
+    return {si for si in only - other if not prog['states'][si]['batched']}
 
 
 @contextlib.contextmanager
-def _reference_mode():
+def _reference_mode(eager=True):
     """Eager evaluation for the reference run.  Its reads under jax.grad /
     jax.vmap enter the module's registry of States read by plain JAX traces,
     which switches later stateful traces into their isolated mode; the
     registry is restored afterwards so the implementation takes the path a
-    user's program would."""
+    user's program would.  (``eager=False``: only the restoring, for a
+    program's last check, a plain JAX trace over the module.)"""
     before = set(sj._BAKED_STATES)
     try:
-        with jax.disable_jit():
+        with jax.disable_jit(eager):
             yield
     finally:
         for state in list(sj._BAKED_STATES):
@@ -4205,6 +4547,8 @@ def _check_program(seed, extras=True):
     prog = _generate_program(seed)
     if not extras:
         prog.update(restatic=False, stale=False, eager_sf=False)
+    if len(sj._BAKED_STATES):   # (States of earlier programs, unreachable: collect them)
+        gc.collect()
     if prog['lanes']:
         return _check_mapped(prog)
     states, rngs, inits, dyn = _build_program(prog)
@@ -4220,16 +4564,22 @@ def _check_program(seed, extras=True):
         fin2 = _state_values(every)
     _reset_states(every, inits)
 
-    # (b) StatefulFunction.__call__: a first call, then a cache hit.
+    # (b) StatefulFunction.__call__: a first call, then a cache hit.  An int32
+    # State halved inside a lax body or an inner jit becomes float32 as at top
+    # level, or the call is refused naming the State, every State kept.
     _assert_user_path('(b) sf()')
     main = _make_main(prog, states, rngs, nested=True)
     sf = sj.StatefulFunction(main, static_argnums=argnums, static_argnames=argnames,
                              return_only_write=prog['return_only_write'])
-    if prog['check_tree']:
-        with sj.check_state_value_tree():
+    halved = {f"'s{n[1]}'" for n, _ in _nodes(prog['body'], 0) if n[0] == 'halve'}
+    try:
+        with sj.check_state_value_tree(prog['check_tree']):
             got1 = sf(*pos, **kw)
-    else:
-        got1 = sf(*pos, **kw)
+    except sj.TraceContextError as err:
+        if not any(name in str(err) for name in halved):
+            raise
+        _assert_close(inits, _state_values(every), '(b) states after a refused dtype change')
+        return prog
     _assert_close(out1, got1, '(b) sf() output, call 1')
     _assert_close(fin1, _state_values(every), '(b) sf() states, call 1')
     got2 = sf(*pos, **kw)
@@ -4240,8 +4590,9 @@ def _check_program(seed, extras=True):
     # new signature: the second call may retrace (API: a stale entry is retraced).
     scalars = any(isinstance(x, (bool, int, float, complex))
                   for x in jax.tree_util.tree_leaves(inits))
-    if stats['size'] != 1 or stats['misses'] + stats['hits'] != 2 or \
-            not 1 <= stats['misses'] <= (2 if scalars else 1):
+    # A State whose dtype the first call changed has a new signature too.
+    if stats['size'] > (2 if halved else 1) or stats['misses'] + stats['hits'] != 2 or \
+            not 1 <= stats['misses'] <= (2 if scalars or halved else 1):
         raise AssertionError(f'(b) cache statistics after two identical calls: {stats}')
 
     # (b'') a third call with another static value (a Python-level branch may
@@ -4272,6 +4623,17 @@ def _check_program(seed, extras=True):
         return fin_ref
 
     base = fin2
+    if prog['weak']:   # the State's weak type changes (strong <-> Python float)
+        ws, wa = prog['weak']['state'], prog['weak']['arg']
+        base = list(base)
+        v = base[ws]
+        base[ws] = float(v) if getattr(v, 'weak_type', True) is False else jnp.float32(v)
+        base = against_reference(base, pos, kw, 'state weak type changed')
+        if extras:   # and the argument's dtype (bfloat16 -> float32)
+            dyn2 = list(dyn)
+            dyn2[wa] = dyn[wa].astype(jnp.float32)
+            pos2, kw2, _, _ = _pack_args(prog, dyn2, prog['static'])
+            base = against_reference(base, pos2, kw2, 'argument dtype changed')
     if prog['restatic']:
         c = _Env(prog, [], [], [], prog['static'], []).c
         static2 = _restatic(prog['static'], c % 3 + 1)
@@ -4380,6 +4742,32 @@ def _check_program(seed, extras=True):
     out_shapes, state_shapes = sf.get_out_shapes(*pos, **kw)
     _check_shapes(out_shapes, got, 'get_out_shapes() outputs')
     _check_shapes(state_shapes, got_states, 'get_out_shapes() states')
+
+    # (f) jax.grad of a fresh StatefulFunction whose States are first read
+    # inside a custom_vjp / custom_jvp function (or its rule) at the program's
+    # start: the rule's derivative, as in plain JAX.  Last: a plain JAX trace
+    # reading States takes the module off the user path while they live.
+    for node in [st[2] for st in prog['body'][:1] if st[0] == 'let' and st[2][0] == 'custom']:
+        made = {False: {}, True: {}}
+
+        def outer(p, mod):
+            env = _Env(prog, states, rngs, dyn, prog['static'], [], explicit=not mod,
+                       custom=made[mod])
+            return jnp.sum(jnp.sin(_custom_fn(node, env)(p)))
+        try:
+            with _reference_mode():
+                at = _eval_expr(node[3], _Env(prog, states, rngs, dyn, prog['static'],
+                                              _make_subs(prog, states, rngs, False),
+                                              explicit=True))
+                want = jax.grad(outer)(at, False)
+            _assert_user_path("(f) grad(sf)")
+            with _reference_mode(eager=False):
+                got = jax.grad(sj.StatefulFunction(lambda p: outer(p, True)))(at)
+            _assert_close(want, got, "(f) jax.grad(sf) through a custom rule")
+            _assert_close(inits, _state_values(every), "(f) states after jax.grad(sf)")
+        finally:
+            for f, box in [*made[False].values(), *made[True].values()]:
+                box[0] = None   # JAX's caches keep the function: let the States go
     return prog
 
 
@@ -4429,28 +4817,32 @@ def _check_mapped(prog):
     # unbatched state may be written: it may leave batched, and a second call
     # would then map a differently shaped state).  Every lane starts from the
     # same unbatched values, as under vmap.
-    ref = _make_main(prog, states, rngs, nested=False)
+    lane = {'coll': None}
+    ref = _make_main(prog, states, rngs, nested=False, lane=lane)
     ref_rngs = [sj.RandomState(k) for k in inits[len(states):]]
     values = list(inits)
     expected = []
     steps = 1 if m['unbatched_writes'] else 2
     maybe = _wseq_states(prog)   # states a lax.cond branch not taken may still write
+    invariant = _collective_states(prog)   # leave unbatched, as under plain jax.vmap
+    all_args = [[a if ax is None else np.take(np.asarray(a), i, axis=ax)
+                 for a, ax in zip(dyn, m['arg_axes'])] for i in range(n)]
     with _reference_mode():
+        tables = _collective_tables(prog, all_args)
         for step in range(steps):
             keys = {i: ref_rngs[i].split_key(n) for i in sorted(used)}
             keys = {i: k if _is_key(k) else np.asarray(k) for i, k in keys.items()}
             lane_outs, lane_states = [], []
-            for lane in range(n):
+            for i_lane in range(n):
                 # (Slicing and stacking in numpy: harness bookkeeping, not the
                 # reference's semantics, and no per-shape XLA compiles.)
                 for s, v, ax in zip(every, values, axes):
                     s.value = v if ax is None else jax.tree_util.tree_map(
-                        lambda x: np.take(np.asarray(x), lane, axis=ax), v)
+                        lambda x: np.take(np.asarray(x), i_lane, axis=ax), v)
                 for i in keys:
-                    rngs[i].value = keys[i][lane]
-                lane_args = [a if ax is None else np.take(np.asarray(a), lane, axis=ax)
-                             for a, ax in zip(dyn, m['arg_axes'])]
-                lp, lk, _, _ = _pack_args(prog, lane_args, prog['static'])
+                    rngs[i].value = keys[i][i_lane]
+                lp, lk, _, _ = _pack_args(prog, all_args[i_lane], prog['static'])
+                lane['coll'] = tables[i_lane]
                 lane_outs.append(ref(*lp, **lk))
                 lane_states.append(_state_values(states))
             out = jax.tree_util.tree_map(lambda *xs: _stack_lanes(xs, m['out_axis']), *lane_outs)
@@ -4459,6 +4851,12 @@ def _check_mapped(prog):
                 lanes = [ls[i] for ls in lane_states]
                 if ax is not None:
                     new.append(jax.tree_util.tree_map(lambda *xs: _stack_lanes(xs, ax), *lanes))
+                elif i in invariant:
+                    if any(not np.array_equal(_host(a), _host(b)) for x in lanes[1:] for a, b
+                           in zip(jax.tree_util.tree_leaves(lanes[0]),
+                                  jax.tree_util.tree_leaves(x))):
+                        raise AssertionError(f'harness: collective-written s{i} differs per lane')
+                    new.append(lanes[0])
                 elif all(x is v for x in lanes) and i in maybe:
                     # Written in a lax.cond branch no lane took: under the
                     # mapping both branches run, so its value may leave stacked.
@@ -4498,6 +4896,7 @@ def _check_mapped(prog):
                             state_in_axes=_state_filter(prog['filter'], 1 in axes),
                             static_argnums=argnums, static_argnames=argnames,
                             axis_size=n if m['axis_size'] else None,
+                            axis_name='i' if prog['coll'] else None,
                             unexpected_out_state_mapping=m['policy'])
     for step in range(steps):
         with warnings.catch_warnings():
@@ -4522,6 +4921,23 @@ def _check_mapped(prog):
     return prog
 
 
+def _collective_tables(prog, lane_args):
+    """Per lane, the value of each collective in the program: its operand (of
+    the arguments only) evaluated in every lane, then reduced over the lanes."""
+    n, W = len(lane_args), prog['W']
+    tables = [{} for _ in range(n)]
+    nodes = [nd for odd in (0, 1) for nd, _ in _nodes([prog['body'], prog['outs']], odd)]
+    for node in nodes:
+        if node[0] != 'coll' or node in tables[0]:
+            continue
+        xs = jnp.stack([_eval_expr(node[3], _Env(prog, [], [], a, prog['static'], []))
+                        for a in lane_args]) if node[3] else None
+        for i in range(n):
+            tables[i][node] = _collective(node[1], node[2], W, xs, (
+                lambda x: jnp.sum(x, 0), lambda x: jnp.mean(x, 0), lambda x: x, lambda: i))
+    return tables
+
+
 def _failure_kind(err):
     """The exception type and the start of its message, numbers masked (to group)."""
     text = str(err).splitlines()[0] if str(err) else ''
@@ -4541,7 +4957,10 @@ class FuzzDifferentialTest(unittest.TestCase):
     N = int(os.environ.get('SJ_FUZZ_PROGRAMS', '300'))
     SEED = int(os.environ.get('SJ_FUZZ_SEED', '20260500'))
     MIN_PROGRAMS = 60
-    MIN_SHARES = {'nested_write': 0.25, 'batched': 0.10, 'mapping_in_sf': 0.05}
+    # (the last four: present at all, one program in sixty at least)
+    MIN_SHARES = {'nested_write': 0.25, 'batched': 0.10, 'mapping_in_sf': 0.05,
+                  'diff_state': 0.15, 'collective_nested': 1 / 60, 'custom_rule': 1 / 60,
+                  'weak_change': 1 / 60, 'nested_dtype_change': 1 / 60}
 
     def test_differential_fuzz(self):
         self.assertGreaterEqual(self.N, self.MIN_PROGRAMS,
@@ -4559,7 +4978,8 @@ class FuzzDifferentialTest(unittest.TestCase):
                 # benchmarks/fuzz.py runs them for every program.
                 _check_program(seed, extras=seed % 6 == 0)
             except Exception as err:  # report every failing seed, not just the first
-                failures.append((seed, err, traceback.format_exc()))
+                # (not the exception: its frames would keep that program's States alive)
+                failures.append((seed, _failure_kind(err), traceback.format_exc()))
         dt = time.perf_counter() - t0
         shares = {k: v / self.N for k, v in counts.items()}
         print(f'\n[fuzz] {self.N} programs in {dt:.1f}s ({self.N / dt:.1f} programs/s), '
@@ -4570,11 +4990,11 @@ class FuzzDifferentialTest(unittest.TestCase):
                                     f'programs exercise {key}')
         if failures:
             kinds = {}
-            for seed, err, _ in failures:
-                kinds.setdefault(_failure_kind(err), []).append(seed)
+            for seed, kind, _ in failures:
+                kinds.setdefault(kind, []).append(seed)
             listing = '\n'.join(f'  {len(v)} x {k}\n      seeds {v[:12]}'
                                 for k, v in sorted(kinds.items(), key=lambda kv: -len(kv[1])))
-            seed, err, tb = failures[0]
+            seed, _, tb = failures[0]
             self.fail(f'{len(failures)} of {self.N} programs disagree, by kind:\n{listing}\n'
                       f'First failure (seed {seed}; replay with fuzz_main(["--replay", '
                       f'"{seed}"]) or benchmarks/fuzz.py --replay {seed}):\n{tb}\n'
@@ -10105,7 +10525,10 @@ _OPS_BRAINSTATE_LACKS = frozenset((
     # brainstate cannot thread state through plain JAX transformations, nor lift a
     # State first read inside one (its tracer escapes): no lax bodies, inner jit,
     # grad or vmap in the programs compared.
-    'scan', 'fori', 'cond', 'jit', 'grad', 'vmapsf'))
+    'scan', 'fori', 'cond', 'jit', 'grad', 'vmapsf',
+    # nor give a State written under jax.jacfwd / jax.vjp its primal value (a
+    # tracer stays in it)
+    'diff:jacfwd', 'diff:vjp'))
 
 
 def _fuzz_ops(node, found):
@@ -10114,6 +10537,8 @@ def _fuzz_ops(node, found):
     if isinstance(node, (list, tuple)):
         if node and isinstance(node[0], str):
             found.add(node[0])
+            if node[0] == 'diff':
+                found.add(f'diff:{node[1]}')
         for x in node:
             _fuzz_ops(x, found)
     return found
@@ -10151,7 +10576,7 @@ def _fuzz_program(T, prog):
             states, rngs, inits, dyn = T._build_program(prog)
             every = states + rngs
             pos, kw, argnums, argnames = T._pack_args(prog, dyn, prog['static'])
-            main = T._make_main(prog, states, rngs, nested=False)
+            main = T._make_main(prog, states, rngs, nested=False, explicit=False)
             sf = ns.StatefulFunction(main, static_argnums=argnums, static_argnames=argnames,
                                      return_only_write=prog['return_only_write'])
             rec('out1', lambda: sf(*pos, **kw))
