@@ -493,16 +493,14 @@ def _multi_device(leaf):
 # =============================================================================
 # 3. States and the state trace stack
 #
-# A State is a mutable box for a pytree of arrays whose ``value`` property
-# knows whether a stateful trace is running in this thread: outside one it is
-# a plain attribute; inside, reads and writes go to the trace's frame (see
-# section 6).  StateTraceStack, the public recorder, is such a frame.  Side
-# slots (name, metadata, stack level, backup key) are written in the innermost
-# overlaying frame too, and reach the State when it closes without error.
+# Outside a stateful trace ``State.value`` is a plain attribute; inside, reads
+# and writes go to the thread's innermost frame (a StateTraceStack or section
+# 6's _TraceFrame).  Side slots (name, metadata, stack level, backup key) also
+# live in the innermost overlaying frame until it closes without error.
 # =============================================================================
 
-# How many StateTraceStacks are open in all threads: while none is, a call
-# skips reading the thread-local stack (the warm path's most common case).
+# StateTraceStacks open in all threads: while none is, a call skips the
+# thread-local lookup.
 _frames_open = 0
 _frames_lock = threading.Lock()
 
@@ -686,11 +684,9 @@ class State:
         return self._value if v is _MISSING else v
 
     def _raise_broken(self):
-        # ``_broken``: (exception type, message, short description) when the
-        # State holds nothing readable (a finished trace's tracer, a buffer
-        # deleted by a failed donating call) until it is assigned again.
-        kind, message, _ = self._broken
-        raise kind(message)
+        # ``_broken`` is (exception type, message, short description) while the
+        # State holds nothing readable, until it is assigned again.
+        raise self._broken[0](self._broken[1])
 
     # -- metadata: side slots (see _slot) --------------------------------------
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
@@ -733,17 +729,16 @@ class State:
         return self.replace()
 
     def __copy__(self) -> 'State':
-        # ``copy.copy``: also keeps the creation site and stack level; the
-        # metadata dict is the copy's own.
+        # copy.copy keeps the creation site and stack level too.
         new = self.replace()
         new._source, new._stack_level = self._source, self.stack_level
         vars(new).update(vars(self))
         return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of the same class holding ``value`` (default: the current
-        one) and this State's metadata updated by ``metadata``; a State of the
-        same class as ``value`` is returned (``replace``-d with ``metadata``)."""
+        """A new State of this class holding ``value`` (default: the current one)
+        updated by ``metadata``; a State ``value`` of this class is returned as is
+        (or ``replace``-d with ``metadata``)."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
@@ -758,8 +753,7 @@ class State:
         return TreefyState(type(self), self.value, _name=self.name, **self.metadata)
 
     def update_from_ref(self, state_ref: 'TreefyState') -> None:
-        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
-        value is assigned as a write."""
+        """Takes value (as a write) and metadata from a :meth:`to_state_ref` snapshot."""
         metadata = state_ref.get_metadata()
         name = metadata.pop('_name', self.name)
         self.value = state_ref.value
@@ -950,6 +944,7 @@ class RandomState(State):
     -------
     >>> rng = RandomState(0)
     >>> noise = jax.random.normal(rng.split_key(), (3,))
+    >>> keys = rng.split_key(4)    # 4 independent keys
     """
     _backup = None   # the key saved by backup_key(): a side slot (see _slot)
 
@@ -973,13 +968,7 @@ class RandomState(State):
 
     def split_key(self, n: int | None = None, backup: bool = False):
         """Advances the state; returns one new key, or ``n`` keys stacked.
-        With ``backup=True`` the advanced key is also saved (:meth:`backup_key`).
-
-        Example
-        -------
-        >>> rng = RandomState(0)
-        >>> keys = rng.split_key(4)    # 4 independent keys
-        """
+        With ``backup=True`` the advanced key is also saved (:meth:`backup_key`)."""
         if n is not None:
             _check_n(self, 'split_key', n, 'call split_key() for a single key')
         keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
@@ -989,9 +978,8 @@ class RandomState(State):
         return keys[1] if n is None else keys[1:]
 
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
-        """Replaces the key by ``n`` keys split from it (a ``[n, ...]`` key
-        array, e.g. one per lane).  With ``backup`` the state first advances
-        and saves its key, so :meth:`restore_key` returns to a single key."""
+        """Replaces the key by ``n`` keys split from it (one per lane); with
+        ``backup`` it first advances and saves its key for :meth:`restore_key`."""
         _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
         self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
@@ -1047,10 +1035,8 @@ class StateTraceStack:
         self.name = name
         self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        # With new_arg the stack *overlays*: what code inside sees and writes
-        # lives in this overlay (state id -> value), the side slots written
-        # inside too ((state id, slot) -> (state, slot, value)), and the
-        # States created inside are its own until it closes.
+        # An overlaying stack (one with new_arg) keeps what code inside sees and
+        # writes, and the side slots written inside, until it closes.
         self._overlays = False
         self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
@@ -1065,9 +1051,7 @@ class StateTraceStack:
         self._new_arg = new_arg
         self._overlays = True
 
-    def _lift(self, state, current):
-        # ``current`` is the enclosing stack's view of the state, which a
-        # _TraceFrame needs; new_arg sees only the State.
+    def _lift(self, state, current):   # (a _TraceFrame also needs ``current``)
         return self._new_arg(state)
 
     def new_arg(self, state: State) -> None:
@@ -1123,9 +1107,8 @@ class StateTraceStack:
         return False
 
     def _commit(self):
-        """Hands the side slots written inside on, to the enclosing overlay or
-        the States.  A tracer that would outlive this trace is an error, or
-        dropped where its State was created inside (and dies with it)."""
+        """Hands the side slots written inside on (to the enclosing overlay or the
+        States), dropping tracers of States created inside, refusing others."""
         traces = tuple(f._jax_trace for f in _ctx.frames)
         entries = [e for e in self._side.values()
                    if not (e[0]._owner is self and _contains_tracer(e[2]))]
@@ -1135,8 +1118,7 @@ class StateTraceStack:
             _set_slot(*entry)
 
     def _close(self):
-        """Ends an overlay: its values and side slots go, and the States made
-        inside that kept a tracer keep only its shape, flagged."""
+        """Ends an overlay; States made inside that kept a tracer keep only its shape."""
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
@@ -1340,16 +1322,19 @@ def check_state_value_tree(val: bool = True):
 # =============================================================================
 
 class _Filter:
-    """Base of the filter combinators: a predicate ``f(path, state) -> bool``."""
-
-    def __call__(self, path, x) -> bool:
-        raise NotImplementedError
+    """Base of the filter combinators: a predicate ``f(path, state) -> bool``
+    compared, hashed and shown by its arguments."""
 
     def __eq__(self, other):
         return type(self) is type(other) and vars(self) == vars(other)
 
     def __hash__(self):
         return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
+
+    def __repr__(self):
+        args = [a for v in vars(self).values() for a in (v if type(v) is tuple else (v,))]
+        shown = (a.__name__ if inspect.isclass(a) else repr(a) for a in args)
+        return f'{type(self).__name__}({", ".join(shown)})'
 
 
 class OfType(_Filter):
@@ -1369,9 +1354,6 @@ class OfType(_Filter):
     def __call__(self, path, x):
         return isinstance(x, self.type)
 
-    def __repr__(self):
-        return f'OfType({self.type.__name__})'
-
 
 class WithTag(_Filter):
     """Matches states whose ``tag`` is ``tag`` (what a string filter means).
@@ -1390,9 +1372,6 @@ class WithTag(_Filter):
     def __call__(self, path, x):
         return getattr(x, 'tag', None) == self.tag
 
-    def __repr__(self):
-        return f'WithTag({self.tag!r})'
-
 
 class _Combination(_Filter):
     """Combines the predicates of several filters with ``_reduce`` (any / all)."""
@@ -1404,9 +1383,6 @@ class _Combination(_Filter):
     def __call__(self, path, x):
         return self._reduce(p(path, x) for p in self.predicates)
 
-    def __repr__(self):
-        return f'{type(self).__name__}({", ".join(map(repr, self.predicates))})'
-
 
 class Any(_Combination):
     """Matches when any of ``filters`` matches.
@@ -1416,7 +1392,6 @@ class Any(_Combination):
     >>> Any(ParamState, 'hidden')((), State(0.0, tag='hidden'))
     True
     """
-    _reduce = staticmethod(any)
 
 
 class All(_Combination):
@@ -1446,19 +1421,12 @@ class Not(_Filter):
     def __call__(self, path, x):
         return not self.predicate(path, x)
 
-    def __repr__(self):
-        return f'Not({self.predicate!r})'
-
 
 class _Constant(_Filter):
     """A filter that gives the same answer for every state."""
-    answer = True
 
     def __call__(self, path, x):
         return self.answer
-
-    def __repr__(self):
-        return f'{type(self).__name__}()'
 
 
 class Everything(_Constant):
@@ -1494,14 +1462,12 @@ def to_predicate(the_filter) -> Callable:
     """
     if isinstance(the_filter, _Filter):
         return the_filter
-    if the_filter is Everything or the_filter is Nothing:
-        return the_filter()
     if the_filter is True or the_filter is Ellipsis:
         return Everything()
     if the_filter is False or the_filter is None:
         return Nothing()
     if isinstance(the_filter, type):
-        return OfType(the_filter)
+        return the_filter() if issubclass(the_filter, _Constant) else OfType(the_filter)
     if isinstance(the_filter, str):
         return WithTag(the_filter)
     if isinstance(the_filter, (tuple, list)):
