@@ -569,9 +569,8 @@ def _check_slot(state, slot: str, value, traces) -> None:
 class State:
     """A mutable container for a pytree of arrays.
 
-    Inside a function traced by :class:`StatefulFunction`, reading
-    ``state.value`` records a read and assigning records a write; outside
-    any trace ``value`` is a plain attribute.
+    While a :class:`StatefulFunction` traces, reading ``value`` records a read
+    and assigning records a write; otherwise it is a plain attribute.
 
     Parameters
     ----------
@@ -1245,16 +1244,13 @@ class _StateCatcher:
             self.states.remove(state)
 
     def clear(self) -> None:
-        """Forgets every caught State."""
         self.state_ids.clear()
         self.states.clear()
 
     def get_states(self) -> list:
-        """The caught States."""
         return self.states
 
     def get_state_values(self) -> list:
-        """Their current values."""
         return [s.value for s in self.states]
 
     def get_by_tag(self, tag: str) -> list:
@@ -1483,11 +1479,8 @@ def to_predicate(the_filter) -> Callable:
 # =============================================================================
 # 5. Cache and argument keys
 #
-# A stateful function keeps one trace per call signature.  Static arguments
-# count by value, which needs hashable forms of lists and dicts
-# (``make_hashable``); the traces live in a bounded, thread-safe LRU cache
-# that keeps brainstate's statistics; and a call's arguments are split into
-# static and dynamic ones and turned into a key.
+# A stateful function keeps one trace per call signature, in a bounded LRU
+# cache; static arguments count by value (``make_hashable``).
 # =============================================================================
 
 class hashabledict(dict):
@@ -1564,16 +1557,13 @@ class BoundedCache:
         self._reset_counters()
 
     def _reset_counters(self):
-        # ``next()`` on an itertools.count is one atomic C call, so lock-free
-        # callers (the compiled fast path) can count hits cheaply.
+        # next() on an itertools.count is atomic, so the lock-free warm path can count.
         self._hits = itertools.count()
         self._misses = itertools.count()
         self._retracted = itertools.count()   # hits taken back (see _record_retraced)
 
     @staticmethod
-    def _read(counter) -> int:
-        # ``repr`` is count's only public view of its position (``__reduce__``
-        # is deprecated in Python 3.12 and gone in 3.14).
+    def _read(counter) -> int:   # repr is count's only public view of its position
         return int(repr(counter)[len('count('):-1])
 
     def _record(self, hit: bool) -> None:
@@ -1627,8 +1617,7 @@ class BoundedCache:
         with self._lock:
             if key not in self._data:
                 raise KeyError(f'Cache key does not exist: {key!r}; use set()')
-            self._data[key] = value
-            self._data.move_to_end(key)
+            self._store(key, value)
 
     def pop(self, key, default=None):
         """Removes and returns the entry for ``key``."""
@@ -1667,11 +1656,8 @@ class BoundedCache:
 _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 
 
-# -- Argument keys ------------------------------------------------------------
-# A call's cache key holds the static arguments by value and the dynamic ones
-# by pytree structure and ``(shape, dtype, weak_type)`` per leaf.  These
-# functions take the StatefulFunction (``sf``) only for its static_argnums,
-# static_argnames and name.
+# -- Argument keys: static arguments by value, dynamic ones by pytree structure
+# and (shape, dtype, weak_type) per leaf; ``sf`` is the StatefulFunction.
 
 def _static_spec(value, what: str) -> tuple:
     """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
