@@ -612,7 +612,6 @@ class State:
         for catcher in _ctx.catchers:
             catcher.append(self)
 
-    # -- value ---------------------------------------------------------------
     @property
     def value(self):
         """The current value; reads and writes are recorded while tracing."""
@@ -687,7 +686,6 @@ class State:
         # State holds nothing readable, until it is assigned again.
         raise self._broken[0](self._broken[1])
 
-    # -- metadata: side slots (see _slot) --------------------------------------
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
     stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
@@ -722,7 +720,6 @@ class State:
             new = RuntimeError(message)
         raise new from error
 
-    # -- copies and snapshots ----------------------------------------------------
     def copy(self) -> 'State':
         """A new State of the same class with the same value and metadata."""
         return self.replace()
@@ -777,7 +774,6 @@ class State:
         """Total number of elements over all leaves of the value."""
         return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
 
-    # -- identity --------------------------------------------------------------
     def __hash__(self):
         return hash(id(self))
 
@@ -886,15 +882,12 @@ def _raw_key_shape(impl: str) -> tuple:
         return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
-def _is_typed_key(x) -> bool:
-    return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_raw_key(x) -> bool:
-    """A raw key of the default PRNG implementation (``jax.random.PRNGKey``'s)."""
+def _is_key(x) -> bool:
+    """A typed key, or a raw key of the default PRNG implementation (``PRNGKey``'s)."""
+    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return True
     shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return (hasattr(x, 'dtype') and not _is_typed_key(x) and x.dtype == np.uint32
-            and np.shape(x)[-len(shape):] == shape)
+    return getattr(x, 'dtype', None) == np.uint32 and np.shape(x)[-len(shape):] == shape
 
 
 def _raw_key_text(batch: str = '') -> str:
@@ -913,7 +906,7 @@ def _make_key(seed_or_key, owner: str):
                                 'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
         return jax.random.PRNGKey(int(seed_or_key))
     if isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)):
-        if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
+        if _is_key(seed_or_key):
             return seed_or_key
         if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
             return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))   # an integer array seed
@@ -952,7 +945,7 @@ class RandomState(State):
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
 
     def _check_value(self, v):
-        if not (_is_typed_key(v) or _is_raw_key(v)):
+        if not _is_key(v):
             raise ValueError(
                 f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
                 f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
@@ -1058,7 +1051,6 @@ class StateTraceStack:
         if self._overlays:
             self._values[id(state)] = self._lift(state, state._value)
 
-    # -- recording -----------------------------------------------------------
     def _touch(self, state, current, write: bool):
         index = self._index.get(id(state))
         if index is None:
@@ -1081,7 +1073,6 @@ class StateTraceStack:
         """Records a write of ``state``."""
         self._touch(state, state._value, True)
 
-    # -- context -------------------------------------------------------------
     def __enter__(self):
         _open_frames(+1)
         _ctx.frames.append(self)
@@ -1131,7 +1122,6 @@ class StateTraceStack:
                                  'tracer from a finished trace')
         self._owned, self._values, self._side = [], {}, {}
 
-    # -- queries -------------------------------------------------------------
     @property
     def original_state_values(self) -> tuple:
         """Each recorded state's value when this stack first saw it."""
@@ -1146,10 +1136,8 @@ class StateTraceStack:
         return self._pick(True, replace_read)
 
     def _pick(self, written: bool, keep_places: bool) -> tuple:
-        pairs = zip(self.states, self.been_writen)
-        if keep_places:
-            return tuple(s if w == written else None for s, w in pairs)
-        return tuple(s for s, w in pairs if w == written)
+        picked = (s if w == written else None for s, w in zip(self.states, self.been_writen))
+        return tuple(s for s in picked if keep_places or s is not None)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states; ``separate``: ``(write_values,
@@ -1170,7 +1158,6 @@ class StateTraceStack:
         """The recorded states that are instances of ``state_type``."""
         return [s for s in self.states if isinstance(s, state_type)]
 
-    # -- giving values back ----------------------------------------------------
     def recovery_original_values(self) -> None:
         """Gives every recorded state back the value it had when first touched."""
         for state, original in zip(self.states, self._originals):
@@ -1192,12 +1179,8 @@ class StateTraceStack:
                              f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
                                           self.been_writen):
-            if written:
-                state.value = wv
-            else:
-                state.restore_value(rv)
+            state._assign(wv if written else rv, written)
 
-    # -- combining -------------------------------------------------------------
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
