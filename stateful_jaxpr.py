@@ -495,8 +495,8 @@ def _multi_device(leaf):
 #
 # Outside a stateful trace ``State.value`` is a plain attribute; inside, reads
 # and writes go to the thread's innermost frame (a StateTraceStack or section
-# 6's _TraceFrame).  Side slots (name, metadata, stack level, backup key) also
-# live in the innermost overlaying frame until it closes without error.
+# 6's _TraceFrame).  Side slots (name, metadata, stack level, backup key) written
+# inside an overlaying frame reach the State only when it closes without error.
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the
@@ -733,8 +733,8 @@ class State:
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
         """A new State of this class holding ``value`` (default: the current one)
-        updated by ``metadata``; a State ``value`` of this class is returned as is
-        (or ``replace``-d with ``metadata``)."""
+        and this State's metadata updated by ``metadata``; a State ``value`` of
+        this class is returned, ``replace``-d with ``metadata`` if given."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
