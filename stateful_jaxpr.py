@@ -1662,8 +1662,7 @@ def _static_positions(sf, nargs: int) -> tuple:
 
 
 def _split_args(sf, args, kwargs) -> tuple:
-    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``; static_args are
-    ``(position, value)`` pairs."""
+    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
     statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
