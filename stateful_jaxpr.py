@@ -506,16 +506,14 @@ def _multi_device(leaf):
 # =============================================================================
 # 3. States and the state trace stack
 #
-# A State is a mutable box for a pytree of arrays whose ``value`` property
-# knows whether a stateful trace is running in this thread: outside one it is
-# a plain attribute; inside, reads and writes go to the trace's frame (see
-# section 6).  StateTraceStack, the public recorder, is such a frame.  Side
-# slots (name, metadata, stack level, backup key) are written in the innermost
-# overlaying frame too, and reach the State when it closes without error.
+# Outside a stateful trace ``State.value`` is a plain attribute; inside, reads
+# and writes go to the thread's innermost frame (a StateTraceStack or section
+# 6's _TraceFrame).  Side slots (name, metadata, stack level, backup key) written
+# inside an overlaying frame reach the State only when it closes without error.
 # =============================================================================
 
-# How many StateTraceStacks are open in all threads: while none is, a call
-# skips reading the thread-local stack (the warm path's most common case).
+# StateTraceStacks open in all threads: while none is, a call skips the
+# thread-local lookup.
 _frames_open = 0
 _frames_lock = threading.Lock()
 
@@ -584,9 +582,8 @@ def _check_slot(state, slot: str, value, traces) -> None:
 class State:
     """A mutable container for a pytree of arrays.
 
-    Inside a function traced by :class:`StatefulFunction`, reading
-    ``state.value`` records a read and assigning records a write; outside
-    any trace ``value`` is a plain attribute.
+    While a :class:`StatefulFunction` traces, reading ``value`` records a read
+    and assigning records a write; otherwise it is a plain attribute.
 
     Parameters
     ----------
@@ -628,7 +625,6 @@ class State:
         for catcher in _ctx.catchers:
             catcher.append(self)
 
-    # -- value ---------------------------------------------------------------
     @property
     def value(self):
         """The current value; reads and writes are recorded while tracing."""
@@ -699,13 +695,10 @@ class State:
         return self._value if v is _MISSING else v
 
     def _raise_broken(self):
-        # ``_broken``: (exception type, message, short description) when the
-        # State holds nothing readable (a finished trace's tracer, a buffer
-        # deleted by a failed donating call) until it is assigned again.
-        kind, message, _ = self._broken
-        raise kind(message)
+        # ``_broken`` is (exception type, message, short description) while the
+        # State holds nothing readable, until it is assigned again.
+        raise self._broken[0](self._broken[1])
 
-    # -- metadata: side slots (see _slot) --------------------------------------
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
     stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
@@ -740,23 +733,21 @@ class State:
             new = RuntimeError(message)
         raise new from error
 
-    # -- copies and snapshots ----------------------------------------------------
     def copy(self) -> 'State':
         """A new State of the same class with the same value and metadata."""
         return self.replace()
 
     def __copy__(self) -> 'State':
-        # ``copy.copy``: also keeps the creation site and stack level; the
-        # metadata dict is the copy's own.
+        # copy.copy keeps the creation site and stack level too.
         new = self.replace()
         new._source, new._stack_level = self._source, self.stack_level
         vars(new).update(vars(self))
         return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of the same class holding ``value`` (default: the current
-        one) and this State's metadata updated by ``metadata``; a State of the
-        same class as ``value`` is returned (``replace``-d with ``metadata``)."""
+        """A new State of this class holding ``value`` (default: the current one)
+        and this State's metadata updated by ``metadata``; a State ``value`` of
+        this class is returned, ``replace``-d with ``metadata`` if given."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
@@ -771,8 +762,7 @@ class State:
         return TreefyState(type(self), self.value, _name=self.name, **self.metadata)
 
     def update_from_ref(self, state_ref: 'TreefyState') -> None:
-        """Takes value and metadata from a :meth:`to_state_ref` snapshot; the
-        value is assigned as a write."""
+        """Takes value (as a write) and metadata from a :meth:`to_state_ref` snapshot."""
         metadata = state_ref.get_metadata()
         name = metadata.pop('_name', self.name)
         self.value = state_ref.value
@@ -797,12 +787,8 @@ class State:
         """Total number of elements over all leaves of the value."""
         return int(sum(math.prod(np.shape(x)) for x in _leaves(self._value)))
 
-    # -- identity --------------------------------------------------------------
-    def __hash__(self):
+    def __hash__(self):   # (equality is object's: by identity)
         return hash(id(self))
-
-    def __eq__(self, other):
-        return self is other
 
     def __repr__(self):
         shown = f'<{self._broken[2]}>' if self._broken is not None else repr(self._value)
@@ -906,15 +892,12 @@ def _raw_key_shape(impl: str) -> tuple:
         return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
-def _is_typed_key(x) -> bool:
-    return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_raw_key(x) -> bool:
-    """A raw key of the default PRNG implementation (``jax.random.PRNGKey``'s)."""
+def _is_key(x) -> bool:
+    """A typed key, or a raw key of the default PRNG implementation (``PRNGKey``'s)."""
+    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return True
     shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return (hasattr(x, 'dtype') and not _is_typed_key(x) and x.dtype == np.uint32
-            and np.shape(x)[-len(shape):] == shape)
+    return getattr(x, 'dtype', None) == np.uint32 and np.shape(x)[-len(shape):] == shape
 
 
 def _raw_key_text(batch: str = '') -> str:
@@ -933,7 +916,7 @@ def _make_key(seed_or_key, owner: str):
                                 'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
         return jax.random.PRNGKey(int(seed_or_key))
     if isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)):
-        if _is_typed_key(seed_or_key) or _is_raw_key(seed_or_key):
+        if _is_key(seed_or_key):
             return seed_or_key
         if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
             return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))   # an integer array seed
@@ -964,6 +947,7 @@ class RandomState(State):
     -------
     >>> rng = RandomState(0)
     >>> noise = jax.random.normal(rng.split_key(), (3,))
+    >>> keys = rng.split_key(4)    # 4 independent keys
     """
     _backup = None   # the key saved by backup_key(): a side slot (see _slot)
 
@@ -972,7 +956,7 @@ class RandomState(State):
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
 
     def _check_value(self, v):
-        if not (_is_typed_key(v) or _is_raw_key(v)):
+        if not _is_key(v):
             raise ValueError(
                 f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
                 f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
@@ -987,13 +971,7 @@ class RandomState(State):
 
     def split_key(self, n: int | None = None, backup: bool = False):
         """Advances the state; returns one new key, or ``n`` keys stacked.
-        With ``backup=True`` the advanced key is also saved (:meth:`backup_key`).
-
-        Example
-        -------
-        >>> rng = RandomState(0)
-        >>> keys = rng.split_key(4)    # 4 independent keys
-        """
+        With ``backup=True`` the advanced key is also saved (:meth:`backup_key`)."""
         if n is not None:
             _check_n(self, 'split_key', n, 'call split_key() for a single key')
         # Eagerly, the read and the write are one step for other threads (a
@@ -1006,9 +984,8 @@ class RandomState(State):
         return keys[1] if n is None else keys[1:]
 
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
-        """Replaces the key by ``n`` keys split from it (a ``[n, ...]`` key
-        array, e.g. one per lane).  With ``backup`` the state first advances
-        and saves its key, so :meth:`restore_key` returns to a single key."""
+        """Replaces the key by ``n`` keys split from it (one per lane); with
+        ``backup`` it first advances and saves its key for :meth:`restore_key`."""
         _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
         self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
@@ -1064,10 +1041,8 @@ class StateTraceStack:
         self.name = name
         self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        # With new_arg the stack *overlays*: what code inside sees and writes
-        # lives in this overlay (state id -> value), the side slots written
-        # inside too ((state id, slot) -> (state, slot, value)), and the
-        # States created inside are its own until it closes.
+        # An overlaying stack (one with new_arg) keeps what code inside sees and
+        # writes, and the side slots written inside, until it closes.
         self._overlays = False
         self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
@@ -1082,9 +1057,7 @@ class StateTraceStack:
         self._new_arg = new_arg
         self._overlays = True
 
-    def _lift(self, state, current):
-        # ``current`` is the enclosing stack's view of the state, which a
-        # _TraceFrame needs; new_arg sees only the State.
+    def _lift(self, state, current):   # (a _TraceFrame also needs ``current``)
         return self._new_arg(state)
 
     def new_arg(self, state: State) -> None:
@@ -1092,7 +1065,6 @@ class StateTraceStack:
         if self._overlays:
             self._values[id(state)] = self._lift(state, state._value)
 
-    # -- recording -----------------------------------------------------------
     def _touch(self, state, current, write: bool):
         index = self._index.get(id(state))
         if index is None:
@@ -1115,7 +1087,6 @@ class StateTraceStack:
         """Records a write of ``state``."""
         self._touch(state, state._value, True)
 
-    # -- context -------------------------------------------------------------
     def __enter__(self):
         _open_frames(+1)
         _ctx.frames.append(self)
@@ -1140,9 +1111,8 @@ class StateTraceStack:
         return False
 
     def _commit(self):
-        """Hands the side slots written inside on, to the enclosing overlay or
-        the States.  A tracer that would outlive this trace is an error, or
-        dropped where its State was created inside (and dies with it)."""
+        """Hands the side slots written inside on (to the enclosing overlay or the
+        States), dropping tracers of States created inside, refusing others."""
         traces = tuple(f._jax_trace for f in _ctx.frames)
         entries = [e for e in self._side.values()
                    if not (e[0]._owner is self and _contains_tracer(e[2]))]
@@ -1152,8 +1122,7 @@ class StateTraceStack:
             _set_slot(*entry)
 
     def _close(self):
-        """Ends an overlay: its values and side slots go, and the States made
-        inside that kept a tracer keep only its shape, flagged."""
+        """Ends an overlay; States made inside that kept a tracer keep only its shape."""
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
@@ -1167,7 +1136,6 @@ class StateTraceStack:
                                  'tracer from a finished trace')
         self._owned, self._values, self._side = [], {}, {}
 
-    # -- queries -------------------------------------------------------------
     @property
     def original_state_values(self) -> tuple:
         """Each recorded state's value when this stack first saw it."""
@@ -1182,10 +1150,8 @@ class StateTraceStack:
         return self._pick(True, replace_read)
 
     def _pick(self, written: bool, keep_places: bool) -> tuple:
-        pairs = zip(self.states, self.been_writen)
-        if keep_places:
-            return tuple(s if w == written else None for s, w in pairs)
-        return tuple(s for s, w in pairs if w == written)
+        picked = (s if w == written else None for s, w in zip(self.states, self.been_writen))
+        return tuple(s for s in picked if keep_places or s is not None)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states; ``separate``: ``(write_values,
@@ -1206,7 +1172,6 @@ class StateTraceStack:
         """The recorded states that are instances of ``state_type``."""
         return [s for s in self.states if isinstance(s, state_type)]
 
-    # -- giving values back ----------------------------------------------------
     def recovery_original_values(self) -> None:
         """Gives every recorded state back the value it had when first touched."""
         for state, original in zip(self.states, self._originals):
@@ -1228,12 +1193,8 @@ class StateTraceStack:
                              f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
                                           self.been_writen):
-            if written:
-                state.value = wv
-            else:
-                state.restore_value(rv)
+            state._assign(wv if written else rv, written)
 
-    # -- combining -------------------------------------------------------------
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
@@ -1280,16 +1241,13 @@ class _StateCatcher:
             self.states.remove(state)
 
     def clear(self) -> None:
-        """Forgets every caught State."""
         self.state_ids.clear()
         self.states.clear()
 
     def get_states(self) -> list:
-        """The caught States."""
         return self.states
 
     def get_state_values(self) -> list:
-        """Their current values."""
         return [s.value for s in self.states]
 
     def get_by_tag(self, tag: str) -> list:
@@ -1357,16 +1315,19 @@ def check_state_value_tree(val: bool = True):
 # =============================================================================
 
 class _Filter:
-    """Base of the filter combinators: a predicate ``f(path, state) -> bool``."""
-
-    def __call__(self, path, x) -> bool:
-        raise NotImplementedError
+    """Base of the filter combinators: a predicate ``f(path, state) -> bool``
+    compared, hashed and shown by its arguments."""
 
     def __eq__(self, other):
         return type(self) is type(other) and vars(self) == vars(other)
 
     def __hash__(self):
         return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
+
+    def __repr__(self):
+        args = [a for v in vars(self).values() for a in (v if type(v) is tuple else (v,))]
+        shown = (a.__name__ if inspect.isclass(a) else repr(a) for a in args)
+        return f'{type(self).__name__}({", ".join(shown)})'
 
 
 class OfType(_Filter):
@@ -1386,9 +1347,6 @@ class OfType(_Filter):
     def __call__(self, path, x):
         return isinstance(x, self.type)
 
-    def __repr__(self):
-        return f'OfType({self.type.__name__})'
-
 
 class WithTag(_Filter):
     """Matches states whose ``tag`` is ``tag`` (what a string filter means).
@@ -1407,9 +1365,6 @@ class WithTag(_Filter):
     def __call__(self, path, x):
         return getattr(x, 'tag', None) == self.tag
 
-    def __repr__(self):
-        return f'WithTag({self.tag!r})'
-
 
 class _Combination(_Filter):
     """Combines the predicates of several filters with ``_reduce`` (any / all)."""
@@ -1421,9 +1376,6 @@ class _Combination(_Filter):
     def __call__(self, path, x):
         return self._reduce(p(path, x) for p in self.predicates)
 
-    def __repr__(self):
-        return f'{type(self).__name__}({", ".join(map(repr, self.predicates))})'
-
 
 class Any(_Combination):
     """Matches when any of ``filters`` matches.
@@ -1433,7 +1385,6 @@ class Any(_Combination):
     >>> Any(ParamState, 'hidden')((), State(0.0, tag='hidden'))
     True
     """
-    _reduce = staticmethod(any)
 
 
 class All(_Combination):
@@ -1463,19 +1414,12 @@ class Not(_Filter):
     def __call__(self, path, x):
         return not self.predicate(path, x)
 
-    def __repr__(self):
-        return f'Not({self.predicate!r})'
-
 
 class _Constant(_Filter):
     """A filter that gives the same answer for every state."""
-    answer = True
 
     def __call__(self, path, x):
         return self.answer
-
-    def __repr__(self):
-        return f'{type(self).__name__}()'
 
 
 class Everything(_Constant):
@@ -1511,14 +1455,12 @@ def to_predicate(the_filter) -> Callable:
     """
     if isinstance(the_filter, _Filter):
         return the_filter
-    if the_filter is Everything or the_filter is Nothing:
-        return the_filter()
     if the_filter is True or the_filter is Ellipsis:
         return Everything()
     if the_filter is False or the_filter is None:
         return Nothing()
     if isinstance(the_filter, type):
-        return OfType(the_filter)
+        return the_filter() if issubclass(the_filter, _Constant) else OfType(the_filter)
     if isinstance(the_filter, str):
         return WithTag(the_filter)
     if isinstance(the_filter, (tuple, list)):
@@ -1534,11 +1476,8 @@ def to_predicate(the_filter) -> Callable:
 # =============================================================================
 # 5. Cache and argument keys
 #
-# A stateful function keeps one trace per call signature.  Static arguments
-# count by value, which needs hashable forms of lists and dicts
-# (``make_hashable``); the traces live in a bounded, thread-safe LRU cache
-# that keeps brainstate's statistics; and a call's arguments are split into
-# static and dynamic ones and turned into a key.
+# A stateful function keeps one trace per call signature, in a bounded LRU
+# cache; static arguments count by value (``make_hashable``).
 # =============================================================================
 
 class hashabledict(dict):
@@ -1615,16 +1554,13 @@ class BoundedCache:
         self._reset_counters()
 
     def _reset_counters(self):
-        # ``next()`` on an itertools.count is one atomic C call, so lock-free
-        # callers (the compiled fast path) can count hits cheaply.
+        # next() on an itertools.count is atomic, so the lock-free warm path can count.
         self._hits = itertools.count()
         self._misses = itertools.count()
         self._retracted = itertools.count()   # hits taken back (see _record_retraced)
 
     @staticmethod
-    def _read(counter) -> int:
-        # ``repr`` is count's only public view of its position (``__reduce__``
-        # is deprecated in Python 3.12 and gone in 3.14).
+    def _read(counter) -> int:   # repr is count's only public view of its position
         return int(repr(counter)[len('count('):-1])
 
     def _record(self, hit: bool) -> None:
@@ -1678,8 +1614,7 @@ class BoundedCache:
         with self._lock:
             if key not in self._data:
                 raise KeyError(f'Cache key does not exist: {key!r}; use set()')
-            self._data[key] = value
-            self._data.move_to_end(key)
+            self._store(key, value)
 
     def pop(self, key, default=None):
         """Removes and returns the entry for ``key``."""
@@ -1718,11 +1653,8 @@ class BoundedCache:
 _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 
 
-# -- Argument keys ------------------------------------------------------------
-# A call's cache key holds the static arguments by value and the dynamic ones
-# by pytree structure and ``(shape, dtype, weak_type)`` per leaf.  These
-# functions take the StatefulFunction (``sf``) only for its static_argnums,
-# static_argnames and name.
+# -- Argument keys: static arguments by value, dynamic ones by pytree structure
+# and (shape, dtype, weak_type) per leaf; ``sf`` is the StatefulFunction.
 
 def _static_spec(value, what: str) -> tuple:
     """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
@@ -1747,8 +1679,7 @@ def _static_positions(sf, nargs: int) -> tuple:
 
 
 def _split_args(sf, args, kwargs) -> tuple:
-    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``; static_args are
-    ``(position, value)`` pairs."""
+    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
     statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
