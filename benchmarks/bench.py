@@ -812,10 +812,11 @@ class Bench:
         ``make_jaxpr`` of a fresh function (ours includes the work that finds
         the written States) vs ``jax.make_jaxpr`` of the explicit-state
         program; the first compiled call of a fresh function over fresh
-        States vs the first ``jax.jit`` call of that program; and a later trace of the same function at new shapes (xs of
-        50 steps, after one of 100) vs a ``jax.make_jaxpr`` at 50 steps (after
-        one at 100, for symmetry: jax.make_jaxpr keeps no cache across
-        shapes).  Each program has its own constant, on both sides alike."""
+        States vs the first ``jax.jit`` call of that program; and a later
+        trace of the same function at new shapes (xs of 50 steps, after one of
+        100) vs a ``jax.make_jaxpr`` at 50 steps (after one at 100, for
+        symmetry: jax.make_jaxpr keeps no cache across shapes).  Each
+        program has its own constant, on both sides alike."""
         xs, xs2 = jnp.ones((100, 16), F32), jnp.ones((50, 16), F32)
         reps = ({1: 7, 10: 7, 100: 5} if self.quick else {1: 21, 10: 21, 100: 11})
         allot = 2.5 if self.quick else 5.0
