@@ -892,9 +892,13 @@ def _raw_key_shape(impl: str) -> tuple:
         return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
+def _is_typed_key(x) -> bool:
+    return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _is_key(x) -> bool:
     """A typed key, or a raw key of the default PRNG implementation (``PRNGKey``'s)."""
-    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if _is_typed_key(x):
         return True
     shape = _raw_key_shape(jax.config.jax_default_prng_impl)
     return getattr(x, 'dtype', None) == np.uint32 and np.shape(x)[-len(shape):] == shape
