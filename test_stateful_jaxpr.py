@@ -4816,11 +4816,11 @@ def _refused_differentiations(prog, eager=False) -> set:
     names = {f"'s{m[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] == 'diff'
              for m, inside in _nodes(n[4], 0) if m[0] == 'wseq' and (
                  eager or inside or (n[1] == 'jacfwd' and _JAX_VERSION >= (0, 8)))}
-    # Before JAX 0.7 a lax.cond under differentiation refuses any State written
-    # inside a nested transformation (held as a Ref) that it touches.
-    if _JAX_VERSION < (0, 7) and any(m[0] == 'cond' for n, _ in _nodes(prog['body'], 0)
-                                     if n[0] in ('diff', 'custom', 'grad')
-                                     for m, _ in _nodes(list(n[1:]), 0)):
+    # A lax.cond under differentiation (before JAX 0.7), or in a custom rule,
+    # refuses any State written inside a nested transformation (a Ref) it reads.
+    if any(m[0] == 'cond' for n, _ in _nodes(prog['body'], 0)
+           if n[0] == 'custom' or (n[0] in ('diff', 'grad') and _JAX_VERSION < (0, 7))
+           for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
     return names
 
