@@ -3585,6 +3585,12 @@ class StatefulMapping(StatefulFunction):
         def lift_aval(state, aval):
             axis = state_axes.get(id(state), _MISSING)
             if axis is _MISSING:
+                if isinstance(state, RandomState) and len(aval.shape) > (
+                        0 if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) else 1):
+                    raise BatchAxisError(
+                        f'{state._describe()} holds {aval.str_short()}, a stack of keys; a '
+                        'mapping splits every RandomState into one key per lane itself, '
+                        'whatever the state filters say: give it a single key instead')
                 axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
             if axis is None:

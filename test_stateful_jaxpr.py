@@ -8809,6 +8809,20 @@ def _collective_bodies():
     return unbatched, batched
 
 
+class MappingStackedKeyTest(unittest.TestCase):
+    def test_a_random_state_holding_stacked_keys_is_refused_naming_it(self):
+        """Every RandomState is split per lane, so one holding a stack of keys
+        (matched by a filter or not) is a BatchAxisError naming it."""
+        for key in (jax.random.split(jax.random.PRNGKey(0), 3),
+                    jax.random.split(jax.random.key(0), 3)):
+            rng = RandomState(key, name='msk_rng')
+            sm = sj.StatefulMapping(lambda x: x + jax.random.uniform(rng.split_key()),
+                                 in_axes=0, state_in_axes={0: sj.State})
+            with self.assertRaisesRegex(sj.BatchAxisError, "msk_rng.*stack of keys"):
+                sm(jnp.ones(3))
+            self.assertEqual(rng.value.shape, key.shape)
+
+
 class MappingCollectiveTest(unittest.TestCase):
 
     def _mapped(self, body, x, mapping_fn=jax.vmap):
