@@ -252,6 +252,24 @@ def _discharge(closed):
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
 
 
+def _forward_cond_outputs(jaxpr):
+    """``jaxpr`` with each use of a ``cond`` output that every branch returns
+    unchanged from one operand replaced by that operand: a Ref a branch only
+    reads comes out of JAX's discharge as such an output (0.4.30), which
+    jax.vmap would take as batched under a batched predicate."""
+    sub, eqns = {}, []
+    for eqn in jaxpr.eqns:
+        eqn = eqn.replace(invars=[sub.get(v, v) if isinstance(v, Var) else v for v in eqn.invars])
+        if eqn.primitive.name == 'cond':   # all releases: operands after the index
+            for k, out in enumerate(eqn.outvars):
+                at = {next((i for i, v in enumerate(b.jaxpr.invars) if v is b.jaxpr.outvars[k]),
+                           None) for b in eqn.params['branches']}
+                if len(at) == 1 and None not in at:
+                    sub[out] = eqn.invars[1 + at.pop()]
+        eqns.append(eqn)
+    return eqns, [sub.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
+
+
 def _nested_jaxprs(params) -> list:
     """The jaxprs among the values of an equation's ``params``."""
     items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
@@ -2247,7 +2265,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
-    outvars = pure.jaxpr.outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
+    eqns, outvars = _forward_cond_outputs(pure.jaxpr)
+    outvars = outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
@@ -2255,7 +2274,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
                 'writing a per-lane value inside jax.vmap; map the function with '
                 'StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars, eqns=eqns)
 
 
 # -- Staying clear of JAX's trace caches --------------------------------------

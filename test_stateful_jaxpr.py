@@ -8823,6 +8823,21 @@ class MappingStackedKeyTest(unittest.TestCase):
             self.assertEqual(rng.value.shape, key.shape)
 
 
+class MappingCondReadTest(unittest.TestCase):
+    def test_state_read_under_a_per_lane_cond_leaves_unbatched(self):
+        """A State written inside a nested transformation and only read inside
+        a lax.cond whose predicate differs per lane leaves unbatched, as plain
+        jax.vmap returns it."""
+        s = State(jnp.zeros(2), name='mcr_s')
+
+        def f(x):
+            jax.jit(lambda: setattr(s, 'value', s.value + 1.0))()
+            return lax.cond(x > 0, lambda: s.value.sum(), lambda: -s.value.sum())
+        out = sj.StatefulMapping(f, in_axes=0)(jnp.array([1.0, -1.0, 2.0]))
+        np.testing.assert_array_equal(out, [2.0, -2.0, 2.0])
+        np.testing.assert_array_equal(s.value, [1.0, 1.0])
+
+
 class MappingCollectiveTest(unittest.TestCase):
 
     def _mapped(self, body, x, mapping_fn=jax.vmap):
