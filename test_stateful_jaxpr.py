@@ -110,6 +110,19 @@ class _Boom(Exception):
     pass
 
 
+def _flaky_callback():
+    """A ``jax.pure_callback`` body counting its runs in ``runs[0]``, raising
+    once ``fail[0]`` is set: ``(callback, runs, fail)``."""
+    runs, fail = [0], [False]
+
+    def callback(x):
+        runs[0] += 1
+        if fail[0]:
+            raise _Boom('the user callback failed')
+        return np.asarray(x, np.float32)
+    return callback, runs, fail
+
+
 class _WithEnableChecks:
     """Runs a test class's tests with ``jax_enable_checks`` on: JAX then type
     checks every jaxpr it builds, including the extra state inputs and outputs
@@ -7220,13 +7233,7 @@ class CallAtomicityTest(unittest.TestCase):
 
     def test_a_failed_call_runs_its_computation_once(self):
         s = State(jnp.zeros(()), name='untouched')
-        runs, fail = [0], [False]
-
-        def callback(x):
-            runs[0] += 1
-            if fail[0]:
-                raise _Boom('the user callback failed')
-            return np.asarray(x, np.float32)
+        callback, runs, fail = _flaky_callback()
 
         def f(x):
             s.value = s.value + jax.pure_callback(
@@ -7644,13 +7651,7 @@ class DonationSafetyTest(unittest.TestCase):
     def test_failed_donating_call_raises_its_own_error(self):
         w = State(jnp.arange(4.0), name='w_donated')
         r = State(jnp.ones(4), name='r_read')
-        runs, fail = [0], [False]
-
-        def callback(x):
-            runs[0] += 1
-            if fail[0]:
-                raise _Boom('the user callback failed')
-            return np.asarray(x, np.float32)
+        callback, runs, fail = _flaky_callback()
 
         def f(x):
             y = jax.pure_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), x)
