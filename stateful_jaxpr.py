@@ -196,12 +196,34 @@ def _trace_path() -> tuple:
     return path, True
 
 
+_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
+_DIFF_TRACES = tuple(t for t in (_JVPTrace, _probe('jax._src.interpreters.ad:LinearizeTrace'))
+                     if t is not None)   # LinearizeTrace: 0.5 ..
+
+
 def _drops_ref_tangents(home) -> bool:
     """Whether a Ref written now, in a jaxpr trace nested in a JVP trace nested
-    in ``home``, would lose its tangent silently (.. 0.4.35; later refuse it)."""
-    above = [] if _STACKLESS or home not in _stack() else _stack()[_stack().index(home) + 1:]
-    return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
-        main.trace_type is _JVPTrace for main in above[:-1])
+    in ``home``, would lose its tangent silently (.. 0.5; later releases refuse
+    it).  Up to 0.4.35 the trace stack says so; on 0.4.36 .. 0.5, whose jaxpr
+    traces name no parent, whether the jaxpr being built closes over a value
+    of a differentiation trace (its constants, through enclosing jaxprs)."""
+    if not _STACKLESS:
+        above = _stack()[_stack().index(home) + 1:] if home in _stack() else []
+        return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
+            main.trace_type is _JVPTrace for main in above[:-1])
+    trace, seen = _src_core.trace_ctx.trace, set()
+    if type(trace) is not _JaxprTrace or trace is home or _trace_path()[1]:
+        return False
+    todo = [trace]
+    while todo:
+        for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
+            owner = getattr(value, '_trace', None)
+            if isinstance(owner, _DIFF_TRACES):
+                return True
+            if type(owner) is _JaxprTrace and owner is not home and id(owner) not in seen:
+                seen.add(id(owner))
+                todo.append(owner)
+    return False
 
 
 def _new_arg(trace, aval):

@@ -2408,6 +2408,22 @@ class DerivativeThroughStateTest(unittest.TestCase):
                 with self.subTest(how=how, where=where):
                     self._check(how, where)
 
+    def test_write_inside_an_inner_jit_under_differentiation_is_refused(self):
+        """A write whose value carries a tangent inside a jit nested in the
+        differentiated function is a TraceContextError naming the State on
+        every release (JAX cannot take the tangent into the State; JAX before
+        0.6 would silently drop it), never a derivative without that path."""
+        h = State(jnp.ones(3), name='dts_jit_write')
+
+        def inner(y):
+            jax.jit(lambda: setattr(h, 'value', y * 2.0))()
+            return h.value * y
+        for how in ('jvp', 'grad'):
+            with self.subTest(how=how):
+                with self.assertRaisesRegex(TraceContextError, 'dts_jit_write'):
+                    StatefulFunction(lambda x: _DIFF_TRANSFORMS[how](inner, x))(jnp.full(3, 0.3))
+                np.testing.assert_array_equal(h.value, jnp.ones(3))
+
     def test_read_inside_an_inner_jit_under_grad(self):
         """A read inside a jit nested in the differentiated function sees the
         written value with its tangent (JAX before 0.6 cannot tell the
