@@ -6526,11 +6526,14 @@ class BadInputTableTest(_ErrorsCase):
         def write(x):
             s.value = s.value + x
             return x
-        _BadInputFixture._exported = sj.export(StatefulFunction(write), jnp.ones(3))
+        if _EXPORT_PROBLEM is None:
+            _BadInputFixture._exported = sj.export(StatefulFunction(write), jnp.ones(3))
 
     def _run(self, cases):
         for entry, label, exc, make, words in cases:
             with self.subTest(entry=entry, case=label):
+                if _EXPORT_PROBLEM and entry in ('export', 'Exported', 'deserialize'):
+                    self.skipTest(_EXPORT_PROBLEM)
                 fx = _BadInputFixture()
                 self.check(exc, make(fx), fx.states, culprit=words)
 
