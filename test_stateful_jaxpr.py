@@ -4842,13 +4842,18 @@ def _refused_differentiations(prog, eager=False) -> set:
     body there (JAX cannot take the value's gradient into the State), under
     jax.jacfwd from JAX 0.8 (JAX batches the whole body), and anywhere under
     jax.disable_jit() (``eager``: no stateful trace threads the write)."""
+    # (JAX 0.4.36 .. 0.5 cannot tell whether a differentiation is still running
+    # inside a jit or loop body: a read there after such a write is refused.)
     names = {f"'s{m[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] == 'diff'
              for m, inside in _nodes(n[4], 0) if m[0] == 'wseq' and (
-                 eager or inside or (n[1] == 'jacfwd' and _JAX_VERSION >= (0, 8)))}
+                 eager or inside or (n[1] == 'jacfwd' and _JAX_VERSION >= (0, 8))
+                 or (0, 4, 36) <= _JAX_VERSION < (0, 6))}
     # A lax.cond under differentiation (before JAX 0.7), or in a custom rule,
     # refuses any State written inside a nested transformation (a Ref) it reads.
+    # So does one under jax.jacfwd's vmap, on every release.
     if any(m[0] == 'cond' for n, _ in _nodes(prog['body'], 0)
            if n[0] == 'custom' or (n[0] in ('diff', 'grad') and _JAX_VERSION < (0, 7))
+           or n[:2] == ('diff', 'jacfwd')
            for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
     return names
