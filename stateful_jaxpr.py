@@ -274,22 +274,34 @@ def _discharge(closed):
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
 
 
-def _forward_cond_outputs(jaxpr):
+def _forward_unchanged(jaxpr):
     """``jaxpr`` with each use of a ``cond`` output that every branch returns
-    unchanged from one operand replaced by that operand: a Ref a branch only
-    reads comes out of JAX's discharge as such an output (0.4.30), which
-    jax.vmap would take as batched under a batched predicate."""
+    unchanged from one operand, or of a ``while`` carry its body returns
+    unchanged, replaced by that operand, inside nested jaxprs too: JAX's
+    discharge threads a Ref a branch or loop only reads through such outputs,
+    which jax.vmap takes as batched under a batched predicate.  Operands come
+    after a cond's index; a while's carries after both loops' consts."""
     sub, eqns = {}, []
-    for eqn in jaxpr.eqns:
-        eqn = eqn.replace(invars=[sub.get(v, v) if isinstance(v, Var) else v for v in eqn.invars])
-        if eqn.primitive.name == 'cond':   # all releases: operands after the index
+    fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v
+    nest = lambda v: (type(v)(map(nest, v)) if isinstance(v, (tuple, list)) else
+                      _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
+    for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
+        p = {k: nest(v) for k, v in eqn.params.items()}
+        eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars], params=p)
+        if eqn.primitive.name == 'cond':   # all releases
             for k, out in enumerate(eqn.outvars):
                 at = {next((i for i, v in enumerate(b.jaxpr.invars) if v is b.jaxpr.outvars[k]),
-                           None) for b in eqn.params['branches']}
+                           None) for b in p['branches']}
                 if len(at) == 1 and None not in at:
                     sub[out] = eqn.invars[1 + at.pop()]
+        elif eqn.primitive.name == 'while' and 'cond_nconsts' in p:   # all releases
+            body, n = p['body_jaxpr'].jaxpr, p['body_nconsts']
+            sub.update((out, eqn.invars[p['cond_nconsts'] + n + k])
+                       for k, out in enumerate(eqn.outvars) if body.outvars[k] is body.invars[n + k])
         eqns.append(eqn)
-    return eqns, [sub.get(v, v) if isinstance(v, Var) else v for v in jaxpr.outvars]
+    inner = getattr(jaxpr, 'jaxpr', jaxpr)
+    return _rebuild(inner, getattr(jaxpr, 'consts', None), like=inner, eqns=eqns,
+                    outvars=[fwd(v) for v in inner.outvars])
 
 
 def _nested_jaxprs(params) -> list:
@@ -2287,8 +2299,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
             'that transformation and assign it outside') from err
-    eqns, outvars = _forward_cond_outputs(pure.jaxpr)
-    outvars = outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
+    pure = _forward_unchanged(pure)
+    outvars = pure.jaxpr.outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
@@ -2296,7 +2308,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
                 'writing a per-lane value inside jax.vmap; map the function with '
                 'StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars, eqns=eqns)
+    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
 # -- Staying clear of JAX's trace caches --------------------------------------

@@ -8862,6 +8862,34 @@ class MappingCondReadTest(unittest.TestCase):
         np.testing.assert_array_equal(out, [2.0, -2.0, 2.0])
         np.testing.assert_array_equal(s.value, [1.0, 1.0])
 
+    def test_state_read_in_per_lane_loops_inside_a_scan_leaves_unbatched(self):
+        """The same for a read inside a fori_loop with a per-lane trip count or
+        a per-lane lax.cond, both inside a lax.scan body, of a State written
+        from a collective: plain jax.vmap returns it unbatched."""
+        u = State({'b': jnp.ones(2), 'd': jnp.zeros(())}, name='mcr_u')
+
+        def run(x, n, get):   # ``get()`` reads the State inside the loops
+            def body(c, _):
+                c = lax.fori_loop(0, n, lambda i, c: c + get()['b'].sum(), c)
+                return lax.cond(c > 3, lambda: c - get()['d'], lambda: c), None
+            return lax.scan(body, x, None, length=2)[0]
+
+        def plain(x, n, u):
+            u = {'b': u['b'], 'd': lax.psum(x, 'i')}
+            return run(x, n, lambda: u), u
+
+        def f(x, n):
+            jax.jit(lambda: setattr(u, 'value', {'b': u.value['b'], 'd': lax.psum(x, 'i')}))()
+            return run(x, n, lambda: u.value)
+        x, n = jnp.arange(3.0), jnp.arange(3)
+        start = u.value
+        out = sj.StatefulMapping(f, in_axes=(0, 0), axis_name='i')(x, n)
+        ref_out, ref_u = jax.vmap(plain, in_axes=(0, 0, None), out_axes=(0, None),
+                                  axis_name='i')(x, n, start)
+        np.testing.assert_allclose(out, ref_out)
+        for k in ('b', 'd'):
+            np.testing.assert_array_equal(u.value[k], ref_u[k])
+
 
 class MappingCollectiveTest(unittest.TestCase):
 
