@@ -283,7 +283,7 @@ def _forward_unchanged(jaxpr):
     after a cond's index; a while's carries after both loops' consts."""
     sub, eqns = {}, []
     fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v
-    nest = lambda v: (type(v)(map(nest, v)) if isinstance(v, (tuple, list)) else
+    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else
                       _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
     for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
         p = {k: nest(v) for k, v in eqn.params.items()}
