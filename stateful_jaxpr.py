@@ -94,10 +94,10 @@ __all__ = [
 #
 # Tracing over States needs what JAX keeps private: new inputs for the jaxpr
 # being traced, the current trace, mutable references and their discharge,
-# primitive names, ``params`` keys, the texts of a few JAX errors and the
-# layout of a printed jaxpr.  Only this section touches them, each through
-# ``_probe`` (has JAX the name?) or ``_takes`` (has the function the
-# parameter?), with the releases it serves in a comment.
+# primitive names, ``params`` keys, a few error texts and the layout of a
+# printed jaxpr.  Only this section touches them, through ``_probe`` (has JAX
+# the name?) or ``_takes`` (has the function the parameter?), each with the
+# releases it serves.
 # =============================================================================
 
 import jax.extend.core as _jex_core               # all releases
@@ -134,9 +134,11 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
+_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
 _JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')        # all releases
-_NEW_ARG_TAKES_SOURCE_INFO = _takes(                          # 0.6.1 ..
-    _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace.new_arg'), 'source_info')
+_DIFF_TRACES = tuple(t for t in (_JVPTrace, _probe('jax._src.interpreters.ad:LinearizeTrace'))
+                     if t is not None)   # LinearizeTrace: 0.5 ..
+_NEW_ARG_TAKES_SOURCE_INFO = _takes(_JaxprTrace.new_arg, 'source_info')   # 0.6.1 ..
 # ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..); ``arg_names=None``
 # keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
 _ARG_NAMES_MAY_BE_NONE = _probe('jax._src.linear_util:DebugInfo.assert_arg_names') is not None
@@ -147,8 +149,7 @@ def _close(jaxpr, consts):
 
 
 def _rebuild(jaxpr, consts, like=None, **fields):
-    """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (open if None,
-    before 0.11), with the debug info of ``like`` (default ``jaxpr``)."""
+    """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (None: open)."""
     fields.setdefault('debug_info', getattr(jaxpr if like is None else like, 'debug_info', None))
     if _CONSTS_ON_JAXPR:
         return jaxpr.replace(consts=list(consts), **fields)
@@ -156,7 +157,9 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return new if consts is None else ClosedJaxpr(new, list(consts))
 
 
-def _stack():   # .. 0.4.35: the main traces, outermost first
+# The current trace: one object per trace from 0.4.36; before, a stack of
+# main traces (outermost first), each tracer naming its main.
+def _stack():
     return _src_core.thread_local_state.trace_state.trace_stack.stack
 
 
@@ -174,17 +177,15 @@ def _under_jax_trace() -> bool:
     return len(_stack()) > 1
 
 
-def _trace_depth():
-    """Where tracing is now: the current trace; before 0.4.36 also how deep in
-    its main trace's sub-jaxprs (where a custom_vjp traces its function)."""
-    return _src_core.trace_ctx.trace if _STACKLESS else (
+def _trace_depth():   # before 0.4.36 a custom_vjp traces in a sub-jaxpr of the main
+    """The current trace, and before 0.4.36 how deep in its sub-jaxprs."""
+    return _current_trace_id() if _STACKLESS else (
         _stack()[-1], len(getattr(_stack()[-1], 'jaxpr_stack', ())))
 
 
 def _trace_path() -> tuple:
-    """``(ids, whole)``: the ids of the current JAX trace and of those it is
-    nested in, innermost first, and whether that is all of them (not so on
-    0.4.36 .. 0.5, where a jit or loop body does not name its parent trace)."""
+    """``(ids, whole)``: the ids of the current trace and its parents, innermost
+    first; not ``whole`` on 0.4.36 .. 0.5, where a jit or loop body has none."""
     if not _STACKLESS:
         return [id(t) for t in reversed(_stack())], True
     path, trace = [], _src_core.trace_ctx.trace
@@ -196,21 +197,14 @@ def _trace_path() -> tuple:
     return path, True
 
 
-_JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
-_DIFF_TRACES = tuple(t for t in (_JVPTrace, _probe('jax._src.interpreters.ad:LinearizeTrace'))
-                     if t is not None)   # LinearizeTrace: 0.5 ..
-
-
 def _drops_ref_tangents(home) -> bool:
-    """Whether a Ref written now, in a jaxpr trace nested in a JVP trace nested
-    in ``home``, would lose its tangent silently (.. 0.5; later releases refuse
-    it).  Up to 0.4.35 the trace stack says so; on 0.4.36 .. 0.5, whose jaxpr
-    traces name no parent, whether the jaxpr being built closes over a value
-    of a differentiation trace (its constants, through enclosing jaxprs)."""
+    """Whether a Ref written now, in a jaxpr trace inside a JVP trace inside
+    ``home``, would lose its tangent silently (.. 0.5; later JAX refuses)."""
     if not _STACKLESS:
         above = _stack()[_stack().index(home) + 1:] if home in _stack() else []
         return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
             main.trace_type is _JVPTrace for main in above[:-1])
+    # 0.4.36 .. 0.5: the jaxpr being built closes over a JVP trace's value?
     trace, seen = _src_core.trace_ctx.trace, set()
     if type(trace) is not _JaxprTrace or trace is home or _trace_path()[1]:
         return False
@@ -232,8 +226,7 @@ def _new_arg(trace, aval):
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
-    """Traces ``flat_fun(*leaves)``; returns ``(jaxpr, out_avals, consts)``
-    (``trace_to_jaxpr_dynamic`` returns a 4-tuple up to 0.6, a 3-tuple from 0.7)."""
+    """``(jaxpr, out_avals, consts)`` of ``flat_fun(*leaves)`` (a 4-tuple up to 0.6)."""
     if _make_debug_info is None:
         wrapped = _lu.wrap_init(flat_fun)
     else:
@@ -251,9 +244,9 @@ def _axis_env(axis_env, feature: str = 'axis_env'):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# Mutable references and their discharge into a pure jaxpr (jax._src.state,
-# all releases): a State written inside a nested transformation is held as
-# Refs while tracing, and JAX's ``discharge_state`` threads the writes out.
+# Mutable references (jax._src.state, all releases): a State written inside a
+# nested transformation is held as Refs while tracing, and JAX's
+# ``discharge_state`` threads the writes out.
 _ref_aval = _probe('jax._src.state.types:AbstractRef')
 _ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
 _ref_set = _probe('jax._src.state.primitives:ref_set')
@@ -267,40 +260,35 @@ _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None)) 
 
 
 def _discharge(closed):
-    """``closed`` made pure: Ref inputs become values, each Ref's final value an
-    extra output after the original ones."""
+    """``closed`` made pure: Ref inputs become values, their finals extra outputs."""
     if _DISCHARGE_TAKES_CLOSED:
         return _discharge_state(closed)
     return _close(*_discharge_state(closed.jaxpr, closed.consts))
 
 
 def _forward_unchanged(jaxpr):
-    """``jaxpr`` with each use of a ``cond`` output that every branch returns
-    unchanged from one operand, or of a ``while`` carry its body returns
-    unchanged, replaced by that operand, inside nested jaxprs too: JAX's
-    discharge threads a Ref a branch or loop only reads through such outputs,
-    which jax.vmap takes as batched under a batched predicate.  Operands come
-    after a cond's index; a while's carries after both loops' consts."""
-    sub, eqns = {}, []
-    fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v
-    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else
+    """``jaxpr`` with uses of ``cond`` outputs and ``while`` carries returned
+    unchanged replaced by their operands, also nested: JAX's discharge threads
+    a Ref only read there through them, and vmap batches them per lane."""
+    sub, eqns, inner = {}, [], getattr(jaxpr, 'jaxpr', jaxpr)
+    fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v   # noqa: E731
+    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
                       _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
-    for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
+    for eqn in inner.eqns:
         p = {k: nest(v) for k, v in eqn.params.items()}
         eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars], params=p)
-        if eqn.primitive.name == 'cond':   # all releases
+        if eqn.primitive.name == 'cond':   # all releases: operands after the index
             for k, out in enumerate(eqn.outvars):
                 at = {next((i for i, v in enumerate(b.jaxpr.invars) if v is b.jaxpr.outvars[k]),
                            None) for b in p['branches']}
                 if len(at) == 1 and None not in at:
                     sub[out] = eqn.invars[1 + at.pop()]
-        elif eqn.primitive.name == 'while' and 'cond_nconsts' in p:   # all releases
+        elif eqn.primitive.name == 'while':   # all releases: carries after both consts
             body, n = p['body_jaxpr'].jaxpr, p['body_nconsts']
             sub.update((out, eqn.invars[p['cond_nconsts'] + n + k])
                        for k, out in enumerate(eqn.outvars) if body.outvars[k] is body.invars[n + k])
         eqns.append(eqn)
-    inner = getattr(jaxpr, 'jaxpr', jaxpr)
-    return _rebuild(inner, getattr(jaxpr, 'consts', None), like=inner, eqns=eqns,
+    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
                     outvars=[fwd(v) for v in inner.outvars])
 
 
@@ -311,10 +299,17 @@ def _nested_jaxprs(params) -> list:
             if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
+def _all_eqns(jaxpr):
+    """The equations of ``jaxpr`` and of every jaxpr nested in them."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _nested_jaxprs(eqn.params):
+            yield from _all_eqns(sub)
+
+
 def _written_refs(effects, jaxpr=None) -> set:
-    """The inputs of ``jaxpr`` whose Refs ``effects`` write (any: ``{True}``):
-    numbered by ``input_index``, constvars first, up to 0.9; the variable
-    itself (``input``) from 0.10."""
+    """The inputs of ``jaxpr`` (any: ``{True}``) whose Refs ``effects`` write:
+    ``input_index`` (constvars first) up to 0.9, ``input`` from 0.10."""
     inputs = [*jaxpr.constvars, *jaxpr.invars] if jaxpr is not None else None
     return {True if jaxpr is None else e.input if getattr(e, 'input_index', None) is None
             else inputs[e.input_index] for e in effects
@@ -322,49 +317,40 @@ def _written_refs(effects, jaxpr=None) -> set:
 
 
 def _loop_condition_reads_a_write(jaxpr) -> bool:
-    """Whether a while loop in ``jaxpr`` (or a jaxpr inside it) has a condition
-    that reads a Ref its body writes.  JAX's discharge gives such a condition
-    the value from before the loop (0.7 .. 0.12) or refuses it (before)."""
-    for eqn in jaxpr.eqns:
-        p = eqn.params
-        if eqn.primitive.name == 'while' and 'cond_nconsts' in p:   # all releases
+    """Whether a while loop's condition reads a Ref its body writes: JAX's
+    discharge gives it the value from before the loop (0.7 ..) or refuses."""
+    for eqn in _all_eqns(jaxpr):
+        if eqn.primitive.name == 'while':   # all releases
+            p = eqn.params
             n_cond, n_body, body = p['cond_nconsts'], p['body_nconsts'], p['body_jaxpr'].jaxpr
             outer = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
             read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
             if read & {outer.get(v) for v in _written_refs(body.effects, body)}:
                 return True
-        if any(_loop_condition_reads_a_write(sub) for sub in _nested_jaxprs(p)):
-            return True
     return False
 
 
 def _rematerialized_write(jaxpr) -> bool:
-    """Whether a ``jax.checkpoint`` function under differentiation (its
-    equation has ``differentiated=True``, all releases) writes a Ref: JAX runs
-    it again to rematerialize it, writes included (0.8 ..)."""
-    return any((eqn.params.get('differentiated') is True and _written_refs(eqn.effects))
-               or any(_rematerialized_write(sub) for sub in _nested_jaxprs(eqn.params))
-               for eqn in jaxpr.eqns)
+    """Whether a differentiated ``jax.checkpoint`` (``differentiated=True``, all
+    releases) writes a Ref: JAX reruns it, writes included (0.8 ..)."""
+    return any(eqn.params.get('differentiated') is True and _written_refs(eqn.effects)
+               for eqn in _all_eqns(jaxpr))
+
+
+# How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond,
+# all releases; a cond under grad, .. 0.6; a checkpoint, .. 0.7; a jit under
+# jvp, 0.4.36 .. 0.4.38), 'batched' (a per-lane value into an unbatched Ref,
+# 0.6 ..), 'tangent' (a value with a gradient into a Ref of a body JAX
+# differentiates whole, 0.7 ..; a Ref's zero tangent before).
+_REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
+                        r'|does not have corresponding input',
+             'batched': r'vmapped value on an unbatched',
+             'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{'}
 
 
 def _refusal(err: BaseException):
-    """How JAX refused a Ref program, from its error text: 'effects' ("State
-    effect not supported in vmap-of-cond", all releases; "... cond
-    partial-eval" under grad before 0.7; "Effects not supported in
-    partial-eval of checkpoint" before 0.8; a Ref in a jit under jvp, 0.4.36
-    .. 0.4.38), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..),
-    'tangent' (a value with a gradient where JAX differentiates a whole body,
-    0.7 ..; a Ref's zero tangent before) or None."""
-    text = str(err)
-    if (isinstance(err, NotImplementedError) and ('State effect not supported' in text or (
-            'Effects not supported' in text and 'Effect(' in text))) or (
-            'does not have corresponding input' in text):
-        return 'effects'
-    if 'vmapped value on an unbatched' in text:
-        return 'batched'
-    if 'differentiated value on a non-differentiated' in text or 'Zero(Ref{' in text:
-        return 'tangent'
-    return None
+    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
+                None)
 
 
 # Primitive names and params keys the jaxpr passes rely on.  Call primitives:
@@ -381,10 +367,8 @@ _NO_FOLD_PRIMITIVES = frozenset({
 
 
 def _jaxpr_names(text: str, n_in: int, n_out: int):
-    """The names JAX printed for a jaxpr's inputs and outputs (it numbers
-    variables while printing), or ``#i`` if the text has another layout.
-    The main jaxpr's ``{ lambda`` starts a line; newer JAX prints shared
-    sub-jaxprs (``let _uniform = { lambda ...``) before it."""
+    """The names JAX printed for a jaxpr's inputs and outputs, else ``#i``; the
+    main ``{ lambda`` starts a line (shared sub-jaxprs may come first)."""
     head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
     tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
     if head and tail:
