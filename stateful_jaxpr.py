@@ -3,15 +3,12 @@
 """Imperative, mutable ``State`` objects that trace into pure, cached JAX programs.
 
 Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``,
-``grad`` and ``scan``.  A :class:`StatefulFunction` traces a function that reads
-and writes :class:`State` objects into a ``ClosedJaxpr`` whose extra inputs and
-outputs are those states, caches it per abstract argument signature, and calls
-it as a compiled XLA executable.  :class:`StatefulMapping` maps such a function
-over a batch (``jax.vmap``, ``jax.pmap`` or a shard_map-style mapper) with
-per-state batch axes and per-lane random keys.
-
-The module is one self-contained file that depends on ``jax`` only; copy it
-into your project.  It reads top to bottom as data flows:
+``grad`` and ``scan``.  :class:`StatefulFunction` traces a function over
+:class:`State` objects into a ``ClosedJaxpr`` whose extra inputs and outputs
+are those states, caches it per abstract signature and runs it compiled;
+:class:`StatefulMapping` maps one over a batch with per-state batch axes and
+per-lane random keys.  The file depends on ``jax`` only: copy it into your
+project.  Its sections follow the data flow:
 
 1. compatibility shims (every JAX internal the module touches lives there),
 2. errors and small helpers,
@@ -40,6 +37,7 @@ Example
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -58,7 +56,6 @@ import sys
 import threading
 import warnings
 import weakref
-import collections
 from collections import OrderedDict
 from collections.abc import MutableSet
 from typing import Callable, Iterable, Sequence
@@ -68,24 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    # states
-    'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
-    'HiddenState', 'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree',
-    # trace stack
-    'StateTraceStack',
-    # cache
-    'BoundedCache', 'make_hashable', 'hashabledict',
-    # tracing
-    'StatefulFunction', 'make_jaxpr',
-    # inspecting and shipping
-    'explain_cache_misses', 'export', 'deserialize', 'Exported',
-    # mapping and filters
-    'StatefulMapping', 'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not',
-    'Everything', 'Nothing',
-    # jaxpr passes
-    'constant_fold_jaxpr', 'IdentitySet',
-    # errors
-    'TraceContextError', 'BatchAxisError',
+    'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState', 'HiddenState',
+    'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree', 'StateTraceStack',
+    'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not', 'Everything', 'Nothing',
+    'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr',
+    'StatefulMapping', 'explain_cache_misses', 'export', 'deserialize', 'Exported',
+    'constant_fold_jaxpr', 'IdentitySet', 'TraceContextError', 'BatchAxisError',
 ]
 
 
