@@ -440,9 +440,7 @@ def _outside(skip_jax: bool):
 def _user_site():
     """``(filename, lineno, function)`` of the first caller outside this module."""
     frame = _outside(skip_jax=False)[0]
-    if frame is None:
-        return None
-    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+    return frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
 def _user_stacklevel() -> int:
@@ -465,10 +463,7 @@ def _label(state) -> str:
 
 
 def _format_site(site) -> str:
-    if site is None:
-        return 'an unknown place'
-    filename, lineno, func = site
-    return f'{filename}:{lineno} (in {func})'
+    return 'an unknown place' if site is None else '{}:{} (in {})'.format(*site)
 
 
 def _leaves(tree) -> list:
@@ -478,20 +473,13 @@ def _leaves(tree) -> list:
 def _aval_of(x):
     """Abstract value of an array-like leaf (tracers keep their own aval)."""
     aval = getattr(x, 'aval', None)
-    if aval is not None:
-        return aval
-    return _typeof(x)
+    return _typeof(x) if aval is None else aval
 
 
 def _leaf_sig(x) -> tuple:
-    """``(shape, dtype, weak_type)`` of a leaf: the unit of every cache key.
-
-    Plain tuples compare equal for a concrete array and a tracer of the same
-    type, which ``ShapedArray`` objects (carrying sharding) may not.
-    """
-    aval = getattr(x, 'aval', None)
-    if aval is None:
-        aval = _typeof(x)
+    """``(shape, dtype, weak_type)`` of a leaf, the unit of every cache key: equal for an
+    array and a tracer of its type, which avals (carrying sharding) may not be."""
+    aval = _aval_of(x)
     return aval.shape, aval.dtype, aval.weak_type
 
 
@@ -519,17 +507,10 @@ def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
 
-# Bumped when a State is given, outside any trace, a value spanning several
-# devices or in place of one.  A compiled call keeps each written state's
-# layout through a constraint traced into its dispatcher, and jax.jit retraces
-# on new shapes but not on new shardings; so a changed layout must reach the
-# dispatcher's static key (see ``_layout_token``).  Unsharded code never
-# bumps it, and the warm path only compares it.
+# Bumped when a State outside any trace gets or loses a value spanning several
+# devices: jax.jit retraces on new shapes but not on new shardings, so a changed
+# layout must reach the compiled dispatcher's static key (see ``_layout_token``).
 _layout_epoch = 0
-
-
-def _spans_devices(value) -> bool:
-    return any(_multi_device(leaf) for leaf in _leaves(value))
 
 
 def _multi_device(leaf):
@@ -620,16 +601,9 @@ class State:
     """A mutable container for a pytree of arrays.
 
     While a :class:`StatefulFunction` traces, reading ``value`` records a read
-    and assigning records a write; otherwise it is a plain attribute.
-
-    Parameters
-    ----------
-    value
-        Initial value: an array or any pytree of arrays.
-    name : str, optional
-        Used in reprs, jaxpr labels and error messages.
-    **metadata
-        Free-form metadata; ``tag`` is used by string filters.
+    and assigning records a write; otherwise it is a plain attribute.  ``name``
+    labels reprs, jaxprs and errors; ``metadata`` is free-form (string filters
+    match its ``tag``).
 
     Example
     -------
@@ -643,16 +617,12 @@ class State:
                  '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
-        if isinstance(value, State):
-            raise ValueError(
-                f'cannot create {type(self).__name__}(name={name!r}) holding another '
-                f'State ({value!r}); pass its value instead: State(other.value)')
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
         self._check_leaves(value)
         self._value = value
-        self._broken = None
+        self._broken = None   # (error type, message, repr text) while nothing readable is held
         frames = _ctx.frames
         self._stack_level = len(frames)
         self._creation_trace = _current_trace_id()
@@ -669,7 +639,7 @@ class State:
         if frames:
             return _traced_read(self, frames)
         if self._broken is not None:
-            self._raise_broken()
+            raise self._broken[0](self._broken[1])
         if _under_jax_trace():
             # Read by a plain JAX trace: a jaxpr JAX may cache holds this value.
             _BAKED_STATES.add(self)
@@ -699,7 +669,7 @@ class State:
             _traced_write(self, v, frames, written=written)
             return
         _check_tracers_may_enter(self, v, ())
-        if _spans_devices(v) or _spans_devices(self._value):
+        if any(map(_multi_device, _leaves((v, self._value)))):
             _layout_epoch += 1
         self._value = v
         self._broken = None
@@ -713,8 +683,8 @@ class State:
             for leaf in _leaves(v):
                 if isinstance(leaf, State):
                     raise ValueError(
-                        f'cannot assign a State as the value of {self._describe()}; '
-                        'assign its value instead: target.value = other.value')
+                        f'{self._describe()} cannot hold another State ({leaf._describe()}); '
+                        'use its value: State(other.value), target.value = other.value')
                 if type(leaf) is int and not -2 ** 31 <= leaf < 2 ** 31:
                     info = np.iinfo(jax.dtypes.canonicalize_dtype(int))
                     if not info.min <= leaf <= info.max:
@@ -726,15 +696,8 @@ class State:
 
     def _current_for_compare(self):
         frame = _innermost_overlay(_ctx.frames)
-        v = _MISSING if frame is None else frame._values.get(id(self), _MISSING)
-        if type(v) is _RefCell:
-            return jax.tree_util.tree_unflatten(v.treedef, v.avals)
-        return self._value if v is _MISSING else v
-
-    def _raise_broken(self):
-        # ``_broken`` is (exception type, message, short description) while the
-        # State holds nothing readable, until it is assigned again.
-        raise self._broken[0](self._broken[1])
+        v = self._value if frame is None else frame._values.get(id(self), self._value)
+        return jax.tree_util.tree_unflatten(v.treedef, v.avals) if type(v) is _RefCell else v
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -801,9 +764,8 @@ class State:
     def update_from_ref(self, state_ref: 'TreefyState') -> None:
         """Takes value (as a write) and metadata from a :meth:`to_state_ref` snapshot."""
         metadata = state_ref.get_metadata()
-        name = metadata.pop('_name', self.name)
         self.value = state_ref.value
-        self.name = name
+        self.name = metadata.pop('_name', self.name)
         _set_slot(self, '_metadata', {**self.metadata, **metadata})
 
     def value_call(self, func: Callable):
@@ -813,7 +775,7 @@ class State:
     def check_if_deleted(self) -> None:
         """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
         if self._broken is not None:
-            self._raise_broken()
+            raise self._broken[0](self._broken[1])
         for leaf in _leaves(self._value):
             if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
                 raise ValueError(
@@ -917,7 +879,7 @@ class HiddenState(ShortTermState):
     """
 
     def _check_value(self, v):
-        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex, bool)):
+        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
                 'use State for pytree values')
@@ -949,9 +911,7 @@ def _raw_key_text(batch: str = '') -> str:
 def _make_key(seed_or_key, owner: str):
     if seed_or_key is None:
         return jax.random.PRNGKey(_pyrandom.randrange(2 ** 31))
-    if isinstance(seed_or_key, (bool, np.bool_)):
-        raise ValueError(f'{owner}: a seed must be an int or a PRNG key, got a bool')
-    if isinstance(seed_or_key, (int, np.integer)):
+    if _is_int(seed_or_key):
         if not -2 ** 63 <= seed_or_key < 2 ** 63:
             raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
                                 'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
@@ -977,12 +937,8 @@ def _check_n(owner, method: str, n, fix: str) -> None:
 class RandomState(State):
     """A State holding a PRNG key, split and advanced as you draw.
 
-    Parameters
-    ----------
-    seed_or_key : int, key array or None
-        An int seeds ``jax.random.PRNGKey(seed)`` (raw, under the default PRNG
-        implementation); a raw or typed key is held as given; ``None`` draws a
-        fresh random seed.
+    ``seed_or_key`` is an int (held as the raw ``jax.random.PRNGKey(seed)``), a
+    raw or typed key (held as given), or ``None`` (a fresh random seed).
 
     Example
     -------
@@ -1055,17 +1011,11 @@ class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
     A context manager; stacks nest LIFO, per thread, and an enclosing stack
-    also records what a nested one does.  Names, return types and the
+    also records what a nested one does.  With ``new_arg``, ``new_arg(state)``
+    on a state's first touch gives what the code inside sees for it, and the
+    values assigned inside stay in the stack (an overlay) instead of going
+    into the States.  ``name`` labels errors.  Names, return types and the
     spelling ``been_writen`` follow brainstate 0.2.1.
-
-    Parameters
-    ----------
-    new_arg : callable, optional
-        ``new_arg(state) -> value``, called on a state's first touch, gives
-        what the code inside sees for it; the values assigned inside then stay
-        in the stack (an overlay) instead of going into the States.
-    name : str, optional
-        A label for error messages.
 
     Example
     -------
