@@ -389,7 +389,7 @@ def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .
 # 2. Errors and small helpers
 #
 # The two errors users catch, and the helpers every later section leans on:
-# where user code called from, what a value's signature is (the unit of every
+# where user code is called from, what a value's signature is (the unit of every
 # cache key), and whether a value spans several devices.
 # =============================================================================
 
@@ -557,10 +557,7 @@ _MISSING = object()
 
 def _innermost_overlay(frames):
     """The innermost stack with an overlay (see StateTraceStack), or None."""
-    for frame in reversed(frames):
-        if frame._overlays:
-            return frame
-    return None
+    return next((frame for frame in reversed(frames) if frame._overlays), None)
 
 
 def _slot(state, slot: str):
@@ -1226,7 +1223,6 @@ class _StateCatcher:
         self.states.append(state)
 
     def remove(self, state: State) -> None:
-        """Forgets ``state`` if caught."""
         if id(state) in self.state_ids:
             self.state_ids.discard(id(state))
             self.states.remove(state)
@@ -1242,7 +1238,6 @@ class _StateCatcher:
         return [s.value for s in self.states]
 
     def get_by_tag(self, tag: str) -> list:
-        """The caught States whose tag is ``tag``."""
         return [s for s in self.states if s.tag == tag]
 
     def __iter__(self):
