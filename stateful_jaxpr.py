@@ -636,7 +636,7 @@ class State:
         if frames:
             return _traced_read(self, frames)
         if self._broken is not None:
-            raise self._broken[0](self._broken[1])
+            self._raise_broken()
         if _under_jax_trace():
             # Read by a plain JAX trace: a jaxpr JAX may cache holds this value.
             _BAKED_STATES.add(self)
@@ -690,6 +690,9 @@ class State:
                             f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
                             'an array of an explicit wider dtype with jax_enable_x64 on')
         self._check_value(v)
+
+    def _raise_broken(self):
+        raise self._broken[0](self._broken[1])
 
     def _current_for_compare(self):
         frame = _innermost_overlay(_ctx.frames)
@@ -772,7 +775,7 @@ class State:
     def check_if_deleted(self) -> None:
         """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
         if self._broken is not None:
-            raise self._broken[0](self._broken[1])
+            self._raise_broken()
         for leaf in _leaves(self._value):
             if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.is_deleted():
                 raise ValueError(
