@@ -3,15 +3,12 @@
 """Imperative, mutable ``State`` objects that trace into pure, cached JAX programs.
 
 Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``,
-``grad`` and ``scan``.  A :class:`StatefulFunction` traces a function that reads
-and writes :class:`State` objects into a ``ClosedJaxpr`` whose extra inputs and
-outputs are those states, caches it per abstract argument signature, and calls
-it as a compiled XLA executable.  :class:`StatefulMapping` maps such a function
-over a batch (``jax.vmap``, ``jax.pmap`` or a shard_map-style mapper) with
-per-state batch axes and per-lane random keys.
-
-The module is one self-contained file that depends on ``jax`` only; copy it
-into your project.  It reads top to bottom as data flows:
+``grad`` and ``scan``.  :class:`StatefulFunction` traces a function over
+:class:`State` objects into a ``ClosedJaxpr`` whose extra inputs and outputs
+are those states, caches it per abstract signature and runs it compiled;
+:class:`StatefulMapping` maps one over a batch with per-state batch axes and
+per-lane random keys.  The file depends on ``jax`` only: copy it into your
+project.  Its sections follow the data flow:
 
 1. compatibility shims (every JAX internal the module touches lives there),
 2. errors and small helpers,
@@ -40,6 +37,7 @@ Example
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -58,7 +56,6 @@ import sys
 import threading
 import warnings
 import weakref
-import collections
 from collections import OrderedDict
 from collections.abc import MutableSet
 from typing import Callable, Iterable, Sequence
@@ -68,24 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    # states
-    'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState',
-    'HiddenState', 'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree',
-    # trace stack
-    'StateTraceStack',
-    # cache
-    'BoundedCache', 'make_hashable', 'hashabledict',
-    # tracing
-    'StatefulFunction', 'make_jaxpr',
-    # inspecting and shipping
-    'explain_cache_misses', 'export', 'deserialize', 'Exported',
-    # mapping and filters
-    'StatefulMapping', 'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not',
-    'Everything', 'Nothing',
-    # jaxpr passes
-    'constant_fold_jaxpr', 'IdentitySet',
-    # errors
-    'TraceContextError', 'BatchAxisError',
+    'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState', 'HiddenState',
+    'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree', 'StateTraceStack',
+    'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not', 'Everything', 'Nothing',
+    'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr',
+    'StatefulMapping', 'explain_cache_misses', 'export', 'deserialize', 'Exported',
+    'constant_fold_jaxpr', 'IdentitySet', 'TraceContextError', 'BatchAxisError',
 ]
 
 
@@ -388,7 +373,7 @@ def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .
 # 2. Errors and small helpers
 #
 # The two errors users catch, and the helpers every later section leans on:
-# where user code called from, what a value's signature is (the unit of every
+# where user code is called from, what a value's signature is (the unit of every
 # cache key), and whether a value spans several devices.
 # =============================================================================
 
@@ -439,9 +424,7 @@ def _outside(skip_jax: bool):
 def _user_site():
     """``(filename, lineno, function)`` of the first caller outside this module."""
     frame = _outside(skip_jax=False)[0]
-    if frame is None:
-        return None
-    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+    return frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
 def _user_stacklevel() -> int:
@@ -464,10 +447,7 @@ def _label(state) -> str:
 
 
 def _format_site(site) -> str:
-    if site is None:
-        return 'an unknown place'
-    filename, lineno, func = site
-    return f'{filename}:{lineno} (in {func})'
+    return 'an unknown place' if site is None else '{}:{} (in {})'.format(*site)
 
 
 def _leaves(tree) -> list:
@@ -477,20 +457,13 @@ def _leaves(tree) -> list:
 def _aval_of(x):
     """Abstract value of an array-like leaf (tracers keep their own aval)."""
     aval = getattr(x, 'aval', None)
-    if aval is not None:
-        return aval
-    return _typeof(x)
+    return _typeof(x) if aval is None else aval
 
 
 def _leaf_sig(x) -> tuple:
-    """``(shape, dtype, weak_type)`` of a leaf: the unit of every cache key.
-
-    Plain tuples compare equal for a concrete array and a tracer of the same
-    type, which ``ShapedArray`` objects (carrying sharding) may not.
-    """
-    aval = getattr(x, 'aval', None)
-    if aval is None:
-        aval = _typeof(x)
+    """``(shape, dtype, weak_type)`` of a leaf, the unit of every cache key: equal for an
+    array and a tracer of its type, which avals (carrying sharding) may not be."""
+    aval = _aval_of(x)
     return aval.shape, aval.dtype, aval.weak_type
 
 
@@ -518,17 +491,10 @@ def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
 
-# Bumped when a State is given, outside any trace, a value spanning several
-# devices or in place of one.  A compiled call keeps each written state's
-# layout through a constraint traced into its dispatcher, and jax.jit retraces
-# on new shapes but not on new shardings; so a changed layout must reach the
-# dispatcher's static key (see ``_layout_token``).  Unsharded code never
-# bumps it, and the warm path only compares it.
+# Bumped when a State outside any trace gets or loses a value spanning several
+# devices: jax.jit retraces on new shapes but not on new shardings, so a changed
+# layout must reach the compiled dispatcher's static key (see ``_layout_token``).
 _layout_epoch = 0
-
-
-def _spans_devices(value) -> bool:
-    return any(_multi_device(leaf) for leaf in _leaves(value))
 
 
 def _multi_device(leaf):
@@ -575,10 +541,7 @@ _MISSING = object()
 
 def _innermost_overlay(frames):
     """The innermost stack with an overlay (see StateTraceStack), or None."""
-    for frame in reversed(frames):
-        if frame._overlays:
-            return frame
-    return None
+    return next((frame for frame in reversed(frames) if frame._overlays), None)
 
 
 def _slot(state, slot: str):
@@ -619,16 +582,9 @@ class State:
     """A mutable container for a pytree of arrays.
 
     While a :class:`StatefulFunction` traces, reading ``value`` records a read
-    and assigning records a write; otherwise it is a plain attribute.
-
-    Parameters
-    ----------
-    value
-        Initial value: an array or any pytree of arrays.
-    name : str, optional
-        Used in reprs, jaxpr labels and error messages.
-    **metadata
-        Free-form metadata; ``tag`` is used by string filters.
+    and assigning records a write; otherwise it is a plain attribute.  ``name``
+    labels reprs, jaxprs and errors; ``metadata`` is free-form (string filters
+    match its ``tag``).
 
     Example
     -------
@@ -642,16 +598,12 @@ class State:
                  '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
-        if isinstance(value, State):
-            raise ValueError(
-                f'cannot create {type(self).__name__}(name={name!r}) holding another '
-                f'State ({value!r}); pass its value instead: State(other.value)')
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
         self._check_leaves(value)
         self._value = value
-        self._broken = None
+        self._broken = None   # (error type, message, repr text) while nothing readable is held
         frames = _ctx.frames
         self._stack_level = len(frames)
         self._creation_trace = _current_trace_id()
@@ -698,7 +650,7 @@ class State:
             _traced_write(self, v, frames, written=written)
             return
         _check_tracers_may_enter(self, v, ())
-        if _spans_devices(v) or _spans_devices(self._value):
+        if any(map(_multi_device, _leaves((v, self._value)))):
             _layout_epoch += 1
         self._value = v
         self._broken = None
@@ -712,8 +664,8 @@ class State:
             for leaf in _leaves(v):
                 if isinstance(leaf, State):
                     raise ValueError(
-                        f'cannot assign a State as the value of {self._describe()}; '
-                        'assign its value instead: target.value = other.value')
+                        f'{self._describe()} cannot hold another State ({leaf._describe()}); '
+                        'use its value: State(other.value), target.value = other.value')
                 if type(leaf) is int and not -2 ** 31 <= leaf < 2 ** 31:
                     info = np.iinfo(jax.dtypes.canonicalize_dtype(int))
                     if not info.min <= leaf <= info.max:
@@ -723,17 +675,13 @@ class State:
                             'an array of an explicit wider dtype with jax_enable_x64 on')
         self._check_value(v)
 
+    def _raise_broken(self):
+        raise self._broken[0](self._broken[1])
+
     def _current_for_compare(self):
         frame = _innermost_overlay(_ctx.frames)
-        v = _MISSING if frame is None else frame._values.get(id(self), _MISSING)
-        if type(v) is _RefCell:
-            return jax.tree_util.tree_unflatten(v.treedef, v.avals)
-        return self._value if v is _MISSING else v
-
-    def _raise_broken(self):
-        # ``_broken`` is (exception type, message, short description) while the
-        # State holds nothing readable, until it is assigned again.
-        raise self._broken[0](self._broken[1])
+        v = self._value if frame is None else frame._values.get(id(self), self._value)
+        return jax.tree_util.tree_unflatten(v.treedef, v.avals) if type(v) is _RefCell else v
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -800,9 +748,8 @@ class State:
     def update_from_ref(self, state_ref: 'TreefyState') -> None:
         """Takes value (as a write) and metadata from a :meth:`to_state_ref` snapshot."""
         metadata = state_ref.get_metadata()
-        name = metadata.pop('_name', self.name)
         self.value = state_ref.value
-        self.name = name
+        self.name = metadata.pop('_name', self.name)
         _set_slot(self, '_metadata', {**self.metadata, **metadata})
 
     def value_call(self, func: Callable):
@@ -916,7 +863,7 @@ class HiddenState(ShortTermState):
     """
 
     def _check_value(self, v):
-        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex, bool)):
+        if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
                 'use State for pytree values')
@@ -948,9 +895,7 @@ def _raw_key_text(batch: str = '') -> str:
 def _make_key(seed_or_key, owner: str):
     if seed_or_key is None:
         return jax.random.PRNGKey(_pyrandom.randrange(2 ** 31))
-    if isinstance(seed_or_key, (bool, np.bool_)):
-        raise ValueError(f'{owner}: a seed must be an int or a PRNG key, got a bool')
-    if isinstance(seed_or_key, (int, np.integer)):
+    if _is_int(seed_or_key):
         if not -2 ** 63 <= seed_or_key < 2 ** 63:
             raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
                                 'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
@@ -976,12 +921,8 @@ def _check_n(owner, method: str, n, fix: str) -> None:
 class RandomState(State):
     """A State holding a PRNG key, split and advanced as you draw.
 
-    Parameters
-    ----------
-    seed_or_key : int, key array or None
-        An int seeds ``jax.random.PRNGKey(seed)`` (raw, under the default PRNG
-        implementation); a raw or typed key is held as given; ``None`` draws a
-        fresh random seed.
+    ``seed_or_key`` is an int (held as the raw ``jax.random.PRNGKey(seed)``), a
+    raw or typed key (held as given), or ``None`` (a fresh random seed).
 
     Example
     -------
@@ -1054,17 +995,11 @@ class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
     A context manager; stacks nest LIFO, per thread, and an enclosing stack
-    also records what a nested one does.  Names, return types and the
+    also records what a nested one does.  With ``new_arg``, ``new_arg(state)``
+    on a state's first touch gives what the code inside sees for it, and the
+    values assigned inside stay in the stack (an overlay) instead of going
+    into the States.  ``name`` labels errors.  Names, return types and the
     spelling ``been_writen`` follow brainstate 0.2.1.
-
-    Parameters
-    ----------
-    new_arg : callable, optional
-        ``new_arg(state) -> value``, called on a state's first touch, gives
-        what the code inside sees for it; the values assigned inside then stay
-        in the stack (an overlay) instead of going into the States.
-    name : str, optional
-        A label for error messages.
 
     Example
     -------
@@ -1275,7 +1210,6 @@ class _StateCatcher:
         self.states.append(state)
 
     def remove(self, state: State) -> None:
-        """Forgets ``state`` if caught."""
         if id(state) in self.state_ids:
             self.state_ids.discard(id(state))
             self.states.remove(state)
@@ -1291,7 +1225,6 @@ class _StateCatcher:
         return [s.value for s in self.states]
 
     def get_by_tag(self, tag: str) -> list:
-        """The caught States whose tag is ``tag``."""
         return [s for s in self.states if s.tag == tag]
 
     def __iter__(self):
