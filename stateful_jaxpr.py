@@ -1375,7 +1375,7 @@ class _Filter:
         return type(self) is type(other) and vars(self) == vars(other)
 
     def __hash__(self):
-        return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
+        return hash((type(self), *vars(self).values()))
 
     def __repr__(self):
         args = [a for v in vars(self).values() for a in (v if type(v) is tuple else (v,))]
@@ -1503,8 +1503,6 @@ def to_predicate(the_filter) -> Callable:
     >>> pred((), ParamState(1.0)), pred((), State(1.0))
     (True, False)
     """
-    if isinstance(the_filter, _Filter):
-        return the_filter
     if the_filter is True or the_filter is Ellipsis:
         return Everything()
     if the_filter is False or the_filter is None:
@@ -1515,7 +1513,7 @@ def to_predicate(the_filter) -> Callable:
         return WithTag(the_filter)
     if isinstance(the_filter, (tuple, list)):
         return Any(*the_filter)
-    if callable(the_filter):
+    if callable(the_filter):   # a predicate, or a filter already
         return the_filter
     raise TypeError(
         f'unsupported state filter {the_filter!r} of type {type(the_filter).__name__}; use a State '
@@ -1623,10 +1621,9 @@ class BoundedCache:
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
             value = self._data.get(key, _MISSING)
-            if value is _MISSING:
-                return default
-            self._data.move_to_end(key)
-            return value
+            if value is not _MISSING:
+                self._data.move_to_end(key)
+            return default if value is _MISSING else value
 
     def get(self, key, default=None, raise_on_miss: bool = False, error_context: str = 'item'):
         """The value for ``key`` (counted as a hit or miss)."""
