@@ -1601,8 +1601,7 @@ class BoundedCache:
 
     def _reset_counters(self):
         # next() on an itertools.count is atomic, so the lock-free warm path can count.
-        self._hits = itertools.count()
-        self._misses = itertools.count()
+        self._hits, self._misses = itertools.count(), itertools.count()
         self._retracted = itertools.count()   # hits taken back (see _record_retraced)
 
     @staticmethod
@@ -1664,13 +1663,11 @@ class BoundedCache:
         with self._lock:
             return self._data.pop(key, default)
 
-    def __contains__(self, key) -> bool:
-        with self._lock:
-            return key in self._data
+    def __contains__(self, key) -> bool:   # one dict lookup: needs no lock
+        return key in self._data
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
+        return len(self._data)
 
     def keys(self) -> list:
         """The stored keys, least recently used first."""
@@ -1809,8 +1806,7 @@ class _StaticArg:
     __slots__ = ('value', '_key')
 
     def __init__(self, value):
-        self.value = value
-        self._key = make_hashable(value)
+        self.value, self._key = value, make_hashable(value)
 
     def __hash__(self):
         return hash(self._key)
