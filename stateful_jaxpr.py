@@ -1685,9 +1685,8 @@ class BoundedCache:
         with self._lock:
             misses = self._read(self._misses)
             hits = max(0, self._read(self._hits) - self._read(self._retracted))
-            total = hits + misses
             return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
-                    'misses': misses, 'hit_rate': 100.0 * hits / total if total else 0.0}
+                    'misses': misses, 'hit_rate': 100.0 * hits / max(hits + misses, 1)}
 
 
 _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
