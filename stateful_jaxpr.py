@@ -1282,20 +1282,17 @@ def check_state_value_tree(val: bool = True):
 # =============================================================================
 # 4. State filters
 #
-# ``state_in_axes`` / ``state_out_axes`` pick states with filters: a State
-# subclass, a tag string, a predicate ``f(path, state)``, ``True``/``...``,
-# ``False``/``None``, a tuple/list (any of), or the combinators below.
+# A filter picks states (``state_in_axes``, ``donate_states``, ...); see to_predicate.
 # =============================================================================
 
 class _Filter:
-    """Base of the filter combinators: a predicate ``f(path, state) -> bool``
-    compared, hashed and shown by its arguments."""
+    """A predicate ``f(path, state) -> bool`` compared, hashed and shown by its arguments."""
 
     def __eq__(self, other):
         return type(self) is type(other) and vars(self) == vars(other)
 
     def __hash__(self):
-        return hash((type(self), tuple(sorted(vars(self).items(), key=str))))
+        return hash((type(self), *vars(self).values()))
 
     def __repr__(self):
         args = [a for v in vars(self).values() for a in (v if type(v) is tuple else (v,))]
@@ -1388,14 +1385,7 @@ class Not(_Filter):
         return not self.predicate(path, x)
 
 
-class _Constant(_Filter):
-    """A filter that gives the same answer for every state."""
-
-    def __call__(self, path, x):
-        return self.answer
-
-
-class Everything(_Constant):
+class Everything(_Filter):
     """Matches every state.
 
     Example
@@ -1403,10 +1393,12 @@ class Everything(_Constant):
     >>> Everything()((), State(0.0))
     True
     """
-    answer = True
+
+    def __call__(self, path, x):
+        return True
 
 
-class Nothing(_Constant):
+class Nothing(_Filter):
     """Matches no state.
 
     Example
@@ -1414,7 +1406,9 @@ class Nothing(_Constant):
     >>> [Nothing()((), s) for s in (State(0.0), ParamState(1.0))]
     [False, False]
     """
-    answer = False
+
+    def __call__(self, path, x):
+        return False
 
 
 def to_predicate(the_filter) -> Callable:
@@ -1426,19 +1420,17 @@ def to_predicate(the_filter) -> Callable:
     >>> pred((), ParamState(1.0)), pred((), State(1.0))
     (True, False)
     """
-    if isinstance(the_filter, _Filter):
-        return the_filter
     if the_filter is True or the_filter is Ellipsis:
         return Everything()
     if the_filter is False or the_filter is None:
         return Nothing()
     if isinstance(the_filter, type):
-        return the_filter() if issubclass(the_filter, _Constant) else OfType(the_filter)
+        return the_filter() if issubclass(the_filter, (Everything, Nothing)) else OfType(the_filter)
     if isinstance(the_filter, str):
         return WithTag(the_filter)
     if isinstance(the_filter, (tuple, list)):
         return Any(*the_filter)
-    if callable(the_filter):
+    if callable(the_filter):   # a predicate, or a filter already
         return the_filter
     raise TypeError(
         f'unsupported state filter {the_filter!r} of type {type(the_filter).__name__}; use a State '
@@ -1463,12 +1455,10 @@ class hashabledict(dict):
     1
     """
 
-    def __hash__(self):
-        h = self.__dict__.get('_hash')
-        if h is None:
-            h = hash(tuple(sorted(self.items(), key=lambda kv: repr(kv[0]))))
-            self.__dict__['_hash'] = h
-        return h
+    def __hash__(self):   # cached: a key is hashed on every lookup
+        if '_hash' not in self.__dict__:
+            self.__dict__['_hash'] = hash(tuple(sorted(self.items(), key=lambda kv: repr(kv[0]))))
+        return self.__dict__['_hash']
 
     def _readonly(self, *args, **kwargs):
         raise TypeError('hashabledict is immutable (it is used as a cache key)')
@@ -1501,7 +1491,7 @@ def make_hashable(obj):
     if isinstance(obj, (State, str, bytes, int, float, complex, type(None))):
         return obj
     leaves, treedef = jax.tree_util.tree_flatten(obj)
-    if treedef.num_nodes > 1 or treedef.num_leaves != 1 or leaves[0] is not obj:
+    if len(leaves) != 1 or leaves[0] is not obj:   # not itself a leaf
         return treedef, tuple(make_hashable(x) for x in leaves)
     return obj
 
@@ -1528,8 +1518,7 @@ class BoundedCache:
 
     def _reset_counters(self):
         # next() on an itertools.count is atomic, so the lock-free warm path can count.
-        self._hits = itertools.count()
-        self._misses = itertools.count()
+        self._hits, self._misses = itertools.count(), itertools.count()
         self._retracted = itertools.count()   # hits taken back (see _record_retraced)
 
     @staticmethod
@@ -1548,25 +1537,22 @@ class BoundedCache:
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
             value = self._data.get(key, _MISSING)
-            if value is _MISSING:
-                return default
-            self._data.move_to_end(key)
-            return value
+            if value is not _MISSING:
+                self._data.move_to_end(key)
+            return default if value is _MISSING else value
 
     def get(self, key, default=None, raise_on_miss: bool = False, error_context: str = 'item'):
         """The value for ``key`` (counted as a hit or miss)."""
         with self._lock:
             value = self._peek(key, _MISSING)
             self._record(value is not _MISSING)
-            if value is not _MISSING:
-                return value
-            if raise_on_miss:
+            if value is _MISSING and raise_on_miss:
                 available = '\n'.join(f'  - {k!r}' for k in self._data) or '  none'
                 raise ValueError(
                     f'{error_context} not compiled for the requested cache key.\n'
                     f'Requested key: {key!r}\nAvailable keys:\n{available}\n'
                     'Call make_jaxpr() with these arguments first.')
-            return default
+            return default if value is _MISSING else value
 
     def set(self, key, value) -> None:
         """Adds a new entry (``ValueError`` if ``key`` is already present)."""
@@ -1594,13 +1580,11 @@ class BoundedCache:
         with self._lock:
             return self._data.pop(key, default)
 
-    def __contains__(self, key) -> bool:
-        with self._lock:
-            return key in self._data
+    def __contains__(self, key) -> bool:   # one dict lookup: needs no lock
+        return key in self._data
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
+        return len(self._data)
 
     def keys(self) -> list:
         """The stored keys, least recently used first."""
@@ -1618,9 +1602,8 @@ class BoundedCache:
         with self._lock:
             misses = self._read(self._misses)
             hits = max(0, self._read(self._hits) - self._read(self._retracted))
-            total = hits + misses
             return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
-                    'misses': misses, 'hit_rate': 100.0 * hits / total if total else 0.0}
+                    'misses': misses, 'hit_rate': 100.0 * hits / max(hits + misses, 1)}
 
 
 _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
@@ -1653,7 +1636,7 @@ def _static_positions(sf, nargs: int) -> tuple:
 
 def _split_args(sf, args, kwargs) -> tuple:
     """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
-    statics = _static_positions(sf, len(args)) if sf.static_argnums else ()
+    statics = _static_positions(sf, len(args))
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
     static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
@@ -1662,8 +1645,7 @@ def _split_args(sf, args, kwargs) -> tuple:
 
 
 def _hash_static(sf, where: str, value):
-    """``(key, by_value)``: the static ``value`` as a key, and whether only its
-    ``make_hashable`` form hashes (jax.jit then needs it wrapped)."""
+    """The static ``value`` as part of a cache key: its ``make_hashable`` form."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
     if not _hashes(h):
@@ -1671,7 +1653,7 @@ def _hash_static(sf, where: str, value):
             f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
             'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
             'the argument dynamic')
-    return h, not _hashes(value)
+    return h
 
 
 def _hashes(x) -> bool:
@@ -1683,27 +1665,23 @@ def _hashes(x) -> bool:
 
 
 def _call_key(sf, args, kwargs):
-    """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear
-    errors; ``by_value``: some static argument hashes only by value."""
+    """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear errors;
+    ``by_value``: some static argument hashes only by value (jax.jit needs it wrapped)."""
     split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
-    hashed = [_hash_static(sf, where, value) for where, value in
-              [(f'positional argument {i}', v) for i, v in static_args]
-              + [(f'keyword argument {k!r}', v) for k, v in static_kwargs.items()]]
-    by_value, hashed = any(wrapped for _, wrapped in hashed), [h for h, _ in hashed]
+    static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v))
+                       for i, v in static_args)
+    static_kw_key = tuple(sorted((k, _hash_static(sf, f'keyword argument {k!r}', v))
+                                 for k, v in static_kwargs.items()))
     leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
     leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
     try:
-        sigs = tuple(map(_leaf_sig, leaves_a + leaves_k))
+        sigs_a, sigs_k = tuple(map(_leaf_sig, leaves_a)), tuple(map(_leaf_sig, leaves_k))
     except (TypeError, OverflowError):
         _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
         raise
-    n = len(static_args)
-    key = hashabledict(
-        static_args=tuple(zip([i for i, _ in static_args], hashed[:n])),
-        dyn_args=(tree_a, sigs[:len(leaves_a)]),
-        static_kwargs=tuple(sorted(zip(static_kwargs, hashed[n:]))),
-        dyn_kwargs=(tree_k, sigs[len(leaves_a):]),
-    )
+    key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
+                       static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
+    by_value = not _hashes((static_args, tuple(static_kwargs.items())))
     return key, leaves_a + leaves_k, split, by_value
 
 
@@ -1744,8 +1722,7 @@ class _StaticArg:
     __slots__ = ('value', '_key')
 
     def __init__(self, value):
-        self.value = value
-        self._key = make_hashable(value)
+        self.value, self._key = value, make_hashable(value)
 
     def __hash__(self):
         return hash(self._key)
@@ -1756,12 +1733,10 @@ class _StaticArg:
 
 def _wrap_statics(sf, args, kwargs):
     """The call's static arguments as _StaticArgs (jax.jit hashes those)."""
-    static_args, _, static_kwargs, _ = _split_args(sf, args, kwargs)
-    args = list(args)
-    for i, value in static_args:
-        args[i] = _StaticArg(value)
-    kwargs = {k: _StaticArg(v) if k in static_kwargs else v for k, v in kwargs.items()}
-    return tuple(args), kwargs
+    statics = _static_positions(sf, len(args))
+    args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
+    kwargs = {k: _StaticArg(v) if k in sf.static_argnames else v for k, v in kwargs.items()}
+    return args, kwargs
 
 
 # =============================================================================
