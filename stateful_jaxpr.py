@@ -4170,9 +4170,8 @@ def deserialize(data) -> Exported:
 # =============================================================================
 # 11. Jaxpr passes: constant folding
 #
-# A traced stateful function often computes from constants only (tables,
-# masks, initial values); folding evaluates those equations once, at trace
-# time, and leaves a smaller jaxpr with the same interface.
+# Equations computing from constants only (tables, masks, initial values) are
+# evaluated once, at fold time, leaving a smaller jaxpr with the same interface.
 # =============================================================================
 
 class IdentitySet(MutableSet):
@@ -4244,8 +4243,9 @@ def _evaluate(eqn, values):
     call's body is folded with the known values; the call folds if all its body does.
     A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
     name = eqn.primitive.name
-    param = next((p for p in _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES
-                  and isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))), None)
+    body_params = _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES else ()
+    param = next((p for p in body_params if isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))),
+                 None)
     if param is not None:
         body = eqn.params[param]
         body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
@@ -4267,9 +4267,8 @@ def _evaluate(eqn, values):
 
 
 def _inline_known(jaxpr, consts, eqns, known):
-    """``jaxpr`` with ``eqns``, whose inputs of known value become literals
-    (scalars, or every value of a bare Jaxpr) or new consts; unused consts
-    are dropped."""
+    """``jaxpr`` with ``eqns``, known values inlined as literals (scalars, or any
+    value in a bare Jaxpr) or new consts; unused consts are dropped."""
     invars = set(jaxpr.invars)
     const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
 
@@ -4292,22 +4291,17 @@ def _inline_known(jaxpr, consts, eqns, known):
 def constant_fold_jaxpr(jaxpr):
     """Evaluates every equation whose inputs are all known and inlines the results.
 
-    Accepts a ``Jaxpr`` or ``ClosedJaxpr`` and returns the same kind with the
-    same interface (invars, outvar avals and debug info), so it evaluates with
-    the original arguments to the same numbers.  Never folded: equations
-    without inputs, random-number primitives, control flow, callbacks and
-    other effectful primitives, and equations that would only materialise a
-    large constant.  Bodies of nested ``pjit``/``closed_call`` are folded too.
+    Accepts a ``Jaxpr`` or ``ClosedJaxpr`` and returns the same kind with the same
+    interface (invars, outvar avals, debug info), so it gives the same numbers.  Never
+    folded: equations without inputs, random-number, control-flow, callback and other
+    effectful primitives, and equations that would only materialise a large constant.
+    Bodies of nested ``pjit``/``closed_call`` are folded too.
 
     Example
     -------
     >>> table = jnp.array([0.0, 1.0, 2.0])
-    >>> def f(x):
-    ...     c = jnp.exp(table) * 2 + 1         # depends on constants only
-    ...     return x + c
-    >>> cj = jax.make_jaxpr(f)(jnp.ones(3))
-    >>> folded = constant_fold_jaxpr(cj)
-    >>> len(folded.eqns) < len(cj.eqns)
+    >>> cj = jax.make_jaxpr(lambda x: x + jnp.exp(table) * 2)(jnp.ones(3))
+    >>> len(constant_fold_jaxpr(cj).eqns) < len(cj.eqns)
     True
     """
     if not isinstance(jaxpr, (ClosedJaxpr, Jaxpr)):
@@ -4318,13 +4312,11 @@ def constant_fold_jaxpr(jaxpr):
 
 # =============================================================================
 # 12. Demo: ``python stateful_jaxpr.py``
-#
-# The public API end to end, on a small recurrent network: printing a labelled
-# jaxpr, running a compiled step, mapping it over a batch with per-lane keys.
 # =============================================================================
 
 def main() -> None:
-    """A short tour: trace a stateful function, show its jaxpr, call it."""
+    """A short tour: a labelled jaxpr, a compiled stateful step, a mapping with
+    per-lane keys."""
     print(f'stateful_jaxpr on jax {jax.__version__}\n')
     weight = ParamState(jnp.array([0.5, -1.0, 2.0]), name='weight')
     trace = LongTermState(jnp.zeros(3), name='trace')
@@ -4354,8 +4346,7 @@ def main() -> None:
     sm = StatefulMapping(noisy, in_axes=0, state_in_axes={0: 'per_lane'})
     out = sm(jnp.ones((4, 3)))
     print(f'\n4. StatefulMapping over 4 lanes, one random key per lane:\n'
-          f'   out={np.round(np.asarray(out), 3)}')
-    print(f'   h=\n{np.round(np.asarray(h.value), 3)}')
+          f'   out={np.round(np.asarray(out), 3)}\n   h=\n{np.round(np.asarray(h.value), 3)}')
 
 
 if __name__ == '__main__':
