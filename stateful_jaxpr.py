@@ -4062,14 +4062,12 @@ def deserialize(data) -> Exported:
 # =============================================================================
 # 11. Jaxpr passes: constant folding
 #
-# A traced stateful function often computes from constants only (tables,
-# masks, initial values); folding evaluates those equations once, at trace
-# time, and leaves a smaller jaxpr with the same interface.
+# Equations computing from constants only (tables, masks, initial values) are
+# evaluated once, at fold time, leaving a smaller jaxpr with the same interface.
 # =============================================================================
 
 class IdentitySet(MutableSet):
-    """A mutable set of objects compared by identity (for unhashable values
-    such as arrays).
+    """A mutable set of objects compared by identity (for unhashable values such as arrays).
 
     Example
     -------
@@ -4080,9 +4078,7 @@ class IdentitySet(MutableSet):
     """
 
     def __init__(self, iterable: Iterable | None = None):
-        self._data: dict = {}
-        for value in iterable or ():
-            self.add(value)
+        self._data: dict = {id(value): value for value in iterable or ()}
 
     def add(self, value) -> None:
         self._data[id(value)] = value
@@ -4103,167 +4099,116 @@ class IdentitySet(MutableSet):
         return f'IdentitySet({list(self._data.values())!r})'
 
 
-# Never evaluated at fold time: their value must come from running the program.
 # A folded value larger than this (in elements) and larger than the inputs
 # would only materialise a big constant (e.g. broadcast_in_dim of a scalar).
 _FOLD_MAX_GROWTH = 1024
 
 
-def _numel(aval) -> int:
-    return int(math.prod(getattr(aval, 'shape', ()) or ()))
+def _size(atoms) -> int:
+    return sum(int(math.prod(getattr(a.aval, 'shape', ()))) for a in atoms)
 
 
-def _foldable(eqn) -> bool:
-    name = eqn.primitive.name
-    if not eqn.invars or name in _NO_FOLD_PRIMITIVES or _nested_jaxprs(eqn.params):
-        return False
-    if any(part in name for part in _NO_FOLD_PARTS):
-        return False
-    out_size = sum(_numel(v.aval) for v in eqn.outvars)
-    in_size = sum(_numel(v.aval) for v in eqn.invars)
-    return out_size <= max(in_size, _FOLD_MAX_GROWTH)
-
-
-def _fold(jaxpr, consts, in_values=None):
+def _fold(jaxpr, consts, in_values=()):
     """``(folded jaxpr, the known value of each output or _MISSING)``; the
     jaxpr is closed over new consts unless ``consts`` is None (a bare Jaxpr).
-    ``in_values``: the inputs' values, for a call whose arguments are known."""
-    known = {}        # Var -> value known at fold time
-    if in_values is not None:
-        known.update(zip(jaxpr.invars, in_values))
-    const_values = dict(zip(jaxpr.constvars, consts)) if consts is not None else {}
+    ``in_values``: the inputs' values (_MISSING where unknown), for a call body."""
+    known = dict(zip(jaxpr.invars, in_values))     # Var -> value known at fold time
+    const_values = dict(zip(jaxpr.constvars, consts or ()))
 
     def value_of(atom):
         if isinstance(atom, Literal):
             return atom.val
-        return known[atom] if atom in known else const_values.get(atom, _MISSING)
+        return known.get(atom, const_values.get(atom, _MISSING))
 
     eqns = []
     for eqn in jaxpr.eqns:
-        values = [value_of(v) for v in eqn.invars]
-        outs = _evaluate(eqn, values)
-        if outs is not None:
-            known.update(zip(eqn.outvars, outs))
+        eqn, outs = _evaluate(eqn, [value_of(v) for v in eqn.invars])
+        if outs is None:
+            eqns.append(eqn)
         else:
-            eqns.append(_fold_call_body(eqn))
-    out_values = [value_of(v) for v in jaxpr.outvars]
-    return _inline_known(jaxpr, consts, eqns, known), out_values
+            known.update(zip(eqn.outvars, outs))
+    return _inline_known(jaxpr, consts, eqns, known), [value_of(v) for v in jaxpr.outvars]
 
 
 def _evaluate(eqn, values):
-    """``eqn``'s outputs if it can be folded with these input values, else None.
+    """``(eqn, its outputs if it folds with these input values, else None)``.  A
+    call's body is folded with the known values; the call folds if all its body does.
     A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
+    name = eqn.primitive.name
+    body_params = _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES else ()
+    param = next((p for p in body_params if isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))),
+                 None)
+    if param is not None:
+        body = eqn.params[param]
+        body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
+        eqn = eqn.replace(params={**eqn.params, param: body})
     if (eqn.effects or any(v is _MISSING or isinstance(v, Tracer) for v in values)
             or any(_is_typed_key(v.aval) for v in eqn.outvars)):
-        return None
-    if eqn.primitive.name in _CALL_PRIMITIVES:
-        return _fold_call(eqn, values)   # known only if the whole body folds
-    if not _foldable(eqn):
-        return None
+        return eqn, None
+    if param is not None:
+        return eqn, None if any(v is _MISSING for v in outs) else outs
+    if (not eqn.invars or name in _NO_FOLD_PRIMITIVES or _nested_jaxprs(eqn.params)
+            or any(part in name for part in _NO_FOLD_PARTS)
+            or _size(eqn.outvars) > max(_size(eqn.invars), _FOLD_MAX_GROWTH)):
+        return eqn, None
     try:
         outs = eqn.primitive.bind(*values, **eqn.params)
     except Exception:  # e.g. a primitive with no eager rule: keep it
-        return None
-    return outs if eqn.primitive.multiple_results else [outs]
+        return eqn, None
+    return eqn, outs if eqn.primitive.multiple_results else [outs]
 
 
 def _inline_known(jaxpr, consts, eqns, known):
-    """``jaxpr`` with ``eqns``, whose inputs of known value become literals
-    (scalars, or every value of a bare Jaxpr) or new consts; unused consts
-    are dropped."""
+    """``jaxpr`` with ``eqns``, known values inlined as literals (scalars, or any
+    value in a bare Jaxpr) or new consts; unused consts are dropped."""
     invars = set(jaxpr.invars)
-    constvars = list(jaxpr.constvars)
-    new_consts = list(consts) if consts is not None else None
-    replacement = {}  # folded Var -> Literal or new constvar
+    const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
 
     def substitute(atom):
         if isinstance(atom, Literal) or atom not in known or atom in invars:
             return atom
-        if atom not in replacement:
-            val = known[atom]
-            if np.shape(val) == () or new_consts is None:
-                replacement[atom] = Literal(np.asarray(val), atom.aval)
-            else:
-                constvars.append(atom)
-                new_consts.append(val)
-                replacement[atom] = atom
-        return replacement[atom]
+        if consts is None or np.shape(known[atom]) == ():
+            return Literal(np.asarray(known[atom]), atom.aval)
+        const_values[atom] = known[atom]
+        return atom
 
     eqns = [eqn.replace(invars=[substitute(v) for v in eqn.invars]) for eqn in eqns]
     outvars = [substitute(v) for v in jaxpr.outvars]
-    used = {v for eqn in eqns for v in eqn.invars if isinstance(v, Var)}
-    used.update(v for v in outvars if isinstance(v, Var))
-    keep = [i for i, v in enumerate(constvars) if v in used]
-    if new_consts is not None:
-        new_consts = [new_consts[i] for i in keep]
-    return _rebuild(jaxpr, new_consts, constvars=[constvars[i] for i in keep], eqns=eqns,
-                    outvars=outvars)
-
-
-def _call_body(eqn):
-    for name in _CALL_BODY_PARAMS:
-        body = eqn.params.get(name)
-        if isinstance(body, (ClosedJaxpr, Jaxpr)):
-            return name, body
-    return None, None
-
-
-def _fold_call(eqn, values):
-    """The outputs of a call whose inputs are known, if its body folds completely."""
-    body = _call_body(eqn)[1]
-    if body is None:
-        return None
-    closed = isinstance(body, ClosedJaxpr)
-    _, outs = _fold(body.jaxpr if closed else body, list(body.consts) if closed else None,
-                    values)
-    return None if any(v is _MISSING for v in outs) else outs
-
-
-def _fold_call_body(eqn):
-    name, body = _call_body(eqn) if eqn.primitive.name in _CALL_PRIMITIVES else (None, None)
-    if body is None:
-        return eqn
-    return eqn.replace(params={**eqn.params, name: constant_fold_jaxpr(body)})
+    used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
+    constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
+    return _rebuild(jaxpr, None if consts is None else [const_values[v] for v in constvars],
+                    constvars=constvars, eqns=eqns, outvars=outvars)
 
 
 def constant_fold_jaxpr(jaxpr):
     """Evaluates every equation whose inputs are all known and inlines the results.
 
-    Accepts a ``Jaxpr`` or ``ClosedJaxpr`` and returns the same kind with the
-    same interface (invars, outvar avals and debug info), so it evaluates with
-    the original arguments to the same numbers.  Never folded: equations
-    without inputs, random-number primitives, control flow, callbacks and
-    other effectful primitives, and equations that would only materialise a
-    large constant.  Bodies of nested ``pjit``/``closed_call`` are folded too.
+    Accepts a ``Jaxpr`` or ``ClosedJaxpr`` and returns the same kind with the same
+    interface (invars, outvar avals, debug info), so it gives the same numbers.  Never
+    folded: equations without inputs, random-number, control-flow, callback and other
+    effectful primitives, and equations that would only materialise a large constant.
+    Bodies of nested ``pjit``/``closed_call`` are folded too.
 
     Example
     -------
     >>> table = jnp.array([0.0, 1.0, 2.0])
-    >>> def f(x):
-    ...     c = jnp.exp(table) * 2 + 1         # depends on constants only
-    ...     return x + c
-    >>> cj = jax.make_jaxpr(f)(jnp.ones(3))
-    >>> folded = constant_fold_jaxpr(cj)
-    >>> len(folded.eqns) < len(cj.eqns)
+    >>> cj = jax.make_jaxpr(lambda x: x + jnp.exp(table) * 2)(jnp.ones(3))
+    >>> len(constant_fold_jaxpr(cj).eqns) < len(cj.eqns)
     True
     """
-    if isinstance(jaxpr, ClosedJaxpr):   # every Jaxpr from 0.11 on
-        return _fold(jaxpr.jaxpr, list(jaxpr.consts))[0]
-    if isinstance(jaxpr, Jaxpr):
-        return _fold(jaxpr, None)[0]
-    raise TypeError(f'constant_fold_jaxpr needs a Jaxpr or ClosedJaxpr, got '
-                    f'{type(jaxpr).__name__}')
+    if not isinstance(jaxpr, (ClosedJaxpr, Jaxpr)):
+        raise TypeError(f'constant_fold_jaxpr needs a Jaxpr or ClosedJaxpr, got '
+                        f'{type(jaxpr).__name__}')
+    return _fold(getattr(jaxpr, 'jaxpr', jaxpr), getattr(jaxpr, 'consts', None))[0]
 
 
 # =============================================================================
 # 12. Demo: ``python stateful_jaxpr.py``
-#
-# The public API end to end, on a small recurrent network: printing a labelled
-# jaxpr, running a compiled step, mapping it over a batch with per-lane keys.
 # =============================================================================
 
 def main() -> None:
-    """A short tour: trace a stateful function, show its jaxpr, call it."""
+    """A short tour: a labelled jaxpr, a compiled stateful step, a mapping with
+    per-lane keys."""
     print(f'stateful_jaxpr on jax {jax.__version__}\n')
     weight = ParamState(jnp.array([0.5, -1.0, 2.0]), name='weight')
     trace = LongTermState(jnp.zeros(3), name='trace')
@@ -4293,8 +4238,7 @@ def main() -> None:
     sm = StatefulMapping(noisy, in_axes=0, state_in_axes={0: 'per_lane'})
     out = sm(jnp.ones((4, 3)))
     print(f'\n4. StatefulMapping over 4 lanes, one random key per lane:\n'
-          f'   out={np.round(np.asarray(out), 3)}')
-    print(f'   h=\n{np.round(np.asarray(h.value), 3)}')
+          f'   out={np.round(np.asarray(out), 3)}\n   h=\n{np.round(np.asarray(h.value), 3)}')
 
 
 if __name__ == '__main__':
