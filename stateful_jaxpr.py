@@ -2514,16 +2514,13 @@ def _dynamic_shapes_problem():
 # =============================================================================
 # 7. StatefulFunction
 #
-# A traced function is only useful if calling it is as cheap as calling
-# ``jax.jit``.  Each entry's *plan* (which states it reads, writes, donates)
-# gets one jitted dispatcher, whose C++ cache keys on the state values and
-# arguments; its miss re-enters Python in ``_dispatch_body``, which consults
-# our own cache and inlines the entry's jaxpr into the jit trace (so that a
-# first call traces the function once, as jax.jit does).  A call takes the
-# *warm path* (``_call``: the last plan's dispatcher, no Python key), the
-# *slow path* (key, entry, dispatcher), or, inside an enclosing stateful
-# trace, the *in-trace path*: the states go through ``value`` so that the
-# enclosing trace threads them.
+# A call must cost no more than a ``jax.jit`` call.  Each entry's *plan*
+# (which states it reads, writes, donates) gets one jitted dispatcher keyed
+# by jax.jit's C++ cache; its miss re-enters ``_dispatch_body``, which inlines
+# the entry's jaxpr (so a first call traces once, as jax.jit does).  A call
+# takes the *warm path* (the last plan's dispatcher, no Python key), the
+# *slow path* (key, entry, dispatcher), or inside an enclosing stateful trace
+# the *in-trace path*, reading and writing states through ``value``.
 # =============================================================================
 
 class _PlanMismatch(Exception):
@@ -2536,9 +2533,8 @@ _MAX_PLAN_SWITCHES = 3
 
 
 # One lock per State, held from reading the states to writing them back, so
-# that calls sharing a State run as in some sequential order.  Plans take them
-# in one global order (by id: a plan keeps its States alive), and calls that
-# share no State never wait for each other.
+# that calls sharing a State run in some sequential order.  Plans take them in
+# one global order (by id: a plan keeps its States alive).
 _state_locks = weakref.WeakKeyDictionary()
 
 
@@ -2687,11 +2683,9 @@ def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
 
 
 def _warm_path(plan, dispatch, nargs, new):
-    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its locks,
-    state reads and writes unrolled (a loop would cost a visible part of a
-    jax.jit call).  ``new``, the values the call just returned, gives the type
-    a written value has outside any JAX trace; another type (a tracer, a
-    pytree) goes through _write_back's checks."""
+    """``warm(sf, args, kwargs)``: ``plan``'s compiled call with locks, reads and
+    writes unrolled (a loop costs a visible part of a jax.jit call).  A written
+    value not of the type ``new`` has (a tracer, a pytree) gets _write_back's checks."""
     first = new[0] if new else None
     names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
              'traced': _under_jax_trace,
@@ -2715,14 +2709,8 @@ def _warm_path(plan, dispatch, nargs, new):
 
 
 def _call(sf, *args, **kwargs):
-    """``sf(*args, **kwargs)``: bound as ``__call__`` of every stateful function.
-
-    The warm path (outside any trace, same number of positional arguments
-    and same state layouts as the last call) is the last plan's _warm_path:
-    jax.jit's C++ cache keys on the state values and the arguments, saving
-    the slow path's Python key.  A call during which the dispatcher traced
-    counts itself a miss in _dispatch_body.
-    """
+    """``__call__``: the warm path when outside any trace with the last call's
+    number of positional arguments and state layouts, else the slow path."""
     if _frames_open and _ctx.frames:
         return sf._call_in_trace(args, kwargs)
     fast = sf._fast
@@ -2731,8 +2719,8 @@ def _call(sf, *args, **kwargs):
     try:
         return fast[0](sf, args, kwargs)
     except _PlanMismatch:
-        # These arguments use other states.  Switching plans costs an aborted
-        # trace, so a function that keeps switching gives up the fast path.
+        # Switching plans costs an aborted trace: a function that keeps
+        # switching gives up the warm path.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
     except (TypeError, ValueError, OverflowError) as err:
@@ -3012,15 +3000,9 @@ class _StatefulBase:
 
 
 class _BrainstateAccessors:
-    """The accessor surface of brainstate 0.2.1's StatefulFunction.
-
-    Everything in this class follows brainstate's names, signatures and
-    return types (``get_jaxpr``, ``get_out_shapes``, ``get_state_trace`` ...,
-    their ``*_by_cache`` forms, ``validate_states``; and ``been_writen`` in
-    StateTraceStack is brainstate's spelling), so code written for brainstate
-    runs unchanged.  Each accessor describes the trace an entry's ``view``
-    holds: for StatefulMapping the whole mapped call.
-    """
+    """brainstate 0.2.1's accessors, with its names, signatures and return types,
+    so that code written for it runs unchanged.  Each describes an entry's
+    ``view``: for StatefulMapping the whole mapped call."""
 
     @staticmethod
     def _view(entry) -> _Traced:
@@ -3103,41 +3085,30 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
     The jaxpr's inputs are the flat dynamic arguments (positional, then
-    keyword) followed by every State the function touches, in first-touch
-    order; its outputs are the flat results followed by the written States
-    (all touched States with ``return_only_write=False``).  One trace is
-    cached per abstract signature of the arguments (static arguments by
-    value).  Calling runs a compiled executable and writes the new state
-    values back.
+    keyword) followed by every touched State in first-touch order; its outputs
+    are the flat results followed by the written States (all touched ones with
+    ``return_only_write=False``).  One trace is cached per abstract signature
+    of the arguments (static ones by value).  Calling runs a compiled
+    executable and writes the new state values back.
 
     Parameters
     ----------
-    fun : callable
-        The function to trace.
     static_argnums, static_argnames
-        Arguments treated as compile-time constants (part of the cache key by
-        value).  Negative positions count from the end.
+        Compile-time constant arguments (negative positions count from the end).
     axis_env : sequence of (name, size), optional
         Named axes bound while tracing (for ``lax.axis_index`` / collectives).
     abstracted_axes : optional
         Dynamic-shape specification, on JAX releases that support it.
     name : str, optional
-        Label for jaxprs and error messages (defaults to ``fun.__name__``).
-    return_only_write : bool
-        Return only written states from the jaxpr (default) or all touched ones.
+        Label for jaxprs and error messages (default ``fun.__name__``).
     donate_states : filter, optional
-        Written states matching it (``True``: every written state) have their
-        old buffers donated to the compiled call, so XLA updates them in place
-        (see README, "Many devices, many hosts").  Read-only states are never
-        donated.  Off by default: an old value someone still holds becomes a
-        deleted array.
+        Written states matching it (``True``: all) donate their old buffers, so
+        XLA updates them in place; an old value still held becomes deleted.
     keep_sharding : filter
-        Written states matching it (default: all) keep the sharding their
-        value had, also where XLA would infer another; ``False`` (or a filter
-        excluding a state) lets XLA choose.
+        Written states matching it (default: all) keep their value's sharding;
+        ``False`` lets XLA choose.
     explain_cache_misses : bool, optional
-        Log why each trace after the first happened (default: the module-wide
-        setting, see :func:`explain_cache_misses`).
+        Log why each retrace happened (default: see :func:`explain_cache_misses`).
 
     Example
     -------
@@ -3192,11 +3163,9 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
     def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
         """Pure call: ``(new_state_vals, out)`` from explicit state values.
 
-        ``state_vals`` holds one value per touched state (``get_states`` order).
-        ``new_state_vals`` is a tuple in the same order holding each returned
-        state's new value and ``None`` for the others (the read-only states,
-        unless ``return_only_write=False``).  Works under every JAX
-        transformation.
+        Both hold one value per touched state in ``get_states()`` order;
+        ``new_state_vals`` has ``None`` for each state the jaxpr does not return.
+        Works under every JAX transformation.
 
         Example
         -------
@@ -3247,14 +3216,10 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         return tuple(new_vals), out
 
     def pretty_jaxpr(self, *args, **kwargs) -> str:
-        """The jaxpr for these arguments (traced on a cache miss), followed by a
-        legend: each input and output in order with the jaxpr's name for it,
-        its aval and its role: an argument by position or keyword and pytree
-        path (``argument 0['w'][1]``, ``keyword 'scale'``); a State by name
-        (an unnamed one as ``Type@file.py:line``), type, whether the function
-        reads it, writes it or both, and its creation site; a result by its
-        path in the output; a state output as the State's new value.
-        ``str(sf)`` shows the same for the most recently traced entry.
+        """The jaxpr for these arguments followed by a legend naming each input
+        and output: an argument by pytree path, a State by name, how it is used
+        and its creation site, a result by its path.  ``str(sf)`` shows the
+        same for the most recently traced entry.
 
         Example
         -------
@@ -3282,9 +3247,6 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
 
 
 # =============================================================================
-
-
-# =============================================================================
 # 8. make_jaxpr
 #
 # ``jax.make_jaxpr`` for functions that touch States: a one-call wrapper over
@@ -3297,11 +3259,10 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     """Like ``jax.make_jaxpr``, but States the function touches become inputs
     and outputs.
 
-    Returns a function that returns ``(closed_jaxpr, states)``, or
-    ``(closed_jaxpr, states, out_shapes)`` with ``return_shape=True``, or
-    with ``pretty=True`` the jaxpr text followed by a legend of its inputs
-    and outputs (see :func:`pretty_jaxpr`).  For a function that touches no
-    State the jaxpr equals ``jax.make_jaxpr``'s.
+    The returned function gives ``(closed_jaxpr, states)``, with
+    ``return_shape=True`` also ``out_shapes``, with ``pretty=True`` the
+    labelled text of :meth:`StatefulFunction.pretty_jaxpr` instead.  For a
+    function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
 
     Example
     -------
