@@ -2606,19 +2606,9 @@ def _write_back(fun, plan, new) -> None:
         state._value = value
 
 
-def _constrain(value, sharding):
-    """``value`` laid out as ``sharding`` inside a jit trace (``reshard`` where
-    the mesh has Explicit axes, a sharding constraint otherwise)."""
-    axis_types = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-    if _AXIS_EXPLICIT is not None and _AXIS_EXPLICIT in axis_types and _reshard is not None:
-        return _reshard(value, sharding)
-    return jax.lax.with_sharding_constraint(value, sharding)
-
-
 def _kept_layout(state, new):
-    """``new`` laid out like ``state``'s current value, leaf by leaf, where
-    that spans several devices (inside the dispatcher's trace).  Without it
-    XLA may gather a state it infers no sharding for onto one device."""
+    """``new`` laid out like ``state``'s value where that spans several devices
+    (in the dispatcher's trace): else XLA may gather it onto one device."""
     old, tree = jax.tree_util.tree_flatten(state._value)
     leaves, new_tree = jax.tree_util.tree_flatten(new)
     if new_tree != tree:
@@ -2627,7 +2617,11 @@ def _kept_layout(state, new):
     for o, n in zip(old, leaves):
         sharding = _multi_device(o)
         if sharding is not None and np.shape(o) == np.shape(n):
-            n = _constrain(n, sharding)
+            mesh_axes = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
+            if _reshard is not None and _AXIS_EXPLICIT in mesh_axes:   # Explicit axes
+                n = _reshard(n, sharding)
+            else:
+                n = jax.lax.with_sharding_constraint(n, sharding)
         out.append(n)
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -2740,7 +2734,7 @@ _traced_value = operator.attrgetter('value')    # its value as the current trace
 
 
 class _StatefulBase:
-    """Tracing, caching and calling, shared by StatefulFunction and StatefulMapping."""
+    """StatefulFunction's tracing, caching, calling and brainstate accessors."""
 
     _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
     __call__ = _call
@@ -2853,9 +2847,6 @@ class _StatefulBase:
             plan = self._plans[plan_key] = _Plan(states, write_index, self._donate, written)
             self._plans_by_token[plan.token] = plan
         return plan
-
-    def _build_entry(self, key, leaves, split) -> _Entry:
-        raise NotImplementedError
 
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
@@ -2998,12 +2989,8 @@ class _StatefulBase:
         """
         return dict(self._miss_causes)
 
-
-class _BrainstateAccessors:
-    """brainstate 0.2.1's accessors, with its names, signatures and return types,
-    so that code written for it runs unchanged.  Each describes an entry's
-    ``view``: for StatefulMapping the whole mapped call."""
-
+    # -- brainstate 0.2.1's accessors, with its names, signatures and return types.
+    # Each describes an entry's ``view``: for StatefulMapping the whole mapped call.
     @staticmethod
     def _view(entry) -> _Traced:
         view = entry.view
@@ -3013,11 +3000,6 @@ class _BrainstateAccessors:
 
     def _view_by_key(self, cache_key, context: str) -> _Traced:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
-
-    def _view_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        if compile_if_miss:
-            return self._view(self._lookup(args, kwargs)[1])
-        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
@@ -3054,14 +3036,16 @@ class _BrainstateAccessors:
 def _accessors(name, context, pick, doc):
     """``get_<name>`` and ``get_<name>_by_cache``: ``pick`` of an entry's view."""
     def get(self, *args, compile_if_miss: bool = True, **kwargs):
-        return pick(self._view_by_args(args, kwargs, compile_if_miss, context))
+        if compile_if_miss:
+            return pick(self._view(self._lookup(args, kwargs)[1]))
+        return pick(self._view_by_key(self._cache_key(args, kwargs)[0], context))
 
     def by_cache(self, cache_key):
         return pick(self._view_by_key(cache_key, context))
     get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
     for fun, suffix in ((get, ''), (by_cache, '_by_cache')):
         fun.__name__ = fun.__qualname__ = f'get_{name}{suffix}'
-        setattr(_BrainstateAccessors, fun.__name__, fun)
+        setattr(_StatefulBase, fun.__name__, fun)
 
 
 for _spec in (
@@ -3081,7 +3065,7 @@ for _spec in (
     _accessors(*_spec)
 
 
-class StatefulFunction(_BrainstateAccessors, _StatefulBase):
+class StatefulFunction(_StatefulBase):
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
     The jaxpr's inputs are the flat dynamic arguments (positional, then
@@ -3132,7 +3116,12 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
                          explain_cache_misses)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
-        traced = self._run_trace(leaves, split)
+        trace_with = None
+        if self.abstracted_axes is not None:
+            trace_with = _abstracted_tracer(self.abstracted_axes, split)
+        traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
+                                 name=self.name, return_only_write=self.return_only_write,
+                                 axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
         run = traced.runner()
 
         def apply(state_values, flat_args):
@@ -3145,14 +3134,6 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
         return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
                       traced)
-
-    def _run_trace(self, leaves, split) -> _Traced:
-        trace_with = None
-        if self.abstracted_axes is not None:
-            trace_with = _abstracted_tracer(self.abstracted_axes, split)
-        return _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
-                               name=self.name, return_only_write=self.return_only_write,
-                               axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
 
     # -- public API --------------------------------------------------------------
     def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
