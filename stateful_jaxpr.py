@@ -2554,16 +2554,14 @@ class _Plan:
         self.write_index = write_index
         self.write_states = tuple(states[i] for i in write_index)
         self.written = tuple(i in written for i in write_index)   # assigned, not just returned
-        self.donated = tuple(i for i in write_index if donate is not None
-                             and donate((), states[i]))
+        self.donated = tuple(i for i in write_index if donate and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
 
 
 class _Entry:
-    """One cache entry: the trace, its plan and how to apply it.  ``view`` is
-    the trace the accessors describe (``get_jaxpr`` ...): ``traced`` itself,
-    or for StatefulMapping a function that traces the whole mapped call."""
+    """One cache entry.  ``view``, the trace the accessors describe, is ``traced``
+    or for StatefulMapping a function tracing the whole mapped call."""
     __slots__ = ('traced', 'plan', 'apply', 'view')
 
     def __init__(self, traced, plan, apply, view):
@@ -2588,9 +2586,8 @@ def _write_back(fun, plan, new) -> None:
     """Gives ``plan``'s written states the values a compiled call returned."""
     pairs = zip(plan.write_states, new)
     if new and _under_jax_trace():
-        # Under a plain JAX transformation the write would happen once per
-        # trace, not per lane or per derivative, and may be a tracer: refused
-        # whatever the value depends on, unless the State lives in this trace.
+        # Under a plain JAX transformation a write happens once per trace, not per
+        # lane or derivative, and may leak a tracer: refused unless the State is local.
         pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
         refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
         if refused:
@@ -2632,17 +2629,14 @@ def _layout_token(sf, plan) -> int:
                    for leaf in _leaves(state._value))
     if not any(layout):
         return plan.token
-    token = sf._layout_tokens.get((plan.token, layout))
-    if token is None:
-        token = sf._layout_tokens[(plan.token, layout)] = next(_plan_tokens)
-        sf._plans_by_token[token] = plan
+    token = sf._layout_tokens.setdefault((plan.token, layout), next(_plan_tokens))
+    sf._plans_by_token[token] = plan
     return token
 
 
 def _donating(sf, jitted, plan):
-    """Calls the donating ``jitted`` as the plain dispatcher is called.  An
-    array a donated state shares with another state is refused before the
-    call, as JAX may crash on it."""
+    """The donating ``jitted``, called as the plain dispatcher is.  An array a
+    donated state shares with another state is refused: JAX may crash on it."""
     def call(values, *args, **kwargs):
         owner = {}
         for i in plan.donated + plan.kept:
@@ -2756,12 +2750,10 @@ class _StatefulBase:
                     for p in env), '(axis_name, size) pairs with int sizes >= 1')):
             if not ok:
                 raise TypeError(f'{who}({what}=...) needs {want}, got {value!r}')
-        self.axis_env = env or None
-        self.abstracted_axes = abstracted_axes
+        self.axis_env, self.abstracted_axes = env or None, abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
         self.return_only_write = return_only_write
-        self.donate_states = donate_states
-        self.keep_sharding = keep_sharding
+        self.donate_states, self.keep_sharding = donate_states, keep_sharding
         try:
             self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
             self._keep = to_predicate(keep_sharding)
@@ -2807,8 +2799,8 @@ class _StatefulBase:
             return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
-        """The entry under ``key`` (and for ``plan`` if given) if it was traced
-        for its states' current shapes, as ``read(state)`` gives them."""
+        """The entry under ``key`` (for ``plan`` if given) if traced for the
+        states' current shapes, as ``read(state)`` gives them."""
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan):
             return None
@@ -2850,9 +2842,8 @@ class _StatefulBase:
 
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
-        """The jitted call for one plan (and layout): ``dispatch(state_values,
-        *args, **kwargs)``.  One jax.jit object per plan, rather than the plan
-        as a static argument, saves hashing that argument on every call."""
+        """``dispatch(state_values, *args, **kwargs)`` for one plan and layout: one
+        jax.jit per plan saves hashing the plan as a static argument per call."""
         jitted = self._dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
@@ -2893,9 +2884,8 @@ class _StatefulBase:
         return out, new
 
     def _run(self, entry, state_values, args, kwargs, leaves, token):
-        """Runs ``entry`` on concrete values: compiled unless mapping with pmap.
-        ``token`` is the dispatcher's static key: a negative one (``jaxpr_call``:
-        the caller's values) donates nothing and leaves the layout to XLA."""
+        """Runs ``entry`` on concrete values, compiled unless mapping with pmap.  A
+        negative ``token`` (``jaxpr_call``) donates nothing, leaves layout to XLA."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
         if self._statics_by_value:
@@ -2931,8 +2921,8 @@ class _StatefulBase:
         return out
 
     def _call_eagerly(self, args, kwargs):
-        """Under ``jax.disable_jit()``, as jax.jit there, the body runs as Python on concrete
-        values (a StatefulMapping traces anew: jax.vmap traces; it runs op by op)."""
+        """Under ``jax.disable_jit()``, as jax.jit there, runs the body as Python (a
+        StatefulMapping traces anew, as jax.vmap does, and runs op by op)."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
         try:
             if not isinstance(self, StatefulMapping):
@@ -2949,8 +2939,8 @@ class _StatefulBase:
         return out
 
     def _call_in_trace(self, args, kwargs):
-        """A call inside an enclosing stateful trace: the states are read and
-        written through ``value``, so that the enclosing trace threads them."""
+        """A call inside an enclosing stateful trace, which threads the states it
+        reads and writes through ``value``."""
         key, leaves, split = self._cache_key(args, kwargs)
         ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
@@ -2971,8 +2961,7 @@ class _StatefulBase:
         self._reset_dispatch()
 
     def get_cache_stats(self) -> dict:
-        """Statistics of the (single) entry cache under brainstate's four names,
-        each ``{size, maxsize, hits, misses, hit_rate}``."""
+        """The entry cache's ``get_stats()`` under brainstate's four cache names."""
         stats = self._cache.get_stats()
         return {name: dict(stats) for name in
                 ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
@@ -3003,9 +2992,7 @@ class _StatefulBase:
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
-        if compile_if_miss:
-            return self._lookup(args, kwargs)[0]
-        return self._cache_key(args, kwargs)[0]
+        return (self._lookup if compile_if_miss else self._cache_key)(args, kwargs)[0]
 
     def jaxpr_call_auto(self, *args, **kwargs):
         """Reads the states, runs, writes the written ones back; returns the output."""
@@ -3049,7 +3036,8 @@ def _accessors(name, context, pick, doc):
 
 
 for _spec in (
-        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr, 'The ClosedJaxpr for these arguments.'),
+        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr,
+         'The ClosedJaxpr for these arguments.'),
         ('out_shapes', 'Output shapes', lambda v: v.out_shapes(),
          '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
          'has one entry per state (``get_states()`` order), ``None`` where not returned.'),
@@ -3068,12 +3056,11 @@ for _spec in (
 class StatefulFunction(_StatefulBase):
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
-    The jaxpr's inputs are the flat dynamic arguments (positional, then
-    keyword) followed by every touched State in first-touch order; its outputs
-    are the flat results followed by the written States (all touched ones with
-    ``return_only_write=False``).  One trace is cached per abstract signature
-    of the arguments (static ones by value).  Calling runs a compiled
-    executable and writes the new state values back.
+    The jaxpr's inputs are the flat dynamic arguments followed by every touched
+    State in first-touch order; its outputs are the flat results followed by
+    the written States (all touched ones with ``return_only_write=False``).
+    Calls run compiled, one trace cached per argument signature, and write the
+    new state values back.
 
     Parameters
     ----------
@@ -3083,14 +3070,10 @@ class StatefulFunction(_StatefulBase):
         Named axes bound while tracing (for ``lax.axis_index`` / collectives).
     abstracted_axes : optional
         Dynamic-shape specification, on JAX releases that support it.
-    name : str, optional
-        Label for jaxprs and error messages (default ``fun.__name__``).
     donate_states : filter, optional
-        Written states matching it (``True``: all) donate their old buffers, so
-        XLA updates them in place; an old value still held becomes deleted.
+        Written states whose old buffers are donated, updated in place (``True``: all).
     keep_sharding : filter
-        Written states matching it (default: all) keep their value's sharding;
-        ``False`` lets XLA choose.
+        Written states that keep their value's sharding (default: all).
     explain_cache_misses : bool, optional
         Log why each retrace happened (default: see :func:`explain_cache_misses`).
 
@@ -3182,9 +3165,8 @@ class StatefulFunction(_StatefulBase):
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}, but the function was traced with {sig}; pass a value of the '
                     'traced shape and dtype')
-        # The compiled call takes and gives values in plan order (which a
-        # StatefulMapping's view may permute); returned states not written
-        # come back as given.
+        # The compiled call takes values in plan order (a StatefulMapping's view
+        # may permute it); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
@@ -3209,13 +3191,10 @@ class StatefulFunction(_StatefulBase):
         ...     w.value = w.value * x['scale']
         ...     return w.value.sum()
         >>> text = StatefulFunction(f).pretty_jaxpr({'scale': 2.0})
-        >>> print(text[text.index('inputs:'):])
+        >>> print(text[text.index('inputs:'):text.index('outputs:')])
         inputs:
           a  float32[]   argument 0['scale']
           b  float32[2]  state 'w' (State), read and written, created at ...
-        outputs:
-          ... float32[]   result
-          ... float32[2]  state 'w': new value
         """
         key, entry = self._lookup(args, kwargs)
         return _pretty(self._view(entry), key)
@@ -3230,8 +3209,7 @@ class StatefulFunction(_StatefulBase):
 # =============================================================================
 # 8. make_jaxpr
 #
-# ``jax.make_jaxpr`` for functions that touch States: a one-call wrapper over
-# StatefulFunction returning the jaxpr and the States it reads and writes.
+# ``jax.make_jaxpr`` for functions that touch States, over StatefulFunction.
 # =============================================================================
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
@@ -3255,8 +3233,7 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     >>> states == (s,), len(jaxpr.jaxpr.invars), len(jaxpr.jaxpr.outvars)
     (True, 2, 2)
     """
-    sf = StatefulFunction(fun, static_argnums=static_argnums, static_argnames=static_argnames,
-                          axis_env=axis_env, abstracted_axes=abstracted_axes,
+    sf = StatefulFunction(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                           return_only_write=return_only_write)
     if pretty and return_shape:
         raise ValueError('make_jaxpr(pretty=True) returns the labelled jaxpr text, which has '
