@@ -2532,9 +2532,8 @@ _plan_tokens = itertools.count(1)
 _MAX_PLAN_SWITCHES = 3
 
 
-# One lock per State, held from reading the states to writing them back, so
-# that calls sharing a State run in some sequential order.  Plans take them in
-# one global order (by id: a plan keeps its States alive).
+# One lock per State, held from reading the states to writing them back: calls sharing a
+# State run in sequence.  Plans take them in one order, by id (a plan keeps its States alive).
 _state_locks = weakref.WeakKeyDictionary()
 
 
@@ -2543,8 +2542,7 @@ def _state_lock(state):
 
 
 class _Plan:
-    """Which states a compiled call reads, writes and donates (positions in
-    ``states``), and their locks; shared by entries that agree."""
+    """Which states a compiled call reads, writes and donates; shared by entries that agree."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
                  'locks')
 
@@ -2566,20 +2564,6 @@ class _Entry:
 
     def __init__(self, traced, plan, apply, view):
         self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
-
-
-def _check_callable(fun, who: str):
-    kind = type(fun).__name__
-    if isinstance(fun, (staticmethod, classmethod)):
-        raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
-                        f'(obj.__func__) or apply the decorator outside @{kind}')
-    if not callable(fun):
-        raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
-    if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
-                            inspect.iscoroutinefunction)):
-        raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a generator '
-                        'or coroutine function (its body runs only when iterated or awaited); '
-                        'make it a plain function that returns its value (e.g. a list)')
 
 
 def _write_back(fun, plan, new) -> None:
@@ -2604,8 +2588,7 @@ def _write_back(fun, plan, new) -> None:
 
 
 def _kept_layout(state, new):
-    """``new`` laid out like ``state``'s value where that spans several devices
-    (in the dispatcher's trace): else XLA may gather it onto one device."""
+    """``new`` laid out like ``state``'s multi-device value, lest XLA gather it onto one."""
     old, tree = jax.tree_util.tree_flatten(state._value)
     leaves, new_tree = jax.tree_util.tree_flatten(new)
     if new_tree != tree:
@@ -2653,12 +2636,10 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._broken = (
-                        RuntimeError,
-                        f'{state._describe()} has no value: its buffer was donated to a call '
-                        f'of {_who(sf)} that then failed ({type(err).__name__}: {err}); assign '
-                        'it a new value',
-                        'buffer deleted by a failed donating call')
+                    state._broken = (RuntimeError, f'{state._describe()} has no value: its buffer '
+                                     f'was donated to a call of {_who(sf)} that then failed '
+                                     f'({type(err).__name__}: {err}); assign it a new value',
+                                     'buffer deleted by a failed donating call')
             raise
     return call
 
@@ -2671,9 +2652,8 @@ def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
 
 
 def _warm_path(plan, dispatch, nargs, new):
-    """``warm(sf, args, kwargs)``: ``plan``'s compiled call with locks, reads and
-    writes unrolled (a loop costs a visible part of a jax.jit call).  A written
-    value not of the type ``new`` has (a tracer, a pytree) gets _write_back's checks."""
+    """``warm(sf, args, kwargs)``: ``plan``'s call with locks, reads and writes unrolled (a
+    loop costs a visible part of a jax.jit call); values unlike ``new`` (tracers): _write_back."""
     first = new[0] if new else None
     names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
              'traced': _under_jax_trace,
@@ -2735,8 +2715,17 @@ class _StatefulBase:
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                  name, return_only_write, donate_states, keep_sharding, explain_cache_misses):
-        who = type(self).__name__
-        _check_callable(fun, who)
+        who, kind = type(self).__name__, type(fun).__name__
+        if isinstance(fun, (staticmethod, classmethod)):
+            raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
+                            f'(obj.__func__) or apply the decorator outside @{kind}')
+        if not callable(fun):
+            raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
+        if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
+                                inspect.iscoroutinefunction)):
+            raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a '
+                            'generator or coroutine function (its body runs only when iterated '
+                            'or awaited); make it a plain function that returns its value')
         self.fun = fun
         self.static_argnums = _static_spec(static_argnums, 'static_argnums')
         self.static_argnames = _static_spec(static_argnames, 'static_argnames')
@@ -2793,8 +2782,7 @@ class _StatefulBase:
         return key, leaves, split
 
     def _key_lock(self, key):
-        # Weakly held: a lock lives only while some thread traces that key, so
-        # evicted keys (and their static arguments) are not kept alive.
+        # Weakly held, so that evicted keys (and their static arguments) are not kept alive.
         with self._key_locks_guard:
             return self._key_locks.setdefault(key, threading.RLock())
 
@@ -2907,6 +2895,7 @@ class _StatefulBase:
             out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves,
                                  token)
             _write_back(self, plan, new)
+        self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             key = (token, len(args), bool(plan.donated))
@@ -2915,8 +2904,6 @@ class _StatefulBase:
                 warm = _warm_path(plan, self._dispatcher(*key), len(args), new)
                 self._warm_paths[key] = warm
             self._fast = (warm, len(args), epoch)
-        else:
-            self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -2939,8 +2926,7 @@ class _StatefulBase:
         return out
 
     def _call_in_trace(self, args, kwargs):
-        """A call inside an enclosing stateful trace, which threads the states it
-        reads and writes through ``value``."""
+        """A call inside an enclosing stateful trace, which threads states through ``value``."""
         key, leaves, split = self._cache_key(args, kwargs)
         ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
@@ -3137,8 +3123,7 @@ class StatefulFunction(_StatefulBase):
         >>> def f(x):
         ...     s.value = s.value + x
         ...     return x
-        >>> sf = StatefulFunction(f)
-        >>> new_vals, out = sf.jaxpr_call([jnp.ones(())], 2.0)
+        >>> new_vals, out = StatefulFunction(f).jaxpr_call([jnp.ones(())], 2.0)
         >>> float(new_vals[0]), float(s.value)      # s itself is untouched
         (3.0, 0.0)
         """
@@ -3215,8 +3200,7 @@ class StatefulFunction(_StatefulBase):
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
                return_shape: bool = False, abstracted_axes=None,
                return_only_write: bool = False, pretty: bool = False) -> Callable:
-    """Like ``jax.make_jaxpr``, but States the function touches become inputs
-    and outputs.
+    """Like ``jax.make_jaxpr``, with the States the function touches as inputs and outputs.
 
     The returned function gives ``(closed_jaxpr, states)``, with
     ``return_shape=True`` also ``out_shapes``, with ``pretty=True`` the
