@@ -3080,25 +3080,22 @@ class StatefulFunction(_StatefulBase):
                  abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
                  *, donate_states=None, keep_sharding=True,
                  explain_cache_misses: bool | None = None):
-        super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
-                         name, return_only_write, donate_states, keep_sharding,
-                         explain_cache_misses)
+        super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes, name,
+                         return_only_write, donate_states, keep_sharding, explain_cache_misses)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
-        trace_with = None
-        if self.abstracted_axes is not None:
-            trace_with = _abstracted_tracer(self.abstracted_axes, split)
+        dynamic = self.abstracted_axes is not None
+        trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
         traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
                                  name=self.name, return_only_write=self.return_only_write,
                                  axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
         run = traced.runner()
 
         def apply(state_values, flat_args):
-            if self.abstracted_axes is not None:
+            if dynamic:
                 raise NotImplementedError(
-                    f'{_who(self)} was built with abstracted_axes; its '
-                    'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
-                    'Create it without abstracted_axes to call it')
+                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
+                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
             return run(flat_args, state_values)
         written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
         return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
