@@ -2548,8 +2548,7 @@ class _Plan:
 
     def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
-        self.states = states
-        self.write_index = write_index
+        self.states, self.write_index = states, write_index
         self.write_states = tuple(states[i] for i in write_index)
         self.written = tuple(i in written for i in write_index)   # assigned, not just returned
         self.donated = tuple(i for i in write_index if donate and donate((), states[i]))
@@ -2593,17 +2592,15 @@ def _kept_layout(state, new):
     leaves, new_tree = jax.tree_util.tree_flatten(new)
     if new_tree != tree:
         return new
-    out = []
-    for o, n in zip(old, leaves):
+    for k, (o, n) in enumerate(zip(old, leaves)):
         sharding = _multi_device(o)
         if sharding is not None and np.shape(o) == np.shape(n):
             mesh_axes = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
             if _reshard is not None and _AXIS_EXPLICIT in mesh_axes:   # Explicit axes
-                n = _reshard(n, sharding)
+                leaves[k] = _reshard(n, sharding)
             else:
-                n = jax.lax.with_sharding_constraint(n, sharding)
-        out.append(n)
-    return jax.tree_util.tree_unflatten(tree, out)
+                leaves[k] = jax.lax.with_sharding_constraint(n, sharding)
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def _layout_token(sf, plan) -> int:
@@ -2756,14 +2753,15 @@ class _StatefulBase:
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
         self._cache = BoundedCache(128)
-        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._hints = _TraceHints()
-        self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
-        self._reset_dispatch()
+        self._reset()
         functools.update_wrapper(self, fun, updated=())
 
-    def _reset_dispatch(self):
+    def _reset(self):
+        """Everything ``clear_cache()`` forgets besides the entries themselves."""
+        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
+        self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
         self._plans: dict = {}
         self._plans_by_token: dict = {}
@@ -2941,10 +2939,7 @@ class _StatefulBase:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
-        self._miss_causes = collections.Counter()
-        with self._key_locks_guard:
-            self._key_locks.clear()
-        self._reset_dispatch()
+        self._reset()
 
     def get_cache_stats(self) -> dict:
         """The entry cache's ``get_stats()`` under brainstate's four cache names."""
