@@ -2578,8 +2578,7 @@ def _write_back(fun, plan, new) -> None:
                 f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
                 'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
                 'trace, which cannot carry the new value out.  Wrap the outer function in '
-                'StatefulFunction (or StatefulMapping), or call jaxpr_call(state_values, ...) '
-                'and thread the values explicitly.')
+                'StatefulFunction (or StatefulMapping), or thread the values with jaxpr_call.')
         for state, value in pairs:
             _check_tracers_may_enter(state, value, ())
     for state, value in pairs:
@@ -3131,17 +3130,15 @@ class StatefulFunction(_StatefulBase):
         states = view.states
         if len(state_vals) != len(states):
             raise ValueError(
-                f'State length mismatch: {_who(self)} touches '
-                f'{len(states)} state(s) ({", ".join(_label(s) for s in states)}) '
-                f'but jaxpr_call got {len(state_vals)} value(s); pass one value per state in '
-                'get_states() order')
+                f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
+                f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
+                'value(s); pass one value per state in get_states() order')
         for state, value, sig in zip(states, state_vals, view.state_sigs):
             got = _stale_sig(value, sig)
             if got is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
-                    f'{got}, but the function was traced with {sig}; pass a value of the '
-                    'traced shape and dtype')
+                    f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
         # The compiled call takes values in plan order (a StatefulMapping's view
         # may permute it); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
