@@ -2673,8 +2673,7 @@ def _warm_path(plan, dispatch, nargs, new):
 
 
 def _call(sf, *args, **kwargs):
-    """``__call__``: the warm path when outside any trace with the last call's
-    number of positional arguments and state layouts, else the slow path."""
+    """``__call__``: the last plan's warm path where it still applies, else the slow path."""
     if _frames_open and _ctx.frames:
         return sf._call_in_trace(args, kwargs)
     fast = sf._fast
@@ -2784,8 +2783,7 @@ class _StatefulBase:
             return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
-        """The entry under ``key`` (for ``plan`` if given) if traced for the
-        states' current shapes, as ``read(state)`` gives them."""
+        """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives."""
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan):
             return None
@@ -2844,8 +2842,7 @@ class _StatefulBase:
         return jitted
 
     def _dispatch_body(self, token, state_values, *args, **kwargs):
-        """Runs only when the dispatcher's cache misses: traced by jax.jit.
-        A negative ``token`` (``jaxpr_call``) leaves the layout to XLA."""
+        """Traced by jax.jit on a dispatcher miss; a negative token (jaxpr_call) keeps no layout."""
         plan = self._plans_by_token[abs(token)]
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
@@ -3102,11 +3099,10 @@ class StatefulFunction(_StatefulBase):
         return self
 
     def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
-        """Pure call: ``(new_state_vals, out)`` from explicit state values.
+        """Pure call, under any JAX transformation: ``(new_state_vals, out)``.
 
-        Both hold one value per touched state in ``get_states()`` order;
-        ``new_state_vals`` has ``None`` for each state the jaxpr does not return.
-        Works under every JAX transformation.
+        Both state sequences hold one value per touched state in ``get_states()``
+        order; ``new_state_vals`` has ``None`` for a state the jaxpr does not return.
 
         Example
         -------
@@ -3153,10 +3149,9 @@ class StatefulFunction(_StatefulBase):
         return tuple(new_vals), out
 
     def pretty_jaxpr(self, *args, **kwargs) -> str:
-        """The jaxpr for these arguments followed by a legend naming each input
-        and output: an argument by pytree path, a State by name, how it is used
-        and its creation site, a result by its path.  ``str(sf)`` shows the
-        same for the most recently traced entry.
+        """The jaxpr for these arguments and a legend naming each input and output:
+        an argument by pytree path, a State by name, use and creation site, a result
+        by its path.  ``str(sf)`` shows the same for the latest entry.
 
         Example
         -------
