@@ -2528,7 +2528,7 @@ class _PlanMismatch(Exception):
 
 
 _plan_tokens = itertools.count(1)
-# After this many plan switches a function stays on the slow path (see __call__).
+# After this many plan switches a function stays on the slow path (see _call).
 _MAX_PLAN_SWITCHES = 3
 
 
@@ -2551,7 +2551,7 @@ class _Plan:
         self.states, self.write_index = states, write_index
         self.write_states = tuple(states[i] for i in write_index)
         self.written = tuple(i in written for i in write_index)   # assigned, not just returned
-        self.donated = tuple(i for i in write_index if donate and donate((), states[i]))
+        self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
 
