@@ -3211,11 +3211,9 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     def make(*args, **kwargs):
         if pretty:
             return sf.pretty_jaxpr(*args, **kwargs)
-        entry = sf._lookup(args, kwargs)[1]
-        result = (entry.traced.closed_jaxpr, entry.traced.states)
-        if return_shape:
-            result += (entry.traced.out_shapes()[0],)
-        return result
+        traced = sf._lookup(args, kwargs)[1].traced
+        shapes = (traced.out_shapes()[0],) if return_shape else ()
+        return (traced.closed_jaxpr, traced.states, *shapes)
     return make
 
 
