@@ -2406,16 +2406,13 @@ def _dynamic_shapes_problem():
 # =============================================================================
 # 7. StatefulFunction
 #
-# A traced function is only useful if calling it is as cheap as calling
-# ``jax.jit``.  Each entry's *plan* (which states it reads, writes, donates)
-# gets one jitted dispatcher, whose C++ cache keys on the state values and
-# arguments; its miss re-enters Python in ``_dispatch_body``, which consults
-# our own cache and inlines the entry's jaxpr into the jit trace (so that a
-# first call traces the function once, as jax.jit does).  A call takes the
-# *warm path* (``_call``: the last plan's dispatcher, no Python key), the
-# *slow path* (key, entry, dispatcher), or, inside an enclosing stateful
-# trace, the *in-trace path*: the states go through ``value`` so that the
-# enclosing trace threads them.
+# A call must cost no more than a ``jax.jit`` call.  Each entry's *plan*
+# (which states it reads, writes, donates) gets one jitted dispatcher keyed
+# by jax.jit's C++ cache; its miss re-enters ``_dispatch_body``, which inlines
+# the entry's jaxpr (so a first call traces once, as jax.jit does).  A call
+# takes the *warm path* (the last plan's dispatcher, no Python key), the
+# *slow path* (key, entry, dispatcher), or inside an enclosing stateful trace
+# the *in-trace path*, reading and writing states through ``value``.
 # =============================================================================
 
 class _PlanMismatch(Exception):
@@ -2423,14 +2420,12 @@ class _PlanMismatch(Exception):
 
 
 _plan_tokens = itertools.count(1)
-# After this many plan switches a function stays on the slow path (see __call__).
+# After this many plan switches a function stays on the slow path (see _call).
 _MAX_PLAN_SWITCHES = 3
 
 
-# One lock per State, held from reading the states to writing them back, so
-# that calls sharing a State run as in some sequential order.  Plans take them
-# in one global order (by id: a plan keeps its States alive), and calls that
-# share no State never wait for each other.
+# One lock per State, held from reading the states to writing them back: calls sharing a
+# State run in sequence.  Plans take them in one order, by id (a plan keeps its States alive).
 _state_locks = weakref.WeakKeyDictionary()
 
 
@@ -2439,54 +2434,35 @@ def _state_lock(state):
 
 
 class _Plan:
-    """Which states a compiled call reads, writes and donates (positions in
-    ``states``), and their locks; shared by entries that agree."""
+    """Which states a compiled call reads, writes and donates; shared by entries that agree."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
                  'locks')
 
     def __init__(self, states, write_index, donate, written):
         self.token = next(_plan_tokens)
-        self.states = states
-        self.write_index = write_index
+        self.states, self.write_index = states, write_index
         self.write_states = tuple(states[i] for i in write_index)
         self.written = tuple(i in written for i in write_index)   # assigned, not just returned
-        self.donated = tuple(i for i in write_index if donate is not None
-                             and donate((), states[i]))
+        self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
 
 
 class _Entry:
-    """One cache entry: the trace, its plan and how to apply it.  ``view`` is
-    the trace the accessors describe (``get_jaxpr`` ...): ``traced`` itself,
-    or for StatefulMapping a function that traces the whole mapped call."""
+    """One cache entry.  ``view``, the trace the accessors describe, is ``traced``
+    or for StatefulMapping a function tracing the whole mapped call."""
     __slots__ = ('traced', 'plan', 'apply', 'view')
 
     def __init__(self, traced, plan, apply, view):
         self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
 
 
-def _check_callable(fun, who: str):
-    kind = type(fun).__name__
-    if isinstance(fun, (staticmethod, classmethod)):
-        raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
-                        f'(obj.__func__) or apply the decorator outside @{kind}')
-    if not callable(fun):
-        raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
-    if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
-                            inspect.iscoroutinefunction)):
-        raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a generator '
-                        'or coroutine function (its body runs only when iterated or awaited); '
-                        'make it a plain function that returns its value (e.g. a list)')
-
-
 def _write_back(fun, plan, new) -> None:
     """Gives ``plan``'s written states the values a compiled call returned."""
     pairs = zip(plan.write_states, new)
     if new and _under_jax_trace():
-        # Under a plain JAX transformation the write would happen once per
-        # trace, not per lane or per derivative, and may be a tracer: refused
-        # whatever the value depends on, unless the State lives in this trace.
+        # Under a plain JAX transformation a write happens once per trace, not per
+        # lane or derivative, and may leak a tracer: refused unless the State is local.
         pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
         refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
         if refused:
@@ -2494,38 +2470,28 @@ def _write_back(fun, plan, new) -> None:
                 f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
                 'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
                 'trace, which cannot carry the new value out.  Wrap the outer function in '
-                'StatefulFunction (or StatefulMapping), or call jaxpr_call(state_values, ...) '
-                'and thread the values explicitly.')
+                'StatefulFunction (or StatefulMapping), or thread the values with jaxpr_call.')
         for state, value in pairs:
             _check_tracers_may_enter(state, value, ())
     for state, value in pairs:
         state._value = value
 
 
-def _constrain(value, sharding):
-    """``value`` laid out as ``sharding`` inside a jit trace (``reshard`` where
-    the mesh has Explicit axes, a sharding constraint otherwise)."""
-    axis_types = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-    if _AXIS_EXPLICIT is not None and _AXIS_EXPLICIT in axis_types and _reshard is not None:
-        return _reshard(value, sharding)
-    return jax.lax.with_sharding_constraint(value, sharding)
-
-
 def _kept_layout(state, new):
-    """``new`` laid out like ``state``'s current value, leaf by leaf, where
-    that spans several devices (inside the dispatcher's trace).  Without it
-    XLA may gather a state it infers no sharding for onto one device."""
+    """``new`` laid out like ``state``'s multi-device value, lest XLA gather it onto one."""
     old, tree = jax.tree_util.tree_flatten(state._value)
     leaves, new_tree = jax.tree_util.tree_flatten(new)
     if new_tree != tree:
         return new
-    out = []
-    for o, n in zip(old, leaves):
+    for k, (o, n) in enumerate(zip(old, leaves)):
         sharding = _multi_device(o)
         if sharding is not None and np.shape(o) == np.shape(n):
-            n = _constrain(n, sharding)
-        out.append(n)
-    return jax.tree_util.tree_unflatten(tree, out)
+            mesh_axes = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
+            if _reshard is not None and _AXIS_EXPLICIT in mesh_axes:   # Explicit axes
+                leaves[k] = _reshard(n, sharding)
+            else:
+                leaves[k] = jax.lax.with_sharding_constraint(n, sharding)
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def _layout_token(sf, plan) -> int:
@@ -2534,17 +2500,14 @@ def _layout_token(sf, plan) -> int:
                    for leaf in _leaves(state._value))
     if not any(layout):
         return plan.token
-    token = sf._layout_tokens.get((plan.token, layout))
-    if token is None:
-        token = sf._layout_tokens[(plan.token, layout)] = next(_plan_tokens)
-        sf._plans_by_token[token] = plan
+    token = sf._layout_tokens.setdefault((plan.token, layout), next(_plan_tokens))
+    sf._plans_by_token[token] = plan
     return token
 
 
 def _donating(sf, jitted, plan):
-    """Calls the donating ``jitted`` as the plain dispatcher is called.  An
-    array a donated state shares with another state is refused before the
-    call, as JAX may crash on it."""
+    """The donating ``jitted``, called as the plain dispatcher is.  An array a
+    donated state shares with another state is refused: JAX may crash on it."""
     def call(values, *args, **kwargs):
         owner = {}
         for i in plan.donated + plan.kept:
@@ -2561,12 +2524,10 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._broken = (
-                        RuntimeError,
-                        f'{state._describe()} has no value: its buffer was donated to a call '
-                        f'of {_who(sf)} that then failed ({type(err).__name__}: {err}); assign '
-                        'it a new value',
-                        'buffer deleted by a failed donating call')
+                    state._broken = (RuntimeError, f'{state._describe()} has no value: its buffer '
+                                     f'was donated to a call of {_who(sf)} that then failed '
+                                     f'({type(err).__name__}: {err}); assign it a new value',
+                                     'buffer deleted by a failed donating call')
             raise
     return call
 
@@ -2579,11 +2540,8 @@ def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
 
 
 def _warm_path(plan, dispatch, nargs, new):
-    """``warm(sf, args, kwargs)``: the compiled call of ``plan`` with its locks,
-    state reads and writes unrolled (a loop would cost a visible part of a
-    jax.jit call).  ``new``, the values the call just returned, gives the type
-    a written value has outside any JAX trace; another type (a tracer, a
-    pytree) goes through _write_back's checks."""
+    """``warm(sf, args, kwargs)``: ``plan``'s call with locks, reads and writes unrolled (a
+    loop costs a visible part of a jax.jit call); values unlike ``new`` (tracers): _write_back."""
     first = new[0] if new else None
     names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
              'traced': _under_jax_trace,
@@ -2607,14 +2565,7 @@ def _warm_path(plan, dispatch, nargs, new):
 
 
 def _call(sf, *args, **kwargs):
-    """``sf(*args, **kwargs)``: bound as ``__call__`` of every stateful function.
-
-    The warm path (outside any trace, same number of positional arguments
-    and same state layouts as the last call) is the last plan's _warm_path:
-    jax.jit's C++ cache keys on the state values and the arguments, saving
-    the slow path's Python key.  A call during which the dispatcher traced
-    counts itself a miss in _dispatch_body.
-    """
+    """``__call__``: the last plan's warm path where it still applies, else the slow path."""
     if _frames_open and _ctx.frames:
         return sf._call_in_trace(args, kwargs)
     fast = sf._fast
@@ -2623,8 +2574,8 @@ def _call(sf, *args, **kwargs):
     try:
         return fast[0](sf, args, kwargs)
     except _PlanMismatch:
-        # These arguments use other states.  Switching plans costs an aborted
-        # trace, so a function that keeps switching gives up the fast path.
+        # Switching plans costs an aborted trace: a function that keeps
+        # switching gives up the warm path.
         sf._plan_switches += 1
         return sf._call_slow(args, kwargs)
     except (TypeError, ValueError, OverflowError) as err:
@@ -2644,15 +2595,24 @@ _traced_value = operator.attrgetter('value')    # its value as the current trace
 
 
 class _StatefulBase:
-    """Tracing, caching and calling, shared by StatefulFunction and StatefulMapping."""
+    """StatefulFunction's tracing, caching, calling and brainstate accessors."""
 
     _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
     __call__ = _call
 
     def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                  name, return_only_write, donate_states, keep_sharding, explain_cache_misses):
-        who = type(self).__name__
-        _check_callable(fun, who)
+        who, kind = type(self).__name__, type(fun).__name__
+        if isinstance(fun, (staticmethod, classmethod)):
+            raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
+                            f'(obj.__func__) or apply the decorator outside @{kind}')
+        if not callable(fun):
+            raise TypeError(f'{who}(fun) needs a callable, got {kind}: {fun!r}')
+        if any(f(fun) for f in (inspect.isgeneratorfunction, inspect.isasyncgenfunction,
+                                inspect.iscoroutinefunction)):
+            raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a '
+                            'generator or coroutine function (its body runs only when iterated '
+                            'or awaited); make it a plain function that returns its value')
         self.fun = fun
         self.static_argnums = _static_spec(static_argnums, 'static_argnums')
         self.static_argnames = _static_spec(static_argnames, 'static_argnames')
@@ -2666,12 +2626,10 @@ class _StatefulBase:
                     for p in env), '(axis_name, size) pairs with int sizes >= 1')):
             if not ok:
                 raise TypeError(f'{who}({what}=...) needs {want}, got {value!r}')
-        self.axis_env = env or None
-        self.abstracted_axes = abstracted_axes
+        self.axis_env, self.abstracted_axes = env or None, abstracted_axes
         self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
         self.return_only_write = return_only_write
-        self.donate_states = donate_states
-        self.keep_sharding = keep_sharding
+        self.donate_states, self.keep_sharding = donate_states, keep_sharding
         try:
             self._donate = None if donate_states in (None, False) else to_predicate(donate_states)
             self._keep = to_predicate(keep_sharding)
@@ -2685,14 +2643,15 @@ class _StatefulBase:
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
         self._cache = BoundedCache(128)
-        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._hints = _TraceHints()
-        self._key_locks = weakref.WeakValueDictionary()
         self._key_locks_guard = threading.Lock()
-        self._reset_dispatch()
+        self._reset()
         functools.update_wrapper(self, fun, updated=())
 
-    def _reset_dispatch(self):
+    def _reset(self):
+        """Everything ``clear_cache()`` forgets besides the entries themselves."""
+        self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
+        self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
         self._plans: dict = {}
         self._plans_by_token: dict = {}
@@ -2711,14 +2670,12 @@ class _StatefulBase:
         return key, leaves, split
 
     def _key_lock(self, key):
-        # Weakly held: a lock lives only while some thread traces that key, so
-        # evicted keys (and their static arguments) are not kept alive.
+        # Weakly held, so that evicted keys (and their static arguments) are not kept alive.
         with self._key_locks_guard:
             return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
-        """The entry under ``key`` (and for ``plan`` if given) if it was traced
-        for its states' current shapes, as ``read(state)`` gives them."""
+        """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives."""
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan):
             return None
@@ -2758,14 +2715,10 @@ class _StatefulBase:
             self._plans_by_token[plan.token] = plan
         return plan
 
-    def _build_entry(self, key, leaves, split) -> _Entry:
-        raise NotImplementedError
-
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
-        """The jitted call for one plan (and layout): ``dispatch(state_values,
-        *args, **kwargs)``.  One jax.jit object per plan, rather than the plan
-        as a static argument, saves hashing that argument on every call."""
+        """``dispatch(state_values, *args, **kwargs)`` for one plan and layout: one
+        jax.jit per plan saves hashing the plan as a static argument per call."""
         jitted = self._dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
@@ -2781,8 +2734,7 @@ class _StatefulBase:
         return jitted
 
     def _dispatch_body(self, token, state_values, *args, **kwargs):
-        """Runs only when the dispatcher's cache misses: traced by jax.jit.
-        A negative ``token`` (``jaxpr_call``) leaves the layout to XLA."""
+        """Traced by jax.jit on a dispatcher miss; a negative token (jaxpr_call) keeps no layout."""
         plan = self._plans_by_token[abs(token)]
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
@@ -2806,9 +2758,8 @@ class _StatefulBase:
         return out, new
 
     def _run(self, entry, state_values, args, kwargs, leaves, token):
-        """Runs ``entry`` on concrete values: compiled unless mapping with pmap.
-        ``token`` is the dispatcher's static key: a negative one (``jaxpr_call``:
-        the caller's values) donates nothing and leaves the layout to XLA."""
+        """Runs ``entry`` on concrete values, compiled unless mapping with pmap.  A
+        negative ``token`` (``jaxpr_call``) donates nothing, leaves layout to XLA."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
         if self._statics_by_value:
@@ -2830,6 +2781,7 @@ class _StatefulBase:
             out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves,
                                  token)
             _write_back(self, plan, new)
+        self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             key = (token, len(args), bool(plan.donated))
@@ -2838,14 +2790,12 @@ class _StatefulBase:
                 warm = _warm_path(plan, self._dispatcher(*key), len(args), new)
                 self._warm_paths[key] = warm
             self._fast = (warm, len(args), epoch)
-        else:
-            self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
     def _call_eagerly(self, args, kwargs):
-        """Under ``jax.disable_jit()``, as jax.jit there, the body runs as Python on concrete
-        values (a StatefulMapping traces anew: jax.vmap traces; it runs op by op)."""
+        """Under ``jax.disable_jit()``, as jax.jit there, runs the body as Python (a
+        StatefulMapping traces anew, as jax.vmap does, and runs op by op)."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
         try:
             if not isinstance(self, StatefulMapping):
@@ -2862,8 +2812,7 @@ class _StatefulBase:
         return out
 
     def _call_in_trace(self, args, kwargs):
-        """A call inside an enclosing stateful trace: the states are read and
-        written through ``value``, so that the enclosing trace threads them."""
+        """A call inside an enclosing stateful trace, which threads states through ``value``."""
         key, leaves, split = self._cache_key(args, kwargs)
         ntraces = _ctx.ntraces
         entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
@@ -2878,14 +2827,10 @@ class _StatefulBase:
     def clear_cache(self) -> None:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
-        self._miss_causes = collections.Counter()
-        with self._key_locks_guard:
-            self._key_locks.clear()
-        self._reset_dispatch()
+        self._reset()
 
     def get_cache_stats(self) -> dict:
-        """Statistics of the (single) entry cache under brainstate's four names,
-        each ``{size, maxsize, hits, misses, hit_rate}``."""
+        """The entry cache's ``get_stats()`` under brainstate's four cache names."""
         stats = self._cache.get_stats()
         return {name: dict(stats) for name in
                 ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
@@ -2902,18 +2847,8 @@ class _StatefulBase:
         """
         return dict(self._miss_causes)
 
-
-class _BrainstateAccessors:
-    """The accessor surface of brainstate 0.2.1's StatefulFunction.
-
-    Everything in this class follows brainstate's names, signatures and
-    return types (``get_jaxpr``, ``get_out_shapes``, ``get_state_trace`` ...,
-    their ``*_by_cache`` forms, ``validate_states``; and ``been_writen`` in
-    StateTraceStack is brainstate's spelling), so code written for brainstate
-    runs unchanged.  Each accessor describes the trace an entry's ``view``
-    holds: for StatefulMapping the whole mapped call.
-    """
-
+    # -- brainstate 0.2.1's accessors, with its names, signatures and return types.
+    # Each describes an entry's ``view``: for StatefulMapping the whole mapped call.
     @staticmethod
     def _view(entry) -> _Traced:
         view = entry.view
@@ -2924,16 +2859,9 @@ class _BrainstateAccessors:
     def _view_by_key(self, cache_key, context: str) -> _Traced:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
 
-    def _view_by_args(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        if compile_if_miss:
-            return self._view(self._lookup(args, kwargs)[1])
-        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
-
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
-        if compile_if_miss:
-            return self._lookup(args, kwargs)[0]
-        return self._cache_key(args, kwargs)[0]
+        return (self._lookup if compile_if_miss else self._cache_key)(args, kwargs)[0]
 
     def jaxpr_call_auto(self, *args, **kwargs):
         """Reads the states, runs, writes the written ones back; returns the output."""
@@ -2964,18 +2892,21 @@ class _BrainstateAccessors:
 def _accessors(name, context, pick, doc):
     """``get_<name>`` and ``get_<name>_by_cache``: ``pick`` of an entry's view."""
     def get(self, *args, compile_if_miss: bool = True, **kwargs):
-        return pick(self._view_by_args(args, kwargs, compile_if_miss, context))
+        if compile_if_miss:
+            return pick(self._view(self._lookup(args, kwargs)[1]))
+        return pick(self._view_by_key(self._cache_key(args, kwargs)[0], context))
 
     def by_cache(self, cache_key):
         return pick(self._view_by_key(cache_key, context))
     get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
     for fun, suffix in ((get, ''), (by_cache, '_by_cache')):
         fun.__name__ = fun.__qualname__ = f'get_{name}{suffix}'
-        setattr(_BrainstateAccessors, fun.__name__, fun)
+        setattr(_StatefulBase, fun.__name__, fun)
 
 
 for _spec in (
-        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr, 'The ClosedJaxpr for these arguments.'),
+        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr,
+         'The ClosedJaxpr for these arguments.'),
         ('out_shapes', 'Output shapes', lambda v: v.out_shapes(),
          '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
          'has one entry per state (``get_states()`` order), ``None`` where not returned.'),
@@ -2991,45 +2922,29 @@ for _spec in (
     _accessors(*_spec)
 
 
-class StatefulFunction(_BrainstateAccessors, _StatefulBase):
+class StatefulFunction(_StatefulBase):
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
-    The jaxpr's inputs are the flat dynamic arguments (positional, then
-    keyword) followed by every State the function touches, in first-touch
-    order; its outputs are the flat results followed by the written States
-    (all touched States with ``return_only_write=False``).  One trace is
-    cached per abstract signature of the arguments (static arguments by
-    value).  Calling runs a compiled executable and writes the new state
-    values back.
+    The jaxpr's inputs are the flat dynamic arguments followed by every touched
+    State in first-touch order; its outputs are the flat results followed by
+    the written States (all touched ones with ``return_only_write=False``).
+    Calls run compiled, one trace cached per argument signature, and write the
+    new state values back.
 
     Parameters
     ----------
-    fun : callable
-        The function to trace.
     static_argnums, static_argnames
-        Arguments treated as compile-time constants (part of the cache key by
-        value).  Negative positions count from the end.
+        Compile-time constant arguments (negative positions count from the end).
     axis_env : sequence of (name, size), optional
         Named axes bound while tracing (for ``lax.axis_index`` / collectives).
     abstracted_axes : optional
         Dynamic-shape specification, on JAX releases that support it.
-    name : str, optional
-        Label for jaxprs and error messages (defaults to ``fun.__name__``).
-    return_only_write : bool
-        Return only written states from the jaxpr (default) or all touched ones.
     donate_states : filter, optional
-        Written states matching it (``True``: every written state) have their
-        old buffers donated to the compiled call, so XLA updates them in place
-        (see README, "Many devices, many hosts").  Read-only states are never
-        donated.  Off by default: an old value someone still holds becomes a
-        deleted array.
+        Written states whose old buffers are donated, updated in place (``True``: all).
     keep_sharding : filter
-        Written states matching it (default: all) keep the sharding their
-        value had, also where XLA would infer another; ``False`` (or a filter
-        excluding a state) lets XLA choose.
+        Written states that keep their value's sharding (default: all).
     explain_cache_misses : bool, optional
-        Log why each trace after the first happened (default: the module-wide
-        setting, see :func:`explain_cache_misses`).
+        Log why each retrace happened (default: see :func:`explain_cache_misses`).
 
     Example
     -------
@@ -3048,32 +2963,26 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
                  abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
                  *, donate_states=None, keep_sharding=True,
                  explain_cache_misses: bool | None = None):
-        super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
-                         name, return_only_write, donate_states, keep_sharding,
-                         explain_cache_misses)
+        super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes, name,
+                         return_only_write, donate_states, keep_sharding, explain_cache_misses)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
-        traced = self._run_trace(leaves, split)
+        dynamic = self.abstracted_axes is not None
+        trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
+        traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
+                                 name=self.name, return_only_write=self.return_only_write,
+                                 axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
         run = traced.runner()
 
         def apply(state_values, flat_args):
-            if self.abstracted_axes is not None:
+            if dynamic:
                 raise NotImplementedError(
-                    f'{_who(self)} was built with abstracted_axes; its '
-                    'dynamic-shape jaxpr is for inspection (make_jaxpr / get_jaxpr) only. '
-                    'Create it without abstracted_axes to call it')
+                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
+                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
             return run(flat_args, state_values)
         written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
         return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
                       traced)
-
-    def _run_trace(self, leaves, split) -> _Traced:
-        trace_with = None
-        if self.abstracted_axes is not None:
-            trace_with = _abstracted_tracer(self.abstracted_axes, split)
-        return _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
-                               name=self.name, return_only_write=self.return_only_write,
-                               axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
 
     # -- public API --------------------------------------------------------------
     def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
@@ -3082,13 +2991,10 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         return self
 
     def jaxpr_call(self, state_vals: Sequence, *args, **kwargs):
-        """Pure call: ``(new_state_vals, out)`` from explicit state values.
+        """Pure call, under any JAX transformation: ``(new_state_vals, out)``.
 
-        ``state_vals`` holds one value per touched state (``get_states`` order).
-        ``new_state_vals`` is a tuple in the same order holding each returned
-        state's new value and ``None`` for the others (the read-only states,
-        unless ``return_only_write=False``).  Works under every JAX
-        transformation.
+        Both state sequences hold one value per touched state in ``get_states()``
+        order; ``new_state_vals`` has ``None`` for a state the jaxpr does not return.
 
         Example
         -------
@@ -3096,8 +3002,7 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         >>> def f(x):
         ...     s.value = s.value + x
         ...     return x
-        >>> sf = StatefulFunction(f)
-        >>> new_vals, out = sf.jaxpr_call([jnp.ones(())], 2.0)
+        >>> new_vals, out = StatefulFunction(f).jaxpr_call([jnp.ones(())], 2.0)
         >>> float(new_vals[0]), float(s.value)      # s itself is untouched
         (3.0, 0.0)
         """
@@ -3113,20 +3018,17 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         states = view.states
         if len(state_vals) != len(states):
             raise ValueError(
-                f'State length mismatch: {_who(self)} touches '
-                f'{len(states)} state(s) ({", ".join(_label(s) for s in states)}) '
-                f'but jaxpr_call got {len(state_vals)} value(s); pass one value per state in '
-                'get_states() order')
+                f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
+                f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
+                'value(s); pass one value per state in get_states() order')
         for state, value, sig in zip(states, state_vals, view.state_sigs):
             got = _stale_sig(value, sig)
             if got is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
-                    f'{got}, but the function was traced with {sig}; pass a value of the '
-                    'traced shape and dtype')
-        # The compiled call takes and gives values in plan order (which a
-        # StatefulMapping's view may permute); returned states not written
-        # come back as given.
+                    f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
+        # The compiled call takes values in plan order (a StatefulMapping's view
+        # may permute it); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
@@ -3139,14 +3041,9 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         return tuple(new_vals), out
 
     def pretty_jaxpr(self, *args, **kwargs) -> str:
-        """The jaxpr for these arguments (traced on a cache miss), followed by a
-        legend: each input and output in order with the jaxpr's name for it,
-        its aval and its role: an argument by position or keyword and pytree
-        path (``argument 0['w'][1]``, ``keyword 'scale'``); a State by name
-        (an unnamed one as ``Type@file.py:line``), type, whether the function
-        reads it, writes it or both, and its creation site; a result by its
-        path in the output; a state output as the State's new value.
-        ``str(sf)`` shows the same for the most recently traced entry.
+        """The jaxpr for these arguments and a legend naming each input and output:
+        an argument by pytree path, a State by name, use and creation site, a result
+        by its path.  ``str(sf)`` shows the same for the latest entry.
 
         Example
         -------
@@ -3155,13 +3052,10 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
         ...     w.value = w.value * x['scale']
         ...     return w.value.sum()
         >>> text = StatefulFunction(f).pretty_jaxpr({'scale': 2.0})
-        >>> print(text[text.index('inputs:'):])
+        >>> print(text[text.index('inputs:'):text.index('outputs:')])
         inputs:
           a  float32[]   argument 0['scale']
           b  float32[2]  state 'w' (State), read and written, created at ...
-        outputs:
-          ... float32[]   result
-          ... float32[2]  state 'w': new value
         """
         key, entry = self._lookup(args, kwargs)
         return _pretty(self._view(entry), key)
@@ -3174,26 +3068,20 @@ class StatefulFunction(_BrainstateAccessors, _StatefulBase):
 
 
 # =============================================================================
-
-
-# =============================================================================
 # 8. make_jaxpr
 #
-# ``jax.make_jaxpr`` for functions that touch States: a one-call wrapper over
-# StatefulFunction returning the jaxpr and the States it reads and writes.
+# ``jax.make_jaxpr`` for functions that touch States, over StatefulFunction.
 # =============================================================================
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
                return_shape: bool = False, abstracted_axes=None,
                return_only_write: bool = False, pretty: bool = False) -> Callable:
-    """Like ``jax.make_jaxpr``, but States the function touches become inputs
-    and outputs.
+    """Like ``jax.make_jaxpr``, with the States the function touches as inputs and outputs.
 
-    Returns a function that returns ``(closed_jaxpr, states)``, or
-    ``(closed_jaxpr, states, out_shapes)`` with ``return_shape=True``, or
-    with ``pretty=True`` the jaxpr text followed by a legend of its inputs
-    and outputs (see :func:`pretty_jaxpr`).  For a function that touches no
-    State the jaxpr equals ``jax.make_jaxpr``'s.
+    The returned function gives ``(closed_jaxpr, states)``, with
+    ``return_shape=True`` also ``out_shapes``, with ``pretty=True`` the
+    labelled text of :meth:`StatefulFunction.pretty_jaxpr` instead.  For a
+    function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
 
     Example
     -------
@@ -3205,8 +3093,7 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     >>> states == (s,), len(jaxpr.jaxpr.invars), len(jaxpr.jaxpr.outvars)
     (True, 2, 2)
     """
-    sf = StatefulFunction(fun, static_argnums=static_argnums, static_argnames=static_argnames,
-                          axis_env=axis_env, abstracted_axes=abstracted_axes,
+    sf = StatefulFunction(fun, static_argnums, static_argnames, axis_env, abstracted_axes,
                           return_only_write=return_only_write)
     if pretty and return_shape:
         raise ValueError('make_jaxpr(pretty=True) returns the labelled jaxpr text, which has '
@@ -3216,11 +3103,9 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
     def make(*args, **kwargs):
         if pretty:
             return sf.pretty_jaxpr(*args, **kwargs)
-        entry = sf._lookup(args, kwargs)[1]
-        result = (entry.traced.closed_jaxpr, entry.traced.states)
-        if return_shape:
-            result += (entry.traced.out_shapes()[0],)
-        return result
+        traced = sf._lookup(args, kwargs)[1].traced
+        shapes = (traced.out_shapes()[0],) if return_shape else ()
+        return (traced.closed_jaxpr, traced.states, *shapes)
     return make
 
 
