@@ -7502,7 +7502,7 @@ class ShardingTest(unittest.TestCase):
         s = State(jnp.zeros(4), name='single')
         sf = StatefulFunction(_filler(s))
         sf(jnp.arange(3.0))
-        dispatch = sf._fast[1]                      # the compiled call's jax.jit
+        (dispatch,) = sf._dispatchers.values()      # the compiled call's jax.jit
         if not hasattr(dispatch, 'trace'):
             self.skipTest(f'jax.jit(...).trace is missing on JAX {jax.__version__}')
         jaxpr = str(dispatch.trace([s.value], jnp.arange(3.0)).jaxpr)
