@@ -2739,6 +2739,9 @@ class ErrorsTracingTest(_ErrorsCase):
         self.assertEqual(len(leaked), 1)
         self.check(sj.TraceContextError, lambda: leaked[0].value, [bystander],
                    culprit=self.site('er_leaky'), fix=['return its value'])
+        reader = sj.StatefulFunction(lambda x: leaked[0].value + x + bystander.value)
+        self.check(sj.TraceContextError, lambda: reader(jnp.ones(2)), [bystander],
+                   culprit=self.site('er_leaky'), fix=['return its value'])
 
 
 _add_with_checks(TracingTest, NestedWriteTest, FailureSafetyTest)
