@@ -1851,29 +1851,26 @@ def _wrap_statics(sf, args, kwargs):
 # 6. The tracing core
 #
 # ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr whose
-# inputs are the flat dynamic arguments followed by every touched State (in
-# first-touch order) and whose outputs are the flat results followed by the
-# returned states.  The trace runs inside a ``_TraceFrame``: the ``value``
-# property of a State sends reads and writes there, so tracers never enter a
-# State object, and a failed trace has nothing to restore.  A State becomes a
-# new jaxpr input the first time the function touches it, on the trace
-# captured when tracing starts, so a first read deep inside ``lax.scan``,
-# ``grad`` or an inner ``jit`` is an input rather than a baked-in constant.
-# A State *written* inside such a nested transformation is lifted as Refs
-# instead (``_RefCell``): the trace that meets the write is redone with the
-# State so lifted, and JAX's own discharge turns the finished jaxpr into a
-# pure one, which threads the write out as a scan carry, a cond output...
+# inputs are the flat dynamic arguments, then every touched State in
+# first-touch order, and whose outputs are the flat results, then the
+# returned states.  The trace runs inside a ``_TraceFrame``: a State's
+# ``value`` sends reads and writes there, so tracers never enter a State and
+# a failed trace has nothing to restore.  A first touch adds a jaxpr input on
+# the trace captured at the start, so a first read deep inside ``lax.scan``,
+# ``grad`` or an inner ``jit`` is an input, not a baked-in constant.  A State
+# *written* inside such a nested transformation is lifted as Refs instead
+# (``_RefCell``): the trace is redone with it so lifted, and JAX's discharge
+# threads the write out (as a scan carry, a cond output...).
 #
-# Staying clear of JAX's trace caches.  JAX caches the traces of lax
-# control-flow bodies and of jitted functions, keyed on the Python function
-# and ``config.trace_context()``.  A module-level scan body that reads a State
-# could then be reused by a later trace with a finished trace's tracer baked
-# in, or after a write with the old value; and a State read by a plain JAX
-# trace (``_BAKED_STATES``) may sit inside any cached jaxpr.  The axis
-# environment is part of that context on every release, so binding a unique
-# size-1 axis (``_TraceEpoch``; no jaxpr refers to it) makes those caches
-# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace,
-# so a trace is isolated only once it is known to need it (``_TraceHints``),
+# Staying clear of JAX's trace caches.  JAX caches the traces of control-flow
+# bodies and jitted functions, keyed on the Python function and
+# ``config.trace_context()``, so a cached body that read a State could come
+# back holding a finished trace's tracer, or the value from before a write;
+# and a State read by a plain JAX trace (``_BAKED_STATES``) may sit in any
+# cached jaxpr.  The axis environment is part of that key on every release, so
+# binding a unique size-1 axis that no jaxpr uses (``_TraceEpoch``) makes those
+# caches miss.  This *isolation* also makes jax.numpy's own jitted helpers
+# retrace, so a trace is isolated only once known to need it (``_TraceHints``),
 # and renews its epoch when a write follows a nested read of the same State.
 # =============================================================================
 
@@ -1909,12 +1906,9 @@ _gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses the cyclic garbage collector while tracing.
-
-    A trace allocates many small, long-lived objects; generation-2 collections
-    rescanning them made tracing grow faster than linearly in the number of
-    states.  Nested and concurrent traces share one pause.
-    """
+    """Pauses the cyclic collector while tracing: full collections rescanning
+    a trace's many small objects slow the tracing of thousands of States.
+    Nested and concurrent traces share one pause."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
             _gc_pauses[1] = gc.isenabled()
@@ -1940,12 +1934,9 @@ def _reject_states(tree, what: str) -> None:
 
 # -- The trace frame ----------------------------------------------------------
 class _TraceFrame(StateTraceStack):
-    """The frame of one stateful trace: a StateTraceStack with an overlay,
-    whose first touch of a State adds jaxpr inputs for it.  It is built
-    inside the traced function, where its JAX trace is the current one.
-
-    ``pending`` collects the States written inside nested transformations
-    that were not lifted as Refs (see _TraceHints)."""
+    """One stateful trace's StateTraceStack, with an overlay, whose first touch
+    of a State adds jaxpr inputs for it; built inside the traced function.
+    ``pending`` collects States written in nested transformations but not Refs."""
 
     def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
                  nested: list, isolated: bool):
@@ -2154,17 +2145,11 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
 
 # -- Writes inside nested transformations: Refs ----------------------------------
 class _RefCell:
-    """A State that a stateful trace lifted as Refs, one per leaf, because the
-    function writes it inside a nested transformation.  Reads and writes bind
-    at whatever JAX trace is current, so a scan body sees the value of its
-    own iteration and an inner jit's write reaches the code after it; JAX's
-    discharge then threads the writes out.
-
-    A Ref takes no tangent, so a write under differentiation stores the
-    primal (what the State holds once the transformation returns) and keeps
-    the written value in ``shadow`` with the trace it was written in: reads
-    inside that trace, or inside a trace nested in it, see the value with its
-    tangent, as they would see a local variable."""
+    """A State a trace lifted as Refs, one per leaf, because it is written inside
+    a nested transformation; reads and writes bind at the current JAX trace.
+    A Ref takes no tangent, so a differentiated write stores the primal and
+    keeps the value in ``shadow``: reads in the trace it was written in, or
+    one nested there, see its tangent, as they would a local variable's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow')
 
     def __init__(self, state, refs, treedef, avals, home):
@@ -2245,10 +2230,8 @@ class _RefCell:
 
 
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
-    """Raises a TraceContextError naming ``ref_states`` (the States a trace
-    lifted as Refs) where ``err`` is JAX refusing such a write; returns
-    otherwise.  The last two kinds are met where JAX transforms a body after
-    tracing it (a loop under jax.vmap, a jax.checkpoint under jax.grad)."""
+    """Raises a TraceContextError naming ``ref_states`` (the States lifted as
+    Refs) where ``err`` is JAX refusing such a write; returns otherwise."""
     if isinstance(err, TraceContextError):
         return
     why = {
@@ -2318,9 +2301,8 @@ _EPOCH_AXES = itertools.count()
 
 
 class _TraceEpoch:
-    """The unique dummy axis an isolated trace binds (see the section
-    comment).  Renewing it makes JAX retrace, rather than reuse from its
-    caches, a body that closed over a State's value before a write."""
+    """The unique dummy axis an isolated trace binds (see the section comment);
+    renewing it makes JAX retrace a body that closed over a State's old value."""
     __slots__ = ('_cm',)
 
     def __init__(self):
@@ -2341,16 +2323,10 @@ class _TraceEpoch:
 
 # -- Tracing, and tracing again -----------------------------------------------
 class _TraceHints:
-    """What earlier traces of one function taught its later ones.
-
-    A trace is isolated (see the section comment) once the function is known
-    to write States inside nested transformations, or JAX handed one of its
-    traces a body with a finished trace's tracer inside; any trace is while a
-    live State was read by a plain JAX trace.  Only the States known to be
-    written inside nested transformations are lifted as Refs: a State merely
-    read there stays a plain input, which every JAX rule (a custom_vjp's
-    included) takes as it takes any closed-over value.
-    """
+    """What earlier traces of one function taught its later ones: whether to
+    isolate, and which States to lift as Refs (only those written in nested
+    transformations; one merely read there stays a plain input, which every
+    JAX rule, a custom_vjp's included, takes as any closed-over value)."""
     __slots__ = ('ref_states', 'isolate', 'prelift')
 
     def __init__(self):
@@ -2372,17 +2348,14 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     lift_aval: Callable | None = None,
                     trace_with: Callable | None = None,
                     hints: _TraceHints | None = None) -> _Traced:
-    """Traces ``fun(*rebuild(flat_leaves))`` into a _Traced.
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``.
 
-    ``rebuild(flat)`` returns ``(args, kwargs)``; ``lift_aval(state, aval)``
-    may change a state leaf's aval (StatefulMapping lifts batched states at
-    their per-lane shape); ``trace_with(flat_fun, avals)`` replaces the
-    default tracer (for ``abstracted_axes``).  ``hints``, kept across traces
-    by the caller, learns which States to lift as Refs and whether to isolate.
-    A trace is redone when it meets a write inside a nested transformation to
-    a State not lifted as Refs, or a body JAX cached with a finished trace's
-    tracer inside: at most three traces per signature, the extra ones once
-    per function.  An error the function raises propagates as is.
+    ``lift_aval(state, aval)`` may change a state leaf's aval (StatefulMapping's
+    per-lane shapes); ``trace_with(flat_fun, avals)`` replaces the default
+    tracer (for ``abstracted_axes``); ``hints`` is kept across traces by the
+    caller.  A trace meeting a write in a nested transformation to a State not
+    lifted as Refs, or a cached body holding a finished trace's tracer, is
+    redone: at most three traces per signature, the extra ones once per function.
     """
     if hints is None:
         hints = _TraceHints()
@@ -2454,12 +2427,8 @@ def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
 
 
 def _abstracted_tracer(abstracted_axes, split):
-    """A ``trace_with`` for :func:`_trace_stateful` honouring ``abstracted_axes``.
-
-    Dynamic shapes exist only in ``jax.make_jaxpr`` (0.4.30 .. 0.8.1, with
-    ``jax_dynamic_shapes`` on; broken from 0.7.2), so tracing goes through it,
-    after a one-off probe that the installed JAX can do it with states.
-    """
+    """A ``trace_with`` honouring ``abstracted_axes`` through ``jax.make_jaxpr``,
+    the only API with dynamic shapes, once a probe shows it works with states."""
     _, dyn_args, _, dyn_kwargs = split
     if dyn_kwargs:
         raise NotImplementedError('abstracted_axes applies to positional arguments only; '
