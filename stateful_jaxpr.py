@@ -1945,7 +1945,7 @@ class _TraceFrame(StateTraceStack):
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
         self._hints, self._lift_aval = hints, lift_aval
-        self._pending = pending if _HAS_REFS else None
+        self._pending = pending
         self._nested, self._depth = nested, _trace_depth()   # first touched deeper
         self._nested_reads = set()              # ids of states read in nested traces
         self._epoch = _TraceEpoch()
@@ -1997,24 +1997,16 @@ class _TraceFrame(StateTraceStack):
                         f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
                         'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
-        values, state_leaves = [], []
-        for i in returned:
-            value = self._values[id(self.states[i])]
-            if type(value) is _RefCell:
-                value = value.read()
-            leaves = _leaves(value)
-            values.append(value)
-            state_leaves.extend(leaves)
-        state_tree = jax.tree_util.tree_structure(values)
+        values = [self._values[id(self.states[i])] for i in returned]
+        values = [v.read() if type(v) is _RefCell else v for v in values]
         # (out, one entry per state, None where not returned): the structure
         # brainstate's jaxpr_call and out_treedef expose.
-        part = [None] * len(self.states)
-        for i, v in zip(returned, values):
-            part[i] = v
+        part = dict(zip(returned, values))
+        part = tuple(part.get(i) for i in range(len(self.states)))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
-                           state_tree=state_tree,
-                           full_tree=jax.tree_util.tree_structure((out, tuple(part))))
-        return out_leaves + state_leaves
+                           state_tree=jax.tree_util.tree_structure(values),
+                           full_tree=jax.tree_util.tree_structure((out, part)))
+        return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
@@ -2093,19 +2085,17 @@ def _traced_write(state, value, frames, written: bool):
         return
     if target is not None and target._jax_trace is not None:
         if _current_trace_id() is not target._jax_trace:
-            if target._pending is not None:
-                # Written inside a nested transformation: the value cannot
-                # leave it through the overlay.  The trace is redone with the
-                # state lifted as Refs (see _trace_stateful).
-                target._pending.add(state)
-                if not target._isolated:
-                    raise _Retrace   # abort, so JAX caches no body without the write
-                return
             if not _HAS_REFS:
                 raise TraceContextError(
                     f'{state._describe()} is written inside a nested JAX transformation '
                     f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
                     'Return the value from the transformation and assign it outside')
+            # Written inside a nested transformation, the value cannot leave it
+            # through the overlay: the trace is redone with the State as Refs.
+            target._pending.add(state)
+            if not target._isolated:
+                raise _Retrace   # abort, so JAX caches no body without the write
+            return
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value; make
             # JAX's trace caches miss so that a later use retraces it.
