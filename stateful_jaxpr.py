@@ -1868,7 +1868,7 @@ def _wrap_statics(sf, args, kwargs):
 # back holding a finished trace's tracer, or the value from before a write;
 # and a State read by a plain JAX trace (``_BAKED_STATES``) may sit in any
 # cached jaxpr.  The axis environment is part of that key on every release, so
-# binding a unique size-1 axis that no jaxpr uses (``_TraceEpoch``) makes those
+# binding a unique size-1 axis that no jaxpr uses (an *epoch*) makes those
 # caches miss.  This *isolation* also makes jax.numpy's own jitted helpers
 # retrace, so a trace is isolated only once known to need it (``_TraceHints``),
 # and renews its epoch when a write follows a nested read of the same State.
@@ -1933,6 +1933,11 @@ def _reject_states(tree, what: str) -> None:
 
 
 # -- The trace frame ----------------------------------------------------------
+# States read under a plain JAX trace (outside stateful traces) while alive.
+_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+_EPOCH_AXES = itertools.count()
+
+
 class _TraceFrame(StateTraceStack):
     """One stateful trace's StateTraceStack, with an overlay, whose first touch
     of a State adds jaxpr inputs for it; built inside the traced function.
@@ -1948,7 +1953,7 @@ class _TraceFrame(StateTraceStack):
         self._pending = pending
         self._nested, self._depth = nested, _trace_depth()   # first touched deeper
         self._nested_reads = set()              # ids of states read in nested traces
-        self._epoch = _TraceEpoch()
+        self._epoch = contextlib.ExitStack()   # binds the epoch axis, if any
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
         self.lifted: list = []                  # (state, treedef, avals) per lift
@@ -2018,9 +2023,16 @@ class _TraceFrame(StateTraceStack):
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
 
+    def _renew_epoch(self) -> None:
+        """Binds a fresh epoch axis (see the section comment), so JAX retraces
+        rather than reuses a body that closed over a State's old value."""
+        self._epoch.close()
+        self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                                            "keeping stateful traces clear of JAX's trace caches"))
+
     def __enter__(self):
         if self._isolated:
-            self._epoch.renew()
+            self._renew_epoch()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -2099,7 +2111,7 @@ def _traced_write(state, value, frames, written: bool):
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value; make
             # JAX's trace caches miss so that a later use retraces it.
-            target._epoch.renew()
+            target._renew_epoch()
             target._nested_reads.clear()
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
@@ -2284,33 +2296,6 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
-# -- Staying clear of JAX's trace caches --------------------------------------
-# States read under a plain JAX trace (outside stateful traces) while alive.
-_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
-_EPOCH_AXES = itertools.count()
-
-
-class _TraceEpoch:
-    """The unique dummy axis an isolated trace binds (see the section comment);
-    renewing it makes JAX retrace a body that closed over a State's old value."""
-    __slots__ = ('_cm',)
-
-    def __init__(self):
-        self._cm = None
-
-    def renew(self) -> None:
-        self.close()
-        cm = _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                       'keeping stateful traces clear of JAX\'s trace caches')
-        cm.__enter__()
-        self._cm = cm
-
-    def close(self) -> None:
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            cm.__exit__(None, None, None)
-
-
 # -- Tracing, and tracing again -----------------------------------------------
 class _TraceHints:
     """What earlier traces of one function taught its later ones: whether to
@@ -2321,7 +2306,7 @@ class _TraceHints:
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
-        self.isolate = False                  # trace under a fresh _TraceEpoch
+        self.isolate = False                  # trace under a fresh epoch axis
         self.prelift: list = []               # States to lift before the function runs
 
 
