@@ -2314,10 +2314,6 @@ class _Retrace(Exception):
     """Redo this trace: it met writes made inside nested transformations."""
 
 
-_TraceSpec = collections.namedtuple(
-    '_TraceSpec', 'name return_only_write axis_env lift_aval trace_with')
-
-
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
                     lift_aval: Callable | None = None,
@@ -2334,12 +2330,42 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     """
     if hints is None:
         hints = _TraceHints()
-    spec = _TraceSpec(name, return_only_write, axis_env, lift_aval, trace_with)
+    trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
+
+    def trace_once(pending: set, nested: list) -> _Traced:
+        frames, isolating = [], hints.isolate or len(_BAKED_STATES) > 0
+
+        def flat_fun(*flat):
+            frame = _TraceFrame(name, hints, lift_aval, pending, nested, isolating)
+            frames.append(frame)
+            with frame:
+                for state in hints.prelift:
+                    state.value
+                args, kwargs = rebuild(list(flat))
+                return frame.finish(fun(*args, **kwargs), return_only_write)
+
+        _ctx.ntraces += 1
+        with _axis_env(axis_env), _gc_paused():
+            try:
+                jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
+            except Exception as err:
+                _ctx.trace_error = err    # tells the warm path the function raised it
+                raise
+            if pending:
+                raise _Retrace
+            closed = _close(jaxpr, consts)
+            del jaxpr, consts
+            frame = frames[-1]
+            if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
+                closed = _discharge_cells(closed, frame.cells)
+                frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
+        return frame.traced(closed, out_avals)
+
     while True:
         pending, nested = set(), []
         isolated = hints.isolate
         try:
-            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, nested)
+            traced = trace_once(pending, nested)
         except _Retrace:
             continue   # (the finally clause records what it found)
         except Exception as err:
@@ -2365,40 +2391,6 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         # Tracer constants: either the caller's enclosing trace (legitimate)
         # or a body JAX reused from a finished trace.  Isolate and look again.
         hints.isolate = True
-
-
-def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
-                pending: set, nested: list) -> _Traced:
-    """One attempt of ``_trace_stateful``, in a fresh _TraceFrame."""
-    isolated = hints.isolate or len(_BAKED_STATES) > 0
-    frames = []
-
-    def flat_fun(*flat):
-        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, nested, isolated)
-        frames.append(frame)
-        with frame:
-            for state in hints.prelift:
-                state.value
-            args, kwargs = rebuild(list(flat))
-            return frame.finish(fun(*args, **kwargs), spec.return_only_write)
-
-    trace = spec.trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=spec.name)
-    _ctx.ntraces += 1
-    with _axis_env(spec.axis_env), _gc_paused():
-        try:
-            jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
-        except Exception as err:
-            _ctx.trace_error = err    # tells the warm path the function raised it
-            raise
-        if pending:
-            raise _Retrace
-        closed = _close(jaxpr, consts)
-        del jaxpr, consts
-        frame = frames[-1]
-        if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, frame.cells)
-            frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
-    return frame.traced(closed, out_avals)
 
 
 def _abstracted_tracer(abstracted_axes, split):
