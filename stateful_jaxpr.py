@@ -2400,51 +2400,42 @@ def _abstracted_tracer(abstracted_axes, split):
     if dyn_kwargs:
         raise NotImplementedError('abstracted_axes applies to positional arguments only; '
                                   'pass the dynamic arguments positionally')
-    problem = _dynamic_shapes_problem()
+    problem = _dynamic_shapes_problem(getattr(jax.config, 'jax_dynamic_shapes', None))
     if problem is not None:
         raise NotImplementedError(
             f'abstracted_axes cannot be honoured by JAX {jax.__version__} ({problem}).  '
             "Dynamic shapes need JAX 0.4.30 .. 0.6.x with jax.config.update("
             "'jax_dynamic_shapes', True); otherwise drop abstracted_axes and trace once per "
             'concrete shape')
-    treedef = jax.tree_util.tree_structure(dyn_args)
+    return _make_jaxpr_tracer(abstracted_axes, jax.tree_util.tree_structure(dyn_args))
 
+
+def _make_jaxpr_tracer(abstracted_axes, treedef):
+    """A ``trace_with`` through ``jax.make_jaxpr``, whose dynamic shapes need
+    example arrays (of the positional arguments ``treedef``), not avals."""
     def trace_with(flat_fun, avals):
-        # Dynamic-shape tracing needs example arrays, not ShapeDtypeStructs.
-        examples = jax.tree_util.tree_unflatten(
-            treedef, [jnp.zeros(a.shape, a.dtype) for a in avals])
+        examples = treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in avals])
         closed = jax.make_jaxpr(lambda *args: flat_fun(*_leaves(args)),
                                 abstracted_axes=abstracted_axes)(*examples)
         return closed.jaxpr, closed.out_avals, closed.consts
     return trace_with
 
 
-_DYNAMIC_SHAPES_PROBES: dict = {}
-
-
-def _dynamic_shapes_problem():
-    """``None`` if abstracted_axes works with states here, else why not (cached)."""
-    config = getattr(jax.config, 'jax_dynamic_shapes', None)
-    if config in _DYNAMIC_SHAPES_PROBES:
-        return _DYNAMIC_SHAPES_PROBES[config]
+@functools.lru_cache(maxsize=None)
+def _dynamic_shapes_problem(config):
+    """``None`` if abstracted_axes works with states under this setting of
+    ``jax_dynamic_shapes``, else why not."""
     if not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
-        problem = 'jax.make_jaxpr has no abstracted_axes parameter'
-    else:
-        probe_state = State(jnp.zeros(()))
-
-        def probe(flat_fun, avals):
-            closed = jax.make_jaxpr(lambda x: flat_fun(x), abstracted_axes=('n',))(
-                jnp.zeros(2, jnp.float32))
-            return closed.jaxpr, closed.out_avals, closed.consts
-        try:
-            _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
-                            lambda flat: (flat, {}), name='probe', return_only_write=True,
-                            trace_with=probe)
-            problem = None
-        except Exception as err:  # the probe only asks "does it work at all"
-            problem = f'{type(err).__name__}: {err}'.strip()
-    _DYNAMIC_SHAPES_PROBES[config] = problem
-    return problem
+        return 'jax.make_jaxpr has no abstracted_axes parameter'
+    probe_state = State(jnp.zeros(()))
+    probe = _make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,)))
+    try:
+        _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
+                        lambda flat: (flat, {}), name='probe', return_only_write=True,
+                        trace_with=probe)
+    except Exception as err:  # the probe only asks "does it work at all"
+        return f'{type(err).__name__}: {err}'.strip()
+    return None
 
 
 # =============================================================================
