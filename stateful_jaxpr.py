@@ -1850,26 +1850,24 @@ def _wrap_statics(sf, args, kwargs):
 # =============================================================================
 # 6. The tracing core
 #
-# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr whose
-# inputs are the flat dynamic arguments, then every touched State in
-# first-touch order, and whose outputs are the flat results, then the
-# returned states.  The trace runs inside a ``_TraceFrame``: a State's
-# ``value`` sends reads and writes there, so tracers never enter a State and
-# a failed trace has nothing to restore.  A first touch adds a jaxpr input on
-# the trace captured at the start, so a first read deep inside ``lax.scan``,
-# ``grad`` or an inner ``jit`` is an input, not a baked-in constant.  A State
-# *written* inside such a nested transformation is lifted as Refs instead
-# (``_RefCell``): the trace is redone with it so lifted, and JAX's discharge
-# threads the write out (as a scan carry, a cond output...).
+# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr: inputs
+# the flat dynamic arguments, then each touched State in first-touch order;
+# outputs the flat results, then the returned states.  It runs inside a
+# ``_TraceFrame``, where a State's ``value`` sends reads and writes, so no
+# tracer enters a State and a failed trace has nothing to restore.  A first
+# touch adds a jaxpr input on the trace captured at the start, so a first read
+# deep inside ``lax.scan``, ``grad`` or an inner ``jit`` is an input, not a
+# constant.  A State *written* inside such a nested transformation is lifted as
+# Refs (``_RefCell``): the trace is redone so, and JAX's discharge threads the
+# write out (as a scan carry, a cond output...).
 #
-# Staying clear of JAX's trace caches.  JAX caches the traces of control-flow
-# bodies and jitted functions, keyed on the Python function and
-# ``config.trace_context()``, so a cached body that read a State could come
-# back holding a finished trace's tracer, or the value from before a write;
-# and a State read by a plain JAX trace (``_BAKED_STATES``) may sit in any
-# cached jaxpr.  The axis environment is part of that key on every release, so
-# binding a unique size-1 axis that no jaxpr uses (an *epoch*) makes those
-# caches miss.  This *isolation* also makes jax.numpy's own jitted helpers
+# JAX caches the traces of control-flow bodies and jitted functions, keyed on
+# the Python function and ``config.trace_context()``: a cached body that read a
+# State could come back holding a finished trace's tracer, or a value from
+# before a write, and a State read by a plain JAX trace (``_BAKED_STATES``) may
+# sit in any cached jaxpr.  The axis environment is in that key on every
+# release, so binding a unique size-1 axis no jaxpr uses (an *epoch*) makes
+# those caches miss.  This *isolation* also makes jax.numpy's jitted helpers
 # retrace, so a trace is isolated only once known to need it (``_TraceHints``),
 # and renews its epoch when a write follows a nested read of the same State.
 # =============================================================================
@@ -1949,19 +1947,17 @@ class _TraceFrame(StateTraceStack):
         self._overlays = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
-        self._hints, self._lift_aval = hints, lift_aval
-        self._pending = pending
+        self._hints, self._lift_aval, self._pending = hints, lift_aval, pending
         self._nested, self._depth = nested, _trace_depth()   # first touched deeper
         self._nested_reads = set()              # ids of states read in nested traces
-        self._epoch = contextlib.ExitStack()   # binds the epoch axis, if any
+        self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
         self.lifted: list = []                  # (state, treedef, avals) per lift
         self.result: dict = {}                  # what finish() found out
 
     def _lift(self, state, current):
-        """New jaxpr inputs for ``state`` (a _RefCell of Refs where it is, or
-        may be, written inside a nested transformation)."""
+        """New jaxpr inputs for ``state``: Refs, in a _RefCell, if hints say so."""
         if type(current) is _RefCell:    # an enclosing trace holds it as Refs
             treedef, avals = current.treedef, list(current.avals)
         else:
@@ -1991,12 +1987,11 @@ class _TraceFrame(StateTraceStack):
         then the values of the returned states (the written ones, or all)."""
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        for i, leaf in enumerate(out_leaves):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
             if not isinstance(leaf, Tracer):
                 try:
                     _typeof(leaf)
                 except TypeError:
-                    path = jax.tree_util.tree_flatten_with_path(out)[0][i][0]
                     raise TypeError(
                         f'the stateful function {self.name!r} returned {leaf!r} (a '
                         f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
@@ -2109,8 +2104,7 @@ def _traced_write(state, value, frames, written: bool):
                 raise _Retrace   # abort, so JAX caches no body without the write
             return
         elif id(state) in target._nested_reads:
-            # A body traced before this write closed over the old value; make
-            # JAX's trace caches miss so that a later use retraces it.
+            # A body traced before this write closed over the old value: retrace it.
             target._renew_epoch()
             target._nested_reads.clear()
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
@@ -2135,8 +2129,8 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                     'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
                     'nested in a stateful function, and no enclosing trace can thread it '
                     'out: the State was created inside the stateful function.  Create the '
-                    'State outside the function, '
-                    'or return the value from the transformation and assign it outside.')
+                    'State outside the function, or return the value from the '
+                    'transformation and assign it outside.')
             raise TraceContextError(
                 f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
                 'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
@@ -2204,9 +2198,8 @@ class _RefCell:
                        if stripped else None)
 
     def _leaves_for(self, value) -> list:
-        """``value``'s leaves, checked against the Refs; a weakly typed leaf
-        (a Python scalar) is cast to the State's dtype where that is how JAX
-        would promote the two, as a write at top level could not change it."""
+        """``value``'s leaves, checked against the Refs; a weakly typed leaf is cast
+        to the State's dtype where JAX would promote the two to it."""
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
@@ -2263,8 +2256,7 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
 
 
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
-    """The pure jaxpr of ``closed``, whose Ref inputs (``cells``) become value
-    inputs, with the same outputs."""
+    """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
     if _loop_condition_reads_a_write(closed.jaxpr):
         raise TraceContextError(
@@ -2316,18 +2308,13 @@ class _Retrace(Exception):
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
-                    lift_aval: Callable | None = None,
-                    trace_with: Callable | None = None,
+                    lift_aval: Callable | None = None, trace_with: Callable | None = None,
                     hints: _TraceHints | None = None) -> _Traced:
-    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``.
-
-    ``lift_aval(state, aval)`` may change a state leaf's aval (StatefulMapping's
-    per-lane shapes); ``trace_with(flat_fun, avals)`` replaces the default
-    tracer (for ``abstracted_axes``); ``hints`` is kept across traces by the
-    caller.  A trace meeting a write in a nested transformation to a State not
-    lifted as Refs, or a cached body holding a finished trace's tracer, is
-    redone: at most three traces per signature, the extra ones once per function.
-    """
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, again
+    (at most three traces per signature, the extra ones once per function) where
+    it meets a write in a nested transformation to a State not yet Refs, or a
+    cached body holding a finished trace's tracer.  ``lift_aval(state, aval)``
+    may change a state leaf's aval (StatefulMapping's per-lane shapes)."""
     if hints is None:
         hints = _TraceHints()
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
@@ -2411,8 +2398,7 @@ def _abstracted_tracer(abstracted_axes, split):
 
 
 def _make_jaxpr_tracer(abstracted_axes, treedef):
-    """A ``trace_with`` through ``jax.make_jaxpr``, whose dynamic shapes need
-    example arrays (of the positional arguments ``treedef``), not avals."""
+    """A ``trace_with`` through ``jax.make_jaxpr``, given arrays: dynamic shapes need them."""
     def trace_with(flat_fun, avals):
         examples = treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in avals])
         closed = jax.make_jaxpr(lambda *args: flat_fun(*_leaves(args)),
@@ -2423,8 +2409,7 @@ def _make_jaxpr_tracer(abstracted_axes, treedef):
 
 @functools.lru_cache(maxsize=None)
 def _dynamic_shapes_problem(config):
-    """``None`` if abstracted_axes works with states under this setting of
-    ``jax_dynamic_shapes``, else why not."""
+    """Why abstracted_axes fails with states under this ``jax_dynamic_shapes``, or None."""
     if not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
         return 'jax.make_jaxpr has no abstracted_axes parameter'
     probe_state = State(jnp.zeros(()))
