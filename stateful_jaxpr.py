@@ -1904,9 +1904,8 @@ _gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses the cyclic collector while tracing: full collections rescanning
-    a trace's many small objects slow the tracing of thousands of States.
-    Nested and concurrent traces share one pause."""
+    """Pauses the cyclic collector while tracing (full collections rescanning a trace's
+    objects slow thousands of States); nested and concurrent traces share one pause."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
             _gc_pauses[1] = gc.isenabled()
@@ -1925,9 +1924,8 @@ def _reject_states(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, State):
             where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
-            raise ValueError(
-                f'{where} a State ({leaf._describe()}); '
-                'return or pass its value instead (state.value)')
+            raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
+                             'value instead (state.value)')
 
 
 # -- The trace frame ----------------------------------------------------------
@@ -2012,9 +2010,8 @@ class _TraceFrame(StateTraceStack):
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
                 for state, treedef, avals in self.lifted}
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
-                       states=tuple(self.states),
+                       states=tuple(self.states), trace_stack=self._record_copy(),
                        state_sigs=tuple(sigs[id(s)] for s in self.states),
-                       trace_stack=self._record_copy(),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
 
