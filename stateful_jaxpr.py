@@ -1742,30 +1742,25 @@ def _wrap_statics(sf, args, kwargs):
 # =============================================================================
 # 6. The tracing core
 #
-# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr whose
-# inputs are the flat dynamic arguments followed by every touched State (in
-# first-touch order) and whose outputs are the flat results followed by the
-# returned states.  The trace runs inside a ``_TraceFrame``: the ``value``
-# property of a State sends reads and writes there, so tracers never enter a
-# State object, and a failed trace has nothing to restore.  A State becomes a
-# new jaxpr input the first time the function touches it, on the trace
-# captured when tracing starts, so a first read deep inside ``lax.scan``,
-# ``grad`` or an inner ``jit`` is an input rather than a baked-in constant.
-# A State *written* inside such a nested transformation is lifted as Refs
-# instead (``_RefCell``): the trace that meets the write is redone with the
-# State so lifted, and JAX's own discharge turns the finished jaxpr into a
-# pure one, which threads the write out as a scan carry, a cond output...
+# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr: inputs
+# the flat dynamic arguments, then each touched State in first-touch order;
+# outputs the flat results, then the returned states.  It runs inside a
+# ``_TraceFrame``, where a State's ``value`` sends reads and writes, so no
+# tracer enters a State and a failed trace has nothing to restore.  A first
+# touch adds a jaxpr input on the trace captured at the start, so a first read
+# deep inside ``lax.scan``, ``grad`` or an inner ``jit`` is an input, not a
+# constant.  A State *written* inside such a nested transformation is lifted as
+# Refs (``_RefCell``): the trace is redone so, and JAX's discharge threads the
+# write out (as a scan carry, a cond output...).
 #
-# Staying clear of JAX's trace caches.  JAX caches the traces of lax
-# control-flow bodies and of jitted functions, keyed on the Python function
-# and ``config.trace_context()``.  A module-level scan body that reads a State
-# could then be reused by a later trace with a finished trace's tracer baked
-# in, or after a write with the old value; and a State read by a plain JAX
-# trace (``_BAKED_STATES``) may sit inside any cached jaxpr.  The axis
-# environment is part of that context on every release, so binding a unique
-# size-1 axis (``_TraceEpoch``; no jaxpr refers to it) makes those caches
-# miss.  This *isolation* also makes jax.numpy's own jitted helpers retrace,
-# so a trace is isolated only once it is known to need it (``_TraceHints``),
+# JAX caches the traces of control-flow bodies and jitted functions, keyed on
+# the Python function and ``config.trace_context()``: a cached body that read a
+# State could come back holding a finished trace's tracer, or a value from
+# before a write, and a State read by a plain JAX trace (``_BAKED_STATES``) may
+# sit in any cached jaxpr.  The axis environment is in that key on every
+# release, so binding a unique size-1 axis no jaxpr uses (an *epoch*) makes
+# those caches miss.  This *isolation* also makes jax.numpy's jitted helpers
+# retrace, so a trace is isolated only once known to need it (``_TraceHints``),
 # and renews its epoch when a write follows a nested read of the same State.
 # =============================================================================
 
@@ -1801,12 +1796,8 @@ _gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses the cyclic garbage collector while tracing.
-
-    A trace allocates many small, long-lived objects; generation-2 collections
-    rescanning them made tracing grow faster than linearly in the number of
-    states.  Nested and concurrent traces share one pause.
-    """
+    """Pauses the cyclic collector while tracing (full collections rescanning a trace's
+    objects slow thousands of States); nested and concurrent traces share one pause."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
             _gc_pauses[1] = gc.isenabled()
@@ -1825,19 +1816,20 @@ def _reject_states(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, State):
             where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
-            raise ValueError(
-                f'{where} a State ({leaf._describe()}); '
-                'return or pass its value instead (state.value)')
+            raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
+                             'value instead (state.value)')
 
 
 # -- The trace frame ----------------------------------------------------------
-class _TraceFrame(StateTraceStack):
-    """The frame of one stateful trace: a StateTraceStack with an overlay,
-    whose first touch of a State adds jaxpr inputs for it.  It is built
-    inside the traced function, where its JAX trace is the current one.
+# States read under a plain JAX trace (outside stateful traces) while alive.
+_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+_EPOCH_AXES = itertools.count()
 
-    ``pending`` collects the States written inside nested transformations
-    that were not lifted as Refs (see _TraceHints)."""
+
+class _TraceFrame(StateTraceStack):
+    """One stateful trace's StateTraceStack, with an overlay, whose first touch
+    of a State adds jaxpr inputs for it; built inside the traced function.
+    ``pending`` collects States written in nested transformations but not Refs."""
 
     def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
                  nested: list, isolated: bool):
@@ -1845,19 +1837,17 @@ class _TraceFrame(StateTraceStack):
         self._overlays = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
         self._jax_trace = _current_trace_id()   # a nested transformation's differs
-        self._hints, self._lift_aval = hints, lift_aval
-        self._pending = pending if _HAS_REFS else None
+        self._hints, self._lift_aval, self._pending = hints, lift_aval, pending
         self._nested, self._depth = nested, _trace_depth()   # first touched deeper
         self._nested_reads = set()              # ids of states read in nested traces
-        self._epoch = _TraceEpoch()
+        self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
         self.lifted: list = []                  # (state, treedef, avals) per lift
         self.result: dict = {}                  # what finish() found out
 
     def _lift(self, state, current):
-        """New jaxpr inputs for ``state`` (a _RefCell of Refs where it is, or
-        may be, written inside a nested transformation)."""
+        """New jaxpr inputs for ``state``: Refs, in a _RefCell, if hints say so."""
         if type(current) is _RefCell:    # an enclosing trace holds it as Refs
             treedef, avals = current.treedef, list(current.avals)
         else:
@@ -1887,49 +1877,46 @@ class _TraceFrame(StateTraceStack):
         then the values of the returned states (the written ones, or all)."""
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        for i, leaf in enumerate(out_leaves):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
             if not isinstance(leaf, Tracer):
                 try:
                     _typeof(leaf)
                 except TypeError:
-                    path = jax.tree_util.tree_flatten_with_path(out)[0][i][0]
                     raise TypeError(
                         f'the stateful function {self.name!r} returned {leaf!r} (a '
                         f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
                         'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
-        values, state_leaves = [], []
-        for i in returned:
-            value = self._values[id(self.states[i])]
-            if type(value) is _RefCell:
-                value = value.read()
-            leaves = _leaves(value)
-            values.append(value)
-            state_leaves.extend(leaves)
-        state_tree = jax.tree_util.tree_structure(values)
+        values = [self._values[id(self.states[i])] for i in returned]
+        values = [v.read() if type(v) is _RefCell else v for v in values]
         # (out, one entry per state, None where not returned): the structure
         # brainstate's jaxpr_call and out_treedef expose.
-        part = [None] * len(self.states)
-        for i, v in zip(returned, values):
-            part[i] = v
+        part = dict(zip(returned, values))
+        part = tuple(part.get(i) for i in range(len(self.states)))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
-                           state_tree=state_tree,
-                           full_tree=jax.tree_util.tree_structure((out, tuple(part))))
-        return out_leaves + state_leaves
+                           state_tree=jax.tree_util.tree_structure(values),
+                           full_tree=jax.tree_util.tree_structure((out, part)))
+        return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
                 for state, treedef, avals in self.lifted}
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
-                       states=tuple(self.states),
+                       states=tuple(self.states), trace_stack=self._record_copy(),
                        state_sigs=tuple(sigs[id(s)] for s in self.states),
-                       trace_stack=self._record_copy(),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
 
+    def _renew_epoch(self) -> None:
+        """Binds a fresh epoch axis (see the section comment), so JAX retraces
+        rather than reuses a body that closed over a State's old value."""
+        self._epoch.close()
+        self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
+                                            "keeping stateful traces clear of JAX's trace caches"))
+
     def __enter__(self):
         if self._isolated:
-            self._epoch.renew()
+            self._renew_epoch()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -1994,23 +1981,20 @@ def _traced_write(state, value, frames, written: bool):
         return
     if target is not None and target._jax_trace is not None:
         if _current_trace_id() is not target._jax_trace:
-            if target._pending is not None:
-                # Written inside a nested transformation: the value cannot
-                # leave it through the overlay.  The trace is redone with the
-                # state lifted as Refs (see _trace_stateful).
-                target._pending.add(state)
-                if not target._isolated:
-                    raise _Retrace   # abort, so JAX caches no body without the write
-                return
             if not _HAS_REFS:
                 raise TraceContextError(
                     f'{state._describe()} is written inside a nested JAX transformation '
                     f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
                     'Return the value from the transformation and assign it outside')
+            # Written inside a nested transformation, the value cannot leave it
+            # through the overlay: the trace is redone with the State as Refs.
+            target._pending.add(state)
+            if not target._isolated:
+                raise _Retrace   # abort, so JAX caches no body without the write
+            return
         elif id(state) in target._nested_reads:
-            # A body traced before this write closed over the old value; make
-            # JAX's trace caches miss so that a later use retraces it.
-            target._epoch.renew()
+            # A body traced before this write closed over the old value: retrace it.
+            target._renew_epoch()
             target._nested_reads.clear()
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
@@ -2034,8 +2018,8 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
                     'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
                     'nested in a stateful function, and no enclosing trace can thread it '
                     'out: the State was created inside the stateful function.  Create the '
-                    'State outside the function, '
-                    'or return the value from the transformation and assign it outside.')
+                    'State outside the function, or return the value from the '
+                    'transformation and assign it outside.')
             raise TraceContextError(
                 f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
                 'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
@@ -2046,17 +2030,11 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
 
 # -- Writes inside nested transformations: Refs ----------------------------------
 class _RefCell:
-    """A State that a stateful trace lifted as Refs, one per leaf, because the
-    function writes it inside a nested transformation.  Reads and writes bind
-    at whatever JAX trace is current, so a scan body sees the value of its
-    own iteration and an inner jit's write reaches the code after it; JAX's
-    discharge then threads the writes out.
-
-    A Ref takes no tangent, so a write under differentiation stores the
-    primal (what the State holds once the transformation returns) and keeps
-    the written value in ``shadow`` with the trace it was written in: reads
-    inside that trace, or inside a trace nested in it, see the value with its
-    tangent, as they would see a local variable."""
+    """A State a trace lifted as Refs, one per leaf, because it is written inside
+    a nested transformation; reads and writes bind at the current JAX trace.
+    A Ref takes no tangent, so a differentiated write stores the primal and
+    keeps the value in ``shadow``: reads in the trace it was written in, or
+    one nested there, see its tangent, as they would a local variable's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow')
 
     def __init__(self, state, refs, treedef, avals, home):
@@ -2109,9 +2087,8 @@ class _RefCell:
                        if stripped else None)
 
     def _leaves_for(self, value) -> list:
-        """``value``'s leaves, checked against the Refs; a weakly typed leaf
-        (a Python scalar) is cast to the State's dtype where that is how JAX
-        would promote the two, as a write at top level could not change it."""
+        """``value``'s leaves, checked against the Refs; a weakly typed leaf is cast
+        to the State's dtype where JAX would promote the two to it."""
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
@@ -2137,10 +2114,8 @@ class _RefCell:
 
 
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
-    """Raises a TraceContextError naming ``ref_states`` (the States a trace
-    lifted as Refs) where ``err`` is JAX refusing such a write; returns
-    otherwise.  The last two kinds are met where JAX transforms a body after
-    tracing it (a loop under jax.vmap, a jax.checkpoint under jax.grad)."""
+    """Raises a TraceContextError naming ``ref_states`` (the States lifted as
+    Refs) where ``err`` is JAX refusing such a write; returns otherwise."""
     if isinstance(err, TraceContextError):
         return
     why = {
@@ -2170,8 +2145,7 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
 
 
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
-    """The pure jaxpr of ``closed``, whose Ref inputs (``cells``) become value
-    inputs, with the same outputs."""
+    """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
     if _loop_condition_reads_a_write(closed.jaxpr):
         raise TraceContextError(
@@ -2203,51 +2177,17 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
-# -- Staying clear of JAX's trace caches --------------------------------------
-# States read under a plain JAX trace (outside stateful traces) while alive.
-_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
-_EPOCH_AXES = itertools.count()
-
-
-class _TraceEpoch:
-    """The unique dummy axis an isolated trace binds (see the section
-    comment).  Renewing it makes JAX retrace, rather than reuse from its
-    caches, a body that closed over a State's value before a write."""
-    __slots__ = ('_cm',)
-
-    def __init__(self):
-        self._cm = None
-
-    def renew(self) -> None:
-        self.close()
-        cm = _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                       'keeping stateful traces clear of JAX\'s trace caches')
-        cm.__enter__()
-        self._cm = cm
-
-    def close(self) -> None:
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            cm.__exit__(None, None, None)
-
-
 # -- Tracing, and tracing again -----------------------------------------------
 class _TraceHints:
-    """What earlier traces of one function taught its later ones.
-
-    A trace is isolated (see the section comment) once the function is known
-    to write States inside nested transformations, or JAX handed one of its
-    traces a body with a finished trace's tracer inside; any trace is while a
-    live State was read by a plain JAX trace.  Only the States known to be
-    written inside nested transformations are lifted as Refs: a State merely
-    read there stays a plain input, which every JAX rule (a custom_vjp's
-    included) takes as it takes any closed-over value.
-    """
+    """What earlier traces of one function taught its later ones: whether to
+    isolate, and which States to lift as Refs (only those written in nested
+    transformations; one merely read there stays a plain input, which every
+    JAX rule, a custom_vjp's included, takes as any closed-over value)."""
     __slots__ = ('ref_states', 'isolate', 'prelift')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
-        self.isolate = False                  # trace under a fresh _TraceEpoch
+        self.isolate = False                  # trace under a fresh epoch axis
         self.prelift: list = []               # States to lift before the function runs
 
 
@@ -2255,35 +2195,53 @@ class _Retrace(Exception):
     """Redo this trace: it met writes made inside nested transformations."""
 
 
-_TraceSpec = collections.namedtuple(
-    '_TraceSpec', 'name return_only_write axis_env lift_aval trace_with')
-
-
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
-                    lift_aval: Callable | None = None,
-                    trace_with: Callable | None = None,
+                    lift_aval: Callable | None = None, trace_with: Callable | None = None,
                     hints: _TraceHints | None = None) -> _Traced:
-    """Traces ``fun(*rebuild(flat_leaves))`` into a _Traced.
-
-    ``rebuild(flat)`` returns ``(args, kwargs)``; ``lift_aval(state, aval)``
-    may change a state leaf's aval (StatefulMapping lifts batched states at
-    their per-lane shape); ``trace_with(flat_fun, avals)`` replaces the
-    default tracer (for ``abstracted_axes``).  ``hints``, kept across traces
-    by the caller, learns which States to lift as Refs and whether to isolate.
-    A trace is redone when it meets a write inside a nested transformation to
-    a State not lifted as Refs, or a body JAX cached with a finished trace's
-    tracer inside: at most three traces per signature, the extra ones once
-    per function.  An error the function raises propagates as is.
-    """
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, again
+    (at most three traces per signature, the extra ones once per function) where
+    it meets a write in a nested transformation to a State not yet Refs, or a
+    cached body holding a finished trace's tracer.  ``lift_aval(state, aval)``
+    may change a state leaf's aval (StatefulMapping's per-lane shapes)."""
     if hints is None:
         hints = _TraceHints()
-    spec = _TraceSpec(name, return_only_write, axis_env, lift_aval, trace_with)
+    trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
+
+    def trace_once(pending: set, nested: list) -> _Traced:
+        frames, isolating = [], hints.isolate or len(_BAKED_STATES) > 0
+
+        def flat_fun(*flat):
+            frame = _TraceFrame(name, hints, lift_aval, pending, nested, isolating)
+            frames.append(frame)
+            with frame:
+                for state in hints.prelift:
+                    state.value
+                args, kwargs = rebuild(list(flat))
+                return frame.finish(fun(*args, **kwargs), return_only_write)
+
+        _ctx.ntraces += 1
+        with _axis_env(axis_env), _gc_paused():
+            try:
+                jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
+            except Exception as err:
+                _ctx.trace_error = err    # tells the warm path the function raised it
+                raise
+            if pending:
+                raise _Retrace
+            closed = _close(jaxpr, consts)
+            del jaxpr, consts
+            frame = frames[-1]
+            if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
+                closed = _discharge_cells(closed, frame.cells)
+                frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
+        return frame.traced(closed, out_avals)
+
     while True:
         pending, nested = set(), []
         isolated = hints.isolate
         try:
-            traced = _trace_once(fun, flat_avals, rebuild, spec, hints, pending, nested)
+            traced = trace_once(pending, nested)
         except _Retrace:
             continue   # (the finally clause records what it found)
         except Exception as err:
@@ -2311,96 +2269,47 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         hints.isolate = True
 
 
-def _trace_once(fun, flat_avals, rebuild, spec: _TraceSpec, hints: _TraceHints,
-                pending: set, nested: list) -> _Traced:
-    """One attempt of ``_trace_stateful``, in a fresh _TraceFrame."""
-    isolated = hints.isolate or len(_BAKED_STATES) > 0
-    frames = []
-
-    def flat_fun(*flat):
-        frame = _TraceFrame(spec.name, hints, spec.lift_aval, pending, nested, isolated)
-        frames.append(frame)
-        with frame:
-            for state in hints.prelift:
-                state.value
-            args, kwargs = rebuild(list(flat))
-            return frame.finish(fun(*args, **kwargs), spec.return_only_write)
-
-    trace = spec.trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=spec.name)
-    _ctx.ntraces += 1
-    with _axis_env(spec.axis_env), _gc_paused():
-        try:
-            jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
-        except Exception as err:
-            _ctx.trace_error = err    # tells the warm path the function raised it
-            raise
-        if pending:
-            raise _Retrace
-        closed = _close(jaxpr, consts)
-        del jaxpr, consts
-        frame = frames[-1]
-        if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
-            closed = _discharge_cells(closed, frame.cells)
-            frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
-    return frame.traced(closed, out_avals)
-
-
 def _abstracted_tracer(abstracted_axes, split):
-    """A ``trace_with`` for :func:`_trace_stateful` honouring ``abstracted_axes``.
-
-    Dynamic shapes exist only in ``jax.make_jaxpr`` (0.4.30 .. 0.8.1, with
-    ``jax_dynamic_shapes`` on; broken from 0.7.2), so tracing goes through it,
-    after a one-off probe that the installed JAX can do it with states.
-    """
+    """A ``trace_with`` honouring ``abstracted_axes`` through ``jax.make_jaxpr``,
+    the only API with dynamic shapes, once a probe shows it works with states."""
     _, dyn_args, _, dyn_kwargs = split
     if dyn_kwargs:
         raise NotImplementedError('abstracted_axes applies to positional arguments only; '
                                   'pass the dynamic arguments positionally')
-    problem = _dynamic_shapes_problem()
+    problem = _dynamic_shapes_problem(getattr(jax.config, 'jax_dynamic_shapes', None))
     if problem is not None:
         raise NotImplementedError(
             f'abstracted_axes cannot be honoured by JAX {jax.__version__} ({problem}).  '
             "Dynamic shapes need JAX 0.4.30 .. 0.6.x with jax.config.update("
             "'jax_dynamic_shapes', True); otherwise drop abstracted_axes and trace once per "
             'concrete shape')
-    treedef = jax.tree_util.tree_structure(dyn_args)
+    return _make_jaxpr_tracer(abstracted_axes, jax.tree_util.tree_structure(dyn_args))
 
+
+def _make_jaxpr_tracer(abstracted_axes, treedef):
+    """A ``trace_with`` through ``jax.make_jaxpr``, given arrays: dynamic shapes need them."""
     def trace_with(flat_fun, avals):
-        # Dynamic-shape tracing needs example arrays, not ShapeDtypeStructs.
-        examples = jax.tree_util.tree_unflatten(
-            treedef, [jnp.zeros(a.shape, a.dtype) for a in avals])
+        examples = treedef.unflatten([jnp.zeros(a.shape, a.dtype) for a in avals])
         closed = jax.make_jaxpr(lambda *args: flat_fun(*_leaves(args)),
                                 abstracted_axes=abstracted_axes)(*examples)
         return closed.jaxpr, closed.out_avals, closed.consts
     return trace_with
 
 
-_DYNAMIC_SHAPES_PROBES: dict = {}
-
-
-def _dynamic_shapes_problem():
-    """``None`` if abstracted_axes works with states here, else why not (cached)."""
-    config = getattr(jax.config, 'jax_dynamic_shapes', None)
-    if config in _DYNAMIC_SHAPES_PROBES:
-        return _DYNAMIC_SHAPES_PROBES[config]
+@functools.lru_cache(maxsize=None)
+def _dynamic_shapes_problem(config):
+    """Why abstracted_axes fails with states under this ``jax_dynamic_shapes``, or None."""
     if not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
-        problem = 'jax.make_jaxpr has no abstracted_axes parameter'
-    else:
-        probe_state = State(jnp.zeros(()))
-
-        def probe(flat_fun, avals):
-            closed = jax.make_jaxpr(lambda x: flat_fun(x), abstracted_axes=('n',))(
-                jnp.zeros(2, jnp.float32))
-            return closed.jaxpr, closed.out_avals, closed.consts
-        try:
-            _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
-                            lambda flat: (flat, {}), name='probe', return_only_write=True,
-                            trace_with=probe)
-            problem = None
-        except Exception as err:  # the probe only asks "does it work at all"
-            problem = f'{type(err).__name__}: {err}'.strip()
-    _DYNAMIC_SHAPES_PROBES[config] = problem
-    return problem
+        return 'jax.make_jaxpr has no abstracted_axes parameter'
+    probe_state = State(jnp.zeros(()))
+    probe = _make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,)))
+    try:
+        _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
+                        lambda flat: (flat, {}), name='probe', return_only_write=True,
+                        trace_with=probe)
+    except Exception as err:  # the probe only asks "does it work at all"
+        return f'{type(err).__name__}: {err}'.strip()
+    return None
 
 
 # =============================================================================
