@@ -182,6 +182,12 @@ def _trace_path() -> tuple:
     return path, True
 
 
+def _in_staged_body(home) -> bool:
+    """Whether tracing is now inside a loop, cond or jit body, not in ``home``."""
+    trace = _current_trace_id()
+    return trace is not home and (type(trace) if _STACKLESS else trace.trace_type) is _JaxprTrace
+
+
 def _drops_ref_tangents(home) -> bool:
     """Whether a Ref written now, in a jaxpr trace inside a JVP trace inside
     ``home``, would lose its tangent silently (.. 0.5; later JAX refuses)."""
@@ -292,11 +298,10 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
-def _written_refs(effects, jaxpr=None) -> set:
-    """The inputs of ``jaxpr`` (any: ``{True}``) whose Refs ``effects`` write:
-    ``input_index`` (constvars first) up to 0.9, ``input`` from 0.10."""
-    inputs = [*jaxpr.constvars, *jaxpr.invars] if jaxpr is not None else None
-    return {True if jaxpr is None else e.input if getattr(e, 'input_index', None) is None
+def _written_refs(effects, inputs=None) -> set:
+    """The ``inputs`` (any: ``{True}``) whose Refs ``effects`` write: numbered
+    by ``input_index`` up to 0.9 (a jaxpr's constvars first), ``input`` from 0.10."""
+    return {True if inputs is None else e.input if getattr(e, 'input_index', None) is None
             else inputs[e.input_index] for e in effects
             if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
@@ -310,7 +315,7 @@ def _loop_condition_reads_a_write(jaxpr) -> bool:
             n_cond, n_body, body = p['cond_nconsts'], p['body_nconsts'], p['body_jaxpr'].jaxpr
             outer = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
             read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
-            if read & {outer.get(v) for v in _written_refs(body.effects, body)}:
+            if read & {outer.get(v) for v in _written_refs(body.effects, [*body.constvars, *body.invars])}:
                 return True
     return False
 
@@ -1865,7 +1870,7 @@ class _TraceFrame(StateTraceStack):
             self._nested.append(state)
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        if self._hints.ref_states and state in self._hints.ref_states:
+        if self._hints.speculate is True or state in self._hints.ref_states:
             cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
                             treedef, avals, self._jax_trace)
             self.cells.append(cell)
@@ -1971,6 +1976,8 @@ def _view(state, entry, frame):
     if frame is not None and frame._jax_trace is not None and (
             _current_trace_id() is not frame._jax_trace):
         frame._nested_reads.add(id(state))   # a nested transformation closes over it
+        if not all(isinstance(leaf, Tracer) for leaf in _leaves(entry)):
+            frame._hints.isolate = True   # JAX may cache that value with the body
     return entry
 
 
@@ -2035,11 +2042,12 @@ class _RefCell:
     A Ref takes no tangent, so a differentiated write stores the primal and
     keeps the value in ``shadow``: reads in the trace it was written in, or
     one nested there, see its tangent, as they would a local variable's."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow')
+    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow', 'nested', 'staged')
 
     def __init__(self, state, refs, treedef, avals, home):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
         self.home, self.shadow = home, None   # the stateful trace's own JAX trace
+        self.nested = self.staged = False     # written inside a nested transformation, a body
 
     def read(self):
         if self.shadow is not None and _current_trace_id() is not self.home:
@@ -2059,6 +2067,8 @@ class _RefCell:
 
     def write(self, value) -> None:
         leaves = self._leaves_for(value)
+        self.nested = self.nested or _current_trace_id() is not self.home
+        self.staged = self.staged or _in_staged_body(self.home)
         if _drops_ref_tangents(self.home):
             raise TraceContextError(
                 f'{self.state._describe()} is written inside a jit or loop body nested in a '
@@ -2158,6 +2168,16 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             'differentiated (jax.grad / jax.vjp / jax.linearize): JAX runs that function again '
             'to rematerialize it, so the write would happen twice.  Write the State outside '
             'the checkpointed function (return the value from it and assign it after)')
+    refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
+    kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
+                         if _nested_jaxprs(e.params)))
+    lost = [c.state._describe() for c in cells
+            if not kept.intersection(itertools.islice(refs, len(c.refs))) and c.staged]
+    if lost:   # JAX 0.4.36 .. 0.5 under jax.grad / jax.vjp
+        raise TraceContextError(
+            f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '
+            f'{jax.__version__} moved out of the body or dropped while differentiating; '
+            'return the value from the body and assign it outside, or use JAX 0.6 or newer')
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
@@ -2182,17 +2202,21 @@ class _TraceHints:
     """What earlier traces of one function taught its later ones: whether to
     isolate, and which States to lift as Refs (only those written in nested
     transformations; one merely read there stays a plain input, which every
-    JAX rule, a custom_vjp's included, takes as any closed-over value)."""
-    __slots__ = ('ref_states', 'isolate', 'prelift')
+    JAX rule, a custom_vjp's included, takes as any closed-over value).  Once
+    the function is known to write so, one trace lifts every State as Refs
+    (``speculate``), kept if all of them are so written."""
+    __slots__ = ('ref_states', 'isolate', 'prelift', 'speculate')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = False                  # trace under a fresh epoch axis
         self.prelift: list = []               # States to lift before the function runs
+        self.speculate = None                 # lift every State as Refs (None: not yet)
 
 
-class _Retrace(Exception):
-    """Redo this trace: it met writes made inside nested transformations."""
+class _Retrace(BaseException):
+    """Redo this trace: it met writes made inside nested transformations.  (Not
+    an Exception, which JAX's API boundaries would spend time filtering.)"""
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -2200,8 +2224,8 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     lift_aval: Callable | None = None, trace_with: Callable | None = None,
                     hints: _TraceHints | None = None) -> _Traced:
     """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, again
-    (at most three traces per signature, the extra ones once per function) where
-    it meets a write in a nested transformation to a State not yet Refs, or a
+    (a few traces per signature, the extra ones once per function) where it
+    meets a write in a nested transformation to a State not yet Refs, or a
     cached body holding a finished trace's tracer.  ``lift_aval(state, aval)``
     may change a state leaf's aval (StatefulMapping's per-lane shapes)."""
     if hints is None:
@@ -2229,9 +2253,15 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 raise
             if pending:
                 raise _Retrace
+            frame = frames[-1]
+            if hints.speculate is True and not all(cell.nested for cell in frame.cells):
+                # A State lifted as Refs is not written inside a nested
+                # transformation: trace again lifting only those that are.
+                hints.ref_states.update(cell.state for cell in frame.cells if cell.nested)
+                hints.speculate, hints.isolate = False, True
+                raise _Retrace
             closed = _close(jaxpr, consts)
             del jaxpr, consts
-            frame = frames[-1]
             if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
                 closed = _discharge_cells(closed, frame.cells)
                 frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
@@ -2239,12 +2269,17 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
     while True:
         pending, nested = set(), []
-        isolated = hints.isolate
+        isolated, speculative = hints.isolate, hints.speculate is True
         try:
             traced = trace_once(pending, nested)
         except _Retrace:
             continue   # (the finally clause records what it found)
         except Exception as err:
+            if speculative and (isinstance(err, TraceContextError) or _refusal(err)):
+                # Refused for a State lifted as Refs that a plain input would
+                # serve: trace again lifting only the States known to need it.
+                hints.speculate, hints.isolate = False, True
+                continue
             if isinstance(err, jax.errors.UnexpectedTracerError):
                 # A body JAX cached with a finished trace's tracer (isolate), or
                 # a State first read where JAX takes no closed-over tracer (a
@@ -2261,7 +2296,10 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             # Also when the function raised: the next trace starts informed.
             if pending:
                 hints.ref_states.update(pending)
-                hints.isolate = True
+                if hints.speculate is None:   # the trace was aborted: nothing stale cached
+                    hints.speculate = True
+                else:
+                    hints.speculate, hints.isolate = False, True
         if traced.cacheable or isolated:
             return traced
         # Tracer constants: either the caller's enclosing trace (legitimate)

@@ -2445,6 +2445,116 @@ class DerivativeThroughStateTest(unittest.TestCase):
         np.testing.assert_allclose(h.value, x, rtol=1e-6)
 
 
+class RefLiftingTest(unittest.TestCase):
+    """Once a function is known to write States inside nested transformations,
+    its next trace lifts every State as Refs; that trace serves when all of
+    them are so written, and is redone otherwise."""
+
+    def test_states_all_written_inside_a_scan_take_two_runs(self):
+        hs = [State(jnp.full(2, float(i)), name=f'rl_h{i}') for i in range(3)]
+        runs = [0]
+
+        def step(x):
+            runs[0] += 1
+
+            def body(c, _):
+                for h in hs:
+                    h.value = 0.5 * h.value + x
+                return c, None
+            lax.scan(body, 0.0, None, length=3)
+            return hs[0].value.sum()
+
+        def plain(vals, x):
+            def body(vs, _):
+                return [0.5 * v + x for v in vs], None
+            vs = lax.scan(body, vals, None, length=3)[0]
+            return vs[0].sum(), vs
+        start = [h.value for h in hs]
+        got = StatefulFunction(step)(jnp.ones(2))
+        want, finals = plain(start, jnp.ones(2))
+        self.assertEqual(runs[0], 2)   # aborted at the first nested write, then once
+        np.testing.assert_allclose(got, want)
+        for h, v in zip(hs, finals):
+            np.testing.assert_allclose(h.value, v)
+
+    def test_a_state_only_read_keeps_its_custom_vjp_rule(self):
+        """A State only read inside a custom_vjp function stays a plain input
+        in a function that writes another inside a lax.scan."""
+        w = State(jnp.arange(1.0, 5.0), name='rl_w')
+        h = State(jnp.zeros(4), name='rl_h')
+
+        @jax.custom_vjp
+        def sq(x):
+            return x * x * w.value
+        sq.defvjp(lambda x: (sq(x), x), lambda r, g: (3.0 * g * r * w.value,))
+
+        def f(x):
+            lax.scan(lambda c, _: (c, setattr(h, 'value', h.value + 1.0)), 0.0, None, length=2)
+            return jax.grad(lambda y: sq(y).sum())(x)
+        x = jnp.linspace(0.5, 2.0, 4)
+        np.testing.assert_allclose(StatefulFunction(f)(x), 3.0 * x * w.value, rtol=1e-6)
+        np.testing.assert_allclose(h.value, jnp.full(4, 2.0))
+
+    def test_a_body_cached_over_a_concrete_value_is_not_reused_after_a_write(self):
+        """A module-level jitted function that closed over a State's concrete
+        value in the first, aborted trace is not reused after a nested write."""
+        s = State(jnp.zeros(()), name='rl_s')
+        g = jax.jit(lambda c: c + s.value)
+
+        def f(x):
+            s.value = np.float32(1.0)
+            a = g(0.0)
+            jax.jit(lambda: setattr(s, 'value', x))()
+            return a, g(0.0)
+        a, b = StatefulFunction(f)(jnp.float32(5.0))
+        self.assertEqual((float(a), float(b)), (1.0, 5.0))
+
+
+class LoopWriteUnderDifferentiationTest(unittest.TestCase):
+    def test_loop_writes_under_grad_are_right_or_refused(self):
+        """A State written inside a loop body of a differentiated function ends
+        with the value of the plain program, or the call raises naming it (as
+        where JAX would move the write out of the loop or drop it)."""
+        loops = {
+            'scan': lambda h, x: lax.scan(
+                lambda c, _: (c, h.set(h.get() + 1.0)), 0.0, None, length=2),
+            'scan_carry': lambda h, x: lax.scan(
+                lambda c, _: (c + 1.0, h.set(h.get() + c)), 1.0, None, length=2),
+            'scan_xs': lambda h, x: lax.scan(
+                lambda c, xi: (c, h.set(h.get() + xi)), 0.0, jnp.ones(2)),
+            'fori': lambda h, x: lax.fori_loop(
+                0, 2, lambda i, c: (h.set(h.get() + 1.0), c)[1], 0.0),
+        }
+        wants = {'scan': 2.0, 'scan_carry': 3.0, 'scan_xs': 2.0, 'fori': 2.0}
+
+        class Box:   # a State seen through get / set, as the loops above use it
+            def __init__(self, state):
+                self.state = state
+
+            def get(self):
+                return self.state.value
+
+            def set(self, v):
+                self.state.value = v
+        x = jnp.linspace(0.5, 2.0, 4)
+        diffs = {'grad': jax.grad, 'vjp': lambda f: lambda x: jax.vjp(f, x)[1](1.0)[0]}
+        for (name, loop), (dname, diff) in itertools.product(loops.items(), diffs.items()):
+            with self.subTest(loop=name, diff=dname):
+                h = State(jnp.zeros(4), name='lwd_h')
+
+                def loss(x, loop=loop, h=h):
+                    loop(Box(h), x)
+                    return (x * x).sum()
+                try:
+                    got = StatefulFunction(diff(loss))(x)
+                except sj.TraceContextError as err:
+                    self.assertIn('lwd_h', str(err))
+                    np.testing.assert_array_equal(h.value, jnp.zeros(4))
+                    continue
+                np.testing.assert_allclose(got, 2 * x)
+                np.testing.assert_allclose(h.value, jnp.full(4, wants[name]))
+
+
 class NestedDtypeAndResultTest(unittest.TestCase):
     """A write inside a nested transformation never changes a value silently,
     and a non-JAX result is a clear error."""
