@@ -3335,32 +3335,23 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A discovery trace of ``fun`` at per-lane shapes finds the states it touches;
-# ``jax.vmap`` of that jaxpr says which written values vary across lanes.  The
-# state values are then handed to ``mapping_fn`` explicitly with per-state
-# ``in_axes`` / ``out_axes``.  The plan is cached per cache key, so a warm call
-# does no discovery.
+# A trace of ``fun`` at per-lane shapes finds the states it touches; ``jax.vmap``
+# of that jaxpr says which written values vary across lanes.  ``mapping_fn`` then
+# gets the state values explicitly, with per-state axes, cached per cache key.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
     """``{axis: filter}`` or a bare filter (axis 0) → ``((axis, predicate), ...)``."""
-    if spec is None:
-        return ()
-    items = list(spec.items()) if isinstance(spec, dict) else [(0, spec)]
-    out = []
-    for axis, filt in items:
+    items = () if spec is None else spec.items() if isinstance(spec, dict) else [(0, spec)]
+    for axis, _ in items:
         if not _is_int(axis):
             raise TypeError(f'{what} keys must be int axes, got {axis!r}; write '
                             f'{what}={{0: filter}} or {what}=filter')
-        out.append((int(axis), to_predicate(filt)))
-    return tuple(out)
+    return tuple((int(axis), to_predicate(filt)) for axis, filt in items)
 
 
 def _axis_for(state, axes: tuple):
     return next((axis for axis, predicate in axes if predicate((), state)), None)
-
-
-_UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 
 
 def _lane_aval(axis: int, aval, error: Callable):
@@ -3376,58 +3367,45 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
     """The order brainstate's StatefulMapping touches states in: batched-in
     states grouped by axis, then the rest grouped by the axis they leave
     with, then the RandomStates split per lane."""
-    def grouped(pairs):
-        groups = {}
-        for i, axis in pairs:
-            groups.setdefault(axis, []).append(i)
-        return [i for group in groups.values() for i in group]
+    def grouped(indices, axis_of):   # stable: groups in order of first appearance
+        axes = list(dict.fromkeys(map(axis_of, indices)))
+        return sorted(indices, key=lambda i: axes.index(axis_of(i)))
     plain = [i for i in range(len(states)) if i not in rng_index]
-    first = grouped((i, in_axes[i]) for i in plain if in_axes[i] is not None)
-    rest = [i for i in grouped((i, out_axes.get(i, in_axes[i])) for i in plain) if i not in first]
+    first = grouped([i for i in plain if in_axes[i] is not None], in_axes.__getitem__)
+    rest = [i for i in grouped(plain, lambda i: out_axes.get(i, in_axes[i])) if i not in first]
     return [states[i] for i in first + rest + rng_index]
-
-
-def _leaf_axes(sf, split) -> list:
-    static_args, dyn_args, static_kwargs, dyn_kwargs = split
-    static_pos = {i for i, _ in static_args}
-    nargs = len(dyn_args) + len(static_pos)
-    spec = sf.in_axes
-    if isinstance(spec, (tuple, list)):
-        if len(spec) != nargs:
-            raise ValueError(
-                f'{_who(sf)}: in_axes has {len(spec)} entries but the '
-                f'call passed {nargs} positional argument(s); give one axis (int or None) '
-                'per positional argument, or a single int for all')
-        per_arg = [spec[i] for i in range(nargs) if i not in static_pos]
-    else:
-        per_arg = [spec] * len(dyn_args)
-    axes = []
-    for i, (prefix, arg) in enumerate(zip(per_arg, dyn_args)):
-        found = []
-        try:
-            jax.tree_util.tree_map(
-                lambda p, sub: found.extend([p] * len(_leaves(sub))), prefix, arg,
-                is_leaf=lambda x: x is None)
-        except ValueError as err:
-            raise ValueError(f'{_who(sf)}: in_axes entry {prefix!r} '
-                             f'does not match argument {i}: {err}') from None
-        axes += found
-    axes += [0] * len(_leaves(dyn_kwargs))
-    for ax in axes:
-        if ax is not None and not _is_int(ax):
-            raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
-    return axes
 
 
 def _lane_args(sf, leaves, split):
     """Per-lane avals and axes of the flat arguments, the sizes they imply,
     and their full avals."""
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(split[1])[0]]
+    static_args, dyn_args, _, dyn_kwargs = split
+    static_pos = {i for i, _ in static_args}
+    nargs, spec = len(dyn_args) + len(static_pos), sf.in_axes
+    if not isinstance(spec, (tuple, list)):
+        spec = [spec] * nargs
+    elif len(spec) != nargs:
+        raise ValueError(
+            f'{_who(sf)}: in_axes has {len(spec)} entries but the '
+            f'call passed {nargs} positional argument(s); give one axis (int or None) '
+            'per positional argument, or a single int for all')
+    axes = []   # one per flat leaf
+    for i, (prefix, arg) in enumerate(zip([spec[i] for i in range(nargs) if i not in static_pos],
+                                          dyn_args)):
+        try:
+            jax.tree_util.tree_map(lambda p, sub: axes.extend([p] * len(_leaves(sub))),
+                                   prefix, arg, is_leaf=lambda x: x is None)
+        except ValueError as err:
+            raise ValueError(f'{_who(sf)}: in_axes entry {prefix!r} '
+                             f'does not match argument {i}: {err}') from None
+    axes += [0] * len(_leaves(dyn_kwargs))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn_args)[0]]
     paths += [f'keyword {jax.tree_util.keystr(p)}' for p, _ in
-              jax.tree_util.tree_flatten_with_path(split[3])[0]]
+              jax.tree_util.tree_flatten_with_path(dyn_kwargs)[0]]
     lane_avals, arg_axes, sizes, avals = [], [], [], []
-    for path, leaf, ax in zip(paths, leaves, _leaf_axes(sf, split)):
+    for path, leaf, ax in zip(paths, leaves, axes):
+        if ax is not None and not _is_int(ax):
+            raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
         aval = _aval_of(leaf)
         avals.append(aval)
         if ax is None:
@@ -3476,41 +3454,24 @@ def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, no
 class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
-    States matched by ``state_in_axes`` are split along their axis on the way
-    in and stacked on the way out; other states are broadcast.  Every touched
-    :class:`RandomState` is split into one key per lane (as ``split_key(n)``
-    would), whatever the filters say, and afterwards holds the advanced key.
+    States matched by ``state_in_axes`` (``{axis: filter}`` or a bare filter,
+    meaning axis 0) are split along that axis on the way in and stacked on the
+    way out, along the same axis unless ``state_out_axes`` says otherwise;
+    other states are broadcast.  Every touched :class:`RandomState` is split
+    into one key per lane (as ``split_key(n)`` would) and then holds the
+    advanced key.  An unbatched state written with a batched value leaves
+    batched along axis 0 as ``unexpected_out_state_mapping`` says: silently
+    (``'auto'``, ``'ignore'``), with a warning (``'warn'``), or not at all
+    (``'raise'``: :class:`BatchAxisError`).
 
-    It is a :class:`StatefulFunction`: the accessors (``get_jaxpr``,
-    ``get_states``, ``jaxpr_call`` ...) describe the whole mapped call, with
-    full-size arguments and states, every touched state returned, and the
-    states ordered as in brainstate: batched-in states by axis, then the
-    others by the axis they leave with, then the RandomStates.
-
-    Parameters
-    ----------
-    fun : callable
-    in_axes, out_axes
-        As for ``jax.vmap`` (keyword arguments are mapped over axis 0).
-    state_in_axes, state_out_axes
-        ``{axis: filter}`` or a bare filter (axis 0).  A state batched on the
-        way in leaves batched on the same axis unless ``state_out_axes`` says
-        otherwise.
-    static_argnums, static_argnames, axis_env, name
-        As for :class:`StatefulFunction`.
-    axis_size : int, optional
-        The batch size when nothing is batched.
-    axis_name : hashable, optional
-        Names the mapped axis for collectives (``lax.psum`` ...).
-    mapping_fn : callable
-        ``jax.vmap`` (default), ``jax.pmap``, or a shard_map-based mapper with
-        the same signature.
-    unexpected_out_state_mapping : {'auto', 'warn', 'raise', 'ignore'}
-        What to do when an unbatched state is written with a batched value:
-        leave it batched along axis 0 silently ('auto', 'ignore'), with a
-        warning ('warn'), or raise :class:`BatchAxisError` ('raise').
-    donate_states, keep_sharding, explain_cache_misses
-        As for :class:`StatefulFunction`.
+    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over
+    axis 0); ``axis_size`` is the batch size when nothing is batched;
+    ``axis_name`` names the axis for collectives; ``mapping_fn`` is
+    ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper with their
+    signature.  The rest is as for :class:`StatefulFunction`, whose accessors
+    here describe the whole mapped call: full-size arguments and states,
+    every touched state returned, ordered as in brainstate (batched-in states
+    by axis, then the others by the axis they leave with, then RandomStates).
 
     Example
     -------
@@ -3536,10 +3497,10 @@ class StatefulMapping(StatefulFunction):
         _StatefulBase.__init__(self, fun, static_argnums, static_argnames, axis_env, None, name,
                                False, donate_states, keep_sharding, explain_cache_misses)
         self.origin_fun = fun
-        if unexpected_out_state_mapping not in _UNEXPECTED_POLICIES:
-            raise ValueError(
-                f'unexpected_out_state_mapping must be one of {_UNEXPECTED_POLICIES}, got '
-                f'{unexpected_out_state_mapping!r}')
+        policies = ('auto', 'warn', 'raise', 'ignore')
+        if unexpected_out_state_mapping not in policies:
+            raise ValueError(f'unexpected_out_state_mapping must be one of {policies}, got '
+                             f'{unexpected_out_state_mapping!r}')
         if axis_size is not None and (not _is_int(axis_size) or not 0 < axis_size < 2**31):
             raise ValueError(f'axis_size must be a positive int below 2**31, got {axis_size!r}')
         if not callable(mapping_fn):
@@ -3689,15 +3650,11 @@ class StatefulMapping(StatefulFunction):
 # =============================================================================
 # 10. Inspecting and shipping
 #
-# Seeing what a stateful function became, and handing it on: jaxprs with a
-# legend naming every input and output (``pretty_jaxpr``), explanations of
-# why a function traced again (``explain_cache_misses``), and an export whose
-# state inputs and outputs are named, loadable without the user's code
-# (``export`` / ``deserialize``).  All of it runs on request or on the miss
-# path; the warm call path is untouched.
+# Labelled jaxprs, why a function traced again, and an export whose states are
+# named inputs and outputs.  All of it runs on request or on the miss path.
 # =============================================================================
 
-def _sig_text(shape, dtype, weak_type: bool = False) -> str:
+def _sig_text(shape, dtype, weak_type: bool) -> str:
     """``float32[3,4]`` (``weak`` appended for a weakly typed value)."""
     return f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
 
@@ -3745,13 +3702,13 @@ def _static_items(key) -> list:
             + [(f'static argument {k!r}', v) for k, v in key['static_kwargs']])
 
 
-def _key_summary(key, limit: int = 6) -> str:
+def _key_summary(key) -> str:
     """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
     sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
     items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
     items += [f'{label}={value!r}' for label, value in _static_items(key)]
-    more = f', ... ({len(items) - limit} more)' if len(items) > limit else ''
-    return ', '.join(items[:limit]) + more or 'no arguments'
+    more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
+    return ', '.join(items[:6]) + more or 'no arguments'
 
 
 def _state_labels(states) -> list:
@@ -3838,15 +3795,13 @@ _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 't
 
 def explain_cache_misses(enabled: bool = True) -> bool:
     """Turns cache-miss explanations on or off for every function built without
-    its own ``explain_cache_misses=``; returns the previous setting (the
-    variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
+    its own ``explain_cache_misses=``; returns the previous setting
+    (``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
 
-    With them on, every trace after a function's first logs a warning on the
-    ``stateful_jaxpr`` logger naming the function, the nearest cached entry
-    and what differs: argument paths (old and new shape/dtype/weak type),
-    static values, States whose shape or dtype changed, States newly or no
-    longer touched.  ``get_miss_causes()`` counts traces per cause either
-    way; a warm call does no extra work.
+    With them on, each trace after a function's first logs a warning on the
+    ``stateful_jaxpr`` logger: the nearest cached entry and what differs
+    (arguments, static values, States' shapes and dtypes, States newly or no
+    longer touched).  ``get_miss_causes()`` counts traces per cause either way.
 
     Example
     -------
@@ -3874,14 +3829,12 @@ def _explain_flag(value):
 def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` (argument labels
     ``labels``) differs from ``old``."""
-    found = []
-    if old['static_args'] != new['static_args'] or old['static_kwargs'] != new['static_kwargs']:
-        olds, news = dict(_static_items(old)), dict(_static_items(new))
-        for label in dict.fromkeys(list(olds) + list(news)):
-            a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
-            if a != b:
-                shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-                found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
+    found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
+    for label in dict.fromkeys(list(olds) + list(news)):
+        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
+        if a != b:
+            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
+            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
     offset = 0
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
@@ -3898,9 +3851,6 @@ def _key_differences(old, new, labels) -> list:
 def _state_differences(old_traced, new_traced) -> list:
     """``(cause, line)`` for States whose shape or dtype changed since
     ``old_traced``, and for States only one of the two traces touches."""
-    if (new_traced.states == old_traced.states
-            and new_traced.state_sigs == old_traced.state_sigs):
-        return []   # (the new trace has just seen every State's current value)
     found = []
     for state, sig in zip(old_traced.states, old_traced.state_sigs):
         now = _value_sig(state._value)
@@ -3952,9 +3902,9 @@ def _note_miss(sf, key, stale, entry) -> None:
 
 # -- Export --------------------------------------------------------------------
 #
-# ``jax.export`` checks what it exported for (argument structure, shapes,
-# dtypes, platforms, devices); the container adds the manifest naming the
-# states and a checksum, so that damaged bytes are refused before any parsing.
+# ``jax.export`` checks what it exported for (shapes, platforms, devices ...); the
+# container adds the manifest naming the states, and a checksum refusing damaged
+# bytes before any parsing.
 
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
@@ -3997,11 +3947,10 @@ def _named(err, name: str):   # an error of jax.export, led by ``name``
 
 
 class Exported:
-    """What :func:`export` returns and :func:`deserialize` loads; calling it is
-    described there.  ``manifest``: JSON with the ``function``,
-    ``jax_version``, ``static_arguments`` and per State its ``name``,
-    ``type``, ``role`` (``'read'``, ``'written'`` or ``'read and written'``)
-    and ``created_at``.  ``exported``: the ``jax.export.Exported``.
+    """What :func:`export` returns and :func:`deserialize` loads (called as
+    :func:`export` says).  ``manifest``: JSON naming the ``function``, its
+    ``static_arguments`` and per State its ``name``, ``type``, ``role``
+    (read, written or both) and ``created_at``; ``exported``: jax.export's.
 
     Example
     -------
@@ -4060,19 +4009,15 @@ class Exported:
 
 
 def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
-    """Exports ``fun(*args, **kwargs)`` with ``jax.export``, its States becoming
-    named inputs and outputs; no State changes.  The :class:`Exported` it
-    returns is called as ``ex(*args, states={name: value}, **kwargs)`` (the
-    dynamic arguments; every state read) for ``(outputs, {written state:
-    new value})``.
-
-    ``fun``: a StatefulFunction, StatefulMapping or plain function; the
-    arguments fix the shapes (static ones the values); each State it touches
-    needs a unique name.  ``platforms``: a name or names (default: the
-    current backend).  jax.export's errors (e.g. another shape, a state
-    named ``kwargs['states']['name']``) come led by the function's name.
-    Needs ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x), which ``pip
-    install jax`` does not install.
+    """Exports ``fun(*args, **kwargs)`` (a StatefulFunction, StatefulMapping or
+    plain function) with ``jax.export``, its States, which need unique names,
+    becoming named inputs and outputs; no State changes.  The arguments fix
+    the shapes (static ones the values); ``platforms``: a name or names
+    (default: the current backend).  The :class:`Exported` returned is called
+    as ``ex(*dynamic_args, states={name: value of each state read}, **kwargs)``
+    for ``(outputs, {written state: new value})``; jax.export's errors come
+    led by the function's name.  Needs ``flatbuffers`` (and ``absl-py`` on
+    JAX 0.4.x), which ``pip install jax`` does not install.
 
     Example
     -------
