@@ -3399,9 +3399,8 @@ def _lane_args(sf, leaves, split):
             raise ValueError(f'{_who(sf)}: in_axes entry {prefix!r} '
                              f'does not match argument {i}: {err}') from None
     axes += [0] * len(_leaves(dyn_kwargs))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn_args)[0]]
-    paths += [f'keyword {jax.tree_util.keystr(p)}' for p, _ in
-              jax.tree_util.tree_flatten_with_path(dyn_kwargs)[0]]
+    paths = [('keyword ' if p[0].idx else '') + jax.tree_util.keystr(p[1:])
+             for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
     lane_avals, arg_axes, sizes, avals = [], [], [], []
     for path, leaf, ax in zip(paths, leaves, axes):
         if ax is not None and not _is_int(ax):
@@ -3514,7 +3513,6 @@ class StatefulMapping(StatefulFunction):
         # pmap compiles by itself, and jit-of-pmap warns: call it directly.
         self._compiled_dispatch = mapping_fn is not jax.pmap
 
-    # -- discovery -------------------------------------------------------------
     def _build_entry(self, key, leaves, split) -> _Entry:
         lane_avals, arg_axes, sizes, avals = _lane_args(self, leaves, split)
         if self.axis_size is not None:
@@ -3542,9 +3540,17 @@ class StatefulMapping(StatefulFunction):
                 axis = _axis_for(states[i], self._state_out)
                 write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
         unbatched = [r for r, axis in write_axes.items() if axis is None]
+        policy = self.unexpected_out_state_mapping
         for r in self._batched_returns(traced, in_batched, n, unbatched):
-            self._unexpected(states[traced.returned[r]])
-            write_axes[r] = out_axes[traced.returned[r]] = 0
+            i = traced.returned[r]
+            message = (f'{_who(self)}: {states[i]._describe()} came in unbatched but is written '
+                       'with a batched value, so it leaves batched along axis 0. Declare it '
+                       'with state_in_axes (batched in) or state_out_axes (batched out)')
+            if policy == 'raise':
+                raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
+            if policy == 'warn':
+                warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+            write_axes[r] = out_axes[i] = 0
         plan = self._plan_for(states, (*out_axes, *rng_index))
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
@@ -3633,16 +3639,6 @@ class StatefulMapping(StatefulFunction):
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
         return traced, [state_axes.get(id(s)) for s in traced.states], sizes
 
-    def _unexpected(self, state):
-        policy = self.unexpected_out_state_mapping
-        message = (f'{_who(self)}: {state._describe()} came in unbatched but '
-                   'is written with a batched value, so it leaves batched along axis 0. '
-                   'Declare it with state_in_axes (batched in) or state_out_axes (batched out)')
-        if policy == 'raise':
-            raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
-        if policy == 'warn':
-            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
-
     def __repr__(self):
         return f'StatefulMapping({self.name!r}, entries={len(self._cache)})'
 
@@ -3665,8 +3661,8 @@ def _value_text(sig) -> str:
     texts = [_sig_text(*leaf) for leaf in leaves]
     if treedef.num_nodes == 1 and len(texts) == 1:
         return texts[0]
-    paths = _leaf_paths(treedef)
-    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}' for p, t in zip(paths, texts)) + '}'
+    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
+                           for p, t in zip(_leaf_paths(treedef), texts)) + '}'
 
 
 def _leaf_paths(treedef) -> list:
@@ -3742,10 +3738,8 @@ def _state_roles(traced) -> list:
 
 def _pretty(traced: _Traced, key) -> str:
     """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
-    jaxpr, text = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr)
-    keystr = jax.tree_util.keystr
-    labels, roles = _state_labels(traced.states), _state_roles(traced)
-    args = _arg_labels(key)
+    jaxpr, text, keystr = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr), jax.tree_util.keystr
+    labels, roles, args = _state_labels(traced.states), _state_roles(traced), _arg_labels(key)
     state_of, in_roles = [], []
     for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
         for path in _leaf_paths(sig[0]):
@@ -3754,22 +3748,19 @@ def _pretty(traced: _Traced, key) -> str:
                             f'{roles[i]}, created at {_format_site(state._source)}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
     in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
-    state_invars = {}
-    for i, var in zip(state_of, jaxpr.invars[extra + len(args):]):
-        state_invars.setdefault(i, set()).add(var)
+    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of))
     out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
     for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
         i = traced.returned[path[0].idx]
-        unchanged = isinstance(var, Var) and var in state_invars.get(i, ())
+        unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
         out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
                          + ('returned unchanged' if unchanged else 'new value'))
     names_in, names_out = _jaxpr_names(text, len(jaxpr.invars), len(jaxpr.outvars))
-    sections = [('inputs', names_in, jaxpr.invars, in_roles),
-                ('outputs', names_out, jaxpr.outvars, out_roles)]
     width = max([len(n) for n in names_in + names_out] + [1])
     awidth = max([len(v.aval.str_short()) for v in jaxpr.invars + jaxpr.outvars] + [1])
     lines = [text, '']
-    for title, names, vars_, roles_ in sections:
+    for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
+                                        ('outputs', names_out, jaxpr.outvars, out_roles)]:
         lines.append(f'{title}:')
         lines += [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
                   for n, v, r in zip(names, vars_, roles_)]
@@ -3812,8 +3803,8 @@ def explain_cache_misses(enabled: bool = True) -> bool:
     {'first trace': 1, 'argument shape/dtype': 1}
     >>> _ = explain_cache_misses(previous)
     """
-    if _explain_flag(enabled) is None:
-        raise TypeError('explain_cache_misses(enabled) needs True or False, got None')
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f'explain_cache_misses(enabled) needs True or False, got {enabled!r}')
     previous, _explain_default[0] = _explain_default[0], bool(enabled)
     return previous
 
@@ -3872,30 +3863,29 @@ def _note_miss(sf, key, stale, entry) -> None:
     with sf._cache._lock:
         cached = list(sf._cache._data.items())   # least recently used first
         first = not sf._miss_causes
-    enabled = sf.explain_cache_misses
-    explain = not first and (_explain_default[0] if enabled is None else enabled)
+    near = None
     if first:
-        found, near = [('first trace', '')], None
+        found = [('first trace', '')]
     elif stale is not None:
-        near = key
-        found = _state_differences(stale.traced, entry.traced)
+        near, found = key, _state_differences(stale.traced, entry.traced)
     elif cached:   # the nearest: the fewest differences, ties to the most recently used
         labels = _arg_labels(key)
         near, old, found = min([(k, old, _key_differences(k, key, labels))
                                 for k, old in reversed(cached)], key=lambda c: len(c[2]))
         found = found + _state_differences(old.traced, entry.traced)
     else:
-        found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                           f'cacheable; cache_size={sf._cache.maxsize})')], None
+        found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                     f'cacheable; cache_size={sf._cache.maxsize})')]
     with sf._cache._lock:
         sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
-    if not explain:
+    enabled = sf.explain_cache_misses
+    if first or not (_explain_default[0] if enabled is None else enabled):
         return
-    nearest = 'none' if near is None else f'({_key_summary(near)})'
     lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
         '  - nothing the cache key or the States show (the entry was not cacheable)'
     _logger.warning('%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-                    type(sf).__name__, sf.name, _key_summary(key), nearest,
+                    type(sf).__name__, sf.name, _key_summary(key),
+                    'none' if near is None else f'({_key_summary(near)})',
                     ' (the same arguments; its States changed)' if stale is not None else '',
                     lines)
 
@@ -3926,9 +3916,8 @@ def _jax_export():
 
 
 def _key_data(tree, impls=None):
-    """``tree`` with its typed PRNG keys as key data, which jax.export takes on
-    every release (up to 0.5 it cannot export keys); given ``impls`` (pairs
-    ``[leaf index, PRNG implementation]`` from ``_key_impls``), the reverse."""
+    """``tree`` with typed PRNG keys as key data (jax.export up to 0.5 cannot take
+    keys); given ``impls`` (``[leaf index, impl name]`` pairs), the reverse."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if impls is None:
         leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
