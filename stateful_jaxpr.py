@@ -3364,9 +3364,8 @@ def _lane_aval(axis: int, aval, error: Callable):
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
-    """The order brainstate's StatefulMapping touches states in: batched-in
-    states grouped by axis, then the rest grouped by the axis they leave
-    with, then the RandomStates split per lane."""
+    """brainstate's state order: batched-in states grouped by axis, then the rest
+    grouped by the axis they leave with, then the RandomStates."""
     def grouped(indices, axis_of):   # stable: groups in order of first appearance
         axes = list(dict.fromkeys(map(axis_of, indices)))
         return sorted(indices, key=lambda i: axes.index(axis_of(i)))
@@ -3377,18 +3376,16 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
 
 
 def _lane_args(sf, leaves, split):
-    """Per-lane avals and axes of the flat arguments, the sizes they imply,
-    and their full avals."""
+    """Per-lane avals and axes of the flat arguments, the sizes they imply, full avals."""
     static_args, dyn_args, _, dyn_kwargs = split
     static_pos = {i for i, _ in static_args}
     nargs, spec = len(dyn_args) + len(static_pos), sf.in_axes
     if not isinstance(spec, (tuple, list)):
         spec = [spec] * nargs
     elif len(spec) != nargs:
-        raise ValueError(
-            f'{_who(sf)}: in_axes has {len(spec)} entries but the '
-            f'call passed {nargs} positional argument(s); give one axis (int or None) '
-            'per positional argument, or a single int for all')
+        raise ValueError(f'{_who(sf)}: in_axes has {len(spec)} entries but the call passed '
+                         f'{nargs} positional argument(s); give one axis (int or None) per '
+                         'positional argument, or a single int for all')
     axes = []   # one per flat leaf
     for i, (prefix, arg) in enumerate(zip([spec[i] for i in range(nargs) if i not in static_pos],
                                           dyn_args)):
@@ -3454,23 +3451,21 @@ class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
     States matched by ``state_in_axes`` (``{axis: filter}`` or a bare filter,
-    meaning axis 0) are split along that axis on the way in and stacked on the
-    way out, along the same axis unless ``state_out_axes`` says otherwise;
-    other states are broadcast.  Every touched :class:`RandomState` is split
-    into one key per lane (as ``split_key(n)`` would) and then holds the
-    advanced key.  An unbatched state written with a batched value leaves
-    batched along axis 0 as ``unexpected_out_state_mapping`` says: silently
-    (``'auto'``, ``'ignore'``), with a warning (``'warn'``), or not at all
-    (``'raise'``: :class:`BatchAxisError`).
+    axis 0) are split along that axis on the way in and stacked along it on
+    the way out, unless ``state_out_axes`` says another; other states are
+    broadcast.  Every touched :class:`RandomState` is split into one key per
+    lane (as ``split_key(n)`` would), then holds the advanced key.  An
+    unbatched state written with a batched value leaves batched on axis 0:
+    silently (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a
+    warning (``'warn'``), or not at all (``'raise'``: :class:`BatchAxisError`).
 
     ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over
-    axis 0); ``axis_size`` is the batch size when nothing is batched;
-    ``axis_name`` names the axis for collectives; ``mapping_fn`` is
-    ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper with their
-    signature.  The rest is as for :class:`StatefulFunction`, whose accessors
-    here describe the whole mapped call: full-size arguments and states,
-    every touched state returned, ordered as in brainstate (batched-in states
-    by axis, then the others by the axis they leave with, then RandomStates).
+    axis 0); ``axis_size`` is the batch size where nothing is batched;
+    ``axis_name`` is for collectives; ``mapping_fn``: ``jax.vmap``,
+    ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
+    :class:`StatefulFunction`'s, whose accessors describe the whole mapped
+    call, states ordered as in brainstate (batched-in by axis, then by the
+    axis they leave with, then RandomStates).
 
     Example
     -------
@@ -3570,11 +3565,9 @@ class StatefulMapping(StatefulFunction):
 
     def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
         """Those of the returned positions ``wanted`` whose new value varies across
-        lanes, as ``jax.vmap`` decides: a custom_vmap identity on their values
-        has its rule told which are batched (it never runs if none is)."""
+        lanes, as ``jax.vmap`` tells a custom_vmap identity's rule (run if any is)."""
         closed, first, seen = traced.closed_jaxpr, traced.n_out, []
-        at = jax.tree_util.tree_unflatten(
-            traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
+        at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
         leaves = [_leaves(at[r]) for r in wanted]
         picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
         identity = jax.custom_batching.custom_vmap(lambda *new: new)
@@ -3607,10 +3600,9 @@ class StatefulMapping(StatefulFunction):
             if axis is _MISSING:
                 if isinstance(state, RandomState) and len(aval.shape) > (
                         0 if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) else 1):
-                    raise BatchAxisError(
-                        f'{state._describe()} holds {aval.str_short()}, a stack of keys; a '
-                        'mapping splits every RandomState into one key per lane itself, '
-                        'whatever the state filters say: give it a single key instead')
+                    raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
+                                         'stack of keys; a mapping splits every RandomState '
+                                         'per lane itself: give it a single key instead')
                 axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
             if axis is None:
@@ -3632,10 +3624,9 @@ class StatefulMapping(StatefulFunction):
         except NameError as err:
             if 'axis' not in str(err) or self.axis_name is not None:
                 raise
-            raise NameError(
-                f'{err}\n{_who(self)} maps its axis without a name; to use '
-                'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
-                "pass axis_name='<name>' to StatefulMapping and use that name") from err
+            raise NameError(f'{err}\n{_who(self)} maps its axis without a name; for collectives '
+                            "(lax.psum ...) over it, pass axis_name='<name>' and use that "
+                            'name') from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
         return traced, [state_axes.get(id(s)) for s in traced.states], sizes
 
@@ -3675,8 +3666,7 @@ def _leaf_paths(treedef) -> list:
 
 
 def _arg_labels(key) -> list:
-    """``argument 0['w'][1]`` / ``keyword 'scale'`` for each flat dynamic leaf of
-    the call a cache key describes (positions count the static arguments too)."""
+    """``argument 0['w'][1]`` / ``keyword 'scale'`` per flat dynamic leaf of a cache key."""
     static = {i for i, _ in key['static_args']}
     tree_a, tree_k = key['dyn_args'][0], key['dyn_kwargs'][0]
     positions = [i for i in range(len(tree_a.children()) + len(static)) if i not in static]
@@ -3708,9 +3698,8 @@ def _key_summary(key) -> str:
 
 
 def _state_labels(states) -> list:
-    """A readable label per state: its name or, for an unnamed one, its type and
-    creation line (``RandomState@model.py:12``), the same from run to run.  A
-    label used again gets ``#2``, ``#3`` ... in order."""
+    """Each state's name or, unnamed, ``RandomState@model.py:12`` (stable from run to
+    run); a label used again gets ``#2``, ``#3`` ..."""
     labels, seen = [], {}
     for s in states:
         base = s._name
@@ -3818,24 +3807,21 @@ def _explain_flag(value):
 
 
 def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` (argument labels
-    ``labels``) differs from ``old``."""
+    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
     found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
     for label in dict.fromkeys(list(olds) + list(news)):
         a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
         if a != b:
             shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
             found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
-    offset = 0
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
+        here, labels = labels[:len(sigs_b)], labels[len(sigs_b):]
         if tree_a != tree_b:
-            found.append(('argument structure', f'{what} argument structure: {tree_a} -> '
-                                                f'{tree_b}'))
-        found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
-                   f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
-                  if a != b and tree_a == tree_b]
-        offset += len(sigs_b)
+            found.append(('argument structure', f'{what} argument structure: {tree_a} -> {tree_b}'))
+        else:
+            found += [('argument shape/dtype', f'{label}: {_sig_text(*a)} -> {_sig_text(*b)}')
+                      for label, a, b in zip(here, sigs_a, sigs_b) if a != b]
     return found
 
 
@@ -3903,7 +3889,7 @@ def _jax_export():
     """``jax.export``, or an ImportError naming what it needs that ``pip install
     jax`` does not install: flatbuffers (and absl-py up to 0.5)."""
     try:
-        from jax import export as module          # 0.4.30 ..
+        from jax import export as module
         missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
     except ImportError as err:
         missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(str(err.name).split('.')[0])
@@ -4031,11 +4017,11 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
     names, roles = [s._name for s in traced.states], _state_roles(traced)
     bad = [s for s in traced.states if not s._name or names.count(s._name) > 1]
     if bad:
-        raise ValueError(
-            f'export: the exported function takes and returns its states by name, but these '
-            f'States of {_who(sf)} have no name or share one:\n' + '\n'.join(
-                f'  - {s._describe()}' + ('' if s._name else ' (no name)') for s in bad)
-            + "\nGive each a unique name (State(..., name='w') or state.name = 'w')")
+        raise ValueError(f'export: an export passes States by name, but these of {_who(sf)} '
+                         'have no name or share one:\n' + ''.join(
+                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
+                             for s in bad)
+                         + "Give each a unique name (State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
     inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
