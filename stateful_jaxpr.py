@@ -3398,20 +3398,16 @@ def _lane_args(sf, leaves, split):
     axes += [0] * len(_leaves(dyn_kwargs))
     paths = [('keyword ' if p[0].idx else '') + jax.tree_util.keystr(p[1:])
              for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
-    lane_avals, arg_axes, sizes, avals = [], [], [], []
-    for path, leaf, ax in zip(paths, leaves, axes):
-        if ax is not None and not _is_int(ax):
-            raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
-        aval = _aval_of(leaf)
-        avals.append(aval)
-        if ax is None:
-            lane_avals.append(aval)
-            arg_axes.append(None)
-            continue
-        a, lane = _lane_aval(ax, aval, lambda: ValueError(
-            f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
-            f'shape {tuple(aval.shape)}'))
-        sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
+    avals, lane_avals, arg_axes, sizes = [_aval_of(x) for x in leaves], [], [], []
+    for path, aval, ax in zip(paths, avals, axes):
+        a, lane = None, aval
+        if ax is not None:
+            if not _is_int(ax):
+                raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
+            a, lane = _lane_aval(ax, aval, lambda: ValueError(
+                f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
+                f'shape {tuple(aval.shape)}'))
+            sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
         lane_avals.append(lane)
         arg_axes.append(a)
     return lane_avals, arg_axes, sizes, avals
@@ -3525,7 +3521,6 @@ class StatefulMapping(StatefulFunction):
         n, states = found[0][1], traced.states
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
-
         in_batched = [a is not None for a in arg_axes]
         for axis, sig in zip(in_state_axes, traced.state_sigs):
             in_batched += [axis is not None] * len(sig[1])
@@ -3550,9 +3545,8 @@ class StatefulMapping(StatefulFunction):
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
-        entry = _Entry(traced, plan, apply, None)
-        entry.view = functools.partial(self._trace_whole, order, avals, _rebuilder(split))
-        return entry
+        return _Entry(traced, plan, apply,
+                      functools.partial(self._trace_whole, order, avals, _rebuilder(split)))
 
     def _trace_whole(self, order, avals, rebuild) -> _Traced:
         """The accessors' view: the whole mapped call traced as one function."""
@@ -3702,10 +3696,8 @@ def _state_labels(states) -> list:
     run); a label used again gets ``#2``, ``#3`` ..."""
     labels, seen = [], {}
     for s in states:
-        base = s._name
-        if not base:
-            site = s._source
-            base = type(s).__name__ + (f'@{os.path.basename(site[0])}:{site[1]}' if site else '')
+        base = s._name or type(s).__name__ + (
+            f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
         seen[base] = n = seen.get(base, 0) + 1
         labels.append(base if n == 1 else f'{base}#{n}')
     return labels
@@ -3922,10 +3914,10 @@ def _named(err, name: str):   # an error of jax.export, led by ``name``
 
 
 class Exported:
-    """What :func:`export` returns and :func:`deserialize` loads (called as
-    :func:`export` says).  ``manifest``: JSON naming the ``function``, its
-    ``static_arguments`` and per State its ``name``, ``type``, ``role``
-    (read, written or both) and ``created_at``; ``exported``: jax.export's.
+    """What :func:`export` returns (called as it says) and :func:`deserialize`
+    loads: ``exported`` is jax.export's, ``manifest`` JSON naming the
+    ``function``, ``static_arguments`` and per State its ``name``, ``type``,
+    ``role`` and ``created_at``.
 
     Example
     -------
@@ -4044,11 +4036,10 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
             *_key_data(dyn_args), **_key_data(dyn_kwargs), states=_key_data(inputs))
     except (TypeError, ValueError, NotImplementedError) as err:
         raise _named(err, f'export of {_who(sf)}') from err
-    statics = [(f'argument {i}', v) for i, v in static_args] + [
-        (f'keyword {k!r}', v) for k, v in static_kwargs.items()]
     return Exported(exported, {
         'function': sf.name, 'jax_version': jax.__version__, 'result_keys': out_keys,
-        'static_arguments': {label: repr(v) for label, v in statics},
+        'static_arguments': {**{f'argument {i}': repr(v) for i, v in static_args},
+                             **{f'keyword {k!r}': repr(v) for k, v in static_kwargs.items()}},
         'states': [{'name': n, 'type': type(s).__name__, 'role': role,
                     'created_at': _format_site(s._source)}
                    for n, s, role in zip(names, traced.states, roles)]})
