@@ -3433,13 +3433,11 @@ def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, no
                            out_axes=(sf.out_axes, list(write_axes.values())),
                            axis_name=sf.axis_name, axis_size=n if nothing_batched else None)
 
-    def apply(state_values, flat_args):
-        values, keys = list(state_values), [jax.random.split(state_values[i], n + 1)
-                                            for i in rng_index]
-        for i, k in zip(rng_index, keys):
-            values[i] = k[1:]
+    def apply(state_values, flat_args):   # each RandomState: one key per lane, one kept
+        keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
+        values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
         out, written = mapped(list(flat_args), values)
-        return out, list(written) + [k[0] for k in keys]
+        return out, list(written) + [k[0] for k in keys.values()]
     return apply
 
 
@@ -3766,14 +3764,12 @@ _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 't
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns cache-miss explanations on or off for every function built without
-    its own ``explain_cache_misses=``; returns the previous setting
-    (``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
-
-    With them on, each trace after a function's first logs a warning on the
-    ``stateful_jaxpr`` logger: the nearest cached entry and what differs
-    (arguments, static values, States' shapes and dtypes, States newly or no
-    longer touched).  ``get_miss_causes()`` counts traces per cause either way.
+    """Turns cache-miss explanations on or off for functions built without their
+    own ``explain_cache_misses=``, returning the previous setting (on at import
+    with ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace
+    logs a warning on the ``stateful_jaxpr`` logger: the nearest cached entry
+    and what differs (arguments, static values, States' shapes, States newly
+    or no longer touched).  ``get_miss_causes()`` counts causes either way.
 
     Example
     -------
@@ -3826,8 +3822,7 @@ def _state_differences(old_traced, new_traced) -> list:
         if now != sig:
             found.append(('state shape/dtype', f'{state._describe()}: {_value_text(sig)} -> '
                                                f'{_value_text(now)}'))
-    old_ids = {id(s) for s in old_traced.states}
-    new_ids = {id(s) for s in new_traced.states}
+    old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
     found += [('new state', f'newly touched: {s._describe()}')
               for s in new_traced.states if id(s) not in old_ids]
     found += [('vanished state', f'no longer touched: {s._describe()}')
@@ -3977,13 +3972,12 @@ class Exported:
 
 def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
     """Exports ``fun(*args, **kwargs)`` (a StatefulFunction, StatefulMapping or
-    plain function) with ``jax.export``, its States, which need unique names,
-    becoming named inputs and outputs; no State changes.  The arguments fix
-    the shapes (static ones the values); ``platforms``: a name or names
-    (default: the current backend).  The :class:`Exported` returned is called
-    as ``ex(*dynamic_args, states={name: value of each state read}, **kwargs)``
-    for ``(outputs, {written state: new value})``; jax.export's errors come
-    led by the function's name.  Needs ``flatbuffers`` (and ``absl-py`` on
+    plain function) with ``jax.export``, its uniquely named States becoming
+    named inputs and outputs; no State changes.  The arguments fix the shapes
+    (static ones the values); ``platforms``: a name or names (default: the
+    current backend).  Call the :class:`Exported` as ``ex(*dynamic_args,
+    states={name: value of each state read}, **kwargs)`` for ``(outputs,
+    {written state: new value})``.  Needs ``flatbuffers`` (and ``absl-py`` on
     JAX 0.4.x), which ``pip install jax`` does not install.
 
     Example
