@@ -3519,9 +3519,8 @@ class StatefulMapping(StatefulFunction):
         n, states = found[0][1], traced.states
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
-        in_batched = [a is not None for a in arg_axes]
-        for axis, sig in zip(in_state_axes, traced.state_sigs):
-            in_batched += [axis is not None] * len(sig[1])
+        in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
+            axis is not None for axis, sig in zip(in_state_axes, traced.state_sigs) for _ in sig[1]]
         write_axes, out_axes = {}, {}    # by returned position, by state index
         for r, i in enumerate(traced.returned):
             if i not in rng_index:      # a RandomState leaves with the advanced key
@@ -3606,9 +3605,8 @@ class StatefulMapping(StatefulFunction):
             _check_sizes(self, sizes)
             return lane
 
-        axis_env = list(self.axis_env or ())
-        if self.axis_name is not None:
-            axis_env.append((self.axis_name, size))
+        axis_env = list(self.axis_env or ()) + (
+            [] if self.axis_name is None else [(self.axis_name, size)])
         try:
             traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
                                      name=self.name, return_only_write=True,
