@@ -3059,32 +3059,23 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A discovery trace of ``fun`` at per-lane shapes finds the states it touches;
-# ``jax.vmap`` of that jaxpr says which written values vary across lanes.  The
-# state values are then handed to ``mapping_fn`` explicitly with per-state
-# ``in_axes`` / ``out_axes``.  The plan is cached per cache key, so a warm call
-# does no discovery.
+# A trace of ``fun`` at per-lane shapes finds the states it touches; ``jax.vmap``
+# of that jaxpr says which written values vary across lanes.  ``mapping_fn`` then
+# gets the state values explicitly, with per-state axes, cached per cache key.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
     """``{axis: filter}`` or a bare filter (axis 0) → ``((axis, predicate), ...)``."""
-    if spec is None:
-        return ()
-    items = list(spec.items()) if isinstance(spec, dict) else [(0, spec)]
-    out = []
-    for axis, filt in items:
+    items = () if spec is None else spec.items() if isinstance(spec, dict) else [(0, spec)]
+    for axis, _ in items:
         if not _is_int(axis):
             raise TypeError(f'{what} keys must be int axes, got {axis!r}; write '
                             f'{what}={{0: filter}} or {what}=filter')
-        out.append((int(axis), to_predicate(filt)))
-    return tuple(out)
+    return tuple((int(axis), to_predicate(filt)) for axis, filt in items)
 
 
 def _axis_for(state, axes: tuple):
     return next((axis for axis, predicate in axes if predicate((), state)), None)
-
-
-_UNEXPECTED_POLICIES = ('auto', 'warn', 'raise', 'ignore')
 
 
 def _lane_aval(axis: int, aval, error: Callable):
@@ -3097,71 +3088,50 @@ def _lane_aval(axis: int, aval, error: Callable):
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
-    """The order brainstate's StatefulMapping touches states in: batched-in
-    states grouped by axis, then the rest grouped by the axis they leave
-    with, then the RandomStates split per lane."""
-    def grouped(pairs):
-        groups = {}
-        for i, axis in pairs:
-            groups.setdefault(axis, []).append(i)
-        return [i for group in groups.values() for i in group]
+    """brainstate's state order: batched-in states grouped by axis, then the rest
+    grouped by the axis they leave with, then the RandomStates."""
+    def grouped(indices, axis_of):   # stable: groups in order of first appearance
+        axes = list(dict.fromkeys(map(axis_of, indices)))
+        return sorted(indices, key=lambda i: axes.index(axis_of(i)))
     plain = [i for i in range(len(states)) if i not in rng_index]
-    first = grouped((i, in_axes[i]) for i in plain if in_axes[i] is not None)
-    rest = [i for i in grouped((i, out_axes.get(i, in_axes[i])) for i in plain) if i not in first]
+    first = grouped([i for i in plain if in_axes[i] is not None], in_axes.__getitem__)
+    rest = [i for i in grouped(plain, lambda i: out_axes.get(i, in_axes[i])) if i not in first]
     return [states[i] for i in first + rest + rng_index]
 
 
-def _leaf_axes(sf, split) -> list:
-    static_args, dyn_args, static_kwargs, dyn_kwargs = split
+def _lane_args(sf, leaves, split):
+    """Per-lane avals and axes of the flat arguments, the sizes they imply, full avals."""
+    static_args, dyn_args, _, dyn_kwargs = split
     static_pos = {i for i, _ in static_args}
-    nargs = len(dyn_args) + len(static_pos)
-    spec = sf.in_axes
-    if isinstance(spec, (tuple, list)):
-        if len(spec) != nargs:
-            raise ValueError(
-                f'{_who(sf)}: in_axes has {len(spec)} entries but the '
-                f'call passed {nargs} positional argument(s); give one axis (int or None) '
-                'per positional argument, or a single int for all')
-        per_arg = [spec[i] for i in range(nargs) if i not in static_pos]
-    else:
-        per_arg = [spec] * len(dyn_args)
-    axes = []
-    for i, (prefix, arg) in enumerate(zip(per_arg, dyn_args)):
-        found = []
+    nargs, spec = len(dyn_args) + len(static_pos), sf.in_axes
+    if not isinstance(spec, (tuple, list)):
+        spec = [spec] * nargs
+    elif len(spec) != nargs:
+        raise ValueError(f'{_who(sf)}: in_axes has {len(spec)} entries but the call passed '
+                         f'{nargs} positional argument(s); give one axis (int or None) per '
+                         'positional argument, or a single int for all')
+    axes = []   # one per flat leaf
+    for i, (prefix, arg) in enumerate(zip([spec[i] for i in range(nargs) if i not in static_pos],
+                                          dyn_args)):
         try:
-            jax.tree_util.tree_map(
-                lambda p, sub: found.extend([p] * len(_leaves(sub))), prefix, arg,
-                is_leaf=lambda x: x is None)
+            jax.tree_util.tree_map(lambda p, sub: axes.extend([p] * len(_leaves(sub))),
+                                   prefix, arg, is_leaf=lambda x: x is None)
         except ValueError as err:
             raise ValueError(f'{_who(sf)}: in_axes entry {prefix!r} '
                              f'does not match argument {i}: {err}') from None
-        axes += found
     axes += [0] * len(_leaves(dyn_kwargs))
-    for ax in axes:
-        if ax is not None and not _is_int(ax):
-            raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
-    return axes
-
-
-def _lane_args(sf, leaves, split):
-    """Per-lane avals and axes of the flat arguments, the sizes they imply,
-    and their full avals."""
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(split[1])[0]]
-    paths += [f'keyword {jax.tree_util.keystr(p)}' for p, _ in
-              jax.tree_util.tree_flatten_with_path(split[3])[0]]
-    lane_avals, arg_axes, sizes, avals = [], [], [], []
-    for path, leaf, ax in zip(paths, leaves, _leaf_axes(sf, split)):
-        aval = _aval_of(leaf)
-        avals.append(aval)
-        if ax is None:
-            lane_avals.append(aval)
-            arg_axes.append(None)
-            continue
-        a, lane = _lane_aval(ax, aval, lambda: ValueError(
-            f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
-            f'shape {tuple(aval.shape)}'))
-        sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
+    paths = [('keyword ' if p[0].idx else '') + jax.tree_util.keystr(p[1:])
+             for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
+    avals, lane_avals, arg_axes, sizes = [_aval_of(x) for x in leaves], [], [], []
+    for path, aval, ax in zip(paths, avals, axes):
+        a, lane = None, aval
+        if ax is not None:
+            if not _is_int(ax):
+                raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
+            a, lane = _lane_aval(ax, aval, lambda: ValueError(
+                f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
+                f'shape {tuple(aval.shape)}'))
+            sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
         lane_avals.append(lane)
         arg_axes.append(a)
     return lane_avals, arg_axes, sizes, avals
@@ -3187,54 +3157,33 @@ def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, no
                            out_axes=(sf.out_axes, list(write_axes.values())),
                            axis_name=sf.axis_name, axis_size=n if nothing_batched else None)
 
-    def apply(state_values, flat_args):
-        values, keys = list(state_values), [jax.random.split(state_values[i], n + 1)
-                                            for i in rng_index]
-        for i, k in zip(rng_index, keys):
-            values[i] = k[1:]
+    def apply(state_values, flat_args):   # each RandomState: one key per lane, one kept
+        keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
+        values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
         out, written = mapped(list(flat_args), values)
-        return out, list(written) + [k[0] for k in keys]
+        return out, list(written) + [k[0] for k in keys.values()]
     return apply
 
 
 class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
-    States matched by ``state_in_axes`` are split along their axis on the way
-    in and stacked on the way out; other states are broadcast.  Every touched
-    :class:`RandomState` is split into one key per lane (as ``split_key(n)``
-    would), whatever the filters say, and afterwards holds the advanced key.
+    States matched by ``state_in_axes`` (``{axis: filter}`` or a bare filter,
+    axis 0) are split along that axis on the way in and stacked along it on
+    the way out, unless ``state_out_axes`` says another; other states are
+    broadcast.  Every touched :class:`RandomState` is split into one key per
+    lane (as ``split_key(n)`` would), then holds the advanced key.  An
+    unbatched state written with a batched value leaves batched on axis 0:
+    silently (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a
+    warning (``'warn'``), or not at all (``'raise'``: :class:`BatchAxisError`).
 
-    It is a :class:`StatefulFunction`: the accessors (``get_jaxpr``,
-    ``get_states``, ``jaxpr_call`` ...) describe the whole mapped call, with
-    full-size arguments and states, every touched state returned, and the
-    states ordered as in brainstate: batched-in states by axis, then the
-    others by the axis they leave with, then the RandomStates.
-
-    Parameters
-    ----------
-    fun : callable
-    in_axes, out_axes
-        As for ``jax.vmap`` (keyword arguments are mapped over axis 0).
-    state_in_axes, state_out_axes
-        ``{axis: filter}`` or a bare filter (axis 0).  A state batched on the
-        way in leaves batched on the same axis unless ``state_out_axes`` says
-        otherwise.
-    static_argnums, static_argnames, axis_env, name
-        As for :class:`StatefulFunction`.
-    axis_size : int, optional
-        The batch size when nothing is batched.
-    axis_name : hashable, optional
-        Names the mapped axis for collectives (``lax.psum`` ...).
-    mapping_fn : callable
-        ``jax.vmap`` (default), ``jax.pmap``, or a shard_map-based mapper with
-        the same signature.
-    unexpected_out_state_mapping : {'auto', 'warn', 'raise', 'ignore'}
-        What to do when an unbatched state is written with a batched value:
-        leave it batched along axis 0 silently ('auto', 'ignore'), with a
-        warning ('warn'), or raise :class:`BatchAxisError` ('raise').
-    donate_states, keep_sharding, explain_cache_misses
-        As for :class:`StatefulFunction`.
+    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over
+    axis 0); ``axis_size`` is the batch size where nothing is batched;
+    ``axis_name`` is for collectives; ``mapping_fn``: ``jax.vmap``,
+    ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
+    :class:`StatefulFunction`'s, whose accessors describe the whole mapped
+    call, states ordered as in brainstate (batched-in by axis, then by the
+    axis they leave with, then RandomStates).
 
     Example
     -------
@@ -3260,10 +3209,10 @@ class StatefulMapping(StatefulFunction):
         _StatefulBase.__init__(self, fun, static_argnums, static_argnames, axis_env, None, name,
                                False, donate_states, keep_sharding, explain_cache_misses)
         self.origin_fun = fun
-        if unexpected_out_state_mapping not in _UNEXPECTED_POLICIES:
-            raise ValueError(
-                f'unexpected_out_state_mapping must be one of {_UNEXPECTED_POLICIES}, got '
-                f'{unexpected_out_state_mapping!r}')
+        policies = ('auto', 'warn', 'raise', 'ignore')
+        if unexpected_out_state_mapping not in policies:
+            raise ValueError(f'unexpected_out_state_mapping must be one of {policies}, got '
+                             f'{unexpected_out_state_mapping!r}')
         if axis_size is not None and (not _is_int(axis_size) or not 0 < axis_size < 2**31):
             raise ValueError(f'axis_size must be a positive int below 2**31, got {axis_size!r}')
         if not callable(mapping_fn):
@@ -3277,7 +3226,6 @@ class StatefulMapping(StatefulFunction):
         # pmap compiles by itself, and jit-of-pmap warns: call it directly.
         self._compiled_dispatch = mapping_fn is not jax.pmap
 
-    # -- discovery -------------------------------------------------------------
     def _build_entry(self, key, leaves, split) -> _Entry:
         lane_avals, arg_axes, sizes, avals = _lane_args(self, leaves, split)
         if self.axis_size is not None:
@@ -3295,26 +3243,31 @@ class StatefulMapping(StatefulFunction):
         n, states = found[0][1], traced.states
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
-
-        in_batched = [a is not None for a in arg_axes]
-        for axis, sig in zip(in_state_axes, traced.state_sigs):
-            in_batched += [axis is not None] * len(sig[1])
+        in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
+            axis is not None for axis, sig in zip(in_state_axes, traced.state_sigs) for _ in sig[1]]
         write_axes, out_axes = {}, {}    # by returned position, by state index
         for r, i in enumerate(traced.returned):
             if i not in rng_index:      # a RandomState leaves with the advanced key
                 axis = _axis_for(states[i], self._state_out)
                 write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
         unbatched = [r for r, axis in write_axes.items() if axis is None]
+        policy = self.unexpected_out_state_mapping
         for r in self._batched_returns(traced, in_batched, n, unbatched):
-            self._unexpected(states[traced.returned[r]])
-            write_axes[r] = out_axes[traced.returned[r]] = 0
+            i = traced.returned[r]
+            message = (f'{_who(self)}: {states[i]._describe()} came in unbatched but is written '
+                       'with a batched value, so it leaves batched along axis 0. Declare it '
+                       'with state_in_axes (batched in) or state_out_axes (batched out)')
+            if policy == 'raise':
+                raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
+            if policy == 'warn':
+                warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+            write_axes[r] = out_axes[i] = 0
         plan = self._plan_for(states, (*out_axes, *rng_index))
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
-        entry = _Entry(traced, plan, apply, None)
-        entry.view = functools.partial(self._trace_whole, order, avals, _rebuilder(split))
-        return entry
+        return _Entry(traced, plan, apply,
+                      functools.partial(self._trace_whole, order, avals, _rebuilder(split)))
 
     def _trace_whole(self, order, avals, rebuild) -> _Traced:
         """The accessors' view: the whole mapped call traced as one function."""
@@ -3327,11 +3280,9 @@ class StatefulMapping(StatefulFunction):
 
     def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
         """Those of the returned positions ``wanted`` whose new value varies across
-        lanes, as ``jax.vmap`` decides: a custom_vmap identity on their values
-        has its rule told which are batched (it never runs if none is)."""
+        lanes, as ``jax.vmap`` tells a custom_vmap identity's rule (run if any is)."""
         closed, first, seen = traced.closed_jaxpr, traced.n_out, []
-        at = jax.tree_util.tree_unflatten(
-            traced.state_tree, list(range(first, first + traced.state_tree.num_leaves)))
+        at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
         leaves = [_leaves(at[r]) for r in wanted]
         picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
         identity = jax.custom_batching.custom_vmap(lambda *new: new)
@@ -3364,10 +3315,9 @@ class StatefulMapping(StatefulFunction):
             if axis is _MISSING:
                 if isinstance(state, RandomState) and len(aval.shape) > (
                         0 if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) else 1):
-                    raise BatchAxisError(
-                        f'{state._describe()} holds {aval.str_short()}, a stack of keys; a '
-                        'mapping splits every RandomState into one key per lane itself, '
-                        'whatever the state filters say: give it a single key instead')
+                    raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
+                                         'stack of keys; a mapping splits every RandomState '
+                                         'per lane itself: give it a single key instead')
                 axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
             if axis is None:
@@ -3379,9 +3329,8 @@ class StatefulMapping(StatefulFunction):
             _check_sizes(self, sizes)
             return lane
 
-        axis_env = list(self.axis_env or ())
-        if self.axis_name is not None:
-            axis_env.append((self.axis_name, size))
+        axis_env = list(self.axis_env or ()) + (
+            [] if self.axis_name is None else [(self.axis_name, size)])
         try:
             traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
                                      name=self.name, return_only_write=True,
@@ -3389,22 +3338,11 @@ class StatefulMapping(StatefulFunction):
         except NameError as err:
             if 'axis' not in str(err) or self.axis_name is not None:
                 raise
-            raise NameError(
-                f'{err}\n{_who(self)} maps its axis without a name; to use '
-                'collectives (lax.psum, lax.pmean, lax.axis_index ...) over the mapped axis, '
-                "pass axis_name='<name>' to StatefulMapping and use that name") from err
+            raise NameError(f'{err}\n{_who(self)} maps its axis without a name; for collectives '
+                            "(lax.psum ...) over it, pass axis_name='<name>' and use that "
+                            'name') from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
         return traced, [state_axes.get(id(s)) for s in traced.states], sizes
-
-    def _unexpected(self, state):
-        policy = self.unexpected_out_state_mapping
-        message = (f'{_who(self)}: {state._describe()} came in unbatched but '
-                   'is written with a batched value, so it leaves batched along axis 0. '
-                   'Declare it with state_in_axes (batched in) or state_out_axes (batched out)')
-        if policy == 'raise':
-            raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
-        if policy == 'warn':
-            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
     def __repr__(self):
         return f'StatefulMapping({self.name!r}, entries={len(self._cache)})'
@@ -3413,15 +3351,11 @@ class StatefulMapping(StatefulFunction):
 # =============================================================================
 # 10. Inspecting and shipping
 #
-# Seeing what a stateful function became, and handing it on: jaxprs with a
-# legend naming every input and output (``pretty_jaxpr``), explanations of
-# why a function traced again (``explain_cache_misses``), and an export whose
-# state inputs and outputs are named, loadable without the user's code
-# (``export`` / ``deserialize``).  All of it runs on request or on the miss
-# path; the warm call path is untouched.
+# Labelled jaxprs, why a function traced again, and an export whose states are
+# named inputs and outputs.  All of it runs on request or on the miss path.
 # =============================================================================
 
-def _sig_text(shape, dtype, weak_type: bool = False) -> str:
+def _sig_text(shape, dtype, weak_type: bool) -> str:
     """``float32[3,4]`` (``weak`` appended for a weakly typed value)."""
     return f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
 
@@ -3432,8 +3366,8 @@ def _value_text(sig) -> str:
     texts = [_sig_text(*leaf) for leaf in leaves]
     if treedef.num_nodes == 1 and len(texts) == 1:
         return texts[0]
-    paths = _leaf_paths(treedef)
-    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}' for p, t in zip(paths, texts)) + '}'
+    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
+                           for p, t in zip(_leaf_paths(treedef), texts)) + '}'
 
 
 def _leaf_paths(treedef) -> list:
@@ -3446,8 +3380,7 @@ def _leaf_paths(treedef) -> list:
 
 
 def _arg_labels(key) -> list:
-    """``argument 0['w'][1]`` / ``keyword 'scale'`` for each flat dynamic leaf of
-    the call a cache key describes (positions count the static arguments too)."""
+    """``argument 0['w'][1]`` / ``keyword 'scale'`` per flat dynamic leaf of a cache key."""
     static = {i for i, _ in key['static_args']}
     tree_a, tree_k = key['dyn_args'][0], key['dyn_kwargs'][0]
     positions = [i for i in range(len(tree_a.children()) + len(static)) if i not in static]
@@ -3469,25 +3402,22 @@ def _static_items(key) -> list:
             + [(f'static argument {k!r}', v) for k, v in key['static_kwargs']])
 
 
-def _key_summary(key, limit: int = 6) -> str:
+def _key_summary(key) -> str:
     """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
     sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
     items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
     items += [f'{label}={value!r}' for label, value in _static_items(key)]
-    more = f', ... ({len(items) - limit} more)' if len(items) > limit else ''
-    return ', '.join(items[:limit]) + more or 'no arguments'
+    more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
+    return ', '.join(items[:6]) + more or 'no arguments'
 
 
 def _state_labels(states) -> list:
-    """A readable label per state: its name or, for an unnamed one, its type and
-    creation line (``RandomState@model.py:12``), the same from run to run.  A
-    label used again gets ``#2``, ``#3`` ... in order."""
+    """Each state's name or, unnamed, ``RandomState@model.py:12`` (stable from run to
+    run); a label used again gets ``#2``, ``#3`` ..."""
     labels, seen = [], {}
     for s in states:
-        base = s._name
-        if not base:
-            site = s._source
-            base = type(s).__name__ + (f'@{os.path.basename(site[0])}:{site[1]}' if site else '')
+        base = s._name or type(s).__name__ + (
+            f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
         seen[base] = n = seen.get(base, 0) + 1
         labels.append(base if n == 1 else f'{base}#{n}')
     return labels
@@ -3509,10 +3439,8 @@ def _state_roles(traced) -> list:
 
 def _pretty(traced: _Traced, key) -> str:
     """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
-    jaxpr, text = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr)
-    keystr = jax.tree_util.keystr
-    labels, roles = _state_labels(traced.states), _state_roles(traced)
-    args = _arg_labels(key)
+    jaxpr, text, keystr = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr), jax.tree_util.keystr
+    labels, roles, args = _state_labels(traced.states), _state_roles(traced), _arg_labels(key)
     state_of, in_roles = [], []
     for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
         for path in _leaf_paths(sig[0]):
@@ -3521,22 +3449,19 @@ def _pretty(traced: _Traced, key) -> str:
                             f'{roles[i]}, created at {_format_site(state._source)}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
     in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
-    state_invars = {}
-    for i, var in zip(state_of, jaxpr.invars[extra + len(args):]):
-        state_invars.setdefault(i, set()).add(var)
+    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of))
     out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
     for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
         i = traced.returned[path[0].idx]
-        unchanged = isinstance(var, Var) and var in state_invars.get(i, ())
+        unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
         out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
                          + ('returned unchanged' if unchanged else 'new value'))
     names_in, names_out = _jaxpr_names(text, len(jaxpr.invars), len(jaxpr.outvars))
-    sections = [('inputs', names_in, jaxpr.invars, in_roles),
-                ('outputs', names_out, jaxpr.outvars, out_roles)]
     width = max([len(n) for n in names_in + names_out] + [1])
     awidth = max([len(v.aval.str_short()) for v in jaxpr.invars + jaxpr.outvars] + [1])
     lines = [text, '']
-    for title, names, vars_, roles_ in sections:
+    for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
+                                        ('outputs', names_out, jaxpr.outvars, out_roles)]:
         lines.append(f'{title}:')
         lines += [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
                   for n, v, r in zip(names, vars_, roles_)]
@@ -3561,16 +3486,12 @@ _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 't
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns cache-miss explanations on or off for every function built without
-    its own ``explain_cache_misses=``; returns the previous setting (the
-    variable ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1`` turns them on at import).
-
-    With them on, every trace after a function's first logs a warning on the
-    ``stateful_jaxpr`` logger naming the function, the nearest cached entry
-    and what differs: argument paths (old and new shape/dtype/weak type),
-    static values, States whose shape or dtype changed, States newly or no
-    longer touched.  ``get_miss_causes()`` counts traces per cause either
-    way; a warm call does no extra work.
+    """Turns cache-miss explanations on or off for functions built without their
+    own ``explain_cache_misses=``, returning the previous setting (on at import
+    with ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace
+    logs a warning on the ``stateful_jaxpr`` logger: the nearest cached entry
+    and what differs (arguments, static values, States' shapes, States newly
+    or no longer touched).  ``get_miss_causes()`` counts causes either way.
 
     Example
     -------
@@ -3581,8 +3502,8 @@ def explain_cache_misses(enabled: bool = True) -> bool:
     {'first trace': 1, 'argument shape/dtype': 1}
     >>> _ = explain_cache_misses(previous)
     """
-    if _explain_flag(enabled) is None:
-        raise TypeError('explain_cache_misses(enabled) needs True or False, got None')
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f'explain_cache_misses(enabled) needs True or False, got {enabled!r}')
     previous, _explain_default[0] = _explain_default[0], bool(enabled)
     return previous
 
@@ -3596,43 +3517,34 @@ def _explain_flag(value):
 
 
 def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` (argument labels
-    ``labels``) differs from ``old``."""
-    found = []
-    if old['static_args'] != new['static_args'] or old['static_kwargs'] != new['static_kwargs']:
-        olds, news = dict(_static_items(old)), dict(_static_items(new))
-        for label in dict.fromkeys(list(olds) + list(news)):
-            a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
-            if a != b:
-                shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-                found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
-    offset = 0
+    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
+    found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
+    for label in dict.fromkeys(list(olds) + list(news)):
+        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
+        if a != b:
+            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
+            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
+        here, labels = labels[:len(sigs_b)], labels[len(sigs_b):]
         if tree_a != tree_b:
-            found.append(('argument structure', f'{what} argument structure: {tree_a} -> '
-                                                f'{tree_b}'))
-        found += [('argument shape/dtype', f'{labels[offset + i]}: {_sig_text(*a)} -> '
-                   f'{_sig_text(*b)}') for i, (a, b) in enumerate(zip(sigs_a, sigs_b))
-                  if a != b and tree_a == tree_b]
-        offset += len(sigs_b)
+            found.append(('argument structure', f'{what} argument structure: {tree_a} -> {tree_b}'))
+        else:
+            found += [('argument shape/dtype', f'{label}: {_sig_text(*a)} -> {_sig_text(*b)}')
+                      for label, a, b in zip(here, sigs_a, sigs_b) if a != b]
     return found
 
 
 def _state_differences(old_traced, new_traced) -> list:
     """``(cause, line)`` for States whose shape or dtype changed since
     ``old_traced``, and for States only one of the two traces touches."""
-    if (new_traced.states == old_traced.states
-            and new_traced.state_sigs == old_traced.state_sigs):
-        return []   # (the new trace has just seen every State's current value)
     found = []
     for state, sig in zip(old_traced.states, old_traced.state_sigs):
         now = _value_sig(state._value)
         if now != sig:
             found.append(('state shape/dtype', f'{state._describe()}: {_value_text(sig)} -> '
                                                f'{_value_text(now)}'))
-    old_ids = {id(s) for s in old_traced.states}
-    new_ids = {id(s) for s in new_traced.states}
+    old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
     found += [('new state', f'newly touched: {s._describe()}')
               for s in new_traced.states if id(s) not in old_ids]
     found += [('vanished state', f'no longer touched: {s._describe()}')
@@ -3646,39 +3558,38 @@ def _note_miss(sf, key, stale, entry) -> None:
     with sf._cache._lock:
         cached = list(sf._cache._data.items())   # least recently used first
         first = not sf._miss_causes
-    enabled = sf.explain_cache_misses
-    explain = not first and (_explain_default[0] if enabled is None else enabled)
+    near = None
     if first:
-        found, near = [('first trace', '')], None
+        found = [('first trace', '')]
     elif stale is not None:
-        near = key
-        found = _state_differences(stale.traced, entry.traced)
+        near, found = key, _state_differences(stale.traced, entry.traced)
     elif cached:   # the nearest: the fewest differences, ties to the most recently used
         labels = _arg_labels(key)
         near, old, found = min([(k, old, _key_differences(k, key, labels))
                                 for k, old in reversed(cached)], key=lambda c: len(c[2]))
         found = found + _state_differences(old.traced, entry.traced)
     else:
-        found, near = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                           f'cacheable; cache_size={sf._cache.maxsize})')], None
+        found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                     f'cacheable; cache_size={sf._cache.maxsize})')]
     with sf._cache._lock:
         sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
-    if not explain:
+    enabled = sf.explain_cache_misses
+    if first or not (_explain_default[0] if enabled is None else enabled):
         return
-    nearest = 'none' if near is None else f'({_key_summary(near)})'
     lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
         '  - nothing the cache key or the States show (the entry was not cacheable)'
     _logger.warning('%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-                    type(sf).__name__, sf.name, _key_summary(key), nearest,
+                    type(sf).__name__, sf.name, _key_summary(key),
+                    'none' if near is None else f'({_key_summary(near)})',
                     ' (the same arguments; its States changed)' if stale is not None else '',
                     lines)
 
 
 # -- Export --------------------------------------------------------------------
 #
-# ``jax.export`` checks what it exported for (argument structure, shapes,
-# dtypes, platforms, devices); the container adds the manifest naming the
-# states and a checksum, so that damaged bytes are refused before any parsing.
+# ``jax.export`` checks what it exported for (shapes, platforms, devices ...); the
+# container adds the manifest naming the states, and a checksum refusing damaged
+# bytes before any parsing.
 
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
@@ -3687,7 +3598,7 @@ def _jax_export():
     """``jax.export``, or an ImportError naming what it needs that ``pip install
     jax`` does not install: flatbuffers (and absl-py up to 0.5)."""
     try:
-        from jax import export as module          # 0.4.30 ..
+        from jax import export as module
         missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
     except ImportError as err:
         missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(str(err.name).split('.')[0])
@@ -3700,9 +3611,8 @@ def _jax_export():
 
 
 def _key_data(tree, impls=None):
-    """``tree`` with its typed PRNG keys as key data, which jax.export takes on
-    every release (up to 0.5 it cannot export keys); given ``impls`` (pairs
-    ``[leaf index, PRNG implementation]`` from ``_key_impls``), the reverse."""
+    """``tree`` with typed PRNG keys as key data (jax.export up to 0.5 cannot take
+    keys); given ``impls`` (``[leaf index, impl name]`` pairs), the reverse."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if impls is None:
         leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
@@ -3721,11 +3631,10 @@ def _named(err, name: str):   # an error of jax.export, led by ``name``
 
 
 class Exported:
-    """What :func:`export` returns and :func:`deserialize` loads; calling it is
-    described there.  ``manifest``: JSON with the ``function``,
-    ``jax_version``, ``static_arguments`` and per State its ``name``,
-    ``type``, ``role`` (``'read'``, ``'written'`` or ``'read and written'``)
-    and ``created_at``.  ``exported``: the ``jax.export.Exported``.
+    """What :func:`export` returns (called as it says) and :func:`deserialize`
+    loads: ``exported`` is jax.export's, ``manifest`` JSON naming the
+    ``function``, ``static_arguments`` and per State its ``name``, ``type``,
+    ``role`` and ``created_at``.
 
     Example
     -------
@@ -3784,19 +3693,14 @@ class Exported:
 
 
 def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
-    """Exports ``fun(*args, **kwargs)`` with ``jax.export``, its States becoming
-    named inputs and outputs; no State changes.  The :class:`Exported` it
-    returns is called as ``ex(*args, states={name: value}, **kwargs)`` (the
-    dynamic arguments; every state read) for ``(outputs, {written state:
-    new value})``.
-
-    ``fun``: a StatefulFunction, StatefulMapping or plain function; the
-    arguments fix the shapes (static ones the values); each State it touches
-    needs a unique name.  ``platforms``: a name or names (default: the
-    current backend).  jax.export's errors (e.g. another shape, a state
-    named ``kwargs['states']['name']``) come led by the function's name.
-    Needs ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x), which ``pip
-    install jax`` does not install.
+    """Exports ``fun(*args, **kwargs)`` (a StatefulFunction, StatefulMapping or
+    plain function) with ``jax.export``, its uniquely named States becoming
+    named inputs and outputs; no State changes.  The arguments fix the shapes
+    (static ones the values); ``platforms``: a name or names (default: the
+    current backend).  Call the :class:`Exported` as ``ex(*dynamic_args,
+    states={name: value of each state read}, **kwargs)`` for ``(outputs,
+    {written state: new value})``.  Needs ``flatbuffers`` (and ``absl-py`` on
+    JAX 0.4.x), which ``pip install jax`` does not install.
 
     Example
     -------
@@ -3821,11 +3725,11 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
     names, roles = [s._name for s in traced.states], _state_roles(traced)
     bad = [s for s in traced.states if not s._name or names.count(s._name) > 1]
     if bad:
-        raise ValueError(
-            f'export: the exported function takes and returns its states by name, but these '
-            f'States of {_who(sf)} have no name or share one:\n' + '\n'.join(
-                f'  - {s._describe()}' + ('' if s._name else ' (no name)') for s in bad)
-            + "\nGive each a unique name (State(..., name='w') or state.name = 'w')")
+        raise ValueError(f'export: an export passes States by name, but these of {_who(sf)} '
+                         'have no name or share one:\n' + ''.join(
+                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
+                             for s in bad)
+                         + "Give each a unique name (State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
     inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
@@ -3848,11 +3752,10 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
             *_key_data(dyn_args), **_key_data(dyn_kwargs), states=_key_data(inputs))
     except (TypeError, ValueError, NotImplementedError) as err:
         raise _named(err, f'export of {_who(sf)}') from err
-    statics = [(f'argument {i}', v) for i, v in static_args] + [
-        (f'keyword {k!r}', v) for k, v in static_kwargs.items()]
     return Exported(exported, {
         'function': sf.name, 'jax_version': jax.__version__, 'result_keys': out_keys,
-        'static_arguments': {label: repr(v) for label, v in statics},
+        'static_arguments': {**{f'argument {i}': repr(v) for i, v in static_args},
+                             **{f'keyword {k!r}': repr(v) for k, v in static_kwargs.items()}},
         'states': [{'name': n, 'type': type(s).__name__, 'role': role,
                     'created_at': _format_site(s._source)}
                    for n, s, role in zip(names, traced.states, roles)]})
