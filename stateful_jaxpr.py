@@ -56,7 +56,6 @@ import sys
 import threading
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import MutableSet
 from typing import Callable, Iterable, Sequence
 
@@ -129,17 +128,14 @@ _NEW_ARG_TAKES_SOURCE_INFO = _takes(_JaxprTrace.new_arg, 'source_info')   # 0.6.
 _ARG_NAMES_MAY_BE_NONE = _probe('jax._src.linear_util:DebugInfo.assert_arg_names') is not None
 
 
-def _close(jaxpr, consts):
-    return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
-
-
 def _rebuild(jaxpr, consts, like=None, **fields):
     """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (None: open)."""
-    fields.setdefault('debug_info', getattr(jaxpr if like is None else like, 'debug_info', None))
-    if _CONSTS_ON_JAXPR:
-        return jaxpr.replace(consts=list(consts), **fields)
-    new = jaxpr.replace(**fields)
-    return new if consts is None else ClosedJaxpr(new, list(consts))
+    if fields:
+        fields.setdefault('debug_info', getattr(like or jaxpr, 'debug_info', None))
+        jaxpr = jaxpr.replace(**fields)
+    if consts is None:
+        return jaxpr
+    return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
 # The current trace: one object per trace from 0.4.36; before, a stack of
@@ -227,11 +223,11 @@ def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name:
     return _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))[:3]
 
 
-def _axis_env(axis_env, feature: str = 'axis_env'):
+def _axis_env(axis_env):
     """Context binding named axes ``[(name, size), ...]`` while tracing."""
     if axis_env and _extend_axis_env is None:
-        raise NotImplementedError(f'{feature} needs jax._src.core.extend_axis_env_nd, which '
-                                  f'JAX {jax.__version__} lacks')
+        raise NotImplementedError('binding named axes needs jax._src.core.extend_axis_env_nd, '
+                                  f'which JAX {jax.__version__} lacks')
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
@@ -254,7 +250,7 @@ def _discharge(closed):
     """``closed`` made pure: Ref inputs become values, their finals extra outputs."""
     if _DISCHARGE_TAKES_CLOSED:
         return _discharge_state(closed)
-    return _close(*_discharge_state(closed.jaxpr, closed.consts))
+    return _rebuild(*_discharge_state(closed.jaxpr, closed.consts))
 
 
 def _forward_unchanged(jaxpr):
@@ -1183,10 +1179,6 @@ class StateTraceStack:
                 self._touch(state, original, written)
         return self
 
-    def _record_copy(self) -> 'StateTraceStack':
-        """A plain stack recording what this one recorded."""
-        return StateTraceStack(name=self.name).merge(self)
-
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
         """A new stack holding the states of both."""
         return StateTraceStack().merge(self, other)
@@ -1517,7 +1509,7 @@ class BoundedCache:
         if not _is_int(maxsize) or maxsize < 1:
             raise ValueError(f'BoundedCache(maxsize) needs an int >= 1, got {maxsize!r}')
         self.maxsize = int(maxsize)
-        self._data: OrderedDict = OrderedDict()
+        self._data = collections.OrderedDict()
         self._lock = threading.RLock()
         self._reset_counters()
 
@@ -1907,7 +1899,7 @@ class _TraceFrame(StateTraceStack):
         sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
                 for state, treedef, avals in self.lifted}
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
-                       states=tuple(self.states), trace_stack=self._record_copy(),
+                       states=tuple(self.states), trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(sigs[id(s)] for s in self.states),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
@@ -1916,8 +1908,7 @@ class _TraceFrame(StateTraceStack):
         """Binds a fresh epoch axis (see the section comment), so JAX retraces
         rather than reuses a body that closed over a State's old value."""
         self._epoch.close()
-        self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)],
-                                            "keeping stateful traces clear of JAX's trace caches"))
+        self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)]))
 
     def __enter__(self):
         if self._isolated:
@@ -2260,7 +2251,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 hints.ref_states.update(cell.state for cell in frame.cells if cell.nested)
                 hints.speculate, hints.isolate = False, True
                 raise _Retrace
-            closed = _close(jaxpr, consts)
+            closed = _rebuild(jaxpr, consts)
             del jaxpr, consts
             if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
                 closed = _discharge_cells(closed, frame.cells)
@@ -3011,7 +3002,7 @@ class StatefulFunction(_StatefulBase):
         return _str_with_jaxpr(self)
 
     def __repr__(self):
-        return f'StatefulFunction({self.name!r}, entries={len(self._cache)})'
+        return f'{type(self).__name__}({self.name!r}, entries={len(self._cache)})'
 
 
 # =============================================================================
@@ -3343,9 +3334,6 @@ class StatefulMapping(StatefulFunction):
                             'name') from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
         return traced, [state_axes.get(id(s)) for s in traced.states], sizes
-
-    def __repr__(self):
-        return f'StatefulMapping({self.name!r}, entries={len(self._cache)})'
 
 
 # =============================================================================
