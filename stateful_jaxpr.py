@@ -2532,14 +2532,50 @@ _real_value = operator.attrgetter('_value')     # a State's own value
 _traced_value = operator.attrgetter('value')    # its value as the current trace sees it
 
 
-class _StatefulBase:
-    """StatefulFunction's tracing, caching, calling and brainstate accessors."""
+class StatefulFunction:
+    """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
+
+    The jaxpr's inputs are the flat dynamic arguments followed by every touched
+    State in first-touch order; its outputs are the flat results followed by
+    the written States (all touched ones with ``return_only_write=False``).
+    Calls run compiled, one trace cached per argument signature, and write the
+    new state values back.
+
+    Parameters
+    ----------
+    static_argnums, static_argnames
+        Compile-time constant arguments (negative positions count from the end).
+    axis_env : sequence of (name, size), optional
+        Named axes bound while tracing (for ``lax.axis_index`` / collectives).
+    abstracted_axes : optional
+        Dynamic-shape specification, on JAX releases that support it.
+    donate_states : filter, optional
+        Written states whose old buffers are donated, updated in place (``True``: all).
+    keep_sharding : filter
+        Written states that keep their value's sharding (default: all).
+    explain_cache_misses : bool, optional
+        Log why each retrace happened (default: see :func:`explain_cache_misses`).
+
+    Example
+    -------
+    >>> w = State(jnp.ones(2), name='w')
+    >>> def f(x):
+    ...     w.value = w.value * x
+    ...     return w.value.sum()
+    >>> sf = StatefulFunction(f)
+    >>> float(sf(3.0)), w.value.tolist()
+    (6.0, [3.0, 3.0])
+    >>> len(sf.get_jaxpr(3.0).jaxpr.invars)   # x, then w
+    2
+    """
 
     _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
     __call__ = _call
 
-    def __init__(self, fun, static_argnums, static_argnames, axis_env, abstracted_axes,
-                 name, return_only_write, donate_states, keep_sharding, explain_cache_misses):
+    def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
+                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
+                 *, donate_states=None, keep_sharding=True,
+                 explain_cache_misses: bool | None = None):
         who, kind = type(self).__name__, type(fun).__name__
         if isinstance(fun, (staticmethod, classmethod)):
             raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
@@ -2826,84 +2862,6 @@ class _StatefulBase:
                 result[key] = str(err)
         return result
 
-
-def _accessors(name, context, pick, doc):
-    """``get_<name>`` and ``get_<name>_by_cache``: ``pick`` of an entry's view."""
-    def get(self, *args, compile_if_miss: bool = True, **kwargs):
-        if compile_if_miss:
-            return pick(self._view(self._lookup(args, kwargs)[1]))
-        return pick(self._view_by_key(self._cache_key(args, kwargs)[0], context))
-
-    def by_cache(self, cache_key):
-        return pick(self._view_by_key(cache_key, context))
-    get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
-    for fun, suffix in ((get, ''), (by_cache, '_by_cache')):
-        fun.__name__ = fun.__qualname__ = f'get_{name}{suffix}'
-        setattr(_StatefulBase, fun.__name__, fun)
-
-
-for _spec in (
-        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr,
-         'The ClosedJaxpr for these arguments.'),
-        ('out_shapes', 'Output shapes', lambda v: v.out_shapes(),
-         '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
-         'has one entry per state (``get_states()`` order), ``None`` where not returned.'),
-        ('out_treedef', 'Output tree', lambda v: v.full_tree,
-         'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.'),
-        ('state_trace', 'State trace', lambda v: v.trace_stack,
-         'The :class:`StateTraceStack` recorded while tracing.'),
-        ('states', 'State trace', lambda v: v.states, 'Every touched State, in jaxpr-input order.'),
-        ('read_states', 'State trace', lambda v: tuple(v.trace_stack.get_read_states()),
-         'The touched States that are only read.'),
-        ('write_states', 'State trace', lambda v: tuple(v.trace_stack.get_write_states()),
-         'The touched States that are written.')):
-    _accessors(*_spec)
-
-
-class StatefulFunction(_StatefulBase):
-    """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
-
-    The jaxpr's inputs are the flat dynamic arguments followed by every touched
-    State in first-touch order; its outputs are the flat results followed by
-    the written States (all touched ones with ``return_only_write=False``).
-    Calls run compiled, one trace cached per argument signature, and write the
-    new state values back.
-
-    Parameters
-    ----------
-    static_argnums, static_argnames
-        Compile-time constant arguments (negative positions count from the end).
-    axis_env : sequence of (name, size), optional
-        Named axes bound while tracing (for ``lax.axis_index`` / collectives).
-    abstracted_axes : optional
-        Dynamic-shape specification, on JAX releases that support it.
-    donate_states : filter, optional
-        Written states whose old buffers are donated, updated in place (``True``: all).
-    keep_sharding : filter
-        Written states that keep their value's sharding (default: all).
-    explain_cache_misses : bool, optional
-        Log why each retrace happened (default: see :func:`explain_cache_misses`).
-
-    Example
-    -------
-    >>> w = State(jnp.ones(2), name='w')
-    >>> def f(x):
-    ...     w.value = w.value * x
-    ...     return w.value.sum()
-    >>> sf = StatefulFunction(f)
-    >>> float(sf(3.0)), w.value.tolist()
-    (6.0, [3.0, 3.0])
-    >>> len(sf.get_jaxpr(3.0).jaxpr.invars)   # x, then w
-    2
-    """
-
-    def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
-                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
-                 *, donate_states=None, keep_sharding=True,
-                 explain_cache_misses: bool | None = None):
-        super().__init__(fun, static_argnums, static_argnames, axis_env, abstracted_axes, name,
-                         return_only_write, donate_states, keep_sharding, explain_cache_misses)
-
     def _build_entry(self, key, leaves, split) -> _Entry:
         dynamic = self.abstracted_axes is not None
         trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
@@ -3003,6 +2961,39 @@ class StatefulFunction(_StatefulBase):
 
     def __repr__(self):
         return f'{type(self).__name__}({self.name!r}, entries={len(self._cache)})'
+
+
+def _accessors(name, context, pick, doc):
+    """``get_<name>`` and ``get_<name>_by_cache``: ``pick`` of an entry's view."""
+    def get(self, *args, compile_if_miss: bool = True, **kwargs):
+        if compile_if_miss:
+            return pick(self._view(self._lookup(args, kwargs)[1]))
+        return pick(self._view_by_key(self._cache_key(args, kwargs)[0], context))
+
+    def by_cache(self, cache_key):
+        return pick(self._view_by_key(cache_key, context))
+    get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
+    for fun, suffix in ((get, ''), (by_cache, '_by_cache')):
+        fun.__name__ = fun.__qualname__ = f'get_{name}{suffix}'
+        setattr(StatefulFunction, fun.__name__, fun)
+
+
+for _spec in (
+        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr,
+         'The ClosedJaxpr for these arguments.'),
+        ('out_shapes', 'Output shapes', lambda v: v.out_shapes(),
+         '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
+         'has one entry per state (``get_states()`` order), ``None`` where not returned.'),
+        ('out_treedef', 'Output tree', lambda v: v.full_tree,
+         'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.'),
+        ('state_trace', 'State trace', lambda v: v.trace_stack,
+         'The :class:`StateTraceStack` recorded while tracing.'),
+        ('states', 'State trace', lambda v: v.states, 'Every touched State, in jaxpr-input order.'),
+        ('read_states', 'State trace', lambda v: tuple(v.trace_stack.get_read_states()),
+         'The touched States that are only read.'),
+        ('write_states', 'State trace', lambda v: tuple(v.trace_stack.get_write_states()),
+         'The touched States that are written.')):
+    _accessors(*_spec)
 
 
 # =============================================================================
@@ -3197,8 +3188,9 @@ class StatefulMapping(StatefulFunction):
         if abstracted_axes is not None:
             raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
                                       'map over concrete shapes instead')
-        _StatefulBase.__init__(self, fun, static_argnums, static_argnames, axis_env, None, name,
-                               False, donate_states, keep_sharding, explain_cache_misses)
+        super().__init__(fun, static_argnums, static_argnames, axis_env, None, name, False,
+                         donate_states=donate_states, keep_sharding=keep_sharding,
+                         explain_cache_misses=explain_cache_misses)
         self.origin_fun = fun
         policies = ('auto', 'warn', 'raise', 'ignore')
         if unexpected_out_state_mapping not in policies:
@@ -3707,7 +3699,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
         raise TypeError("export: platforms= takes a platform name or a sequence of names "
                         f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
     module = _jax_export()
-    sf = fun if isinstance(fun, _StatefulBase) else StatefulFunction(fun)
+    sf = fun if isinstance(fun, StatefulFunction) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
     traced = sf._view(sf._entry_for(key, leaves, split, count=True))
     names, roles = [s._name for s in traced.states], _state_roles(traced)
