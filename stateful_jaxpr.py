@@ -274,6 +274,17 @@ def _forward_unchanged(jaxpr):
             body, n = p['body_jaxpr'].jaxpr, p['body_nconsts']
             sub.update((out, eqn.invars[p['cond_nconsts'] + n + k])
                        for k, out in enumerate(eqn.outvars) if body.outvars[k] is body.invars[n + k])
+        elif eqn.primitive.name in _CALL_PRIMITIVES:   # operands in the body's order
+            body = next(p[k] for k in _CALL_BODY_PARAMS if k in p)
+            at = {v: i for i, v in enumerate(getattr(body, 'jaxpr', body).invars)}
+            sub.update((out, eqn.invars[at[v]]) for out, v in
+                       zip(eqn.outvars, getattr(body, 'jaxpr', body).outvars) if v in at)
+        elif eqn.primitive.name == 'scan':   # consts, carries, xs: counted .. 0.10 | 0.11 ..
+            body = p['jaxpr'].jaxpr
+            n, m = ((p['num_consts'], p['num_carry']) if 'num_carry' in p else
+                    tuple(map(len, p['ft_in'].unpack()[:2])))
+            sub.update((eqn.outvars[k], eqn.invars[n + k]) for k in range(m)
+                       if body.outvars[k] is body.invars[n + k])
         eqns.append(eqn)
     return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
                     outvars=[fwd(v) for v in inner.outvars])

@@ -9003,6 +9003,38 @@ class MappingCondReadTest(unittest.TestCase):
         for k in ('b', 'd'):
             np.testing.assert_array_equal(u.value[k], ref_u[k])
 
+    def test_state_read_in_a_scan_inside_a_per_lane_cond_leaves_unbatched(self):
+        """The same for a read inside a lax.scan body inside a lax.cond whose
+        predicate differs per lane (JAX's discharge calls the scan body as a
+        closed call, which returns the read Ref unchanged)."""
+        u = State((jnp.int32(3), {'a': jnp.int32(0)}), name='mcr_t')
+
+        def scan_in_cond(x, get):
+            return lax.cond(x > 0, lambda: lax.scan(lambda c, _: (c + get()[0], None),
+                                                    jnp.int32(0), None, length=2)[0],
+                            lambda: jnp.int32(1))
+
+        def plain(x, u):
+            y = scan_in_cond(x, lambda: u)
+            u = lax.scan(lambda v, _: ((v[0], {'a': lax.psum(x, 'i')}), None), u, None,
+                         length=2)[0]
+            return y, u
+
+        def f(x):
+            y = scan_in_cond(x, lambda: u.value)
+            lax.scan(lambda c, _: (c, setattr(u, 'value', (u.value[0], {'a': lax.psum(x, 'i')}))),
+                     0, None, length=2)
+            return y
+        x, start = jnp.array([1, -1, 2]), u.value
+        out = sj.StatefulMapping(f, in_axes=0, axis_name='i')(x)
+        ref_out, ref_u = jax.vmap(plain, in_axes=(0, None), out_axes=(0, None),
+                                  axis_name='i')(x, start)
+        np.testing.assert_array_equal(out, ref_out)
+        for got, want in zip(jax.tree_util.tree_leaves(u.value), jax.tree_util.tree_leaves(ref_u)):
+            self.assertEqual(got.shape, want.shape)
+            np.testing.assert_array_equal(got, want)
+
+
 
 class MappingCollectiveTest(unittest.TestCase):
 
