@@ -336,16 +336,19 @@ def _rematerialized_write(jaxpr) -> bool:
 
 # How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond,
 # all releases; a cond under grad, .. 0.6; a checkpoint, .. 0.7; a jit under
-# jvp, 0.4.36 .. 0.4.38), 'batched' (a per-lane value into an unbatched Ref,
+# jvp or grad, 0.4.36 .. 0.4.38, also as a bare NotImplementedError or an
+# invalid input effect), 'batched' (a per-lane value into an unbatched Ref,
 # 0.6 ..), 'tangent' (a value with a gradient into a Ref of a body JAX
 # differentiates whole, 0.7 ..; a Ref's zero tangent before).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
-                        r'|does not have corresponding input',
+                        r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
              'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{'}
 
 
 def _refusal(err: BaseException):
+    if isinstance(err, NotImplementedError) and not str(err):
+        return 'effects'
     return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
                 None)
 
