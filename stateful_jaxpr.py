@@ -277,8 +277,8 @@ def _forward_unchanged(jaxpr):
         elif eqn.primitive.name in _CALL_PRIMITIVES:   # operands in the body's order
             body = next(p[k] for k in _CALL_BODY_PARAMS if k in p)
             at = {v: i for i, v in enumerate(getattr(body, 'jaxpr', body).invars)}
-            sub.update((out, eqn.invars[at[v]]) for out, v in
-                       zip(eqn.outvars, getattr(body, 'jaxpr', body).outvars) if v in at)
+            sub.update((out, eqn.invars[at[v]]) for out, v in zip(
+                eqn.outvars, getattr(body, 'jaxpr', body).outvars) if isinstance(v, Var) and v in at)
         elif eqn.primitive.name == 'scan':   # consts, carries, xs: counted .. 0.10 | 0.11 ..
             body = p['jaxpr'].jaxpr
             n, m = ((p['num_consts'], p['num_carry']) if 'num_carry' in p else

@@ -9008,6 +9008,16 @@ class MappingCondReadTest(unittest.TestCase):
         for k in ('b', 'd'):
             np.testing.assert_array_equal(u.value[k], ref_u[k])
 
+    def test_an_inner_jit_returning_a_constant_next_to_a_nested_write(self):
+        s = State(jnp.zeros(2), name='mcr_c')
+
+        def f(x):
+            jax.jit(lambda: setattr(s, 'value', s.value + x))()
+            return jax.jit(lambda: (jnp.float32(2.0), x))()
+        two, x = StatefulFunction(f)(jnp.ones(2))
+        self.assertEqual(float(two), 2.0)
+        np.testing.assert_array_equal(s.value, jnp.ones(2))
+
     def test_state_read_in_a_scan_inside_a_per_lane_cond_leaves_unbatched(self):
         """The same for a read inside a lax.scan body inside a lax.cond whose
         predicate differs per lane (JAX's discharge calls the scan body as a
