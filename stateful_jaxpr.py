@@ -254,7 +254,7 @@ def _discharge(closed):
 
 
 def _forward_unchanged(jaxpr):
-    """``jaxpr`` with uses of ``cond`` outputs and ``while`` carries returned
+    """``jaxpr`` with uses of cond, call and loop outputs that the body returns
     unchanged replaced by their operands, also nested: JAX's discharge threads
     a Ref only read there through them, and vmap batches them per lane."""
     sub, eqns, inner = {}, [], getattr(jaxpr, 'jaxpr', jaxpr)
