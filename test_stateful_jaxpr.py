@@ -392,9 +392,9 @@ class ModuleTest(unittest.TestCase):
 class CompatTest(unittest.TestCase):
     """The JAX-internal shims and the rule that only they touch internals."""
 
-    def test_close_and_rebuild_give_the_releases_closed_jaxpr(self):
+    def test_rebuild_gives_the_releases_closed_jaxpr(self):
         closed = jax.make_jaxpr(lambda x: (jnp.sin(x) + jnp.arange(3.0), x * 2.0))(1.0)
-        mine = sj._close(closed.jaxpr, closed.consts)
+        mine = sj._rebuild(closed.jaxpr, closed.consts)
         self.assertIs(type(mine), type(closed))     # ClosedJaxpr, or a Jaxpr from 0.11
         self.assertIsInstance(mine, sj.ClosedJaxpr)
         sin_plus, doubled = _eval_closed(mine, 0.5)
@@ -418,7 +418,7 @@ class CompatTest(unittest.TestCase):
         self.assertIsInstance(jaxpr, sj.Jaxpr)
         self.assertEqual([(a.shape, a.dtype) for a in out_avals],
                          [((3,), jnp.float32), ((3,), jnp.float32)])
-        closed = sj._close(jaxpr, consts)
+        closed = sj._rebuild(jaxpr, consts)
         self.assertEqual([(a.shape, a.dtype) for a in closed.in_avals],
                          [((3,), jnp.float32), ((), jnp.float32)])
         x = np.array([0.1, 0.2, 0.3], np.float32)
@@ -481,7 +481,7 @@ class CompatTest(unittest.TestCase):
             return [old * 2.0]
         jaxpr, out_avals, consts = sj._trace_to_jaxpr(flat, [ref_aval, aval], flat, 'refs')
         self.assertEqual([a.shape for a in out_avals], [(3,)])
-        pure = sj._discharge(sj._close(jaxpr, consts))
+        pure = sj._discharge(sj._rebuild(jaxpr, consts))
         self.assertIsInstance(pure, sj.ClosedJaxpr)
         self.assertFalse(any(type(a) is type(ref_aval) for a in pure.in_avals))
         self.assertEqual([a.shape for a in pure.out_avals], [(3,), (3,)])
@@ -563,7 +563,7 @@ class CompatTest(unittest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertIn("nested write OK: State 'acc'", proc.stdout)
         self.assertIn('mutable references', proc.stdout)
-        self.assertIn('axis_env OK: axis_env needs jax._src.core.extend_axis_env_nd', proc.stdout)
+        self.assertIn('axis_env OK: binding named axes needs jax._src.core.extend_axis_env_nd', proc.stdout)
 
 
 # =============================================================================
