@@ -276,9 +276,10 @@ def _forward_unchanged(jaxpr):
                        for k, out in enumerate(eqn.outvars) if body.outvars[k] is body.invars[n + k])
         elif eqn.primitive.name in _CALL_PRIMITIVES:   # operands in the body's order
             body = next(p[k] for k in _CALL_BODY_PARAMS if k in p)
-            at = {v: i for i, v in enumerate(getattr(body, 'jaxpr', body).invars)}
-            sub.update((out, eqn.invars[at[v]]) for out, v in zip(
-                eqn.outvars, getattr(body, 'jaxpr', body).outvars) if isinstance(v, Var) and v in at)
+            body = getattr(body, 'jaxpr', body)
+            at = {v: i for i, v in enumerate(body.invars)}
+            sub.update((out, eqn.invars[at[v]]) for out, v in zip(eqn.outvars, body.outvars)
+                       if isinstance(v, Var) and v in at)
         elif eqn.primitive.name == 'scan':   # consts, carries, xs: counted .. 0.10 | 0.11 ..
             body = p['jaxpr'].jaxpr
             n, m = ((p['num_consts'], p['num_carry']) if 'num_carry' in p else
@@ -1981,7 +1982,7 @@ def _view(state, entry, frame):
     if frame is not None and frame._jax_trace is not None and (
             _current_trace_id() is not frame._jax_trace):
         frame._nested_reads.add(id(state))   # a nested transformation closes over it
-        if not all(isinstance(leaf, Tracer) for leaf in _leaves(entry)):
+        if not frame._hints.isolate and not all(isinstance(x, Tracer) for x in _leaves(entry)):
             frame._hints.isolate = True   # JAX may cache that value with the body
     return entry
 
