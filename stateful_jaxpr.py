@@ -253,42 +253,22 @@ def _discharge(closed):
     return _rebuild(*_discharge_state(closed.jaxpr, closed.consts))
 
 
-def _forward_unchanged(jaxpr):
-    """``jaxpr`` with uses of cond, call and loop outputs that the body returns
-    unchanged replaced by their operands, also nested: JAX's discharge threads
-    a Ref only read there through them, and vmap batches them per lane."""
-    sub, eqns, inner = {}, [], getattr(jaxpr, 'jaxpr', jaxpr)
-    fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v   # noqa: E731
-    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
-                      _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
-    for eqn in inner.eqns:
-        p = {k: nest(v) for k, v in eqn.params.items()}
-        eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars], params=p)
-        if eqn.primitive.name == 'cond':   # all releases: operands after the index
-            for k, out in enumerate(eqn.outvars):
-                at = {next((i for i, v in enumerate(b.jaxpr.invars) if v is b.jaxpr.outvars[k]),
-                           None) for b in p['branches']}
-                if len(at) == 1 and None not in at:
-                    sub[out] = eqn.invars[1 + at.pop()]
-        elif eqn.primitive.name == 'while':   # all releases: carries after both consts
-            body, n = p['body_jaxpr'].jaxpr, p['body_nconsts']
-            sub.update((out, eqn.invars[p['cond_nconsts'] + n + k])
-                       for k, out in enumerate(eqn.outvars) if body.outvars[k] is body.invars[n + k])
-        elif eqn.primitive.name in _CALL_PRIMITIVES:   # operands in the body's order
-            body = next(p[k] for k in _CALL_BODY_PARAMS if k in p)
-            body = getattr(body, 'jaxpr', body)
-            at = {v: i for i, v in enumerate(body.invars)}
-            sub.update((out, eqn.invars[at[v]]) for out, v in zip(eqn.outvars, body.outvars)
-                       if isinstance(v, Var) and v in at)
-        elif eqn.primitive.name == 'scan':   # consts, carries, xs: counted .. 0.10 | 0.11 ..
-            body = p['jaxpr'].jaxpr
-            n, m = ((p['num_consts'], p['num_carry']) if 'num_carry' in p else
-                    tuple(map(len, p['ft_in'].unpack()[:2])))
-            sub.update((eqn.outvars[k], eqn.invars[n + k]) for k in range(m)
-                       if body.outvars[k] is body.invars[n + k])
-        eqns.append(eqn)
-    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
-                    outvars=[fwd(v) for v in inner.outvars])
+def _body_binding(eqn) -> tuple:
+    """``(bodies, operands, carry)`` of a cond, while, scan or call equation: each
+    body's inputs are fed ``operands``; a loop's output k is its input ``carry +
+    k`` carried around (``carry`` None: any input may reach any output)."""
+    p, name = eqn.params, eqn.primitive.name
+    if name == 'cond':   # all releases: operands after the index
+        return [b.jaxpr for b in p['branches']], eqn.invars[1:], None
+    if name == 'while':   # all releases: the condition's consts, the body's, carries
+        return [p['body_jaxpr'].jaxpr], eqn.invars[p['cond_nconsts']:], p['body_nconsts']
+    if name == 'scan':   # consts, carries, xs; counted .. 0.10 | in 'ft_in' 0.11 ..
+        n = p['num_consts'] if 'num_consts' in p else len(p['ft_in'].unpack()[0])
+        return [p['jaxpr'].jaxpr], eqn.invars, n
+    if name in _CALL_PRIMITIVES:
+        body = next(p[k] for k in _CALL_BODY_PARAMS if k in p)
+        return [getattr(body, 'jaxpr', body)], eqn.invars, None
+    return [], (), None
 
 
 def _nested_jaxprs(params) -> list:
@@ -319,11 +299,10 @@ def _loop_condition_reads_a_write(jaxpr) -> bool:
     discharge gives it the value from before the loop (0.7 ..) or refuses."""
     for eqn in _all_eqns(jaxpr):
         if eqn.primitive.name == 'while':   # all releases
-            p = eqn.params
-            n_cond, n_body, body = p['cond_nconsts'], p['body_nconsts'], p['body_jaxpr'].jaxpr
-            outer = dict(zip(body.invars[:n_body], eqn.invars[n_cond:n_cond + n_body]))
-            read = {v for v in eqn.invars[:n_cond] if isinstance(v.aval, _ref_aval)}
-            if read & {outer.get(v) for v in _written_refs(body.effects, [*body.constvars, *body.invars])}:
+            (body,), operands, _ = _body_binding(eqn)
+            outer = dict(zip(body.invars, operands))
+            written = _written_refs(body.effects, [*body.constvars, *body.invars])
+            if {outer.get(v) for v in written} & set(eqn.invars[:eqn.params['cond_nconsts']]):
                 return True
     return False
 
@@ -337,34 +316,23 @@ def _rematerialized_write(jaxpr) -> bool:
 
 # How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond,
 # all releases; a cond under grad, .. 0.6; a checkpoint, .. 0.7; a jit under
-# jvp or grad, 0.4.36 .. 0.4.38, also as a bare NotImplementedError or an
-# invalid input effect), 'batched' (a per-lane value into an unbatched Ref,
-# 0.6 ..), 'tangent' (a value with a gradient into a Ref of a body JAX
-# differentiates whole, 0.7 ..; a Ref's zero tangent before).
+# differentiation, 0.4.36 .. 0.4.38, also as a bare NotImplementedError),
+# 'batched' (a per-lane value into an unbatched Ref, 0.6 ..), 'tangent' (a
+# differentiated value into a Ref of a body differentiated whole, 0.7 ..).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
              'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{'}
 
 
-def _refusal(err: BaseException):
-    if isinstance(err, NotImplementedError) and not str(err):
-        return 'effects'
-    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
-                None)
-
-
-# Primitive names and params keys the jaxpr passes rely on.  Call primitives:
-# 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call' became 'eval_jaxpr'
-# in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
+# Call primitives: 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call'
+# 'eval_jaxpr' in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
-_NO_FOLD_PARTS = ('random_', 'callback')   # random_bits, ..., io_callback, ...
-_NO_FOLD_PRIMITIVES = frozenset({
-    'threefry2x32', 'rng_bit_generator', 'rng_uniform', 'cond', 'while', 'scan',
-    'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'checkpoint', 'remat',
-    'shard_map', 'xla_pmap', 'xla_call', 'custom_lin', 'axis_index', 'pure_callback',
-    'io_callback', 'debug_callback', 'debug_print', 'device_put'})
+# Never folded (all releases), beyond what has a body or effects: randomness,
+# callbacks, placement, axis queries and linearize's deferred tangents.
+_NO_FOLD_PARTS = ('random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_put',
+                  'axis_index', 'custom_lin')
 
 
 def _jaxpr_names(text: str, n_in: int, n_out: int):
@@ -2129,6 +2097,13 @@ class _RefCell:
                 for x, g, a in zip(leaves, got, self.avals)]
 
 
+def _refusal(err: BaseException):
+    if isinstance(err, NotImplementedError) and not str(err):
+        return 'effects'
+    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
+                None)
+
+
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
     """Raises a TraceContextError naming ``ref_states`` (the States lifted as
     Refs) where ``err`` is JAX refusing such a write; returns otherwise."""
@@ -2158,6 +2133,35 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
         described = f'one of {described}'
     raise TraceContextError(
         f'a State written inside a nested transformation ({described}) {why}') from err
+
+
+def _returned_inputs(body, carry) -> list:
+    """Per output of ``body``, the input it returns unchanged, else None; a
+    loop body's output k counts only as its own carry, input ``carry + k``."""
+    at = {id(v): j for j, v in enumerate(body.invars)}
+    return [j if j is not None and (carry is None or j == carry + k) else None
+            for k, j in enumerate(at.get(id(v)) for v in body.outvars)]
+
+
+def _forward_unchanged(jaxpr):
+    """``jaxpr`` with uses of cond, loop and call outputs that the body returns
+    unchanged replaced by their operands, also nested: JAX's discharge threads
+    a Ref only read there through them, and vmap batches them per lane."""
+    sub, eqns, inner = {}, [], getattr(jaxpr, 'jaxpr', jaxpr)
+    fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v   # noqa: E731
+    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
+                      _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
+    for eqn in inner.eqns:
+        eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
+                          params={k: nest(v) for k, v in eqn.params.items()})
+        bodies, operands, carry = _body_binding(eqn)
+        if bodies:
+            for out, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies)):
+                if at[0] is not None and len(set(at)) == 1:
+                    sub[out] = operands[at[0]]
+        eqns.append(eqn)
+    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
+                    outvars=[fwd(v) for v in inner.outvars])
 
 
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
@@ -3877,7 +3881,7 @@ def _evaluate(eqn, values):
         return eqn, None
     if param is not None:
         return eqn, None if any(v is _MISSING for v in outs) else outs
-    if (not eqn.invars or name in _NO_FOLD_PRIMITIVES or _nested_jaxprs(eqn.params)
+    if (not eqn.invars or _nested_jaxprs(eqn.params)
             or any(part in name for part in _NO_FOLD_PARTS)
             or _size(eqn.outvars) > max(_size(eqn.invars), _FOLD_MAX_GROWTH)):
         return eqn, None
