@@ -1910,16 +1910,6 @@ class _TraceFrame(StateTraceStack):
 
 
 # -- Traced reads and writes --------------------------------------------------
-def _owner_start(state, frames) -> int:
-    """Index of the first frame for which ``state`` is not a local State."""
-    owner = state._owner
-    if owner is not None:
-        for i in range(len(frames) - 1, -1, -1):
-            if frames[i] is owner:
-                return i + 1
-    return 0
-
-
 def _traced_read(state, frames):
     top = frames[-1]
     if top._overlays:  # fast path: already lifted by the innermost frame
@@ -1930,9 +1920,11 @@ def _traced_read(state, frames):
 
 
 def _touch_all(state, frames, write: bool):
-    """Records ``state`` in every frame that sees it; returns the innermost
-    overlaying frame's entry for it (a value or a ``_RefCell``) and that frame."""
-    start = _owner_start(state, frames)
+    """Records ``state`` in every frame that sees it (those inside its owner, for a
+    State made in a trace); returns the innermost overlaying frame's entry for
+    it (a value or a ``_RefCell``) and that frame."""
+    owner = state._owner
+    start = len(frames) - frames[::-1].index(owner) if owner in frames else 0
     if start == 0 and state._broken is not None:
         state._raise_broken()
     current, source = state._value, None
