@@ -294,24 +294,23 @@ def _written_refs(effects, inputs=None) -> set:
             if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
 
-def _loop_condition_reads_a_write(jaxpr) -> bool:
-    """Whether a while loop's condition reads a Ref its body writes: JAX's
-    discharge gives it the value from before the loop (0.7 ..) or refuses."""
+def _write_hazard(jaxpr):
+    """'condition' where a while loop's condition reads a Ref its body writes (JAX's
+    discharge gives it the value from before the loop, 0.7 .., or refuses),
+    'checkpoint' where a differentiated ``jax.checkpoint`` writes one (JAX reruns
+    it, writes included, 0.8 ..), else None."""
     for eqn in _all_eqns(jaxpr):
+        if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
+            return 'checkpoint'   # (the param: all releases)
         if eqn.primitive.name == 'while':   # all releases
             (body,), operands, _ = _body_binding(eqn)
             outer = dict(zip(body.invars, operands))
-            written = _written_refs(body.effects, [*body.constvars, *body.invars])
-            if {outer.get(v) for v in written} & set(eqn.invars[:eqn.params['cond_nconsts']]):
-                return True
-    return False
-
-
-def _rematerialized_write(jaxpr) -> bool:
-    """Whether a differentiated ``jax.checkpoint`` (``differentiated=True``, all
-    releases) writes a Ref: JAX reruns it, writes included (0.8 ..)."""
-    return any(eqn.params.get('differentiated') is True and _written_refs(eqn.effects)
-               for eqn in _all_eqns(jaxpr))
+            written = {outer.get(v) for v in
+                       _written_refs(body.effects, [*body.constvars, *body.invars])}
+            if any(isinstance(v, Var) and v in written
+                   for v in eqn.invars[:eqn.params['cond_nconsts']]):
+                return 'condition'
+    return None
 
 
 # How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond,
@@ -2159,12 +2158,13 @@ def _forward_unchanged(jaxpr):
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
-    if _loop_condition_reads_a_write(closed.jaxpr):
+    hazard = _write_hazard(closed.jaxpr)
+    if hazard == 'condition':
         raise TraceContextError(
             f'a lax.while_loop condition reads a State its body writes, among {described}; '
             'JAX would give that condition the value from before the loop.  Compute the '
             "condition from the loop carry instead (carry the State's value or the test)")
-    if _rematerialized_write(closed.jaxpr):
+    if hazard == 'checkpoint':
         raise TraceContextError(
             f'a State among {described} is written inside a jax.checkpoint function that is '
             'differentiated (jax.grad / jax.vjp / jax.linearize): JAX runs that function again '
