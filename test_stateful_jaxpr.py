@@ -490,6 +490,36 @@ class CompatTest(unittest.TestCase):
         np.testing.assert_array_equal(result, np.arange(3.0) * 2.0)
         np.testing.assert_array_equal(final, np.arange(3.0) + 1.0)   # the Ref's final value
 
+    def test_body_binding_feeds_each_body_input_its_operand(self):
+        # For every kind, operand i goes to body input i (same aval), and a
+        # loop's carry k sits at body input carry + k.
+        x, c = jnp.ones(3), jnp.float32(2.0)
+        programs = {
+            'cond': (lambda x, c: lax.cond(c > 0, lambda a, b: a * b, lambda a, b: a - b, x, c),
+                     None),
+            'while': (lambda x, c: lax.while_loop(lambda v: v[1] < c, lambda v: (v[0] * c, v[1] + 1),
+                                                  (x, 0.0)), 1),
+            'scan': (lambda x, c: lax.scan(lambda k, xs: (k * c, xs + k[0]), x[:2], x), 1),
+            'call': (lambda x, c: jax.jit(lambda a, b: a * b)(x, c), None),
+        }
+        for kind, (f, carry) in programs.items():
+            with self.subTest(kind):
+                eqn, = [e for e in jax.make_jaxpr(f)(x, c).jaxpr.eqns
+                        if sj._body_binding(e)[0]]
+                bodies, operands, got_carry = sj._body_binding(eqn)
+                self.assertEqual(got_carry, carry)
+                for body in bodies:   # (scan's xs operands are stacked)
+                    self.assertEqual(len(body.invars), len(operands))
+                    for v, op in zip(body.invars, operands):
+                        self.assertEqual(v.aval.dtype, op.aval.dtype)
+                        self.assertIn(v.aval.shape, (op.aval.shape, op.aval.shape[1:]))
+                if carry is not None:
+                    body, = bodies
+                    self.assertEqual([v.aval for v in body.outvars[:1]],
+                                     [v.aval for v in body.invars[carry:carry + 1]])
+        none = jax.make_jaxpr(jnp.sin)(x).jaxpr.eqns[0]
+        self.assertEqual(sj._body_binding(none)[0], [])
+
     def test_call_primitives_cover_this_releases_jit(self):
         closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x))(1.0)
         names = [e.primitive.name for e in closed.jaxpr.eqns]
