@@ -8,20 +8,8 @@ Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``,
 are those states, caches it per abstract signature and runs it compiled;
 :class:`StatefulMapping` maps one over a batch with per-state batch axes and
 per-lane random keys.  The file depends on ``jax`` only: copy it into your
-project.  Its sections follow the data flow:
-
-1. compatibility shims (every JAX internal the module touches lives there),
-2. errors and small helpers,
-3. ``State``, its subclasses and the ``StateTraceStack`` recorder,
-4. state filters,
-5. the bounded LRU cache and argument keys,
-6. the tracing core,
-7. ``StatefulFunction``,
-8. ``make_jaxpr``,
-9. ``StatefulMapping``,
-10. inspecting and shipping: labelled jaxprs, cache-miss explanations, export,
-11. jaxpr passes (constant folding),
-12. a demo ``main()`` (``python stateful_jaxpr.py``).
+project.  Its numbered sections follow the data flow, from the compatibility
+shims (the only place that touches JAX internals) to a demo ``main()``.
 
 Example
 -------
