@@ -3056,9 +3056,8 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A trace of ``fun`` at per-lane shapes finds the states it touches; ``jax.vmap``
-# of that jaxpr says which written values vary across lanes.  ``mapping_fn`` then
-# gets the state values explicitly, with per-state axes, cached per cache key.
+# A trace at per-lane shapes finds the states ``fun`` touches, jax.vmap of it which writes
+# vary across lanes; ``mapping_fn`` gets the state values explicitly, with per-state axes.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
@@ -3504,8 +3503,9 @@ def _explain_flag(value):
     return None if value is None else bool(value)
 
 
-def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
+def _key_differences(old, new) -> list:
+    """``(cause, line)`` for each way cache key ``new`` differs from ``old``."""
+    labels = _arg_labels(new)
     found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
     for label in dict.fromkeys(list(olds) + list(news)):
         a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
@@ -3525,12 +3525,9 @@ def _key_differences(old, new, labels) -> list:
 
 def _state_differences(old_traced, new_traced) -> list:
     """``(cause, line)`` per State whose value changed shape, or which one trace lacks."""
-    found = []
-    for state, sig in zip(old_traced.states, old_traced.state_sigs):
-        now = _value_sig(state._value)
-        if now != sig:
-            found.append(('state shape/dtype', f'{state._describe()}: {_value_text(sig)} -> '
-                                               f'{_value_text(now)}'))
+    found = [('state shape/dtype', f'{s._describe()}: {_value_text(sig)} -> {_value_text(now)}')
+             for s, sig in zip(old_traced.states, old_traced.state_sigs)
+             if (now := _value_sig(s._value)) != sig]
     old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
     found += [('new state', f'newly touched: {s._describe()}')
               for s in new_traced.states if id(s) not in old_ids]
@@ -3548,8 +3545,7 @@ def _note_miss(sf, key, stale, entry) -> None:
     if first:
         found = [('first trace', '')]
     elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
-        labels = _arg_labels(key)
-        near, old, found = min([(k, old, _key_differences(k, key, labels))
+        near, old, found = min([(k, old, _key_differences(k, key))
                                 for k, old in reversed(cached)], key=lambda c: len(c[2]))
         found = found + _state_differences(old.traced, entry.traced)
     else:
@@ -3717,8 +3713,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
 
     def pure(*dyn_args, states, **dyn_kwargs):
         dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
-        values = [states[n] if r else jax.tree_util.tree_unflatten(
-                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype, _ in sig[1]])
+        values = [states[n] if r else sig[0].unflatten([jnp.zeros(sh, dt) for sh, dt, _ in sig[1]])
                   for n, r, sig in zip(names, read, traced.state_sigs)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
@@ -3814,8 +3809,7 @@ class IdentitySet(MutableSet):
         return f'IdentitySet({list(self._data.values())!r})'
 
 
-# A folded value larger than this (in elements) and larger than the inputs
-# would only materialise a big constant (e.g. broadcast_in_dim of a scalar).
+# Folded values bigger than this (elements) and than their inputs only materialise constants.
 _FOLD_MAX_GROWTH = 1024
 
 
