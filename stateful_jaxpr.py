@@ -3703,8 +3703,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
     if bad:
         raise ValueError(f'export: an export passes States by name, but these of {_who(sf)} '
                          'have no name or share one:\n' + ''.join(
-                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
-                             for s in bad)
+                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n' for s in bad)
                          + "Give each a unique name (State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
