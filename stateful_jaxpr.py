@@ -3040,9 +3040,8 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 # 9. StatefulMapping
 #
-# A trace of ``fun`` at per-lane shapes finds the states it touches; ``jax.vmap``
-# of that jaxpr says which written values vary across lanes.  ``mapping_fn`` then
-# gets the state values explicitly, with per-state axes, cached per cache key.
+# A trace at per-lane shapes finds the states ``fun`` touches, jax.vmap of it which writes
+# vary across lanes; ``mapping_fn`` gets the state values explicitly, with per-state axes.
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
@@ -3069,8 +3068,7 @@ def _lane_aval(axis: int, aval, error: Callable):
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
-    """brainstate's state order: batched-in states grouped by axis, then the rest
-    grouped by the axis they leave with, then the RandomStates."""
+    """brainstate's order: batched-in states by axis, the rest by out axis, RandomStates."""
     def grouped(indices, axis_of):   # stable: groups in order of first appearance
         axes = list(dict.fromkeys(map(axis_of, indices)))
         return sorted(indices, key=lambda i: axes.index(axis_of(i)))
@@ -3103,18 +3101,17 @@ def _lane_args(sf, leaves, split):
     axes += [0] * len(_leaves(dyn_kwargs))
     paths = [('keyword ' if p[0].idx else '') + jax.tree_util.keystr(p[1:])
              for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
-    avals, lane_avals, arg_axes, sizes = [_aval_of(x) for x in leaves], [], [], []
-    for path, aval, ax in zip(paths, avals, axes):
-        a, lane = None, aval
-        if ax is not None:
-            if not _is_int(ax):
-                raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
-            a, lane = _lane_aval(ax, aval, lambda: ValueError(
-                f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
-                f'shape {tuple(aval.shape)}'))
-            sizes.append((f'argument {path} (axis {ax})', aval.shape[a]))
-        lane_avals.append(lane)
-        arg_axes.append(a)
+    avals = [_aval_of(x) for x in leaves]
+    lane_avals, arg_axes, sizes = list(avals), [None] * len(avals), []
+    for j, (path, aval, ax) in enumerate(zip(paths, avals, axes)):
+        if ax is None:
+            continue
+        if not _is_int(ax):
+            raise ValueError(f'{_who(sf)}: in_axes entries must be int or None, got {ax!r}')
+        arg_axes[j], lane_avals[j] = _lane_aval(ax, aval, lambda: ValueError(
+            f'{_who(sf)}: in_axes={ax} is out of range for argument leaf {path} of '
+            f'shape {tuple(aval.shape)}'))
+        sizes.append((f'argument {path} (axis {ax})', aval.shape[arg_axes[j]]))
     return lane_avals, arg_axes, sizes, avals
 
 
@@ -3233,15 +3230,14 @@ class StatefulMapping(StatefulFunction):
                 axis = _axis_for(states[i], self._state_out)
                 write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
         unbatched = [r for r, axis in write_axes.items() if axis is None]
-        policy = self.unexpected_out_state_mapping
         for r in self._batched_returns(traced, in_batched, n, unbatched):
             i = traced.returned[r]
             message = (f'{_who(self)}: {states[i]._describe()} came in unbatched but is written '
                        'with a batched value, so it leaves batched along axis 0. Declare it '
                        'with state_in_axes (batched in) or state_out_axes (batched out)')
-            if policy == 'raise':
+            if self.unexpected_out_state_mapping == 'raise':
                 raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
-            if policy == 'warn':
+            if self.unexpected_out_state_mapping == 'warn':
                 warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
             write_axes[r] = out_axes[i] = 0
         plan = self._plan_for(states, (*out_axes, *rng_index))
@@ -3261,8 +3257,7 @@ class StatefulMapping(StatefulFunction):
                                axis_env=self.axis_env)
 
     def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
-        """Those of the returned positions ``wanted`` whose new value varies across
-        lanes, as ``jax.vmap`` tells a custom_vmap identity's rule (run if any is)."""
+        """Those of ``wanted`` (returned positions) whose value varies across lanes, per vmap."""
         closed, first, seen = traced.closed_jaxpr, traced.n_out, []
         at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
         leaves = [_leaves(at[r]) for r in wanted]
@@ -3288,8 +3283,7 @@ class StatefulMapping(StatefulFunction):
         return [r for r, js in zip(wanted, leaves) if any([next(flags) for _ in js])]
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Traces ``fun`` per lane: the trace, each state's axis (never a RandomState's),
-        and ``sizes`` with the batched states' added, checked at each first read."""
+        """Per-lane trace, each state's axis (None for RandomStates), ``sizes`` with states'."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
@@ -3391,8 +3385,7 @@ def _key_summary(key) -> str:
 
 
 def _state_labels(states) -> list:
-    """Each state's name or, unnamed, ``RandomState@model.py:12`` (stable from run to
-    run); a label used again gets ``#2``, ``#3`` ..."""
+    """Name, else ``RandomState@model.py:12`` (stable across runs); repeats get ``#2`` ..."""
     labels, seen = [], {}
     for s in states:
         base = s._name or type(s).__name__ + (
@@ -3403,11 +3396,10 @@ def _state_labels(states) -> list:
 
 
 def _state_roles(traced) -> list:
-    """``'read'``, ``'written'`` or ``'read and written'`` per state of a trace.
-    A written state counts as read when the jaxpr uses its incoming value."""
+    """``'read'``, ``'written'`` or ``'read and written'`` (its incoming value used) per state."""
     jaxpr = traced.closed_jaxpr.jaxpr
-    used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
-    used.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    used = {v for v in [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
+            if isinstance(v, Var)}
     invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
     roles = []
     for sig, written in zip(traced.state_sigs, traced.trace_stack.been_writen):
@@ -3495,8 +3487,9 @@ def _explain_flag(value):
     return None if value is None else bool(value)
 
 
-def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
+def _key_differences(old, new) -> list:
+    """``(cause, line)`` for each way cache key ``new`` differs from ``old``."""
+    labels = _arg_labels(new)
     found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
     for label in dict.fromkeys(list(olds) + list(news)):
         a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
@@ -3515,14 +3508,10 @@ def _key_differences(old, new, labels) -> list:
 
 
 def _state_differences(old_traced, new_traced) -> list:
-    """``(cause, line)`` for States whose shape or dtype changed since
-    ``old_traced``, and for States only one of the two traces touches."""
-    found = []
-    for state, sig in zip(old_traced.states, old_traced.state_sigs):
-        now = _value_sig(state._value)
-        if now != sig:
-            found.append(('state shape/dtype', f'{state._describe()}: {_value_text(sig)} -> '
-                                               f'{_value_text(now)}'))
+    """``(cause, line)`` per State whose value changed shape, or which one trace lacks."""
+    found = [('state shape/dtype', f'{s._describe()}: {_value_text(sig)} -> {_value_text(now)}')
+             for s, sig in zip(old_traced.states, old_traced.state_sigs)
+             if (now := _value_sig(s._value)) != sig]
     old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
     found += [('new state', f'newly touched: {s._describe()}')
               for s in new_traced.states if id(s) not in old_ids]
@@ -3532,19 +3521,15 @@ def _state_differences(old_traced, new_traced) -> list:
 
 
 def _note_miss(sf, key, stale, entry) -> None:
-    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces)
-    and, if asked, logs the explanation.  Runs only when a trace happened."""
+    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
     with sf._cache._lock:
-        cached = list(sf._cache._data.items())   # least recently used first
+        cached = [(key, stale)] if stale is not None else list(sf._cache._data.items())
         first = not sf._miss_causes
     near = None
     if first:
         found = [('first trace', '')]
-    elif stale is not None:
-        near, found = key, _state_differences(stale.traced, entry.traced)
-    elif cached:   # the nearest: the fewest differences, ties to the most recently used
-        labels = _arg_labels(key)
-        near, old, found = min([(k, old, _key_differences(k, key, labels))
+    elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
+        near, old, found = min([(k, old, _key_differences(k, key))
                                 for k, old in reversed(cached)], key=lambda c: len(c[2]))
         found = found + _state_differences(old.traced, entry.traced)
     else:
@@ -3565,17 +3550,14 @@ def _note_miss(sf, key, stale, entry) -> None:
 
 
 # -- Export --------------------------------------------------------------------
-#
-# ``jax.export`` checks what it exported for (shapes, platforms, devices ...); the
-# container adds the manifest naming the states, and a checksum refusing damaged
-# bytes before any parsing.
+# jax.export checks shapes, platforms, devices; the container adds the states' manifest
+# and a checksum refusing damaged bytes before any parsing.
 
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
 
 def _jax_export():
-    """``jax.export``, or an ImportError naming what it needs that ``pip install
-    jax`` does not install: flatbuffers (and absl-py up to 0.5)."""
+    """``jax.export``, or an ImportError naming what it needs beyond JAX (flatbuffers, absl-py)."""
     try:
         from jax import export as module
         missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
@@ -3590,8 +3572,7 @@ def _jax_export():
 
 
 def _key_data(tree, impls=None):
-    """``tree`` with typed PRNG keys as key data (jax.export up to 0.5 cannot take
-    keys); given ``impls`` (``[leaf index, impl name]`` pairs), the reverse."""
+    """Typed keys as key data (jax.export up to 0.5 takes no keys); with ``impls``, the reverse."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if impls is None:
         leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
@@ -3706,8 +3687,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
     if bad:
         raise ValueError(f'export: an export passes States by name, but these of {_who(sf)} '
                          'have no name or share one:\n' + ''.join(
-                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
-                             for s in bad)
+                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n' for s in bad)
                          + "Give each a unique name (State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
@@ -3716,8 +3696,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
 
     def pure(*dyn_args, states, **dyn_kwargs):
         dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
-        values = [states[n] if r else jax.tree_util.tree_unflatten(
-                      sig[0], [jnp.zeros(shape, dtype) for shape, dtype, _ in sig[1]])
+        values = [states[n] if r else sig[0].unflatten([jnp.zeros(sh, dt) for sh, dt, _ in sig[1]])
                   for n, r, sig in zip(names, read, traced.state_sigs)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
@@ -3813,8 +3792,7 @@ class IdentitySet(MutableSet):
         return f'IdentitySet({list(self._data.values())!r})'
 
 
-# A folded value larger than this (in elements) and larger than the inputs
-# would only materialise a big constant (e.g. broadcast_in_dim of a scalar).
+# Folded values bigger than this (elements) and than their inputs only materialise constants.
 _FOLD_MAX_GROWTH = 1024
 
 
@@ -3823,8 +3801,7 @@ def _size(atoms) -> int:
 
 
 def _fold(jaxpr, consts, in_values=()):
-    """``(folded jaxpr, the known value of each output or _MISSING)``; the
-    jaxpr is closed over new consts unless ``consts`` is None (a bare Jaxpr).
+    """``(folded jaxpr, each output's known value or _MISSING)``; ``consts`` None: a bare Jaxpr.
     ``in_values``: the inputs' values (_MISSING where unknown), for a call body."""
     known = dict(zip(jaxpr.invars, in_values))     # Var -> value known at fold time
     const_values = dict(zip(jaxpr.constvars, consts or ()))
@@ -3873,8 +3850,7 @@ def _evaluate(eqn, values):
 
 
 def _inline_known(jaxpr, consts, eqns, known):
-    """``jaxpr`` with ``eqns``, known values inlined as literals (scalars, or any
-    value in a bare Jaxpr) or new consts; unused consts are dropped."""
+    """With ``eqns``, known values as literals (scalars; any in a bare Jaxpr) or consts."""
     invars = set(jaxpr.invars)
     const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
 
@@ -3937,20 +3913,17 @@ def main() -> None:
     print('1. step(x) traced to a jaxpr; the states it touches become inputs, the ones it\n'
           f'   writes become outputs (sf.pretty_jaxpr(x)):\n\n{sf.pretty_jaxpr(x)}')
     print('\n2. calling it runs a compiled executable and updates the states:')
-    for i in range(3):
-        y = sf(x)
-        print(f'   call {i}: out={float(y):+.4f}  trace={trace.value}  count={int(count.value)}')
+    for i in range(3):   # the call runs before the states are printed
+        print(f'   call {i}: out={float(sf(x)):+.4f} trace={trace.value} count={int(count.value)}')
     print('\n3. cache statistics:', sf.get_cache_stats()['jaxpr_cache'])
 
-    rng = RandomState(0, name='rng')
-    h = HiddenState(jnp.zeros((4, 3)), name='h', tag='per_lane')
+    rng, h = RandomState(0, name='rng'), HiddenState(jnp.zeros((4, 3)), name='h')
 
     def noisy(inp):
         h.value = h.value + inp + 0.1 * jax.random.normal(rng.split_key(), (3,))
         return h.value.mean()
 
-    sm = StatefulMapping(noisy, in_axes=0, state_in_axes={0: 'per_lane'})
-    out = sm(jnp.ones((4, 3)))
+    out = StatefulMapping(noisy, in_axes=0, state_in_axes={0: HiddenState})(jnp.ones((4, 3)))
     print(f'\n4. StatefulMapping over 4 lanes, one random key per lane:\n'
           f'   out={np.round(np.asarray(out), 3)}\n   h=\n{np.round(np.asarray(h.value), 3)}')
 
