@@ -1526,24 +1526,10 @@ class BoundedCache:
         self.maxsize = int(maxsize)
         self._data = collections.OrderedDict()
         self._lock = threading.RLock()
-        self._reset_counters()
-
-    def _reset_counters(self):
-        # next() on an itertools.count is atomic, so the lock-free warm path can count.
-        self._hits, self._misses = itertools.count(), itertools.count()
-        self._retracted = itertools.count()   # hits taken back (see _record_retraced)
-
-    @staticmethod
-    def _read(counter) -> int:   # repr is count's only public view of its position
-        return int(repr(counter)[len('count('):-1])
+        self.clear()
 
     def _record(self, hit: bool) -> None:
         next(self._hits if hit else self._misses)
-
-    def _record_retraced(self) -> None:
-        """Turns a hit the warm path counts, before it knows, into a miss."""
-        next(self._retracted)
-        next(self._misses)
 
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
@@ -1607,13 +1593,16 @@ class BoundedCache:
         """Removes every entry and resets the statistics."""
         with self._lock:
             self._data.clear()
-            self._reset_counters()
+            # next() on an itertools.count is atomic, so the lock-free warm path can count.
+            self._hits, self._misses = itertools.count(), itertools.count()
+            self._retracted = itertools.count()   # hits the warm path counted before a retrace
 
     def get_stats(self) -> dict:
         """``{size, maxsize, hits, misses, hit_rate}``; ``hit_rate`` in percent."""
-        with self._lock:
-            misses = self._read(self._misses)
-            hits = max(0, self._read(self._hits) - self._read(self._retracted))
+        with self._lock:   # repr is a count's only public view of its position
+            hits, misses, retracted = (int(repr(c)[len('count('):-1])
+                                       for c in (self._hits, self._misses, self._retracted))
+            hits = max(0, hits - retracted)
             return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
                     'misses': misses, 'hit_rate': 100.0 * hits / max(hits + misses, 1)}
 
@@ -1646,16 +1635,6 @@ def _static_positions(sf, nargs: int) -> tuple:
     return tuple(sorted({i % nargs for i in sf.static_argnums}))
 
 
-def _split_args(sf, args, kwargs) -> tuple:
-    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
-    statics = _static_positions(sf, len(args))
-    static_args = tuple((i, args[i]) for i in statics)
-    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
-    return static_args, dyn_args, static_kwargs, dyn_kwargs
-
-
 def _hash_static(sf, where: str, value):
     """The static ``value`` as part of a cache key: its ``make_hashable`` form."""
     _reject_states(value, f'{_who(sf)}: static {where}')
@@ -1677,9 +1656,13 @@ def _hashes(x) -> bool:
 
 
 def _call_key(sf, args, kwargs):
-    """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear errors;
-    ``by_value``: some static argument hashes only by value (jax.jit needs it wrapped)."""
-    split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
+    """``(key, flat_dynamic_leaves, split)`` for a call, with clear errors; ``split`` is
+    ``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
+    statics = _static_positions(sf, len(args))
+    static_args = tuple((i, args[i]) for i in statics)
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
     static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v))
                        for i, v in static_args)
     static_kw_key = tuple(sorted((k, _hash_static(sf, f'keyword argument {k!r}', v))
@@ -1693,8 +1676,9 @@ def _call_key(sf, args, kwargs):
         raise
     key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
                        static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-    by_value = not _hashes((static_args, tuple(static_kwargs.items())))
-    return key, leaves_a + leaves_k, split, by_value
+    if not _hashes((static_args, tuple(static_kwargs.items()))):
+        sf._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
+    return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
 
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
@@ -1741,14 +1725,6 @@ class _StaticArg:
 
     def __eq__(self, other):
         return isinstance(other, _StaticArg) and self._key == other._key
-
-
-def _wrap_statics(sf, args, kwargs):
-    """The call's static arguments as _StaticArgs (jax.jit hashes those)."""
-    statics = _static_positions(sf, len(args))
-    args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
-    kwargs = {k: _StaticArg(v) if k in sf.static_argnames else v for k, v in kwargs.items()}
-    return args, kwargs
 
 
 # =============================================================================
@@ -2651,12 +2627,7 @@ class StatefulFunction:
         self._warm_paths: dict = {}      # dispatcher key -> its _warm_path
 
     # -- entries -----------------------------------------------------------------
-    def _cache_key(self, args, kwargs):
-        """``(key, flat_dynamic_leaves, split)`` for a call (see _call_key)."""
-        key, leaves, split, by_value = _call_key(self, args, kwargs)
-        if by_value:
-            self._statics_by_value = True
-        return key, leaves, split
+    _cache_key = _call_key
 
     def _key_lock(self, key):
         # Weakly held, so that evicted keys (and their static arguments) are not kept alive.
@@ -2736,8 +2707,9 @@ class StatefulFunction:
         if entry is None:
             ntraces = _ctx.ntraces
             entry = self._entry_for(key, leaves, split, count=False)
-            if _ctx.ntraces != ntraces and token > 0:
-                self._cache._record_retraced()   # the warm path counted a hit
+            if _ctx.ntraces != ntraces and token > 0:   # the warm path counted a hit: a miss
+                next(self._cache._retracted)
+                next(self._cache._misses)
             if entry.plan is not plan:
                 raise _PlanMismatch
         out, new = entry.apply(list(state_values), leaves)
@@ -2751,8 +2723,11 @@ class StatefulFunction:
         negative ``token`` (``jaxpr_call``) donates nothing, leaves layout to XLA."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
-        if self._statics_by_value:
-            args, kwargs = _wrap_statics(self, args, kwargs)
+        if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
+            statics = _static_positions(self, len(args))
+            args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
+            kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
+                      for k, v in kwargs.items()}
         donating = token > 0 and bool(entry.plan.donated)
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
