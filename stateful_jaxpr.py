@@ -1656,8 +1656,7 @@ def _hashes(x) -> bool:
 
 
 def _call_key(sf, args, kwargs):
-    """``(key, flat_dynamic_leaves, split)`` for a call, with clear errors; ``split`` is
-    ``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
+    """``(key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs))``, clear errors."""
     statics = _static_positions(sf, len(args))
     static_args = tuple((i, args[i]) for i in statics)
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
@@ -2378,8 +2377,7 @@ class _Plan:
 
 
 class _Entry:
-    """One cache entry.  ``view``, the trace the accessors describe, is ``traced``
-    or for StatefulMapping a function tracing the whole mapped call."""
+    """One cache entry; ``view`` (what the accessors describe) may be built lazily."""
     __slots__ = ('traced', 'plan', 'apply', 'view')
 
     def __init__(self, traced, plan, apply, view):
@@ -2435,8 +2433,7 @@ def _layout_token(sf, plan) -> int:
 
 
 def _donating(sf, jitted, plan):
-    """The donating ``jitted``, called as the plain dispatcher is.  An array a
-    donated state shares with another state is refused: JAX may crash on it."""
+    """The donating ``jitted``, refusing an array two states share: JAX may crash on it."""
     def call(values, *args, **kwargs):
         owner = {}
         for i in plan.donated + plan.kept:
@@ -2610,11 +2607,12 @@ class StatefulFunction:
         self._cache = BoundedCache(128)
         self._hints = _TraceHints()
         self._key_locks_guard = threading.Lock()
-        self._reset()
+        self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
 
-    def _reset(self):
-        """Everything ``clear_cache()`` forgets besides the entries themselves."""
+    def clear_cache(self) -> None:
+        """Drops every cached trace and compiled executable (and the statistics)."""
+        self._cache.clear()
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
@@ -2677,8 +2675,7 @@ class StatefulFunction:
 
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
-        """``dispatch(state_values, *args, **kwargs)`` for one plan and layout: one
-        jax.jit per plan saves hashing the plan as a static argument per call."""
+        """One jax.jit per plan and layout: saves hashing the plan as a static argument."""
         jitted = self._dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
@@ -2719,8 +2716,7 @@ class StatefulFunction:
         return out, new
 
     def _run(self, entry, state_values, args, kwargs, leaves, token):
-        """Runs ``entry`` on concrete values, compiled unless mapping with pmap.  A
-        negative ``token`` (``jaxpr_call``) donates nothing, leaves layout to XLA."""
+        """Runs ``entry``; a negative ``token`` (``jaxpr_call``) donates and lays out nothing."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
@@ -2758,8 +2754,7 @@ class StatefulFunction:
         return out
 
     def _call_eagerly(self, args, kwargs):
-        """Under ``jax.disable_jit()``, as jax.jit there, runs the body as Python (a
-        StatefulMapping traces anew, as jax.vmap does, and runs op by op)."""
+        """Under ``jax.disable_jit()`` runs the body as Python, as jax.jit and jax.vmap do."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
         try:
             if not isinstance(self, StatefulMapping):
@@ -2788,11 +2783,6 @@ class StatefulFunction:
         return out
 
     # -- cache management ----------------------------------------------------------
-    def clear_cache(self) -> None:
-        """Drops every cached trace and compiled executable (and the statistics)."""
-        self._cache.clear()
-        self._reset()
-
     def get_cache_stats(self) -> dict:
         """The entry cache's ``get_stats()`` under brainstate's four cache names."""
         stats = self._cache.get_stats()
@@ -2919,9 +2909,8 @@ class StatefulFunction:
         at = [where[id(st)] for st in entry.plan.states]
         out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                              -entry.plan.token)
-        new_vals = [None] * len(states)
-        for i in view.returned:
-            new_vals[i] = state_vals[i]
+        returned = set(view.returned)
+        new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
         for j, value in zip(entry.plan.write_index, new):
             new_vals[at[j]] = value
         return tuple(new_vals), out
