@@ -2643,20 +2643,17 @@ class StatefulFunction:
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
         """The valid entry for ``key``, tracing (once per key) when needed."""
-        entry = self._cached(key, read)
+        entry = hit = self._cached(key, read)
         if entry is None:
             with self._key_lock(key):
-                entry = self._cached(key, read)
+                entry = hit = self._cached(key, read)
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
                     _note_miss(self, key, stale, entry)
                     if entry.traced.cacheable:
                         self._cache._store(key, entry)
-                    if count:
-                        self._cache._record(False)
-                    return entry
         if count:
-            self._cache._record(True)
+            self._cache._record(hit is not None)
         return entry
 
     def _lookup(self, args, kwargs):
