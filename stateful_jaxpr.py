@@ -2414,10 +2414,8 @@ def _kept_layout(state, new):
         sharding = _multi_device(o)
         if sharding is not None and np.shape(o) == np.shape(n):
             mesh_axes = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-            if _reshard is not None and _AXIS_EXPLICIT in mesh_axes:   # Explicit axes
-                leaves[k] = _reshard(n, sharding)
-            else:
-                leaves[k] = jax.lax.with_sharding_constraint(n, sharding)
+            explicit = _reshard is not None and _AXIS_EXPLICIT in mesh_axes
+            leaves[k] = (_reshard if explicit else jax.lax.with_sharding_constraint)(n, sharding)
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
