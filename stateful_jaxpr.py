@@ -2820,8 +2820,7 @@ class StatefulFunction:
         """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
         view = self._view_by_key(cache_key, 'State trace')
         for state, sig in zip(view.states, view.state_sigs):
-            got = _stale_sig(state._value, sig)
-            if got is not None:
+            if (got := _stale_sig(state._value, sig)) is not None:
                 raise ValueError(
                     f'{state._describe()} changed from {sig} to {got} since it was traced; '
                     'the next call retraces (or call clear_cache())')
@@ -2893,8 +2892,7 @@ class StatefulFunction:
                 f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
                 'value(s); pass one value per state in get_states() order')
         for state, value, sig in zip(states, state_vals, view.state_sigs):
-            got = _stale_sig(value, sig)
-            if got is not None:
+            if (got := _stale_sig(value, sig)) is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
