@@ -1481,24 +1481,10 @@ class BoundedCache:
         self.maxsize = int(maxsize)
         self._data = collections.OrderedDict()
         self._lock = threading.RLock()
-        self._reset_counters()
-
-    def _reset_counters(self):
-        # next() on an itertools.count is atomic, so the lock-free warm path can count.
-        self._hits, self._misses = itertools.count(), itertools.count()
-        self._retracted = itertools.count()   # hits taken back (see _record_retraced)
-
-    @staticmethod
-    def _read(counter) -> int:   # repr is count's only public view of its position
-        return int(repr(counter)[len('count('):-1])
+        self.clear()
 
     def _record(self, hit: bool) -> None:
         next(self._hits if hit else self._misses)
-
-    def _record_retraced(self) -> None:
-        """Turns a hit the warm path counts, before it knows, into a miss."""
-        next(self._retracted)
-        next(self._misses)
 
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
@@ -1562,13 +1548,16 @@ class BoundedCache:
         """Removes every entry and resets the statistics."""
         with self._lock:
             self._data.clear()
-            self._reset_counters()
+            # next() on an itertools.count is atomic, so the lock-free warm path can count.
+            self._hits, self._misses = itertools.count(), itertools.count()
+            self._retracted = itertools.count()   # hits the warm path counted before a retrace
 
     def get_stats(self) -> dict:
         """``{size, maxsize, hits, misses, hit_rate}``; ``hit_rate`` in percent."""
-        with self._lock:
-            misses = self._read(self._misses)
-            hits = max(0, self._read(self._hits) - self._read(self._retracted))
+        with self._lock:   # repr is a count's only public view of its position
+            hits, misses, retracted = (int(repr(c)[len('count('):-1])
+                                       for c in (self._hits, self._misses, self._retracted))
+            hits = max(0, hits - retracted)
             return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
                     'misses': misses, 'hit_rate': 100.0 * hits / max(hits + misses, 1)}
 
@@ -1601,16 +1590,6 @@ def _static_positions(sf, nargs: int) -> tuple:
     return tuple(sorted({i % nargs for i in sf.static_argnums}))
 
 
-def _split_args(sf, args, kwargs) -> tuple:
-    """``(static_args, dyn_args, static_kwargs, dyn_kwargs)``, static_args as (position, value)."""
-    statics = _static_positions(sf, len(args))
-    static_args = tuple((i, args[i]) for i in statics)
-    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
-    return static_args, dyn_args, static_kwargs, dyn_kwargs
-
-
 def _hash_static(sf, where: str, value):
     """The static ``value`` as part of a cache key: its ``make_hashable`` form."""
     _reject_states(value, f'{_who(sf)}: static {where}')
@@ -1632,9 +1611,12 @@ def _hashes(x) -> bool:
 
 
 def _call_key(sf, args, kwargs):
-    """``(key, flat_dynamic_leaves, split, by_value)`` for a call, with clear errors;
-    ``by_value``: some static argument hashes only by value (jax.jit needs it wrapped)."""
-    split = static_args, dyn_args, static_kwargs, dyn_kwargs = _split_args(sf, args, kwargs)
+    """``(key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs))``, clear errors."""
+    statics = _static_positions(sf, len(args))
+    static_args = tuple((i, args[i]) for i in statics)
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
     static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v))
                        for i, v in static_args)
     static_kw_key = tuple(sorted((k, _hash_static(sf, f'keyword argument {k!r}', v))
@@ -1648,8 +1630,9 @@ def _call_key(sf, args, kwargs):
         raise
     key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
                        static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-    by_value = not _hashes((static_args, tuple(static_kwargs.items())))
-    return key, leaves_a + leaves_k, split, by_value
+    if not _hashes((static_args, tuple(static_kwargs.items()))):
+        sf._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
+    return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
 
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
@@ -1696,14 +1679,6 @@ class _StaticArg:
 
     def __eq__(self, other):
         return isinstance(other, _StaticArg) and self._key == other._key
-
-
-def _wrap_statics(sf, args, kwargs):
-    """The call's static arguments as _StaticArgs (jax.jit hashes those)."""
-    statics = _static_positions(sf, len(args))
-    args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
-    kwargs = {k: _StaticArg(v) if k in sf.static_argnames else v for k, v in kwargs.items()}
-    return args, kwargs
 
 
 # =============================================================================
@@ -2386,8 +2361,7 @@ class _Plan:
 
 
 class _Entry:
-    """One cache entry.  ``view``, the trace the accessors describe, is ``traced``
-    or for StatefulMapping a function tracing the whole mapped call."""
+    """One cache entry; ``view`` (what the accessors describe) may be built lazily."""
     __slots__ = ('traced', 'plan', 'apply', 'view')
 
     def __init__(self, traced, plan, apply, view):
@@ -2424,10 +2398,8 @@ def _kept_layout(state, new):
         sharding = _multi_device(o)
         if sharding is not None and np.shape(o) == np.shape(n):
             mesh_axes = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-            if _reshard is not None and _AXIS_EXPLICIT in mesh_axes:   # Explicit axes
-                leaves[k] = _reshard(n, sharding)
-            else:
-                leaves[k] = jax.lax.with_sharding_constraint(n, sharding)
+            explicit = _reshard is not None and _AXIS_EXPLICIT in mesh_axes
+            leaves[k] = (_reshard if explicit else jax.lax.with_sharding_constraint)(n, sharding)
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
@@ -2443,8 +2415,7 @@ def _layout_token(sf, plan) -> int:
 
 
 def _donating(sf, jitted, plan):
-    """The donating ``jitted``, called as the plain dispatcher is.  An array a
-    donated state shares with another state is refused: JAX may crash on it."""
+    """The donating ``jitted``, refusing an array two states share: JAX may crash on it."""
     def call(values, *args, **kwargs):
         owner = {}
         for i in plan.donated + plan.kept:
@@ -2618,11 +2589,12 @@ class StatefulFunction:
         self._cache = BoundedCache(128)
         self._hints = _TraceHints()
         self._key_locks_guard = threading.Lock()
-        self._reset()
+        self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
 
-    def _reset(self):
-        """Everything ``clear_cache()`` forgets besides the entries themselves."""
+    def clear_cache(self) -> None:
+        """Drops every cached trace and compiled executable (and the statistics)."""
+        self._cache.clear()
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
@@ -2635,12 +2607,7 @@ class StatefulFunction:
         self._warm_paths: dict = {}      # dispatcher key -> its _warm_path
 
     # -- entries -----------------------------------------------------------------
-    def _cache_key(self, args, kwargs):
-        """``(key, flat_dynamic_leaves, split)`` for a call (see _call_key)."""
-        key, leaves, split, by_value = _call_key(self, args, kwargs)
-        if by_value:
-            self._statics_by_value = True
-        return key, leaves, split
+    _cache_key = _call_key
 
     def _key_lock(self, key):
         # Weakly held, so that evicted keys (and their static arguments) are not kept alive.
@@ -2658,20 +2625,17 @@ class StatefulFunction:
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
         """The valid entry for ``key``, tracing (once per key) when needed."""
-        entry = self._cached(key, read)
+        entry = hit = self._cached(key, read)
         if entry is None:
             with self._key_lock(key):
-                entry = self._cached(key, read)
+                entry = hit = self._cached(key, read)
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
                     _note_miss(self, key, stale, entry)
                     if entry.traced.cacheable:
                         self._cache._store(key, entry)
-                    if count:
-                        self._cache._record(False)
-                    return entry
         if count:
-            self._cache._record(True)
+            self._cache._record(hit is not None)
         return entry
 
     def _lookup(self, args, kwargs):
@@ -2690,8 +2654,7 @@ class StatefulFunction:
 
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
-        """``dispatch(state_values, *args, **kwargs)`` for one plan and layout: one
-        jax.jit per plan saves hashing the plan as a static argument per call."""
+        """One jax.jit per plan and layout: saves hashing the plan as a static argument."""
         jitted = self._dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
@@ -2720,8 +2683,9 @@ class StatefulFunction:
         if entry is None:
             ntraces = _ctx.ntraces
             entry = self._entry_for(key, leaves, split, count=False)
-            if _ctx.ntraces != ntraces and token > 0:
-                self._cache._record_retraced()   # the warm path counted a hit
+            if _ctx.ntraces != ntraces and token > 0:   # the warm path counted a hit: a miss
+                next(self._cache._retracted)
+                next(self._cache._misses)
             if entry.plan is not plan:
                 raise _PlanMismatch
         out, new = entry.apply(list(state_values), leaves)
@@ -2731,12 +2695,14 @@ class StatefulFunction:
         return out, new
 
     def _run(self, entry, state_values, args, kwargs, leaves, token):
-        """Runs ``entry`` on concrete values, compiled unless mapping with pmap.  A
-        negative ``token`` (``jaxpr_call``) donates nothing, leaves layout to XLA."""
+        """Runs ``entry``; a negative ``token`` (``jaxpr_call``) donates and lays out nothing."""
         if not self._compiled_dispatch or not entry.traced.cacheable:
             return entry.apply(state_values, leaves)
-        if self._statics_by_value:
-            args, kwargs = _wrap_statics(self, args, kwargs)
+        if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
+            statics = _static_positions(self, len(args))
+            args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
+            kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
+                      for k, v in kwargs.items()}
         donating = token > 0 and bool(entry.plan.donated)
         return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
 
@@ -2767,8 +2733,7 @@ class StatefulFunction:
         return out
 
     def _call_eagerly(self, args, kwargs):
-        """Under ``jax.disable_jit()``, as jax.jit there, runs the body as Python (a
-        StatefulMapping traces anew, as jax.vmap does, and runs op by op)."""
+        """Under ``jax.disable_jit()`` runs the body as Python, as jax.jit and jax.vmap do."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
         try:
             if not isinstance(self, StatefulMapping):
@@ -2797,11 +2762,6 @@ class StatefulFunction:
         return out
 
     # -- cache management ----------------------------------------------------------
-    def clear_cache(self) -> None:
-        """Drops every cached trace and compiled executable (and the statistics)."""
-        self._cache.clear()
-        self._reset()
-
     def get_cache_stats(self) -> dict:
         """The entry cache's ``get_stats()`` under brainstate's four cache names."""
         stats = self._cache.get_stats()
@@ -2844,8 +2804,7 @@ class StatefulFunction:
         """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
         view = self._view_by_key(cache_key, 'State trace')
         for state, sig in zip(view.states, view.state_sigs):
-            got = _stale_sig(state._value, sig)
-            if got is not None:
+            if (got := _stale_sig(state._value, sig)) is not None:
                 raise ValueError(
                     f'{state._describe()} changed from {sig} to {got} since it was traced; '
                     'the next call retraces (or call clear_cache())')
@@ -2917,8 +2876,7 @@ class StatefulFunction:
                 f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
                 'value(s); pass one value per state in get_states() order')
         for state, value, sig in zip(states, state_vals, view.state_sigs):
-            got = _stale_sig(value, sig)
-            if got is not None:
+            if (got := _stale_sig(value, sig)) is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
@@ -2928,9 +2886,8 @@ class StatefulFunction:
         at = [where[id(st)] for st in entry.plan.states]
         out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                              -entry.plan.token)
-        new_vals = [None] * len(states)
-        for i in view.returned:
-            new_vals[i] = state_vals[i]
+        returned = set(view.returned)
+        new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
         for j, value in zip(entry.plan.write_index, new):
             new_vals[at[j]] = value
         return tuple(new_vals), out
