@@ -1032,8 +1032,7 @@ class StateTraceStack:
         self.name = name
         self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        # An overlaying stack (one with new_arg) keeps what code inside sees and
-        # writes, and the side slots written inside, until it closes.
+        # An overlay (with new_arg) keeps what code inside sees and writes, side slots too.
         self._overlays = False
         self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
@@ -1064,9 +1063,8 @@ class StateTraceStack:
             self.been_writen.append(write)
             self._originals.append(current)
             if self._overlays:
-                current = self._values[id(state)] = self._lift(state, current)
-            return current
-        if write:
+                self._values[id(state)] = self._lift(state, current)
+        elif write:
             self.been_writen[index] = True
         return self._values[id(state)] if self._overlays else current
 
@@ -1085,15 +1083,14 @@ class StateTraceStack:
 
     def __exit__(self, exc_type, *exc):
         frames = _ctx.frames
+        in_order = bool(frames) and frames[-1] is self
         if self in frames:
             _open_frames(-1)
-        if not frames or frames[-1] is not self:
-            if self in frames:
-                frames.remove(self)
+            frames.remove(self)
+        if not in_order:
             raise RuntimeError(
                 f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
                 'be exited in the reverse order they were entered (use nested `with`)')
-        frames.pop()
         try:
             if exc_type is None:
                 self._commit()
@@ -1102,8 +1099,7 @@ class StateTraceStack:
         return False
 
     def _commit(self):
-        """Hands the side slots written inside on (to the enclosing overlay or the
-        States), dropping tracers of States created inside, refusing others."""
+        """Hands the side slots written inside on (tracers of States made inside are dropped)."""
         traces = tuple(f._jax_trace for f in _ctx.frames)
         entries = [e for e in self._side.values()
                    if not (e[0]._owner is self and _contains_tracer(e[2]))]
@@ -1134,15 +1130,13 @@ class StateTraceStack:
 
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
-        return self._pick(False, replace_writen)
+        return tuple(None if w else s for s, w in zip(self.states, self.been_writen)
+                     if replace_writen or not w)
 
     def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
-        return self._pick(True, replace_read)
-
-    def _pick(self, written: bool, keep_places: bool) -> tuple:
-        picked = (s if w == written else None for s, w in zip(self.states, self.been_writen))
-        return tuple(s for s in picked if keep_places or s is not None)
+        return tuple(s if w else None for s, w in zip(self.states, self.been_writen)
+                     if replace_read or w)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states; ``separate``: ``(write_values,
@@ -1205,8 +1199,7 @@ class StateTraceStack:
 
 
 class _StateCatcher:
-    """The States created inside a :func:`catch_new_states` block, in
-    creation order (iterable, indexable, ``in`` by identity)."""
+    """The States created inside a :func:`catch_new_states` block, in creation order."""
 
     def __init__(self, state_tag, state_to_exclude):
         self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
