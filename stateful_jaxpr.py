@@ -654,7 +654,9 @@ class State:
         global _layout_epoch
         self._check_leaves(v)
         if _ctx.check_tree:
-            old = jax.tree_util.tree_structure(self._current_for_compare())
+            frame = _innermost_overlay(_ctx.frames)
+            cur = self._value if frame is None else frame._values.get(id(self), self._value)
+            old = cur.treedef if type(cur) is _RefCell else jax.tree_util.tree_structure(cur)
             new = jax.tree_util.tree_structure(v)
             if old != new:
                 raise ValueError(
@@ -693,11 +695,6 @@ class State:
 
     def _raise_broken(self):
         raise self._broken[0](self._broken[1])
-
-    def _current_for_compare(self):
-        frame = _innermost_overlay(_ctx.frames)
-        v = self._value if frame is None else frame._values.get(id(self), self._value)
-        return jax.tree_util.tree_unflatten(v.treedef, v.avals) if type(v) is _RefCell else v
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -1198,7 +1195,7 @@ class StateTraceStack:
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
-class _StateCatcher:
+class _StateCatcher(collections.abc.Sequence):
     """The States created inside a :func:`catch_new_states` block, in creation order."""
 
     def __init__(self, state_tag, state_to_exclude):
@@ -1231,9 +1228,6 @@ class _StateCatcher:
 
     def get_by_tag(self, tag: str) -> list:
         return [s for s in self.states if s.tag == tag]
-
-    def __iter__(self):
-        return iter(self.states)
 
     def __len__(self) -> int:
         return len(self.states)
