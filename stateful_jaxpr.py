@@ -617,7 +617,7 @@ class State:
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
-        self._check_leaves(value)
+        self._check_value(value)
         self._value = value
         self._broken = None   # (error type, message, repr text) while nothing readable is held
         frames = _ctx.frames
@@ -652,7 +652,7 @@ class State:
 
     def _assign(self, v, written: bool) -> None:
         global _layout_epoch
-        self._check_leaves(v)
+        self._check_value(v)
         if _ctx.check_tree:
             frame = _innermost_overlay(_ctx.frames)
             cur = self._value if frame is None else frame._values.get(id(self), self._value)
@@ -673,10 +673,7 @@ class State:
         self._value = v
         self._broken = None
 
-    def _check_value(self, v) -> None:
-        """Hook for subclasses that restrict what a value may be."""
-
-    def _check_leaves(self, v) -> None:
+    def _check_value(self, v) -> None:   # (subclasses restrict values further)
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
         if not isinstance(v, Tracer):
             for leaf in _leaves(v):
@@ -691,7 +688,6 @@ class State:
                             f'{self._describe()}: the Python int {leaf} does not fit in '
                             f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
                             'an array of an explicit wider dtype with jax_enable_x64 on')
-        self._check_value(v)
 
     def _raise_broken(self):
         raise self._broken[0](self._broken[1])
@@ -876,6 +872,7 @@ class HiddenState(ShortTermState):
     """
 
     def _check_value(self, v):
+        super()._check_value(v)
         if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
@@ -950,6 +947,7 @@ class RandomState(State):
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
 
     def _check_value(self, v):
+        super()._check_value(v)
         if not _is_key(v):
             raise ValueError(
                 f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
