@@ -1078,14 +1078,15 @@ class StateTraceStack:
 
     def __exit__(self, exc_type, *exc):
         frames = _ctx.frames
-        in_order = bool(frames) and frames[-1] is self
         if self in frames:
             _open_frames(-1)
-            frames.remove(self)
-        if not in_order:
+        if not frames or frames[-1] is not self:
+            if self in frames:
+                frames.remove(self)
             raise RuntimeError(
                 f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
                 'be exited in the reverse order they were entered (use nested `with`)')
+        frames.pop()
         try:
             if exc_type is None:
                 self._commit()
