@@ -694,8 +694,7 @@ class State:
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
-    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
-                                 'this State was created.')
+    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack at creation.')
     tag = property(lambda self: self.metadata.get('tag'),
                    lambda self, tag: _set_slot(self, '_metadata', {**self.metadata, 'tag': tag}),
                    doc='The ``tag`` metadata entry (``None`` when absent).')
