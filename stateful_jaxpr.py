@@ -572,7 +572,7 @@ class State:
         self._name = name
         self._metadata = metadata
         self._source = _user_site()
-        self._check_leaves(value)
+        self._check_value(value)
         self._value = value
         self._broken = None   # (error type, message, repr text) while nothing readable is held
         frames = _ctx.frames
@@ -607,9 +607,11 @@ class State:
 
     def _assign(self, v, written: bool) -> None:
         global _layout_epoch
-        self._check_leaves(v)
+        self._check_value(v)
         if _ctx.check_tree:
-            old = jax.tree_util.tree_structure(self._current_for_compare())
+            frame = _innermost_overlay(_ctx.frames)
+            cur = self._value if frame is None else frame._values.get(id(self), self._value)
+            old = cur.treedef if type(cur) is _RefCell else jax.tree_util.tree_structure(cur)
             new = jax.tree_util.tree_structure(v)
             if old != new:
                 raise ValueError(
@@ -626,10 +628,7 @@ class State:
         self._value = v
         self._broken = None
 
-    def _check_value(self, v) -> None:
-        """Hook for subclasses that restrict what a value may be."""
-
-    def _check_leaves(self, v) -> None:
+    def _check_value(self, v) -> None:   # (subclasses restrict values further)
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
         if not isinstance(v, Tracer):
             for leaf in _leaves(v):
@@ -644,20 +643,13 @@ class State:
                             f'{self._describe()}: the Python int {leaf} does not fit in '
                             f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
                             'an array of an explicit wider dtype with jax_enable_x64 on')
-        self._check_value(v)
 
     def _raise_broken(self):
         raise self._broken[0](self._broken[1])
 
-    def _current_for_compare(self):
-        frame = _innermost_overlay(_ctx.frames)
-        v = self._value if frame is None else frame._values.get(id(self), self._value)
-        return jax.tree_util.tree_unflatten(v.treedef, v.avals) if type(v) is _RefCell else v
-
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
-    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack when '
-                                 'this State was created.')
+    stack_level = _slot_property('_stack_level', 'Depth of the state trace stack at creation.')
     tag = property(lambda self: self.metadata.get('tag'),
                    lambda self, tag: _set_slot(self, '_metadata', {**self.metadata, 'tag': tag}),
                    doc='The ``tag`` metadata entry (``None`` when absent).')
@@ -834,6 +826,7 @@ class HiddenState(ShortTermState):
     """
 
     def _check_value(self, v):
+        super()._check_value(v)
         if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex)):
             raise ValueError(
                 f'{self._describe()} holds a single array, got {type(v).__name__}; '
@@ -908,6 +901,7 @@ class RandomState(State):
         super().__init__(_make_key(seed_or_key, owner), name, **metadata)
 
     def _check_value(self, v):
+        super()._check_value(v)
         if not _is_key(v):
             raise ValueError(
                 f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
@@ -987,8 +981,7 @@ class StateTraceStack:
         self.name = name
         self.states, self.been_writen, self._originals = [], [], []
         self._index: dict = {}
-        # An overlaying stack (one with new_arg) keeps what code inside sees and
-        # writes, and the side slots written inside, until it closes.
+        # An overlay (with new_arg) keeps what code inside sees and writes, side slots too.
         self._overlays = False
         self._values, self._side, self._owned = {}, {}, []
         if new_arg is not None:
@@ -1019,9 +1012,8 @@ class StateTraceStack:
             self.been_writen.append(write)
             self._originals.append(current)
             if self._overlays:
-                current = self._values[id(state)] = self._lift(state, current)
-            return current
-        if write:
+                self._values[id(state)] = self._lift(state, current)
+        elif write:
             self.been_writen[index] = True
         return self._values[id(state)] if self._overlays else current
 
@@ -1057,8 +1049,7 @@ class StateTraceStack:
         return False
 
     def _commit(self):
-        """Hands the side slots written inside on (to the enclosing overlay or the
-        States), dropping tracers of States created inside, refusing others."""
+        """Hands the side slots written inside on (tracers of States made inside are dropped)."""
         traces = tuple(f._jax_trace for f in _ctx.frames)
         entries = [e for e in self._side.values()
                    if not (e[0]._owner is self and _contains_tracer(e[2]))]
@@ -1089,15 +1080,13 @@ class StateTraceStack:
 
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
-        return self._pick(False, replace_writen)
+        return tuple(None if w else s for s, w in zip(self.states, self.been_writen)
+                     if replace_writen or not w)
 
     def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
-        return self._pick(True, replace_read)
-
-    def _pick(self, written: bool, keep_places: bool) -> tuple:
-        picked = (s if w == written else None for s, w in zip(self.states, self.been_writen))
-        return tuple(s for s in picked if keep_places or s is not None)
+        return tuple(s if w else None for s, w in zip(self.states, self.been_writen)
+                     if replace_read or w)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states; ``separate``: ``(write_values,
@@ -1159,9 +1148,8 @@ class StateTraceStack:
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
-class _StateCatcher:
-    """The States created inside a :func:`catch_new_states` block, in
-    creation order (iterable, indexable, ``in`` by identity)."""
+class _StateCatcher(collections.abc.Sequence):
+    """The States created inside a :func:`catch_new_states` block, in creation order."""
 
     def __init__(self, state_tag, state_to_exclude):
         self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
@@ -1193,9 +1181,6 @@ class _StateCatcher:
 
     def get_by_tag(self, tag: str) -> list:
         return [s for s in self.states if s.tag == tag]
-
-    def __iter__(self):
-        return iter(self.states)
 
     def __len__(self) -> int:
         return len(self.states)
