@@ -398,11 +398,6 @@ def _user_site():
     return frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
-def _user_stacklevel() -> int:
-    """``warnings.warn`` stacklevel pointing past this module and JAX."""
-    return _outside(skip_jax=True)[1] - 1
-
-
 def _who(sf) -> str:
     """``StatefulFunction('f')``: how errors name a function."""
     return f'{type(sf).__name__}({sf.name!r})'
@@ -3180,7 +3175,7 @@ class StatefulMapping(StatefulFunction):
             if self.unexpected_out_state_mapping == 'raise':
                 raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
             if self.unexpected_out_state_mapping == 'warn':
-                warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+                warnings.warn(message, UserWarning, stacklevel=_outside(skip_jax=True)[1])
             write_axes[r] = out_axes[i] = 0
         plan = self._plan_for(states, (*out_axes, *rng_index))
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,

@@ -8350,6 +8350,7 @@ class MappingStateAxesTest(unittest.TestCase):
         with self.assertWarns(UserWarning) as cm:
             sm(x)
         self.assertIn('surprise_acc', str(cm.warning))
+        self.assertEqual(cm.filename, __file__)   # the warning points at the call
         self._check_left_batched(acc, h, x)
 
     def test_unexpected_raise_leaves_every_state(self):
