@@ -3424,9 +3424,8 @@ def _explain_flag(value):
     return None if value is None else bool(value)
 
 
-def _key_differences(old, new) -> list:
-    """``(cause, line)`` for each way cache key ``new`` differs from ``old``."""
-    labels = _arg_labels(new)
+def _key_differences(old, new, labels) -> list:
+    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
     found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
     for label in dict.fromkeys(list(olds) + list(news)):
         a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
@@ -3466,7 +3465,8 @@ def _note_miss(sf, key, stale, entry) -> None:
     if first:
         found = [('first trace', '')]
     elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
-        near, old, found = min([(k, old, _key_differences(k, key))
+        labels = _arg_labels(key)
+        near, old, found = min([(k, old, _key_differences(k, key, labels))
                                 for k, old in reversed(cached)], key=lambda c: len(c[2]))
         found = found + _state_differences(old.traced, entry.traced)
     else:
