@@ -64,12 +64,11 @@ __all__ = [
 # =============================================================================
 # 1. Compatibility shims
 #
-# Tracing over States needs what JAX keeps private: new inputs for the jaxpr
-# being traced, the current trace, mutable references and their discharge,
-# primitive names, ``params`` keys, a few error texts and the layout of a
-# printed jaxpr.  Only this section touches them, through ``_probe`` (has JAX
-# the name?) or ``_takes`` (has the function the parameter?), each with the
-# releases it serves.
+# Tracing over States needs what JAX keeps private: the current trace, new
+# jaxpr inputs, mutable references and their discharge, primitive names,
+# ``params`` keys, error texts, the printed jaxpr.  Only this section touches
+# them, each ``_probe`` (has JAX the name?) or ``_takes`` (the parameter?)
+# naming the releases it serves.
 # =============================================================================
 
 import jax.extend.core as _jex_core               # all releases
@@ -97,8 +96,7 @@ def _takes(fun, parameter: str) -> bool:
 ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0.11
 Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
 _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
-_find_top_trace = _probe('jax.extend.core:find_top_trace',          # 0.10 .. | before
-                         'jax._src.core:find_top_trace')
+_find_top_trace = _src_core.find_top_trace                      # all releases
 _STACKLESS = _probe('jax._src.core:trace_ctx') is not None      # 0.4.36 ..
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
 _make_debug_info = _probe('jax.api_util:debug_info')           # 0.5.1 ..
@@ -146,8 +144,8 @@ def _under_jax_trace() -> bool:
     return len(_stack()) > 1
 
 
-def _trace_depth():   # before 0.4.36 a custom_vjp traces in a sub-jaxpr of the main
-    """The current trace, and before 0.4.36 how deep in its sub-jaxprs."""
+def _trace_depth():
+    """The current trace, and before 0.4.36 how deep in its sub-jaxprs (a custom_vjp's)."""
     return _current_trace_id() if _STACKLESS else (
         _stack()[-1], len(getattr(_stack()[-1], 'jaxpr_stack', ())))
 
@@ -291,10 +289,7 @@ def _write_hazard(jaxpr):
         if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
             return 'checkpoint'   # (the param: all releases)
         if eqn.primitive.name == 'while':   # all releases
-            (body,), operands, _ = _body_binding(eqn)
-            outer = dict(zip(body.invars, operands))
-            written = {outer.get(v) for v in
-                       _written_refs(body.effects, [*body.constvars, *body.invars])}
+            written = _written_refs(eqn.effects, eqn.invars)
             if any(isinstance(v, Var) and v in written
                    for v in eqn.invars[:eqn.params['cond_nconsts']]):
                 return 'condition'
