@@ -1702,8 +1702,7 @@ class _Traced:
 
         def apply(flat_args, state_values):
             outs = run(*flat_args, *_leaves(state_values))
-            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
-                    jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
+            return out_tree.unflatten(outs[:n_out]), state_tree.unflatten(outs[n_out:])
         return apply
 
     def out_shapes(self):
@@ -1765,7 +1764,7 @@ class _TraceFrame(StateTraceStack):
         self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
-        self.lifted: list = []                  # (state, treedef, avals) per lift
+        self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
 
     def _lift(self, state, current):
@@ -1782,7 +1781,7 @@ class _TraceFrame(StateTraceStack):
                     raise TypeError(f'{state._describe()} holds a leaf of type '
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
-        self.lifted.append((state, treedef, avals))
+        self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if _trace_depth() != self._depth:
             self._nested.append(state)
         if self._lift_aval is not None:
@@ -1821,11 +1820,9 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
-        sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
-                for state, treedef, avals in self.lifted}
-        return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
-                       states=tuple(self.states), trace_stack=StateTraceStack(name=self.name).merge(self),
-                       state_sigs=tuple(sigs[id(s)] for s in self.states),
+        return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
+                       trace_stack=StateTraceStack(name=self.name).merge(self),
+                       state_sigs=tuple(self.sigs[id(s)] for s in self.states),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
 
@@ -2010,10 +2007,8 @@ class _RefCell:
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
-            try:
+            with contextlib.suppress(TypeError):
                 got = [_aval_of(x) for x in leaves]
-            except TypeError:
-                pass
         if got is None or any(
                 g.shape != a.shape or (g.dtype != a.dtype and not (
                     g.weak_type and jnp.result_type(a.dtype, x) == a.dtype))
@@ -2039,9 +2034,8 @@ def _refusal(err: BaseException):
 
 
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
-    """Raises a TraceContextError naming ``ref_states`` (the States lifted as
-    Refs) where ``err`` is JAX refusing such a write; returns otherwise."""
-    if isinstance(err, TraceContextError):
+    """Raises a TraceContextError naming ``ref_states`` if ``err`` is JAX refusing their write."""
+    if isinstance(err, TraceContextError) or not ref_states:
         return
     why = {
         'effects': f'goes through one that JAX {jax.__version__} cannot carry it through: '
@@ -2173,8 +2167,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     meets a write in a nested transformation to a State not yet Refs, or a
     cached body holding a finished trace's tracer.  ``lift_aval(state, aval)``
     may change a state leaf's aval (StatefulMapping's per-lane shapes)."""
-    if hints is None:
-        hints = _TraceHints()
+    hints = _TraceHints() if hints is None else hints
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
 
     def trace_once(pending: set, nested: list) -> _Traced:
@@ -2234,8 +2227,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     hints.isolate = True
                     hints.prelift.extend(new)
                     continue
-            if hints.ref_states:
-                _explain_ref_refusal(err, set(hints.ref_states))
+            _explain_ref_refusal(err, set(hints.ref_states))
             raise
         finally:
             # Also when the function raised: the next trace starts informed.
@@ -2282,14 +2274,11 @@ def _make_jaxpr_tracer(abstracted_axes, treedef):
 @functools.lru_cache(maxsize=None)
 def _dynamic_shapes_problem(config):
     """Why abstracted_axes fails with states under this ``jax_dynamic_shapes``, or None."""
-    if not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
-        return 'jax.make_jaxpr has no abstracted_axes parameter'
     probe_state = State(jnp.zeros(()))
-    probe = _make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,)))
     try:
         _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
                         lambda flat: (flat, {}), name='probe', return_only_write=True,
-                        trace_with=probe)
+                        trace_with=_make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,))))
     except Exception as err:  # the probe only asks "does it work at all"
         return f'{type(err).__name__}: {err}'.strip()
     return None
