@@ -1794,8 +1794,7 @@ class _TraceFrame(StateTraceStack):
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
 
     def finish(self, out, return_only_write: bool) -> list:
-        """The flat jaxpr outputs for the function's result ``out``: its leaves,
-        then the values of the returned states (the written ones, or all)."""
+        """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
@@ -1827,8 +1826,7 @@ class _TraceFrame(StateTraceStack):
                        **self.result)
 
     def _renew_epoch(self) -> None:
-        """Binds a fresh epoch axis (see the section comment), so JAX retraces
-        rather than reuses a body that closed over a State's old value."""
+        """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
         self._epoch.close()
         self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)]))
 
@@ -1859,9 +1857,8 @@ def _traced_read(state, frames):
 
 
 def _touch_all(state, frames, write: bool):
-    """Records ``state`` in every frame that sees it (those inside its owner, for a
-    State made in a trace); returns the innermost overlaying frame's entry for
-    it (a value or a ``_RefCell``) and that frame."""
+    """Records ``state`` in every frame that sees it (past its owner, for a State made in a
+    trace); returns the innermost overlaying frame's entry (value or _RefCell) and that frame."""
     owner = state._owner
     start = len(frames) - frames[::-1].index(owner) if owner in frames else 0
     if start == 0 and state._broken is not None:
@@ -2245,8 +2242,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
 
 def _abstracted_tracer(abstracted_axes, split):
-    """A ``trace_with`` honouring ``abstracted_axes`` through ``jax.make_jaxpr``,
-    the only API with dynamic shapes, once a probe shows it works with states."""
+    """A ``trace_with`` for ``abstracted_axes`` via jax.make_jaxpr, the one dynamic-shape API."""
     _, dyn_args, _, dyn_kwargs = split
     if dyn_kwargs:
         raise NotImplementedError('abstracted_axes applies to positional arguments only; '
