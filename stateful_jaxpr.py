@@ -2316,8 +2316,7 @@ class _Plan:
                  'locks')
 
     def __init__(self, states, write_index, donate, written):
-        self.token = next(_plan_tokens)
-        self.states, self.write_index = states, write_index
+        self.token, self.states, self.write_index = next(_plan_tokens), states, write_index
         self.write_states = tuple(states[i] for i in write_index)
         self.written = tuple(i in written for i in write_index)   # assigned, not just returned
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
@@ -2551,8 +2550,7 @@ class StatefulFunction:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
-        self._cache = BoundedCache(128)
-        self._hints = _TraceHints()
+        self._cache, self._hints = BoundedCache(128), _TraceHints()
         self._key_locks_guard = threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
@@ -2563,12 +2561,10 @@ class StatefulFunction:
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
-        self._plans: dict = {}
-        self._plans_by_token: dict = {}
+        self._plans, self._plans_by_token, self._dispatchers = {}, {}, {}
         self._layout_tokens: dict = {}   # (plan token, layout) -> dispatcher key
         self._fast = None                # (warm path, nargs, layout epoch)
         self._plan_switches = 0
-        self._dispatchers: dict = {}
         self._warm_paths: dict = {}      # dispatcher key -> its _warm_path
 
     # -- entries -----------------------------------------------------------------
@@ -2604,9 +2600,9 @@ class StatefulFunction:
         return entry
 
     def _lookup(self, args, kwargs):
-        """``(key, entry)`` for a call, traced if needed (counted as a call)."""
+        """``(key, entry, flat args)`` for a call, traced if needed (counted as a call)."""
         key, leaves, split = self._cache_key(args, kwargs)
-        return key, self._entry_for(key, leaves, split, count=True)
+        return key, self._entry_for(key, leaves, split, count=True), leaves
 
     def _plan_for(self, states, write_index, written=None) -> _Plan:
         written = write_index if written is None else written
@@ -2831,8 +2827,7 @@ class StatefulFunction:
             raise TypeError(f'{_who(self)}.jaxpr_call(state_vals, ...) needs a sequence of state '
                             f'values in get_states() order, got {state_vals!r}') from None
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
-        key, leaves, split = self._cache_key(args, kwargs)
-        entry = self._entry_for(key, leaves, split, count=True)
+        _, entry, leaves = self._lookup(args, kwargs)
         view = self._view(entry)
         states = view.states
         if len(state_vals) != len(states):
@@ -2874,7 +2869,7 @@ class StatefulFunction:
           a  float32[]   argument 0['scale']
           b  float32[2]  state 'w' (State), read and written, created at ...
         """
-        key, entry = self._lookup(args, kwargs)
+        key, entry, _ = self._lookup(args, kwargs)
         return _pretty(self._view(entry), key)
 
     def __str__(self):
