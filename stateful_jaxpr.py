@@ -1697,8 +1697,7 @@ class _Traced:
 
         def apply(flat_args, state_values):
             outs = run(*flat_args, *_leaves(state_values))
-            return (jax.tree_util.tree_unflatten(out_tree, outs[:n_out]),
-                    jax.tree_util.tree_unflatten(state_tree, outs[n_out:]))
+            return out_tree.unflatten(outs[:n_out]), state_tree.unflatten(outs[n_out:])
         return apply
 
     def out_shapes(self):
@@ -1760,7 +1759,7 @@ class _TraceFrame(StateTraceStack):
         self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
         self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
-        self.lifted: list = []                  # (state, treedef, avals) per lift
+        self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
 
     def _lift(self, state, current):
@@ -1777,7 +1776,7 @@ class _TraceFrame(StateTraceStack):
                     raise TypeError(f'{state._describe()} holds a leaf of type '
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
-        self.lifted.append((state, treedef, avals))
+        self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if _trace_depth() != self._depth:
             self._nested.append(state)
         if self._lift_aval is not None:
@@ -1790,8 +1789,7 @@ class _TraceFrame(StateTraceStack):
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
 
     def finish(self, out, return_only_write: bool) -> list:
-        """The flat jaxpr outputs for the function's result ``out``: its leaves,
-        then the values of the returned states (the written ones, or all)."""
+        """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
@@ -1816,17 +1814,14 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
-        sigs = {id(state): (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
-                for state, treedef, avals in self.lifted}
-        return _Traced(closed_jaxpr=closed, out_avals=list(out_avals),
-                       states=tuple(self.states), trace_stack=StateTraceStack(name=self.name).merge(self),
-                       state_sigs=tuple(sigs[id(s)] for s in self.states),
+        return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
+                       trace_stack=StateTraceStack(name=self.name).merge(self),
+                       state_sigs=tuple(self.sigs[id(s)] for s in self.states),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        **self.result)
 
     def _renew_epoch(self) -> None:
-        """Binds a fresh epoch axis (see the section comment), so JAX retraces
-        rather than reuses a body that closed over a State's old value."""
+        """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
         self._epoch.close()
         self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)]))
 
@@ -1857,9 +1852,8 @@ def _traced_read(state, frames):
 
 
 def _touch_all(state, frames, write: bool):
-    """Records ``state`` in every frame that sees it (those inside its owner, for a
-    State made in a trace); returns the innermost overlaying frame's entry for
-    it (a value or a ``_RefCell``) and that frame."""
+    """Records ``state`` in every frame that sees it (past its owner, for a State made in a
+    trace); returns the innermost overlaying frame's entry (value or _RefCell) and that frame."""
     owner = state._owner
     start = len(frames) - frames[::-1].index(owner) if owner in frames else 0
     if start == 0 and state._broken is not None:
@@ -2005,10 +1999,8 @@ class _RefCell:
         leaves, treedef = jax.tree_util.tree_flatten(value)
         got = None
         if treedef == self.treedef:
-            try:
+            with contextlib.suppress(TypeError):
                 got = [_aval_of(x) for x in leaves]
-            except TypeError:
-                pass
         if got is None or any(
                 g.shape != a.shape or (g.dtype != a.dtype and not (
                     g.weak_type and jnp.result_type(a.dtype, x) == a.dtype))
@@ -2034,9 +2026,8 @@ def _refusal(err: BaseException):
 
 
 def _explain_ref_refusal(err: BaseException, ref_states) -> None:
-    """Raises a TraceContextError naming ``ref_states`` (the States lifted as
-    Refs) where ``err`` is JAX refusing such a write; returns otherwise."""
-    if isinstance(err, TraceContextError):
+    """Raises a TraceContextError naming ``ref_states`` if ``err`` is JAX refusing their write."""
+    if isinstance(err, TraceContextError) or not ref_states:
         return
     why = {
         'effects': f'goes through one that JAX {jax.__version__} cannot carry it through: '
@@ -2168,8 +2159,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     meets a write in a nested transformation to a State not yet Refs, or a
     cached body holding a finished trace's tracer.  ``lift_aval(state, aval)``
     may change a state leaf's aval (StatefulMapping's per-lane shapes)."""
-    if hints is None:
-        hints = _TraceHints()
+    hints = _TraceHints() if hints is None else hints
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
 
     def trace_once(pending: set, nested: list) -> _Traced:
@@ -2229,8 +2219,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     hints.isolate = True
                     hints.prelift.extend(new)
                     continue
-            if hints.ref_states:
-                _explain_ref_refusal(err, set(hints.ref_states))
+            _explain_ref_refusal(err, set(hints.ref_states))
             raise
         finally:
             # Also when the function raised: the next trace starts informed.
@@ -2248,8 +2237,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
 
 
 def _abstracted_tracer(abstracted_axes, split):
-    """A ``trace_with`` honouring ``abstracted_axes`` through ``jax.make_jaxpr``,
-    the only API with dynamic shapes, once a probe shows it works with states."""
+    """A ``trace_with`` for ``abstracted_axes`` via jax.make_jaxpr, the one dynamic-shape API."""
     _, dyn_args, _, dyn_kwargs = split
     if dyn_kwargs:
         raise NotImplementedError('abstracted_axes applies to positional arguments only; '
@@ -2277,14 +2265,11 @@ def _make_jaxpr_tracer(abstracted_axes, treedef):
 @functools.lru_cache(maxsize=None)
 def _dynamic_shapes_problem(config):
     """Why abstracted_axes fails with states under this ``jax_dynamic_shapes``, or None."""
-    if not _MAKE_JAXPR_HAS_ABSTRACTED_AXES:
-        return 'jax.make_jaxpr has no abstracted_axes parameter'
     probe_state = State(jnp.zeros(()))
-    probe = _make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,)))
     try:
         _trace_stateful(lambda x: x + probe_state.value, [ShapedArray((2,), jnp.float32)],
                         lambda flat: (flat, {}), name='probe', return_only_write=True,
-                        trace_with=probe)
+                        trace_with=_make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,))))
     except Exception as err:  # the probe only asks "does it work at all"
         return f'{type(err).__name__}: {err}'.strip()
     return None
@@ -2326,8 +2311,7 @@ class _Plan:
                  'locks')
 
     def __init__(self, states, write_index, donate, written):
-        self.token = next(_plan_tokens)
-        self.states, self.write_index = states, write_index
+        self.token, self.states, self.write_index = next(_plan_tokens), states, write_index
         self.write_states = tuple(states[i] for i in write_index)
         self.written = tuple(i in written for i in write_index)   # assigned, not just returned
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
@@ -2561,8 +2545,7 @@ class StatefulFunction:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
-        self._cache = BoundedCache(128)
-        self._hints = _TraceHints()
+        self._cache, self._hints = BoundedCache(128), _TraceHints()
         self._key_locks_guard = threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
@@ -2573,12 +2556,10 @@ class StatefulFunction:
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
-        self._plans: dict = {}
-        self._plans_by_token: dict = {}
+        self._plans, self._plans_by_token, self._dispatchers = {}, {}, {}
         self._layout_tokens: dict = {}   # (plan token, layout) -> dispatcher key
         self._fast = None                # (warm path, nargs, layout epoch)
         self._plan_switches = 0
-        self._dispatchers: dict = {}
         self._warm_paths: dict = {}      # dispatcher key -> its _warm_path
 
     # -- entries -----------------------------------------------------------------
@@ -2614,9 +2595,9 @@ class StatefulFunction:
         return entry
 
     def _lookup(self, args, kwargs):
-        """``(key, entry)`` for a call, traced if needed (counted as a call)."""
+        """``(key, entry, flat args)`` for a call, traced if needed (counted as a call)."""
         key, leaves, split = self._cache_key(args, kwargs)
-        return key, self._entry_for(key, leaves, split, count=True)
+        return key, self._entry_for(key, leaves, split, count=True), leaves
 
     def _plan_for(self, states, write_index, written=None) -> _Plan:
         written = write_index if written is None else written
@@ -2841,8 +2822,7 @@ class StatefulFunction:
             raise TypeError(f'{_who(self)}.jaxpr_call(state_vals, ...) needs a sequence of state '
                             f'values in get_states() order, got {state_vals!r}') from None
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
-        key, leaves, split = self._cache_key(args, kwargs)
-        entry = self._entry_for(key, leaves, split, count=True)
+        _, entry, leaves = self._lookup(args, kwargs)
         view = self._view(entry)
         states = view.states
         if len(state_vals) != len(states):
@@ -2884,7 +2864,7 @@ class StatefulFunction:
           a  float32[]   argument 0['scale']
           b  float32[2]  state 'w' (State), read and written, created at ...
         """
-        key, entry = self._lookup(args, kwargs)
+        key, entry, _ = self._lookup(args, kwargs)
         return _pretty(self._view(entry), key)
 
     def __str__(self):
