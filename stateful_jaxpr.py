@@ -2594,10 +2594,10 @@ class StatefulFunction:
             self._cache._record(hit is not None)
         return entry
 
-    def _lookup(self, args, kwargs):
-        """``(key, entry, flat args)`` for a call, traced if needed (counted as a call)."""
+    def _lookup(self, args, kwargs, count: bool = True, read=_real_value):
+        """``(key, entry, flat args)`` for a call, traced if needed (``count``-ed as a call)."""
         key, leaves, split = self._cache_key(args, kwargs)
-        return key, self._entry_for(key, leaves, split, count=True), leaves
+        return key, self._entry_for(key, leaves, split, count=count, read=read), leaves
 
     def _plan_for(self, states, write_index, written=None) -> _Plan:
         written = write_index if written is None else written
@@ -2666,8 +2666,7 @@ class StatefulFunction:
         if jax.config.jax_disable_jit and not _under_jax_trace():
             return self._call_eagerly(args, kwargs)
         ntraces = _ctx.ntraces
-        key, leaves, split = self._cache_key(args, kwargs)
-        entry = self._entry_for(key, leaves, split, count=False)
+        _, entry, leaves = self._lookup(args, kwargs, count=False)
         plan = entry.plan
         with contextlib.ExitStack() as held:
             for lock in plan.locks:
@@ -2707,9 +2706,8 @@ class StatefulFunction:
 
     def _call_in_trace(self, args, kwargs):
         """A call inside an enclosing stateful trace, which threads states through ``value``."""
-        key, leaves, split = self._cache_key(args, kwargs)
         ntraces = _ctx.ntraces
-        entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
+        _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
         out, new = entry.apply([s.value for s in entry.plan.states], leaves)
         for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
             if written:   # (not the read ones return_only_write=False returns)
