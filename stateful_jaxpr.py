@@ -440,9 +440,8 @@ def _value_sig(value) -> tuple:
 
 
 def _stale_sig(value, sig, weak_type: bool = False):
-    """``value``'s signature where it is not ``sig`` (None where it is).  A
-    weak type counts only with ``weak_type``, for reusing a trace: it changes
-    promotion there, as an argument's does."""
+    """``value``'s signature where it is not ``sig``, else None; a weak type counts only with
+    ``weak_type`` (reusing a trace: it changes promotion there, as an argument's does)."""
     try:
         got = _value_sig(value)
     except TypeError:
@@ -564,8 +563,7 @@ class State:
                  '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
-        self._name = name
-        self._metadata = metadata
+        self._name, self._metadata = name, metadata
         self._source = _user_site()
         self._check_value(value)
         self._value = value
@@ -840,10 +838,9 @@ def _is_typed_key(x) -> bool:
 
 def _is_key(x) -> bool:
     """A typed key, or a raw key of the default PRNG implementation (``PRNGKey``'s)."""
-    if _is_typed_key(x):
-        return True
     shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return getattr(x, 'dtype', None) == np.uint32 and np.shape(x)[-len(shape):] == shape
+    return _is_typed_key(x) or (getattr(x, 'dtype', None) == np.uint32
+                                and np.shape(x)[-len(shape):] == shape)
 
 
 def _raw_key_text(batch: str = '') -> str:
@@ -974,11 +971,9 @@ class StateTraceStack:
 
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
-        self.states, self.been_writen, self._originals = [], [], []
-        self._index: dict = {}
+        self.states, self.been_writen, self._originals, self._index = [], [], [], {}
         # An overlay (with new_arg) keeps what code inside sees and writes, side slots too.
-        self._overlays = False
-        self._values, self._side, self._owned = {}, {}, []
+        self._overlays, self._values, self._side, self._owned = False, {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(
@@ -1041,7 +1036,6 @@ class StateTraceStack:
                 self._commit()
         finally:
             self._close()
-        return False
 
     def _commit(self):
         """Hands the side slots written inside on (tracers of States made inside are dropped)."""
@@ -1128,8 +1122,7 @@ class StateTraceStack:
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
-            for state, written, original in zip(stack.states, stack.been_writen,
-                                                stack._originals):
+            for state, written, original in zip(stack.states, stack.been_writen, stack._originals):
                 self._touch(state, original, written)
         return self
 
