@@ -1452,7 +1452,6 @@ class BoundedCache:
         if not _is_int(maxsize) or maxsize < 1:
             raise ValueError(f'BoundedCache(maxsize) needs an int >= 1, got {maxsize!r}')
         self.maxsize = int(maxsize)
-        self._data = collections.OrderedDict()
         self._lock = threading.RLock()
         self.clear()
 
@@ -1462,10 +1461,9 @@ class BoundedCache:
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
-            value = self._data.get(key, _MISSING)
-            if value is not _MISSING:
+            if key in self._data:
                 self._data.move_to_end(key)
-            return default if value is _MISSING else value
+            return self._data.get(key, default)
 
     def get(self, key, default=None, raise_on_miss: bool = False, error_context: str = 'item'):
         """The value for ``key`` (counted as a hit or miss)."""
@@ -1520,7 +1518,7 @@ class BoundedCache:
     def clear(self) -> None:
         """Removes every entry and resets the statistics."""
         with self._lock:
-            self._data.clear()
+            self._data = collections.OrderedDict()
             # next() on an itertools.count is atomic, so the lock-free warm path can count.
             self._hits, self._misses = itertools.count(), itertools.count()
             self._retracted = itertools.count()   # hits the warm path counted before a retrace
