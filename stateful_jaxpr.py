@@ -1565,20 +1565,14 @@ def _hash_static(sf, where: str, value):
     """The static ``value`` as part of a cache key: its ``make_hashable`` form."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
-    if not _hashes(h):
+    try:
+        hash(h)
+    except TypeError:
         raise TypeError(
             f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
             'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic')
+            'the argument dynamic') from None
     return h
-
-
-def _hashes(x) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
 
 
 def _call_key(sf, args, kwargs):
@@ -1601,7 +1595,9 @@ def _call_key(sf, args, kwargs):
         raise
     key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
                        static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-    if not _hashes((static_args, tuple(static_kwargs.items()))):
+    try:
+        hash((static_args, tuple(static_kwargs.items())))
+    except TypeError:
         sf._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
     return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
