@@ -435,9 +435,8 @@ def _value_sig(value) -> tuple:
 
 
 def _stale_sig(value, sig, weak_type: bool = False):
-    """``value``'s signature where it is not ``sig`` (None where it is).  A
-    weak type counts only with ``weak_type``, for reusing a trace: it changes
-    promotion there, as an argument's does."""
+    """``value``'s signature where it is not ``sig``, else None; a weak type counts only with
+    ``weak_type`` (reusing a trace: it changes promotion there, as an argument's does)."""
     try:
         got = _value_sig(value)
     except TypeError:
@@ -559,8 +558,7 @@ class State:
                  '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
-        self._name = name
-        self._metadata = metadata
+        self._name, self._metadata = name, metadata
         self._source = _user_site()
         self._check_value(value)
         self._value = value
@@ -835,10 +833,9 @@ def _is_typed_key(x) -> bool:
 
 def _is_key(x) -> bool:
     """A typed key, or a raw key of the default PRNG implementation (``PRNGKey``'s)."""
-    if _is_typed_key(x):
-        return True
     shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return getattr(x, 'dtype', None) == np.uint32 and np.shape(x)[-len(shape):] == shape
+    return _is_typed_key(x) or (getattr(x, 'dtype', None) == np.uint32
+                                and np.shape(x)[-len(shape):] == shape)
 
 
 def _raw_key_text(batch: str = '') -> str:
@@ -969,11 +966,9 @@ class StateTraceStack:
 
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
-        self.states, self.been_writen, self._originals = [], [], []
-        self._index: dict = {}
+        self.states, self.been_writen, self._originals, self._index = [], [], [], {}
         # An overlay (with new_arg) keeps what code inside sees and writes, side slots too.
-        self._overlays = False
-        self._values, self._side, self._owned = {}, {}, []
+        self._overlays, self._values, self._side, self._owned = False, {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(
@@ -1036,7 +1031,6 @@ class StateTraceStack:
                 self._commit()
         finally:
             self._close()
-        return False
 
     def _commit(self):
         """Hands the side slots written inside on (tracers of States made inside are dropped)."""
@@ -1123,8 +1117,7 @@ class StateTraceStack:
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
-            for state, written, original in zip(stack.states, stack.been_writen,
-                                                stack._originals):
+            for state, written, original in zip(stack.states, stack.been_writen, stack._originals):
                 self._touch(state, original, written)
         return self
 
@@ -1454,7 +1447,6 @@ class BoundedCache:
         if not _is_int(maxsize) or maxsize < 1:
             raise ValueError(f'BoundedCache(maxsize) needs an int >= 1, got {maxsize!r}')
         self.maxsize = int(maxsize)
-        self._data = collections.OrderedDict()
         self._lock = threading.RLock()
         self.clear()
 
@@ -1464,10 +1456,9 @@ class BoundedCache:
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
-            value = self._data.get(key, _MISSING)
-            if value is not _MISSING:
+            if key in self._data:
                 self._data.move_to_end(key)
-            return default if value is _MISSING else value
+            return self._data.get(key, default)
 
     def get(self, key, default=None, raise_on_miss: bool = False, error_context: str = 'item'):
         """The value for ``key`` (counted as a hit or miss)."""
@@ -1522,7 +1513,7 @@ class BoundedCache:
     def clear(self) -> None:
         """Removes every entry and resets the statistics."""
         with self._lock:
-            self._data.clear()
+            self._data = collections.OrderedDict()
             # next() on an itertools.count is atomic, so the lock-free warm path can count.
             self._hits, self._misses = itertools.count(), itertools.count()
             self._retracted = itertools.count()   # hits the warm path counted before a retrace
@@ -1569,20 +1560,14 @@ def _hash_static(sf, where: str, value):
     """The static ``value`` as part of a cache key: its ``make_hashable`` form."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
-    if not _hashes(h):
+    try:
+        hash(h)
+    except TypeError:
         raise TypeError(
             f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
             'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic')
+            'the argument dynamic') from None
     return h
-
-
-def _hashes(x) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
 
 
 def _call_key(sf, args, kwargs):
@@ -1605,7 +1590,9 @@ def _call_key(sf, args, kwargs):
         raise
     key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
                        static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-    if not _hashes((static_args, tuple(static_kwargs.items()))):
+    try:
+        hash((static_args, tuple(static_kwargs.items())))
+    except TypeError:
         sf._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
     return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
