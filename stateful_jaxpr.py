@@ -139,9 +139,8 @@ def _tracer_trace_id(tracer):
 
 
 def _under_jax_trace() -> bool:
-    if _STACKLESS:
-        return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
-    return len(_stack()) > 1
+    return (not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace) if _STACKLESS
+            else len(_stack()) > 1)
 
 
 def _trace_depth():
@@ -195,7 +194,8 @@ def _drops_ref_tangents(home) -> bool:
 
 def _new_arg(trace, aval):
     """Adds a fresh input of abstract value ``aval`` to the jaxpr ``trace`` builds."""
-    return trace.new_arg(aval, _siu.current()) if _NEW_ARG_TAKES_SOURCE_INFO else trace.new_arg(aval)
+    source = (_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()
+    return trace.new_arg(aval, *source)
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
@@ -217,9 +217,8 @@ def _axis_env(axis_env):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# Mutable references (jax._src.state, all releases): a State written inside a
-# nested transformation is held as Refs while tracing, and JAX's
-# ``discharge_state`` threads the writes out.
+# Mutable references (jax._src.state, all releases): a State written inside a nested
+# transformation is held as Refs while tracing; JAX's ``discharge_state`` threads writes out.
 _ref_aval = _probe('jax._src.state.types:AbstractRef')
 _ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
 _ref_set = _probe('jax._src.state.primitives:ref_set')
@@ -281,10 +280,10 @@ def _written_refs(effects, inputs=None) -> set:
 
 
 def _write_hazard(jaxpr):
-    """'condition' where a while loop's condition reads a Ref its body writes (JAX's
-    discharge gives it the value from before the loop, 0.7 .., or refuses),
-    'checkpoint' where a differentiated ``jax.checkpoint`` writes one (JAX reruns
-    it, writes included, 0.8 ..), else None."""
+    """'condition' where a while loop's condition reads a Ref its body writes (JAX's discharge
+    gives it the value from before the loop, 0.7 .., or refuses), 'checkpoint' where a
+    differentiated ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..),
+    else None."""
     for eqn in _all_eqns(jaxpr):
         if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
             return 'checkpoint'   # (the param: all releases)
@@ -296,11 +295,10 @@ def _write_hazard(jaxpr):
     return None
 
 
-# How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond,
-# all releases; a cond under grad, .. 0.6; a checkpoint, .. 0.7; a jit under
-# differentiation, 0.4.36 .. 0.4.38, also as a bare NotImplementedError),
-# 'batched' (a per-lane value into an unbatched Ref, 0.6 ..), 'tangent' (a
-# differentiated value into a Ref of a body differentiated whole, 0.7 ..).
+# How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond, all releases; a cond
+# under grad, .. 0.6; a checkpoint, .. 0.7; a jit under differentiation, 0.4.36 .. 0.4.38, also as a
+# bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..), 'tangent'
+# (a differentiated value into a Ref of a body differentiated whole, 0.7 ..).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
@@ -1921,11 +1919,10 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
 
 # -- Writes inside nested transformations: Refs ----------------------------------
 class _RefCell:
-    """A State a trace lifted as Refs, one per leaf, because it is written inside
-    a nested transformation; reads and writes bind at the current JAX trace.
-    A Ref takes no tangent, so a differentiated write stores the primal and
-    keeps the value in ``shadow``: reads in the trace it was written in, or
-    one nested there, see its tangent, as they would a local variable's."""
+    """A State a trace lifted as Refs, one per leaf, because it is written inside a nested
+    transformation; reads and writes bind at the current JAX trace.  A Ref takes no tangent,
+    so a differentiated write stores the primal and keeps the value in ``shadow``: reads in
+    the trace it was written in, or one nested there, see its tangent, as a local's would."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow', 'nested', 'staged')
 
     def __init__(self, state, refs, treedef, avals, home):
@@ -2117,12 +2114,11 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
 
 # -- Tracing, and tracing again -----------------------------------------------
 class _TraceHints:
-    """What earlier traces of one function taught its later ones: whether to
-    isolate, and which States to lift as Refs (only those written in nested
-    transformations; one merely read there stays a plain input, which every
-    JAX rule, a custom_vjp's included, takes as any closed-over value).  Once
-    the function is known to write so, one trace lifts every State as Refs
-    (``speculate``), kept if all of them are so written."""
+    """What earlier traces of one function taught its later ones: whether to isolate, and
+    which States to lift as Refs (only those written in nested transformations; one merely
+    read there stays a plain input, which every JAX rule, a custom_vjp's included, takes as
+    any closed-over value).  Once the function is known to write so, one trace lifts every
+    State as Refs (``speculate``), kept if all of them are so written."""
     __slots__ = ('ref_states', 'isolate', 'prelift', 'speculate')
 
     def __init__(self):
@@ -2141,11 +2137,10 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
                     lift_aval: Callable | None = None, trace_with: Callable | None = None,
                     hints: _TraceHints | None = None) -> _Traced:
-    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, again
-    (a few traces per signature, the extra ones once per function) where it
-    meets a write in a nested transformation to a State not yet Refs, or a
-    cached body holding a finished trace's tracer.  ``lift_aval(state, aval)``
-    may change a state leaf's aval (StatefulMapping's per-lane shapes)."""
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, again (a few
+    traces per signature, the extra ones once per function) where it meets a write in a nested
+    transformation to a State not yet Refs, or a cached body holding a finished trace's tracer.
+    ``lift_aval(state, aval)`` may change a leaf's aval (StatefulMapping's per-lane shapes)."""
     hints = _TraceHints() if hints is None else hints
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
 
