@@ -3181,17 +3181,15 @@ class StatefulMapping(StatefulFunction):
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
         order = _brainstate_order(states, state_axes, out_axes, rng_index)
-        return _Entry(traced, plan, apply,
-                      functools.partial(self._trace_whole, order, avals, _rebuilder(split)))
 
-    def _trace_whole(self, order, avals, rebuild) -> _Traced:
-        """The accessors' view: the whole mapped call traced as one function."""
-        def whole(*args, **kwargs):
+        def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function
             for state in order:
                 state.value          # the first touch fixes the jaxpr input order
             return self(*args, **kwargs)
-        return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
-                               axis_env=self.axis_env)
+        rebuild = _rebuilder(split)   # not ``split``, which holds the call's arrays
+        return _Entry(traced, plan, apply, lambda: _trace_stateful(
+            whole, avals, rebuild, name=self.name, return_only_write=False,
+            axis_env=self.axis_env))
 
     def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
         """Those of ``wanted`` (returned positions) whose value varies across lanes, per vmap."""
