@@ -3737,23 +3737,38 @@ def _size(atoms) -> int:
 
 def _fold(jaxpr, consts, in_values=()):
     """``(folded jaxpr, each output's known value or _MISSING)``; ``consts`` None: a bare Jaxpr.
-    ``in_values``: the inputs' values (_MISSING where unknown), for a call body."""
+    ``in_values``: the inputs' values (_MISSING where unknown), for a call body.  Known values
+    are inlined as literals (scalars; any in a bare Jaxpr) or consts."""
     known = dict(zip(jaxpr.invars, in_values))     # Var -> value known at fold time
-    const_values = dict(zip(jaxpr.constvars, consts or ()))
+    const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
+    invars = set(jaxpr.invars)
 
     def value_of(atom):
         if isinstance(atom, Literal):
             return atom.val
         return known.get(atom, const_values.get(atom, _MISSING))
 
+    def substitute(atom):
+        if isinstance(atom, Literal) or atom not in known or atom in invars:
+            return atom
+        if consts is None or np.shape(known[atom]) == ():
+            return Literal(np.asarray(known[atom]), atom.aval)
+        const_values[atom] = known[atom]
+        return atom
+
     eqns = []
     for eqn in jaxpr.eqns:
         eqn, outs = _evaluate(eqn, [value_of(v) for v in eqn.invars])
-        if outs is None:
-            eqns.append(eqn)
+        if outs is None:   # what is known of its inputs is final by now
+            eqns.append(eqn.replace(invars=[substitute(v) for v in eqn.invars]))
         else:
             known.update(zip(eqn.outvars, outs))
-    return _inline_known(jaxpr, consts, eqns, known), [value_of(v) for v in jaxpr.outvars]
+    outvars = [substitute(v) for v in jaxpr.outvars]
+    used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
+    constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
+    folded = _rebuild(jaxpr, None if consts is None else [const_values[v] for v in constvars],
+                      constvars=constvars, eqns=eqns, outvars=outvars)
+    return folded, [value_of(v) for v in jaxpr.outvars]
 
 
 def _evaluate(eqn, values):
@@ -3782,27 +3797,6 @@ def _evaluate(eqn, values):
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return eqn, None
     return eqn, outs if eqn.primitive.multiple_results else [outs]
-
-
-def _inline_known(jaxpr, consts, eqns, known):
-    """With ``eqns``, known values as literals (scalars; any in a bare Jaxpr) or consts."""
-    invars = set(jaxpr.invars)
-    const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
-
-    def substitute(atom):
-        if isinstance(atom, Literal) or atom not in known or atom in invars:
-            return atom
-        if consts is None or np.shape(known[atom]) == ():
-            return Literal(np.asarray(known[atom]), atom.aval)
-        const_values[atom] = known[atom]
-        return atom
-
-    eqns = [eqn.replace(invars=[substitute(v) for v in eqn.invars]) for eqn in eqns]
-    outvars = [substitute(v) for v in jaxpr.outvars]
-    used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
-    constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
-    return _rebuild(jaxpr, None if consts is None else [const_values[v] for v in constvars],
-                    constvars=constvars, eqns=eqns, outvars=outvars)
 
 
 def constant_fold_jaxpr(jaxpr):
