@@ -3772,13 +3772,11 @@ def _fold(jaxpr, consts, in_values=()):
 
 
 def _evaluate(eqn, values):
-    """``(eqn, its outputs if it folds with these input values, else None)``.  A
-    call's body is folded with the known values; the call folds if all its body does.
-    A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
+    """``(eqn, its outputs if it folds with these values, else None)``; a call folds if all its
+    body (folded with them) does.  Typed keys never fold: no literal or numpy const holds one."""
     name = eqn.primitive.name
-    body_params = _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES else ()
-    param = next((p for p in body_params if isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))),
-                 None)
+    param = next((p for p in _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES
+                  and isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))), None)
     if param is not None:
         body = eqn.params[param]
         body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
@@ -3826,8 +3824,7 @@ def constant_fold_jaxpr(jaxpr):
 # =============================================================================
 
 def main() -> None:
-    """A short tour: a labelled jaxpr, a compiled stateful step, a mapping with
-    per-lane keys."""
+    """A short tour: a labelled jaxpr, a compiled stateful step, a mapping with per-lane keys."""
     print(f'stateful_jaxpr on jax {jax.__version__}\n')
     weight = ParamState(jnp.array([0.5, -1.0, 2.0]), name='weight')
     trace = LongTermState(jnp.zeros(3), name='trace')
