@@ -3368,9 +3368,8 @@ def _pretty(traced: _Traced, key) -> str:
     lines = [text, '']
     for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
                                         ('outputs', names_out, jaxpr.outvars, out_roles)]:
-        lines.append(f'{title}:')
-        lines += [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
-                  for n, v, r in zip(names, vars_, roles_)]
+        lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
+                                  for n, v, r in zip(names, vars_, roles_)]
     return '\n'.join(lines)
 
 
