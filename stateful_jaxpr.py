@@ -2893,7 +2893,12 @@ class StatefulFunction:
         return _pretty(self._view(entry), key)
 
     def __str__(self):
-        return _str_with_jaxpr(self)
+        keys = self._cache.keys()
+        entry = self._cache._peek(keys[-1]) if keys else None
+        if entry is None:
+            return f'{self!r}, not traced yet'
+        return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
+                + _pretty(self._view(entry), keys[-1]))
 
     def __repr__(self):
         return f'{type(self).__name__}({self.name!r}, entries={len(self._cache)})'
@@ -3371,16 +3376,6 @@ def _pretty(traced: _Traced, key) -> str:
         lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
                                   for n, v, r in zip(names, vars_, roles_)]
     return '\n'.join(lines)
-
-
-def _str_with_jaxpr(sf) -> str:
-    """``repr(sf)``, then the labelled jaxpr of its most recently traced entry."""
-    keys = sf._cache.keys()
-    entry = sf._cache._peek(keys[-1]) if keys else None
-    if entry is None:
-        return f'{sf!r}, not traced yet'
-    return (f'{sf!r}, last traced for ({_key_summary(keys[-1])}):\n'
-            + _pretty(sf._view(entry), keys[-1]))
 
 
 # -- Why a function traced again ----------------------------------------------
