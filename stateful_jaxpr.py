@@ -3185,10 +3185,9 @@ class StatefulMapping(StatefulFunction):
         plan = self._plan_for(states, (*out_axes, *rng_index))
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
-        order = _brainstate_order(states, state_axes, out_axes, rng_index)
 
         def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function
-            for state in order:
+            for state in _brainstate_order(states, state_axes, out_axes, rng_index):
                 state.value          # the first touch fixes the jaxpr input order
             return self(*args, **kwargs)
         rebuild = _rebuilder(split)   # not ``split``, which holds the call's arrays
