@@ -3340,11 +3340,9 @@ def _state_roles(traced) -> list:
     used = {v for v in [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
             if isinstance(v, Var)}
     invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
-    roles = []
-    for sig, written in zip(traced.state_sigs, traced.trace_stack.been_writen):
-        read = any([next(invars) in used for _ in sig[1]]) or not written
-        roles.append('read and written' if read and written else 'written' if written else 'read')
-    return roles
+    value_used = [any([next(invars) in used for _ in sig[1]]) for sig in traced.state_sigs]
+    return [('read and written' if read else 'written') if written else 'read'
+            for read, written in zip(value_used, traced.trace_stack.been_writen)]
 
 
 def _pretty(traced: _Traced, key) -> str:
