@@ -2848,7 +2848,12 @@ class StatefulFunction:
         return _pretty(self._view(entry), key)
 
     def __str__(self):
-        return _str_with_jaxpr(self)
+        keys = self._cache.keys()
+        entry = self._cache._peek(keys[-1]) if keys else None
+        if entry is None:
+            return f'{self!r}, not traced yet'
+        return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
+                + _pretty(self._view(entry), keys[-1]))
 
     def __repr__(self):
         return f'{type(self).__name__}({self.name!r}, entries={len(self._cache)})'
@@ -3135,18 +3140,15 @@ class StatefulMapping(StatefulFunction):
         plan = self._plan_for(states, (*out_axes, *rng_index))
         apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
                               not any(in_batched))
-        order = _brainstate_order(states, state_axes, out_axes, rng_index)
-        return _Entry(traced, plan, apply,
-                      functools.partial(self._trace_whole, order, avals, _rebuilder(split)))
 
-    def _trace_whole(self, order, avals, rebuild) -> _Traced:
-        """The accessors' view: the whole mapped call traced as one function."""
-        def whole(*args, **kwargs):
-            for state in order:
+        def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function
+            for state in _brainstate_order(states, state_axes, out_axes, rng_index):
                 state.value          # the first touch fixes the jaxpr input order
             return self(*args, **kwargs)
-        return _trace_stateful(whole, avals, rebuild, name=self.name, return_only_write=False,
-                               axis_env=self.axis_env)
+        rebuild = _rebuilder(split)   # not ``split``, which holds the call's arrays
+        return _Entry(traced, plan, apply, lambda: _trace_stateful(
+            whole, avals, rebuild, name=self.name, return_only_write=False,
+            axis_env=self.axis_env))
 
     def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
         """Those of ``wanted`` (returned positions) whose value varies across lanes, per vmap."""
@@ -3293,11 +3295,9 @@ def _state_roles(traced) -> list:
     used = {v for v in [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
             if isinstance(v, Var)}
     invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
-    roles = []
-    for sig, written in zip(traced.state_sigs, traced.trace_stack.been_writen):
-        read = any([next(invars) in used for _ in sig[1]]) or not written
-        roles.append('read and written' if read and written else 'written' if written else 'read')
-    return roles
+    value_used = [any([next(invars) in used for _ in sig[1]]) for sig in traced.state_sigs]
+    return [('read and written' if read else 'written') if written else 'read'
+            for read, written in zip(value_used, traced.trace_stack.been_writen)]
 
 
 def _pretty(traced: _Traced, key) -> str:
@@ -3325,20 +3325,9 @@ def _pretty(traced: _Traced, key) -> str:
     lines = [text, '']
     for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
                                         ('outputs', names_out, jaxpr.outvars, out_roles)]:
-        lines.append(f'{title}:')
-        lines += [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
-                  for n, v, r in zip(names, vars_, roles_)]
+        lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
+                                  for n, v, r in zip(names, vars_, roles_)]
     return '\n'.join(lines)
-
-
-def _str_with_jaxpr(sf) -> str:
-    """``repr(sf)``, then the labelled jaxpr of its most recently traced entry."""
-    keys = sf._cache.keys()
-    entry = sf._cache._peek(keys[-1]) if keys else None
-    if entry is None:
-        return f'{sf!r}, not traced yet'
-    return (f'{sf!r}, last traced for ({_key_summary(keys[-1])}):\n'
-            + _pretty(sf._view(entry), keys[-1]))
 
 
 # -- Why a function traced again ----------------------------------------------
@@ -3694,33 +3683,46 @@ def _size(atoms) -> int:
 
 def _fold(jaxpr, consts, in_values=()):
     """``(folded jaxpr, each output's known value or _MISSING)``; ``consts`` None: a bare Jaxpr.
-    ``in_values``: the inputs' values (_MISSING where unknown), for a call body."""
+    ``in_values``: the inputs' values (_MISSING where unknown), for a call body.  Known values
+    are inlined as literals (scalars; any in a bare Jaxpr) or consts."""
     known = dict(zip(jaxpr.invars, in_values))     # Var -> value known at fold time
-    const_values = dict(zip(jaxpr.constvars, consts or ()))
+    const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
+    invars = set(jaxpr.invars)
 
     def value_of(atom):
         if isinstance(atom, Literal):
             return atom.val
         return known.get(atom, const_values.get(atom, _MISSING))
 
+    def substitute(atom):
+        if isinstance(atom, Literal) or atom not in known or atom in invars:
+            return atom
+        if consts is None or np.shape(known[atom]) == ():
+            return Literal(np.asarray(known[atom]), atom.aval)
+        const_values[atom] = known[atom]
+        return atom
+
     eqns = []
     for eqn in jaxpr.eqns:
         eqn, outs = _evaluate(eqn, [value_of(v) for v in eqn.invars])
-        if outs is None:
-            eqns.append(eqn)
+        if outs is None:   # what is known of its inputs is final by now
+            eqns.append(eqn.replace(invars=[substitute(v) for v in eqn.invars]))
         else:
             known.update(zip(eqn.outvars, outs))
-    return _inline_known(jaxpr, consts, eqns, known), [value_of(v) for v in jaxpr.outvars]
+    outvars = [substitute(v) for v in jaxpr.outvars]
+    used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
+    constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
+    folded = _rebuild(jaxpr, None if consts is None else [const_values[v] for v in constvars],
+                      constvars=constvars, eqns=eqns, outvars=outvars)
+    return folded, [value_of(v) for v in jaxpr.outvars]
 
 
 def _evaluate(eqn, values):
-    """``(eqn, its outputs if it folds with these input values, else None)``.  A
-    call's body is folded with the known values; the call folds if all its body does.
-    A typed PRNG key is never an output: it can be no literal, nor a numpy const."""
+    """``(eqn, its outputs if it folds with these values, else None)``; a call folds if all its
+    body (folded with them) does.  Typed keys never fold: no literal or numpy const holds one."""
     name = eqn.primitive.name
-    body_params = _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES else ()
-    param = next((p for p in body_params if isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))),
-                 None)
+    param = next((p for p in _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES
+                  and isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))), None)
     if param is not None:
         body = eqn.params[param]
         body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
@@ -3739,27 +3741,6 @@ def _evaluate(eqn, values):
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return eqn, None
     return eqn, outs if eqn.primitive.multiple_results else [outs]
-
-
-def _inline_known(jaxpr, consts, eqns, known):
-    """With ``eqns``, known values as literals (scalars; any in a bare Jaxpr) or consts."""
-    invars = set(jaxpr.invars)
-    const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
-
-    def substitute(atom):
-        if isinstance(atom, Literal) or atom not in known or atom in invars:
-            return atom
-        if consts is None or np.shape(known[atom]) == ():
-            return Literal(np.asarray(known[atom]), atom.aval)
-        const_values[atom] = known[atom]
-        return atom
-
-    eqns = [eqn.replace(invars=[substitute(v) for v in eqn.invars]) for eqn in eqns]
-    outvars = [substitute(v) for v in jaxpr.outvars]
-    used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
-    constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
-    return _rebuild(jaxpr, None if consts is None else [const_values[v] for v in constvars],
-                    constvars=constvars, eqns=eqns, outvars=outvars)
 
 
 def constant_fold_jaxpr(jaxpr):
@@ -3789,8 +3770,7 @@ def constant_fold_jaxpr(jaxpr):
 # =============================================================================
 
 def main() -> None:
-    """A short tour: a labelled jaxpr, a compiled stateful step, a mapping with
-    per-lane keys."""
+    """A short tour: a labelled jaxpr, a compiled stateful step, a mapping with per-lane keys."""
     print(f'stateful_jaxpr on jax {jax.__version__}\n')
     weight = ParamState(jnp.array([0.5, -1.0, 2.0]), name='weight')
     trace = LongTermState(jnp.zeros(3), name='trace')
