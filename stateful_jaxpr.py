@@ -25,7 +25,7 @@ Example
 
 from __future__ import annotations
 
-import collections
+import collections.abc
 import contextlib
 import functools
 import gc
@@ -44,7 +44,6 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import MutableSet
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -472,8 +471,7 @@ def _multi_device(leaf):
 # inside an overlaying frame reach the State only when it closes without error.
 # =============================================================================
 
-# StateTraceStacks open in all threads: while none is, a call skips the
-# thread-local lookup.
+# StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
 _frames_open = 0
 _frames_lock = threading.Lock()
 
@@ -1644,26 +1642,23 @@ class _StaticArg:
 # =============================================================================
 # 6. The tracing core
 #
-# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr: inputs
-# the flat dynamic arguments, then each touched State in first-touch order;
-# outputs the flat results, then the returned states.  It runs inside a
-# ``_TraceFrame``, where a State's ``value`` sends reads and writes, so no
-# tracer enters a State and a failed trace has nothing to restore.  A first
-# touch adds a jaxpr input on the trace captured at the start, so a first read
-# deep inside ``lax.scan``, ``grad`` or an inner ``jit`` is an input, not a
-# constant.  A State *written* inside such a nested transformation is lifted as
-# Refs (``_RefCell``): the trace is redone so, and JAX's discharge threads the
-# write out (as a scan carry, a cond output...).
+# ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr: inputs the flat dynamic
+# arguments, then each touched State in first-touch order; outputs the flat results, then the
+# returned states.  It runs inside a ``_TraceFrame``, where a State's ``value`` sends reads and
+# writes, so no tracer enters a State and a failed trace has nothing to restore.  A first touch adds
+# a jaxpr input on the trace captured at the start, so a first read deep inside ``lax.scan``,
+# ``grad`` or an inner ``jit`` is an input, not a constant.  A State *written* inside such a nested
+# transformation is lifted as Refs (``_RefCell``): the trace is redone so, and JAX's discharge
+# threads the write out (as a scan carry, a cond output...).
 #
-# JAX caches the traces of control-flow bodies and jitted functions, keyed on
-# the Python function and ``config.trace_context()``: a cached body that read a
-# State could come back holding a finished trace's tracer, or a value from
-# before a write, and a State read by a plain JAX trace (``_BAKED_STATES``) may
-# sit in any cached jaxpr.  The axis environment is in that key on every
-# release, so binding a unique size-1 axis no jaxpr uses (an *epoch*) makes
-# those caches miss.  This *isolation* also makes jax.numpy's jitted helpers
-# retrace, so a trace is isolated only once known to need it (``_TraceHints``),
-# and renews its epoch when a write follows a nested read of the same State.
+# JAX caches the traces of control-flow bodies and jitted functions, keyed on the Python function
+# and ``config.trace_context()``: a cached body that read a State could come back holding a finished
+# trace's tracer, or a value from before a write, and a State read by a plain JAX trace
+# (``_BAKED_STATES``) may sit in any cached jaxpr.  The axis environment is in that key on every
+# release, so binding a unique size-1 axis no jaxpr uses (an *epoch*) makes those caches miss.  This
+# *isolation* also makes jax.numpy's jitted helpers retrace, so a trace is isolated only once known
+# to need it (``_TraceHints``), and renews its epoch when a write follows a nested read of the same
+# State.
 # =============================================================================
 
 class _Traced:
@@ -2260,13 +2255,12 @@ def _dynamic_shapes_problem(config):
 # =============================================================================
 # 7. StatefulFunction
 #
-# A call must cost no more than a ``jax.jit`` call.  Each entry's *plan*
-# (which states it reads, writes, donates) gets one jitted dispatcher keyed
-# by jax.jit's C++ cache; its miss re-enters ``_dispatch_body``, which inlines
-# the entry's jaxpr (so a first call traces once, as jax.jit does).  A call
-# takes the *warm path* (the last plan's dispatcher, no Python key), the
-# *slow path* (key, entry, dispatcher), or inside an enclosing stateful trace
-# the *in-trace path*, reading and writing states through ``value``.
+# A call must cost no more than a ``jax.jit`` call.  Each entry's *plan* (which states it reads,
+# writes, donates) gets one jitted dispatcher keyed by jax.jit's C++ cache; its miss re-enters
+# ``_dispatch_body``, which inlines the entry's jaxpr (so a first call traces once, as jax.jit
+# does).  A call takes the *warm path* (the last plan's dispatcher, no Python key), the *slow path*
+# (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
+# writing states through ``value``.
 # =============================================================================
 
 class _PlanMismatch(Exception):
@@ -3640,7 +3634,7 @@ def deserialize(data) -> Exported:
 # evaluated once, at fold time, leaving a smaller jaxpr with the same interface.
 # =============================================================================
 
-class IdentitySet(MutableSet):
+class IdentitySet(collections.abc.MutableSet):
     """A mutable set of objects compared by identity (for unhashable values such as arrays).
 
     Example
