@@ -1452,9 +1452,10 @@ class BoundedCache:
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
-            if key in self._data:
+            value = self._data.get(key, _MISSING)
+            if value is not _MISSING:   # (no "in" test: each lookup compares a fresh key whole)
                 self._data.move_to_end(key)
-            return self._data.get(key, default)
+            return default if value is _MISSING else value
 
     def get(self, key, default=None, raise_on_miss: bool = False, error_context: str = 'item'):
         """The value for ``key`` (counted as a hit or miss)."""
