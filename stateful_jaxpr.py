@@ -63,11 +63,9 @@ __all__ = [
 # =============================================================================
 # 1. Compatibility shims
 #
-# Tracing over States needs what JAX keeps private: the current trace, new
-# jaxpr inputs, mutable references and their discharge, primitive names,
-# ``params`` keys, error texts, the printed jaxpr.  Only this section touches
-# them, each ``_probe`` (has JAX the name?) or ``_takes`` (the parameter?)
-# naming the releases it serves.
+# Tracing over States needs what JAX keeps private: the current trace, new jaxpr inputs,
+# mutable references and their discharge, primitive names, ``params`` keys, error texts, the
+# printed jaxpr.  Only this section touches them; each probe names the releases it serves.
 # =============================================================================
 
 import jax.extend.core as _jex_core               # all releases
@@ -79,12 +77,9 @@ import jax._src.core as _src_core                 # all releases
 
 def _probe(*paths):
     """The first of the ``'module:attr.attr'`` paths this JAX has, else None."""
-    for path in paths:
-        module, _, attrs = path.partition(':')
-        try:
+    for module, _, attrs in (path.partition(':') for path in paths):
+        with contextlib.suppress(ImportError, AttributeError):
             return functools.reduce(getattr, attrs.split('.'), importlib.import_module(module))
-        except (ImportError, AttributeError):
-            pass
     return None
 
 
@@ -105,12 +100,23 @@ _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
 _JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
 _JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')        # all releases
-_DIFF_TRACES = tuple(t for t in (_JVPTrace, _probe('jax._src.interpreters.ad:LinearizeTrace'))
-                     if t is not None)   # LinearizeTrace: 0.5 ..
+_LinearizeTrace = _probe('jax._src.interpreters.ad:LinearizeTrace')   # 0.4.38 ..
 _NEW_ARG_TAKES_SOURCE_INFO = _takes(_JaxprTrace.new_arg, 'source_info')   # 0.6.1 ..
 # ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..); ``arg_names=None``
 # keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
 _ARG_NAMES_MAY_BE_NONE = _probe('jax._src.linear_util:DebugInfo.assert_arg_names') is not None
+# Mutable references (jax._src.state, all releases): a State written inside a nested
+# transformation is held as Refs while tracing; JAX's ``discharge_state`` threads writes out.
+_ref_aval = _probe('jax._src.state.types:AbstractRef')
+_ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
+_ref_set = _probe('jax._src.state.primitives:ref_set')
+_discharge_state = _probe('jax._src.state.discharge:discharge_state')
+_RefEffect = _probe('jax._src.state.types:RefEffect')
+_ReadEffect = _probe('jax._src.state.types:ReadEffect')
+_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
+_DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
+_NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
+_ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 
 
 def _rebuild(jaxpr, consts, like=None, **fields):
@@ -123,6 +129,13 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
+def _discharge(closed):
+    """``closed`` made pure: Ref inputs become values, their finals extra outputs."""
+    if _DISCHARGE_TAKES_CLOSED:
+        return _discharge_state(closed)
+    return _rebuild(*_discharge_state(closed.jaxpr, closed.consts))
+
+
 # The current trace: one object per trace from 0.4.36; before, a stack of
 # main traces (outermost first), each tracer naming its main.
 def _stack():
@@ -133,8 +146,7 @@ def _current_trace_id():
     return _src_core.trace_ctx.trace if _STACKLESS else _stack()[-1]
 
 
-def _tracer_trace_id(tracer):
-    return tracer._trace if _STACKLESS else tracer._trace.main
+_tracer_trace_id = operator.attrgetter('_trace' if _STACKLESS else '_trace.main')
 
 
 def _under_jax_trace() -> bool:
@@ -176,14 +188,13 @@ def _drops_ref_tangents(home) -> bool:
         return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
             main.trace_type is _JVPTrace for main in above[:-1])
     # 0.4.36 .. 0.5: the jaxpr being built closes over a JVP trace's value?
-    trace, seen = _src_core.trace_ctx.trace, set()
-    if type(trace) is not _JaxprTrace or trace is home or _trace_path()[1]:
+    todo, seen = [_src_core.trace_ctx.trace], set()
+    if type(todo[0]) is not _JaxprTrace or todo[0] is home or _trace_path()[1]:
         return False
-    todo = [trace]
     while todo:
         for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
             owner = getattr(value, '_trace', None)
-            if isinstance(owner, _DIFF_TRACES):
+            if isinstance(owner, (_JVPTrace, _LinearizeTrace)):
                 return True
             if type(owner) is _JaxprTrace and owner is not home and id(owner) not in seen:
                 seen.add(id(owner))
@@ -216,31 +227,9 @@ def _axis_env(axis_env):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-# Mutable references (jax._src.state, all releases): a State written inside a nested
-# transformation is held as Refs while tracing; JAX's ``discharge_state`` threads writes out.
-_ref_aval = _probe('jax._src.state.types:AbstractRef')
-_ref_get = _probe('jax._src.state.primitives:ref_get')   # ref_get(ref, ()): all of it
-_ref_set = _probe('jax._src.state.primitives:ref_set')
-_discharge_state = _probe('jax._src.state.discharge:discharge_state')
-_RefEffect = _probe('jax._src.state.types:RefEffect')
-_ReadEffect = _probe('jax._src.state.types:ReadEffect')
-_HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
-_DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
-_NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
-_ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
-
-
-def _discharge(closed):
-    """``closed`` made pure: Ref inputs become values, their finals extra outputs."""
-    if _DISCHARGE_TAKES_CLOSED:
-        return _discharge_state(closed)
-    return _rebuild(*_discharge_state(closed.jaxpr, closed.consts))
-
-
 def _body_binding(eqn) -> tuple:
-    """``(bodies, operands, carry)`` of a cond, while, scan or call equation: each
-    body's inputs are fed ``operands``; a loop's output k is its input ``carry +
-    k`` carried around (``carry`` None: any input may reach any output)."""
+    """``(bodies, operands, carry)`` of a cond, while, scan or call: the bodies' inputs are fed
+    ``operands``; a loop's output k carries its input ``carry + k`` (None: any may reach any)."""
     p, name = eqn.params, eqn.primitive.name
     if name == 'cond':   # all releases: operands after the index
         return [b.jaxpr for b in p['branches']], eqn.invars[1:], None
@@ -255,21 +244,6 @@ def _body_binding(eqn) -> tuple:
     return [], (), None
 
 
-def _nested_jaxprs(params) -> list:
-    """The jaxprs among the values of an equation's ``params``."""
-    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
-    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
-            if isinstance(i, (ClosedJaxpr, Jaxpr))]
-
-
-def _all_eqns(jaxpr):
-    """The equations of ``jaxpr`` and of every jaxpr nested in them."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _nested_jaxprs(eqn.params):
-            yield from _all_eqns(sub)
-
-
 def _written_refs(effects, inputs=None) -> set:
     """The ``inputs`` (any: ``{True}``) whose Refs ``effects`` write: numbered
     by ``input_index`` up to 0.9 (a jaxpr's constvars first), ``input`` from 0.10."""
@@ -278,19 +252,17 @@ def _written_refs(effects, inputs=None) -> set:
             if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
 
-def _write_hazard(jaxpr):
-    """'condition' where a while loop's condition reads a Ref its body writes (JAX's discharge
-    gives it the value from before the loop, 0.7 .., or refuses), 'checkpoint' where a
-    differentiated ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..),
-    else None."""
-    for eqn in _all_eqns(jaxpr):
-        if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
-            return 'checkpoint'   # (the param: all releases)
-        if eqn.primitive.name == 'while':   # all releases
-            written = _written_refs(eqn.effects, eqn.invars)
-            if any(isinstance(v, Var) and v in written
-                   for v in eqn.invars[:eqn.params['cond_nconsts']]):
-                return 'condition'
+def _write_hazard(eqn):
+    """'condition' where a while loop's condition reads a Ref its body writes (JAX's discharge:
+    the value from before the loop, 0.7 .., or an error), 'checkpoint' where a differentiated
+    ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..), else None."""
+    if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
+        return 'checkpoint'   # (the param: all releases)
+    if eqn.primitive.name == 'while':   # all releases
+        written = _written_refs(eqn.effects, eqn.invars)
+        if any(isinstance(v, Var) and v in written
+               for v in eqn.invars[:eqn.params['cond_nconsts']]):
+            return 'condition'
     return None
 
 
@@ -315,8 +287,7 @@ _NO_FOLD_PARTS = ('random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_p
 
 
 def _jaxpr_names(text: str, n_in: int, n_out: int):
-    """The names JAX printed for a jaxpr's inputs and outputs, else ``#i``; the
-    main ``{ lambda`` starts a line (shared sub-jaxprs may come first)."""
+    """The input and output names JAX printed (the main ``{ lambda`` starts a line), else #i."""
     head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
     tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
     if head and tail:
@@ -2064,10 +2035,25 @@ def _forward_unchanged(jaxpr):
                     outvars=[fwd(v) for v in inner.outvars])
 
 
+def _nested_jaxprs(params) -> list:
+    """The jaxprs among the values of an equation's ``params``."""
+    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
+    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
+            if isinstance(i, (ClosedJaxpr, Jaxpr))]
+
+
+def _all_eqns(jaxpr):
+    """The equations of ``jaxpr`` and of every jaxpr nested in them."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _nested_jaxprs(eqn.params):
+            yield from _all_eqns(sub)
+
+
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
-    hazard = _write_hazard(closed.jaxpr)
+    hazard = next(filter(None, map(_write_hazard, _all_eqns(closed.jaxpr))), None)
     if hazard == 'condition':
         raise TraceContextError(
             f'a lax.while_loop condition reads a State its body writes, among {described}; '
