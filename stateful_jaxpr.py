@@ -287,7 +287,8 @@ _NO_FOLD_PARTS = ('random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_p
 
 
 def _jaxpr_names(text: str, n_in: int, n_out: int):
-    """The input and output names JAX printed (the main ``{ lambda`` starts a line), else #i."""
+    """The input and output names JAX printed, else ``#i``; the main ``{ lambda`` starts a line
+    (shared sub-jaxprs may be printed before it)."""
     head = re.search(r'^\{ lambda [^;]*;(.*?)\. let', text, re.S | re.M)
     tail = re.search(r'\bin \(([^()]*)\) \}\s*$', text, re.S)
     if head and tail:
