@@ -91,7 +91,6 @@ ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0
 Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
 _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
 _find_top_trace = _src_core.find_top_trace                      # all releases
-_STACKLESS = _probe('jax._src.core:trace_ctx') is not None      # 0.4.36 ..
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
 _make_debug_info = _probe('jax.api_util:debug_info')           # 0.5.1 ..
 _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
@@ -115,6 +114,8 @@ _RefEffect = _probe('jax._src.state.types:RefEffect')
 _ReadEffect = _probe('jax._src.state.types:ReadEffect')
 _HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
 _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
+# A Ref made inside a differentiated function carries tangents, through loop bodies too (0.7 ..).
+_new_ref = _probe('jax:new_ref', 'jax:array_ref')   # 0.7.2 .. | 0.7.1
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 
@@ -136,65 +137,53 @@ def _discharge(closed):
     return _rebuild(*_discharge_state(closed.jaxpr, closed.consts))
 
 
-# The current trace: one object per trace from 0.4.36; before, a stack of
-# main traces (outermost first), each tracer naming its main.
-def _stack():
-    return _src_core.thread_local_state.trace_state.trace_stack.stack
+# The current trace, and the traces it is nested in (all releases: one object per trace).
+def _current_trace():
+    return _src_core.trace_ctx.trace
 
 
-def _current_trace_id():
-    return _src_core.trace_ctx.trace if _STACKLESS else _stack()[-1]
-
-
-_tracer_trace_id = operator.attrgetter('_trace' if _STACKLESS else '_trace.main')
+_tracer_trace = operator.attrgetter('_trace')
+_at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
+_DIFF_TRACES = (_JVPTrace, _LinearizeTrace)  # jax.jvp / jax.grad's traces (all releases)
 
 
 def _under_jax_trace() -> bool:
-    return (not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace) if _STACKLESS
-            else len(_stack()) > 1)
+    return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
 
 
-def _trace_depth():
-    """The current trace, and before 0.4.36 how deep in its sub-jaxprs (a custom_vjp's)."""
-    return _current_trace_id() if _STACKLESS else (
-        _stack()[-1], len(getattr(_stack()[-1], 'jaxpr_stack', ())))
-
-
-def _trace_path() -> tuple:
-    """``(ids, whole)``: the ids of the current trace and its parents, innermost
-    first; not ``whole`` on 0.4.36 .. 0.5, where a jit or loop body has none."""
-    if not _STACKLESS:
-        return [id(t) for t in reversed(_stack())], True
+def _trace_path(home) -> tuple:
+    """``(traces, whole)``: the current trace and its parents up to ``home``, innermost first;
+    not ``whole`` on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..)."""
     path, trace = [], _src_core.trace_ctx.trace
-    while not isinstance(trace, _src_core.EvalTrace):
-        path.append(id(trace))
-        trace = getattr(trace, 'parent_trace', None)   # on every trace from 0.6
+    while trace is not home and not isinstance(trace, _src_core.EvalTrace):
+        path.append(trace)
+        trace = getattr(trace, 'parent_trace', None)
         if trace is None:
             return path, False
     return path, True
 
 
-def _in_staged_body(home) -> bool:
-    """Whether tracing is now inside a loop, cond or jit body, not in ``home``."""
-    trace = _current_trace_id()
-    return trace is not home and (type(trace) if _STACKLESS else trace.trace_type) is _JaxprTrace
+def _remat_body(trace) -> bool:
+    """Whether ``trace`` builds a jax.checkpoint body (its debug info says so)."""
+    info = getattr(getattr(trace, 'frame', None), 'debug_info', None)
+    return str(getattr(info, 'traced_for', '')).startswith('checkpoint')   # ('checkpoint / remat')
+
+
+def _primal(x, trace):
+    """``x`` seen from outside the differentiation ``trace``: its primal (a tracer's ``primal``)."""
+    return x.primal if getattr(x, '_trace', None) is trace else x
 
 
 def _drops_ref_tangents(home) -> bool:
-    """Whether a Ref written now, in a jaxpr trace inside a JVP trace inside
-    ``home``, would lose its tangent silently (.. 0.5; later JAX refuses)."""
-    if not _STACKLESS:
-        above = _stack()[_stack().index(home) + 1:] if home in _stack() else []
-        return len(above) > 1 and above[-1].trace_type is not _JVPTrace and any(
-            main.trace_type is _JVPTrace for main in above[:-1])
-    # 0.4.36 .. 0.5: the jaxpr being built closes over a JVP trace's value?
+    """Whether a Ref written now, in a jaxpr trace inside a JVP trace inside ``home``,
+    would lose its tangent silently (.. 0.5, where the path is not whole; later JAX refuses)."""
     todo, seen = [_src_core.trace_ctx.trace], set()
-    if type(todo[0]) is not _JaxprTrace or todo[0] is home or _trace_path()[1]:
+    if type(todo[0]) is not _JaxprTrace or todo[0] is home or _trace_path(home)[1]:
         return False
-    while todo:
+    while todo:   # the jaxpr being built closes over a JVP trace's value?
         for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
             owner = getattr(value, '_trace', None)
-            if isinstance(owner, (_JVPTrace, _LinearizeTrace)):
+            if isinstance(owner, _DIFF_TRACES):
                 return True
             if type(owner) is _JaxprTrace and owner is not home and id(owner) not in seen:
                 seen.add(id(owner))
@@ -266,20 +255,27 @@ def _write_hazard(eqn):
     return None
 
 
-# How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond, all releases; a cond
-# under grad, .. 0.6; a checkpoint, .. 0.7; a jit under differentiation, 0.4.36 .. 0.4.38, also as a
+# How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond, and a cond under
+# reverse-mode differentiation, all releases; a checkpoint, .. 0.7; a jit under differentiation, 0.4.36 .. 0.4.38, also as a
 # bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..), 'tangent'
-# (a differentiated value into a Ref of a body differentiated whole, 0.7 ..).
+# (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while' (reverse mode
+# through a while loop, all releases), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
-             'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{'}
+             'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{',
+             'while': r'Reverse-mode differentiation does not work for lax.while_loop',
+             'jacrev': r"Batching rule for 'freeze' not implemented"}
 
 
 # Call primitives: 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call'
 # 'eval_jaxpr' in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
+# JAX's JVP of a jit body writing a Ref made outside makes the tangent's Ref and drops it (.. 0.6).
+_NEW_REF_NAME = 'mutable_array'
+# Calls keeping a custom derivative rule ('custom_vjp_call_jaxpr' .. 0.5).
+_CUSTOM_CALLS = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'})
 # Never folded (all releases), beyond what has a body or effects: randomness,
 # callbacks, placement, axis queries and linearize's deferred tangents.
 _NO_FOLD_PARTS = ('random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_put',
@@ -499,7 +495,7 @@ def _check_slot(state, slot: str, value, traces) -> None:
     """Refuses a tracer that would outlive its trace in a side slot."""
     for leaf in _leaves(value):
         if isinstance(leaf, Tracer) and not (
-                (trace := _tracer_trace_id(leaf)) is state._creation_trace or trace in traces):
+                (trace := _tracer_trace(leaf)) is state._creation_trace or trace in traces):
             fix = ('call restore_key() before the traced function returns, or backup_key() '
                    'outside it' if slot == '_backup' else 'give it a concrete value')
             raise TraceContextError(f'{state._describe()} would keep a tracer in its '
@@ -533,7 +529,7 @@ class State:
         self._broken = None   # (error type, message, repr text) while nothing readable is held
         frames = _ctx.frames
         self._stack_level = len(frames)
-        self._creation_trace = _current_trace_id()
+        self._creation_trace = _current_trace()
         self._owner = owner = _innermost_overlay(frames)
         if owner is not None:
             owner._owned.append(self)
@@ -1637,7 +1633,8 @@ class _StaticArg:
 class _Traced:
     """Everything one trace produced; immutable once built."""
     __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
-                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out')
+                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out',
+                 'rules')
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -1696,18 +1693,18 @@ _EPOCH_AXES = itertools.count()
 
 
 class _TraceFrame(StateTraceStack):
-    """One stateful trace's StateTraceStack, with an overlay, whose first touch
-    of a State adds jaxpr inputs for it; built inside the traced function.
-    ``pending`` collects States written in nested transformations but not Refs."""
+    """One stateful trace's StateTraceStack, with an overlay, whose first touch of a State adds
+    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``); built inside the traced function.
+    A State written inside a nested transformation but not lifted as Refs gets Refs there and
+    then, and joins ``pending``: the trace is redone with it lifted as Refs from the start."""
 
-    def __init__(self, name: str, hints: '_TraceHints', lift_aval, pending: set,
-                 nested: list, isolated: bool):
+    def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set,
+                 isolated: bool):
         super().__init__(name=name)
         self._overlays = True
         self._builder = _find_top_trace(())     # the trace new inputs go to
-        self._jax_trace = _current_trace_id()   # a nested transformation's differs
-        self._hints, self._lift_aval, self._pending = hints, lift_aval, pending
-        self._nested, self._depth = nested, _trace_depth()   # first touched deeper
+        self._jax_trace = _current_trace()      # a nested transformation's differs
+        self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
         self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
         self._isolated = isolated
@@ -1716,7 +1713,7 @@ class _TraceFrame(StateTraceStack):
         self.result: dict = {}                  # what finish() found out
 
     def _lift(self, state, current):
-        """New jaxpr inputs for ``state``: Refs, in a _RefCell, if hints say so."""
+        """New jaxpr inputs for ``state``: Refs, in a _RefCell, if known to be written so."""
         if type(current) is _RefCell:    # an enclosing trace holds it as Refs
             treedef, avals = current.treedef, list(current.avals)
         else:
@@ -1730,16 +1727,17 @@ class _TraceFrame(StateTraceStack):
                                     f'{type(leaf).__name__}, which is not a JAX array '
                                     'type') from None
         self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
-        if _trace_depth() != self._depth:
-            self._nested.append(state)
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        if self._hints.speculate is True or state in self._hints.ref_states:
-            cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
-                            treedef, avals, self._jax_trace)
-            self.cells.append(cell)
-            return cell
+        if state in self._retracer.ref_states:
+            return self.cell(state, treedef, avals)
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
+
+    def cell(self, state, treedef, avals) -> '_RefCell':
+        cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
+                        treedef, avals, self._jax_trace)
+        self.cells.append(cell)
+        return cell
 
     def finish(self, out, return_only_write: bool) -> list:
         """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
@@ -1771,7 +1769,8 @@ class _TraceFrame(StateTraceStack):
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
-                       **self.result)
+                       rules=any(e.primitive.name in _CUSTOM_CALLS
+                                 for e in _all_eqns(closed.jaxpr)), **self.result)
 
     def _renew_epoch(self) -> None:
         """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
@@ -1824,10 +1823,10 @@ def _view(state, entry, frame):
     if type(entry) is _RefCell:
         return entry.read()
     if frame is not None and frame._jax_trace is not None and (
-            _current_trace_id() is not frame._jax_trace):
+            _current_trace() is not frame._jax_trace):
         frame._nested_reads.add(id(state))   # a nested transformation closes over it
-        if not frame._hints.isolate and not all(isinstance(x, Tracer) for x in _leaves(entry)):
-            frame._hints.isolate = True   # JAX may cache that value with the body
+        if not all(isinstance(x, Tracer) for x in _leaves(entry)):
+            frame._retracer.isolate = True   # JAX may cache that value with the body
     return entry
 
 
@@ -1837,17 +1836,19 @@ def _traced_write(state, value, frames, written: bool):
         entry.write(value)
         return
     if target is not None and target._jax_trace is not None:
-        if _current_trace_id() is not target._jax_trace:
+        if _current_trace() is not target._jax_trace:
             if not _HAS_REFS:
                 raise TraceContextError(
                     f'{state._describe()} is written inside a nested JAX transformation '
                     f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
                     'Return the value from the transformation and assign it outside')
-            # Written inside a nested transformation, the value cannot leave it
-            # through the overlay: the trace is redone with the State as Refs.
+            # Written inside a nested transformation: Refs from here on, and the trace is
+            # redone with the State lifted as Refs from the start (``pending``).
+            leaves, treedef = jax.tree_util.tree_flatten(entry)
+            cell = target.cell(state, treedef, [_aval_of(x) for x in leaves])
+            target._values[id(state)] = cell
             target._pending.add(state)
-            if not target._isolated:
-                raise _Retrace   # abort, so JAX caches no body without the write
+            cell.write(value)
             return
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
@@ -1866,7 +1867,7 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
     """Rejects a tracer that would outlive its trace inside ``state``."""
     for leaf in _leaves(value):
         if isinstance(leaf, Tracer):
-            trace = _tracer_trace_id(leaf)
+            trace = _tracer_trace(leaf)
             if trace is state._creation_trace or trace in allowed_traces:
                 continue
             if allowed_traces:
@@ -1886,64 +1887,109 @@ def _check_tracers_may_enter(state, value, allowed_traces) -> None:
 
 
 # -- Writes inside nested transformations: Refs ----------------------------------
+_STALE = object()   # a level a nested differentiation wrote where its primal cannot reach
+
+
 class _RefCell:
     """A State a trace lifted as Refs, one per leaf, because it is written inside a nested
-    transformation; reads and writes bind at the current JAX trace.  A Ref takes no tangent,
-    so a differentiated write stores the primal and keeps the value in ``shadow``: reads in
-    the trace it was written in, or one nested there, see its tangent, as a local's would."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'shadow', 'nested', 'staged')
+    transformation; reads and writes bind at the current JAX trace.
+
+    Inside differentiated functions the State is a local variable of the plain program.  Each
+    differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a *level*: Refs made
+    inside that differentiation, which JAX differentiates through loop and jit bodies (on JAX
+    without them, a value, which only direct writes there may set).  Reads and writes there use
+    the innermost level, with its tangents; ``refs`` always get the primal.  When a
+    differentiation ends, the primal of its level (its tracer's ``primal``) becomes its parent's."""
+    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged')
 
     def __init__(self, state, refs, treedef, avals, home):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
-        self.home, self.shadow = home, None   # the stateful trace's own JAX trace
-        self.nested = self.staged = False     # written inside a nested transformation, a body
+        self.home, self.levels = home, []     # the stateful trace's own JAX trace; [trace,
+        self.nested = self.staged = False     # content, written] per level, outermost first
 
-    def read(self):
-        if self.shadow is not None and _current_trace_id() is not self.home:
-            (written, *outer), value, _ = self.shadow
-            path, whole = _trace_path()
-            if written in path:
-                return value
-            if not whole and not any(t in path for t in outer):
+    def _level(self):
+        """``(level, at)``: the innermost level around the current trace (None: none), after
+        ended ones fold into their parents and those of differentiations entered since are
+        added; inside a jax.checkpoint body, ``at`` is the trace outside it to read the level at
+        (JAX takes no Ref of a differentiation into a rematerialized body)."""
+        path, whole = _trace_path(self.home)
+        if not whole:   # (.. 0.5: a jit or loop body does not know its parents)
+            if self.levels:
                 raise TraceContextError(
                     f'{self.state._describe()} was written inside a differentiated function '
-                    '(jax.grad / jax.jvp ...) and is read inside a jit or loop body nested in '
-                    f'some transformation, where JAX {jax.__version__} cannot tell whether that '
-                    'differentiation is still running.  Read the value into a local variable '
-                    'before the body, or upgrade to JAX 0.6 or newer')
-            self.shadow = None
-        return self.treedef.unflatten([_ref_get(ref, ()) for ref in self.refs])
+                    '(jax.grad / jax.jvp ...) and is used inside a jit or loop body nested in '
+                    f'some transformation, where JAX {jax.__version__} cannot tell whether '
+                    'that differentiation is still running.  Read the value into a local '
+                    'variable before the body, or upgrade to JAX 0.6 or newer')
+            return None, None
+        diffs, levels = [t for t in reversed(path) if isinstance(t, _DIFF_TRACES)], self.levels
+        while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
+            trace, content, written = levels.pop()
+            if written and levels:   # hand the primal to the parent, if it is the parent
+                parent = levels[-1]
+                parent[1:] = ([_primal(x, trace) for x in content] if _new_ref else
+                              jax.tree_util.tree_map(lambda x: _primal(x, trace), content)
+                              ) if getattr(trace, 'parent_trace', None) is parent[0] else (
+                                  _STALE), True
+        for trace in diffs[len(levels):]:
+            with _at_trace(trace):   # (also from inside a body nested in it)
+                value = self._get(levels[-1] if levels else None)
+                content = [_new_ref(x) for x in _leaves(value)] if _new_ref else value
+            levels.append([trace, content, False])
+        if not levels:
+            return None, None
+        remat = [t for t in path[:path.index(levels[-1][0])] if _remat_body(t)]
+        return levels[-1], remat[-1].parent_trace if remat else None
+
+    def _get(self, level):
+        if level is not None and level[1] is _STALE:
+            raise TraceContextError(
+                f'{self.state._describe()} was written inside a differentiation nested in another '
+                'one through a loop or jit body, and is read in the outer one, where its value '
+                'would lose the outer derivative.  Return the value from the inner '
+                'differentiated function (has_aux=True) and assign it in the outer one')
+        if level is None or _new_ref:
+            refs = self.refs if level is None else level[1]
+            return self.treedef.unflatten([_ref_get(ref, ()) for ref in refs])
+        return level[1]
+
+    def read(self):
+        level, at = self._level()
+        with contextlib.nullcontext() if at is None else _at_trace(at):
+            return self._get(level)
 
     def write(self, value) -> None:
-        leaves = self._leaves_for(value)
-        self.nested = self.nested or _current_trace_id() is not self.home
-        self.staged = self.staged or _in_staged_body(self.home)
+        leaves, trace = self._leaves_for(value), _current_trace()
+        self.nested = self.nested or trace is not self.home
+        self.staged = self.staged or (type(trace) is _JaxprTrace and trace is not self.home)
         if _drops_ref_tangents(self.home):
-            raise TraceContextError(
-                f'{self.state._describe()} is written inside a jit or loop body nested in a '
-                f'differentiated function, where JAX {jax.__version__} would drop the '
-                "written value's derivative.  Write it in the differentiated function itself, "
-                'or return the value from the body and assign it outside')
-        stripped = False
-        for ref, leaf in zip(self.refs, leaves):
-            try:
+            raise _dropped_tangent(self.state._describe())
+        level, at = self._level()
+        if at is not None:
+            raise _checkpoint_refusal(self.state._describe())
+        if level is not None and not _new_ref:
+            if trace is level[0]:
+                level[1] = self.treedef.unflatten(leaves)
+            else:   # a body in a differentiation: JAX refuses a value with a tangent there
+                self.levels.clear()
+                level = None
+        try:
+            if level is not None:
+                level[2] = True
+                for ref, leaf in zip(level[1] if _new_ref else (), leaves):
+                    _ref_set(ref, (), leaf)
+                leaves = [jax.lax.stop_gradient(x) for x in leaves]
+            for ref, leaf in zip(self.refs, leaves):
                 _ref_set(ref, (), leaf)
-            except Exception as err:
-                try:   # a value with a tangent, which a Ref cannot take: store the primal
-                    _ref_set(ref, (), jax.lax.stop_gradient(leaf))
-                    stripped = True
-                except Exception:
-                    raise TraceContextError(
-                        f'{self.state._describe()} cannot be written inside this nested '
-                        f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                        'varies across jax.vmap lanes cannot go into an unbatched State '
-                        '(and jax.jacfwd / jax.hessian batch every value on recent JAX): map '
-                        'the function with StatefulMapping, differentiate with jax.jacrev, '
-                        'or return the value from the transformation and assign it '
-                        'outside') from err
-        # (The trace and those it is nested in, kept alive so their ids stay theirs.)
-        self.shadow = ((_trace_path()[0], self.treedef.unflatten(leaves), _current_trace_id())
-                       if stripped else None)
+        except Exception as err:
+            raise TraceContextError(
+                f'{self.state._describe()} cannot be written inside this nested '
+                f'JAX transformation ({type(err).__name__}: {err}).  A value that '
+                'varies across jax.vmap lanes cannot go into an unbatched State '
+                '(and jax.jacfwd / jax.hessian batch every value on recent JAX): map '
+                'the function with StatefulMapping, differentiate with jax.jacrev, '
+                'or return the value from the transformation and assign it '
+                'outside') from err
 
     def _leaves_for(self, value) -> list:
         """``value``'s leaves, checked against the Refs; a weakly typed leaf is cast
@@ -1977,15 +2023,15 @@ def _refusal(err: BaseException):
                 None)
 
 
-def _explain_ref_refusal(err: BaseException, ref_states) -> None:
-    """Raises a TraceContextError naming ``ref_states`` if ``err`` is JAX refusing their write."""
-    if isinstance(err, TraceContextError) or not ref_states:
-        return
-    why = {
+def _explain_ref_refusal(err: BaseException, cells) -> None:
+    """Raises a TraceContextError naming the States of ``cells`` that cause ``err``, if it is
+    JAX refusing their writes (those written in a loop, cond or jit body, else nested ones)."""
+    why = None if isinstance(err, TraceContextError) else {
         'effects': f'goes through one that JAX {jax.__version__} cannot carry it through: '
-                   f'"{err}" (e.g. a lax.cond under jax.vmap; on older releases a lax.cond '
-                   'or jax.checkpoint under jax.grad).  Return the value from that '
-                   'transformation and assign it outside, or, under jax.vmap, map the '
+                   f'"{err}" (e.g. a lax.cond under jax.vmap or under jax.grad / jax.vjp / '
+                   'jax.jacrev; on older releases a jax.checkpoint under jax.grad).  Return '
+                   'the value from that transformation and assign it outside (for a cond: '
+                   's.value = jnp.where(pred, new, s.value)), or, under jax.vmap, map the '
                    'function with StatefulMapping instead',
         'batched': 'is given a value that JAX batches across jax.vmap lanes (one that differs '
                    'per lane, or any value where JAX batches the whole body, as under '
@@ -1993,18 +2039,24 @@ def _explain_ref_refusal(err: BaseException, ref_states) -> None:
                    'cannot hold: map the function with StatefulMapping, differentiate with '
                    'jax.jacrev, or return the value from the transformation and assign it '
                    'outside',
-        'tangent': 'is given a value that carries a gradient, inside a transformation JAX '
-                   'differentiates as a whole (such as a loop, an inner jax.jit or a '
-                   'jax.checkpoint function under jax.grad).  Return the value from that '
-                   'transformation and assign it outside',
+        'tangent': f'is given a value that carries a gradient inside a loop, an inner jax.jit '
+                   f'or a jax.checkpoint function under jax.grad, which JAX {jax.__version__} '
+                   'cannot differentiate through a State (JAX 0.7 and newer can).  Thread it '
+                   'through the loop explicitly: carry its value (lax.scan(body, (c, h.value), '
+                   'xs), body returning the new value) and assign it after the loop',
+        'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
+                 'reverse-mode differentiation, which JAX cannot differentiate: loop with '
+                 'lax.scan or a fori_loop with static bounds',
+        'jacrev': f'is written inside a loop or jit body under jax.jacrev, which JAX '
+                  f'{jax.__version__} cannot batch (newer JAX can): take one output row at a '
+                  'time with jax.vjp, or use jax.jacfwd',
     }.get(_refusal(err))
-    if why is None:
+    if why is None or not cells:
         return
-    described = ', '.join(sorted(s._describe() for s in ref_states))
-    if len(ref_states) > 1:
-        described = f'one of {described}'
-    raise TraceContextError(
-        f'a State written inside a nested transformation ({described}) {why}') from err
+    culprits = ([c for c in cells if c.staged] or [c for c in cells if c.nested] or cells)
+    described = ', '.join(sorted(c.state._describe() for c in culprits))
+    raise TraceContextError(f'a State written inside a nested transformation ({described}) '
+                            f'{why}') from err
 
 
 def _returned_inputs(body, carry) -> list:
@@ -2051,6 +2103,53 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
+def _map_eqns(jaxpr, fun):
+    """``jaxpr`` (open or closed) with each equation ``e`` replaced by ``fun(e)``, and where
+    ``fun`` keeps it, by ``e`` with ``fun`` mapped over its nested jaxprs."""
+    inner = getattr(jaxpr, 'jaxpr', jaxpr)
+    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
+                      _map_eqns(v, fun) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
+    eqns = [new if (new := fun(e)) is not e or not _nested_jaxprs(e.params)
+            else e.replace(params={k: nest(v) for k, v in e.params.items()}) for e in inner.eqns]
+    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns)
+
+
+# JAX's discharge inlines a custom_jvp / custom_vjp call in a body it discharges, dropping its
+# rule (0.10 ..): each such call that touches no Ref crosses the discharge as a placeholder.
+_kept_p = _jex_core.Primitive('stateful_jaxpr_kept_call')
+_kept_p.multiple_results = True
+_kept_p.def_effectful_abstract_eval(lambda *_, eqn: ([v.aval for v in eqn.outvars], eqn.effects))
+
+
+def _kept(eqn):
+    if eqn.primitive.name in _CUSTOM_CALLS and not any(
+            isinstance(e, _RefEffect) for e in eqn.effects):
+        return eqn.replace(primitive=_kept_p, params={'eqn': eqn})
+    return eqn
+
+
+def _restored(eqn):
+    return (eqn.params['eqn'].replace(invars=eqn.invars, outvars=eqn.outvars)
+            if eqn.primitive is _kept_p else eqn)
+
+
+def _dropped_tangent(described: str) -> TraceContextError:
+    return TraceContextError(
+        f'{described} is written inside a jit or loop body nested in a differentiated '
+        f"function, where JAX {jax.__version__} would drop the written value's derivative (JAX "
+        '0.7 and newer keep it).  Thread it explicitly: carry its value through the loop '
+        '(lax.scan(body, (c, h.value), xs), the body returning the new value) or return it '
+        'from the jit, and assign it after')
+
+
+def _checkpoint_refusal(described: str) -> TraceContextError:
+    return TraceContextError(
+        f'{described} is written inside a jax.checkpoint function that is differentiated '
+        '(jax.grad / jax.vjp / jax.linearize): JAX runs that function again to rematerialize '
+        'it, so the write would happen twice.  Write the State outside the checkpointed '
+        'function (return the value from it and assign it after)')
+
+
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
@@ -2061,23 +2160,21 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             'JAX would give that condition the value from before the loop.  Compute the '
             "condition from the loop carry instead (carry the State's value or the test)")
     if hazard == 'checkpoint':
-        raise TraceContextError(
-            f'a State among {described} is written inside a jax.checkpoint function that is '
-            'differentiated (jax.grad / jax.vjp / jax.linearize): JAX runs that function again '
-            'to rematerialize it, so the write would happen twice.  Write the State outside '
-            'the checkpointed function (return the value from it and assign it after)')
+        raise _checkpoint_refusal(f'a State among {described}')
     refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
     lost = [c.state._describe() for c in cells
             if not kept.intersection(itertools.islice(refs, len(c.refs))) and c.staged]
-    if lost:   # JAX 0.4.36 .. 0.5 under jax.grad / jax.vjp
+    if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
         raise TraceContextError(
             f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '
             f'{jax.__version__} moved out of the body or dropped while differentiating; '
             'return the value from the body and assign it outside, or use JAX 0.6 or newer')
+    if not _new_ref and any(e.primitive.name == _NEW_REF_NAME for e in _all_eqns(closed.jaxpr)):
+        raise _dropped_tangent(', '.join(c.state._describe() for c in cells if c.staged))
     try:
-        pure = _discharge(closed)
+        pure = _map_eqns(_discharge(_map_eqns(closed, _kept)), _restored)
     except NotImplementedError as err:
         raise TraceContextError(
             f'{described} is written inside a nested transformation that JAX '
@@ -2096,46 +2193,64 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
 
 
 # -- Tracing, and tracing again -----------------------------------------------
-class _TraceHints:
-    """What earlier traces of one function taught its later ones: whether to isolate, and
-    which States to lift as Refs (only those written in nested transformations; one merely
-    read there stays a plain input, which every JAX rule, a custom_vjp's included, takes as
-    any closed-over value).  Once the function is known to write so, one trace lifts every
-    State as Refs (``speculate``), kept if all of them are so written."""
-    __slots__ = ('ref_states', 'isolate', 'prelift', 'speculate')
+class _Retracer:
+    """Why one function's body runs again, and what each run teaches later ones.
+
+    ========================================================  ===================================
+    a run of the body ...                                       the next run
+    ========================================================  ===================================
+    wrote a State inside a nested transformation that it       lifts it as Refs from its first
+    had not lifted as Refs (whatever else happened)            touch (so does every later trace)
+    met a tracer of a finished trace in a body JAX cached      is *isolated*: under a fresh epoch
+    (UnexpectedTracerError, or tracer constants)               axis (so is every later trace)
+    raised, after a run that had to lift States as Refs        is isolated (a body JAX cached in
+                                                               that run may hold its Refs)
+    raised anything else, or none of these happened           none: the error, or the result
+    ========================================================  ===================================
+
+    So a first trace runs the body once, twice when it writes States inside nested
+    transformations, three times only when a body JAX cached from an earlier run is in the way;
+    a later signature runs it once unless it writes a State no earlier trace did.  A run is also
+    isolated while a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached
+    jaxpr may hold its value.  An isolated run makes jax.numpy's jitted helpers retrace too.
+    """
+    __slots__ = ('ref_states', 'isolate')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
-        self.isolate = False                  # trace under a fresh epoch axis
-        self.prelift: list = []               # States to lift before the function runs
-        self.speculate = None                 # lift every State as Refs (None: not yet)
+        self.isolate = False
 
-
-class _Retrace(BaseException):
-    """Redo this trace: it met writes made inside nested transformations.  (Not
-    an Exception, which JAX's API boundaries would spend time filtering.)"""
+    def next_run(self, pending: set, isolated: bool, lifted: bool, err=None, consts=()):
+        """After a run: learns from it; None if it is final, else whether the next is isolated."""
+        self.ref_states.update(pending)
+        if pending:
+            return self.isolate
+        if isolated:
+            return None
+        if isinstance(err, jax.errors.UnexpectedTracerError) or any(
+                isinstance(c, Tracer) for c in consts):   # (or the caller's tracers: once)
+            self.isolate = True
+            return True
+        return True if err is not None and lifted else None
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
                     lift_aval: Callable | None = None, trace_with: Callable | None = None,
-                    hints: _TraceHints | None = None) -> _Traced:
-    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, again (a few
-    traces per signature, the extra ones once per function) where it meets a write in a nested
-    transformation to a State not yet Refs, or a cached body holding a finished trace's tracer.
-    ``lift_aval(state, aval)`` may change a leaf's aval (StatefulMapping's per-lane shapes)."""
-    hints = _TraceHints() if hints is None else hints
+                    retracer: _Retracer | None = None) -> _Traced:
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, running the body
+    again as ``retracer`` says; ``lift_aval(state, aval)`` may change a leaf's aval
+    (StatefulMapping's per-lane shapes)."""
+    retracer = _Retracer() if retracer is None else retracer
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
-
-    def trace_once(pending: set, nested: list) -> _Traced:
-        frames, isolating = [], hints.isolate or len(_BAKED_STATES) > 0
+    isolated, lifted = retracer.isolate, False
+    while True:
+        pending, frames, isolated = set(), [], isolated or len(_BAKED_STATES) > 0
 
         def flat_fun(*flat):
-            frame = _TraceFrame(name, hints, lift_aval, pending, nested, isolating)
+            frame = _TraceFrame(name, retracer, lift_aval, pending, isolated)
             frames.append(frame)
             with frame:
-                for state in hints.prelift:
-                    state.value
                 args, kwargs = rebuild(list(flat))
                 return frame.finish(fun(*args, **kwargs), return_only_write)
 
@@ -2144,61 +2259,23 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             try:
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
             except Exception as err:
+                isolated = retracer.next_run(pending, isolated, lifted, err)
+                if isolated is not None:
+                    lifted = lifted or bool(pending)
+                    continue
                 _ctx.trace_error = err    # tells the warm path the function raised it
+                _explain_ref_refusal(err, frames[-1].cells if frames else ())
                 raise
-            if pending:
-                raise _Retrace
-            frame = frames[-1]
-            if hints.speculate is True and not all(cell.nested for cell in frame.cells):
-                # A State lifted as Refs is not written inside a nested
-                # transformation: trace again lifting only those that are.
-                hints.ref_states.update(cell.state for cell in frame.cells if cell.nested)
-                hints.speculate, hints.isolate = False, True
-                raise _Retrace
-            closed = _rebuild(jaxpr, consts)
+            isolated = retracer.next_run(pending, isolated, lifted, consts=consts)
+            if isolated is not None:
+                lifted = lifted or bool(pending)
+                continue
+            frame, closed = frames[-1], _rebuild(jaxpr, consts)
             del jaxpr, consts
             if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
                 closed = _discharge_cells(closed, frame.cells)
                 frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
         return frame.traced(closed, out_avals)
-
-    while True:
-        pending, nested = set(), []
-        isolated, speculative = hints.isolate, hints.speculate is True
-        try:
-            traced = trace_once(pending, nested)
-        except _Retrace:
-            continue   # (the finally clause records what it found)
-        except Exception as err:
-            if speculative and (isinstance(err, TraceContextError) or _refusal(err)):
-                # Refused for a State lifted as Refs that a plain input would
-                # serve: trace again lifting only the States known to need it.
-                hints.speculate, hints.isolate = False, True
-                continue
-            if isinstance(err, jax.errors.UnexpectedTracerError):
-                # A body JAX cached with a finished trace's tracer (isolate), or
-                # a State first read where JAX takes no closed-over tracer (a
-                # custom_vjp before 0.4.36): lift those States up front.
-                new = [s for s in nested if s not in hints.prelift]
-                if new or not isolated:
-                    hints.isolate = True
-                    hints.prelift.extend(new)
-                    continue
-            _explain_ref_refusal(err, set(hints.ref_states))
-            raise
-        finally:
-            # Also when the function raised: the next trace starts informed.
-            if pending:
-                hints.ref_states.update(pending)
-                if hints.speculate is None:   # the trace was aborted: nothing stale cached
-                    hints.speculate = True
-                else:
-                    hints.speculate, hints.isolate = False, True
-        if traced.cacheable or isolated:
-            return traced
-        # Tracer constants: either the caller's enclosing trace (legitimate)
-        # or a body JAX reused from a finished trace.  Isolate and look again.
-        hints.isolate = True
 
 
 def _abstracted_tracer(abstracted_axes, split):
@@ -2298,7 +2375,7 @@ def _write_back(fun, plan, new) -> None:
         # Under a plain JAX transformation a write happens once per trace, not per
         # lane or derivative, and may leak a tracer: refused unless the State is local.
         pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
-        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
+        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace()]
         if refused:
             raise TraceContextError(
                 f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
@@ -2509,7 +2586,7 @@ class StatefulFunction:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
-        self._cache, self._hints = BoundedCache(128), _TraceHints()
+        self._cache, self._retracer = BoundedCache(128), _Retracer()
         self._key_locks_guard = threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
@@ -2535,9 +2612,12 @@ class StatefulFunction:
             return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
-        """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives."""
+        """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
+        one keeping a custom rule serves no JAX transformation, lest its rule's lazily traced
+        jaxprs (closing over what the first one saw, States too) serve another."""
         entry = self._cache._peek(key)
-        if entry is None or (plan is not None and entry.plan is not plan):
+        if entry is None or (plan is not None and entry.plan is not plan) or (
+                entry.traced.rules and _under_jax_trace()):
             return None
         fresh = all(_stale_sig(read(state), sig, True) is None
                     for state, sig in zip(entry.plan.states, entry.traced.state_sigs))
@@ -2616,7 +2696,8 @@ class StatefulFunction:
 
     def _run(self, entry, state_values, args, kwargs, leaves, token):
         """Runs ``entry``; a negative ``token`` (``jaxpr_call``) donates and lays out nothing."""
-        if not self._compiled_dispatch or not entry.traced.cacheable:
+        if not self._compiled_dispatch or not entry.traced.cacheable or (
+                entry.traced.rules and _under_jax_trace()):   # (see _cached)
             return entry.apply(state_values, leaves)
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
             statics = _static_positions(self, len(args))
@@ -2743,7 +2824,8 @@ class StatefulFunction:
         trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
         traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
                                  name=self.name, return_only_write=self.return_only_write,
-                                 axis_env=self.axis_env, trace_with=trace_with, hints=self._hints)
+                                 axis_env=self.axis_env, trace_with=trace_with,
+                                 retracer=self._retracer)
         run = traced.runner()
 
         def apply(state_values, flat_args):
@@ -2801,8 +2883,13 @@ class StatefulFunction:
         # may permute it); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
-        out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
-                             -entry.plan.token)
+        # A custom rule JAX traces now reads the States as given, not as they are.
+        given = StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
+                                else s._value) if entry.traced.rules and _under_jax_trace() else (
+                                    contextlib.nullcontext())
+        with given:
+            out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
+                                 -entry.plan.token)
         returned = set(view.returned)
         new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
         for j, value in zip(entry.plan.write_index, new):
@@ -3186,7 +3273,7 @@ class StatefulMapping(StatefulFunction):
         try:
             traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
                                      name=self.name, return_only_write=True,
-                                     axis_env=axis_env, lift_aval=lift_aval, hints=self._hints)
+                                     axis_env=axis_env, lift_aval=lift_aval, retracer=self._retracer)
         except NameError as err:
             if 'axis' not in str(err) or self.axis_name is not None:
                 raise

@@ -2438,11 +2438,10 @@ class DerivativeThroughStateTest(unittest.TestCase):
                 with self.subTest(how=how, where=where):
                     self._check(how, where)
 
-    def test_write_inside_an_inner_jit_under_differentiation_is_refused(self):
-        """A write whose value carries a tangent inside a jit nested in the
-        differentiated function is a TraceContextError naming the State on
-        every release (JAX cannot take the tangent into the State; JAX before
-        0.6 would silently drop it), never a derivative without that path."""
+    def test_write_inside_an_inner_jit_under_differentiation(self):
+        """A write whose value carries a tangent inside a jit nested in the differentiated
+        function keeps the tangent (JAX 0.7 and newer); before, it is a TraceContextError
+        naming the State on every release, never a derivative without that path."""
         h = State(jnp.ones(3), name='dts_jit_write')
 
         def inner(y):
@@ -2450,9 +2449,18 @@ class DerivativeThroughStateTest(unittest.TestCase):
             return h.value * y
         for how in ('jvp', 'grad'):
             with self.subTest(how=how):
-                with self.assertRaisesRegex(TraceContextError, 'dts_jit_write'):
-                    StatefulFunction(lambda x: _DIFF_TRANSFORMS[how](inner, x))(jnp.full(3, 0.3))
-                np.testing.assert_array_equal(h.value, jnp.ones(3))
+                f = StatefulFunction(lambda x: _DIFF_TRANSFORMS[how](inner, x))
+                x = jnp.full(3, 0.3)
+                if _JAX_VERSION < (0, 7):
+                    with self.assertRaisesRegex(TraceContextError, 'dts_jit_write'):
+                        f(x)
+                    np.testing.assert_array_equal(h.value, jnp.ones(3))
+                    continue
+                want = _DIFF_TRANSFORMS[how](lambda y: y * 2.0 * y, x)
+                for g, w in zip(jax.tree_util.tree_leaves(f(x)), jax.tree_util.tree_leaves(want)):
+                    np.testing.assert_allclose(g, w, rtol=1e-6)
+                np.testing.assert_allclose(h.value, x * 2.0, rtol=1e-6)
+                h.value = jnp.ones(3)
 
     def test_read_inside_an_inner_jit_under_grad(self):
         """A read inside a jit nested in the differentiated function sees the
@@ -2583,6 +2591,187 @@ class LoopWriteUnderDifferentiationTest(unittest.TestCase):
                     continue
                 np.testing.assert_allclose(got, 2 * x)
                 np.testing.assert_allclose(h.value, jnp.full(4, wants[name]))
+
+
+class BackpropThroughTimeTest(unittest.TestCase):
+    """A State written inside a loop, cond or jit body under a differentiation gives the
+    values, derivatives and final State of the program that carries it explicitly (JAX 0.7
+    and newer); before, a TraceContextError names only that State and shows the rewrite."""
+
+    XS = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+    @staticmethod
+    def _cell(w, h, x):   # one step of the explicit program
+        return jnp.tanh(w * h + x)
+
+    def _bodies(self, h):
+        """``name -> loss(w, xs)`` writing ``h`` per step, and the explicit ``(loss, h_T)``."""
+        cell = self._cell
+
+        def step(w, x):
+            h.value = cell(w, h.value, x)
+            return h.value.sum()
+
+        def scan(w, xs):
+            return lax.scan(lambda acc, x: (acc + step(w, x), None), 0.0, xs)[0]
+
+        def fori(w, xs):
+            return lax.fori_loop(0, xs.shape[0], lambda i, acc: acc + step(w, xs[i]), 0.0)
+
+        def cond(w, xs):   # a cond inside the body writes on odd steps only
+            def body(acc, ix):
+                i, x = ix
+                lax.cond(i % 2 == 1, lambda: step(w, x), lambda: 0.0)
+                return acc + h.value.sum(), None
+            return lax.scan(body, 0.0, (jnp.arange(xs.shape[0]), xs))[0]
+
+        def jit(w, xs):   # each step inside an inner jax.jit
+            acc = 0.0
+            for x in xs:
+                acc = acc + jax.jit(step)(w, x)
+            return acc
+        return {'scan': scan, 'fori': fori, 'cond': cond, 'jit': jit}
+
+    def _explicit(self, name, w, xs, h0):
+        def body(carry, ix):
+            acc, hv = carry
+            i, x = ix
+            new = self._cell(w, hv, x)
+            hv = jnp.where(i % 2 == 1, new, hv) if name == 'cond' else new
+            return (acc + hv.sum(), hv), None
+        return lax.scan(body, (0.0, h0), (jnp.arange(xs.shape[0]), xs))[0]
+
+    def _transforms(self):
+        return {
+            'grad': lambda f: jax.grad(f)(0.5, self.XS),
+            'value_and_grad': lambda f: jax.value_and_grad(f)(0.5, self.XS),
+            'vjp': lambda f: jax.vjp(lambda w: f(w, self.XS), 0.5)[1](1.0),
+            'jacrev': lambda f: jax.jacrev(lambda w: f(w, self.XS))(0.5),
+            'jvp': lambda f: jax.jvp(lambda w: f(w, self.XS), (0.5,), (1.0,)),
+            'linearize': lambda f: jax.linearize(lambda w: f(w, self.XS), 0.5)[1](1.0),
+        }
+
+    def test_writes_in_bodies_under_every_differentiation(self):
+        h0 = jnp.array([0.1, -0.2, 0.3])
+        for (how, transform), name in itertools.product(self._transforms().items(),
+                                                        ('scan', 'fori', 'cond', 'jit')):
+            with self.subTest(how=how, body=name):
+                h = sj.HiddenState(h0, name='bptt_h')
+                loss = self._bodies(h)[name]
+                explicit = lambda w, xs, name=name: self._explicit(name, w, xs, h0)[0]
+                reverse = how in ('grad', 'value_and_grad', 'vjp', 'jacrev', 'linearize')
+                # Refused, naming the State: before 0.7 JAX cannot differentiate through it;
+                # JAX cannot partially evaluate a cond's Ref effects (reverse mode, linearize);
+                # JAX 0.7 cannot batch the Refs jax.jacrev needs.
+                if (_JAX_VERSION < (0, 7) or name == 'cond' and reverse
+                        or how == 'jacrev' and _JAX_VERSION < (0, 8)):
+                    with self.assertRaisesRegex(
+                            TraceContextError, 'bptt_h.*(carry|jnp.where|jax.vjp)'):
+                        StatefulFunction(lambda: transform(loss))()
+                    np.testing.assert_array_equal(h.value, h0)
+                    self.assertFalse(_tracer_in(h))
+                    continue
+                got = StatefulFunction(lambda: transform(loss))()
+                for g, want in zip(jax.tree_util.tree_leaves(got),
+                                   jax.tree_util.tree_leaves(transform(explicit))):
+                    np.testing.assert_allclose(g, want, rtol=2e-5, atol=1e-6)
+                np.testing.assert_allclose(h.value, self._explicit(name, 0.5, self.XS, h0)[1],
+                                           rtol=2e-5, atol=1e-6)
+                self.assertFalse(_tracer_in(h))
+
+    def test_before_jax_0_7_only_the_culprit_is_named_with_the_rewrite(self):
+        if _JAX_VERSION >= (0, 7):
+            self.skipTest('JAX 0.7 and newer differentiate through the write')
+        h, w = sj.HiddenState(jnp.zeros(3), name='bptt_culprit'), sj.ParamState(0.5, name='bptt_w')
+
+        def loss(xs):
+            w.value = w.value * 1.0   # written directly in the differentiated function
+            wv = w.value
+
+            def body(acc, x):
+                h.value = jnp.tanh(wv * h.value + x)
+                return acc + h.value.sum(), None
+            return lax.scan(body, 0.0, xs)[0]
+        with self.assertRaises(TraceContextError) as caught:
+            StatefulFunction(lambda xs: jax.grad(loss)(xs))(self.XS)
+        self.assertIn('bptt_culprit', str(caught.exception))
+        self.assertNotIn('bptt_w', str(caught.exception))
+        self.assertRegex(str(caught.exception), 'carry|return the value')
+
+    def test_lif_with_a_surrogate_spike(self):
+        """A leaky integrate-and-fire layer: membrane State written in the scan body, a
+        custom_vjp surrogate spike, weights a ParamState read in the body."""
+        @jax.custom_vjp
+        def spike(v):
+            return (v > 1.0).astype(jnp.float32)
+        spike.defvjp(lambda v: (spike(v), v),
+                     lambda v, g: (g / (1 + 10 * jnp.abs(v - 1.0)) ** 2,))
+        w = sj.ParamState(jnp.linspace(0.2, 1.4, 6).reshape(2, 3), name='lif_w')
+        v = sj.HiddenState(jnp.zeros(3), name='lif_v')
+        xs = jnp.abs(jnp.sin(jnp.arange(16.0))).reshape(8, 2)
+
+        def loss(wv, xs):
+            w.value = wv
+            def body(acc, x):
+                v.value = 0.9 * v.value + x @ w.value
+                s = spike(v.value)
+                v.value = v.value * (1 - s)
+                return acc + s.sum(), None
+            return lax.scan(body, 0.0, xs)[0]
+
+        def explicit(wv, xs):
+            def body(carry, x):
+                acc, vv = carry
+                vv = 0.9 * vv + x @ wv
+                s = spike(vv)
+                return (acc + s.sum(), vv * (1 - s)), None
+            return lax.scan(body, (0.0, jnp.zeros(3)), xs)[0]
+        if _JAX_VERSION < (0, 7):   # (before 0.6 the read of lif_w in the body comes first)
+            with self.assertRaisesRegex(TraceContextError, 'lif_[vw].*(carry|local variable)'):
+                StatefulFunction(lambda wv: jax.grad(loss)(wv, xs))(w.value)
+            return
+        w0 = w.value
+        got = StatefulFunction(lambda wv: jax.value_and_grad(loss)(wv, xs))(w0)
+        want = jax.value_and_grad(lambda wv: explicit(wv, xs)[0])(w0)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+        self.assertGreater(float(jnp.abs(got[1]).sum()), 0.0)   # the surrogate's, not zero
+        np.testing.assert_allclose(v.value, explicit(w0, xs)[1], rtol=1e-6)
+
+    def test_through_a_nested_stateful_function_and_per_lane(self):
+        if _JAX_VERSION < (0, 7):
+            self.skipTest('needs JAX 0.7')
+        h = sj.HiddenState(jnp.zeros(3), name='bptt_nested')
+        run = StatefulFunction(self._bodies(h)['scan'])
+        got = StatefulFunction(lambda w: jax.grad(run)(w, self.XS))(0.5)
+        want = jax.grad(lambda w: self._explicit('scan', w, self.XS, jnp.zeros(3))[0])(0.5)
+        np.testing.assert_allclose(got, want, rtol=2e-5)
+        # per lane: each lane its own hidden row and its own weight
+        hs = sj.HiddenState(jnp.zeros((2, 3)), name='bptt_lanes')
+        lane_loss = self._bodies(hs)['scan']
+        mapped = sj.StatefulMapping(lambda w: jax.grad(lane_loss)(w, self.XS),
+                                 state_in_axes={0: sj.HiddenState})
+        got = mapped(jnp.array([0.5, -0.3]))
+        want = jnp.stack([jax.grad(lambda w: self._explicit('scan', w, self.XS,
+                                                            jnp.zeros(3))[0])(w)
+                          for w in (0.5, -0.3)])
+        np.testing.assert_allclose(got, want, rtol=2e-5)
+
+    def test_reverse_mode_through_a_while_loop_is_refused_naming_the_state(self):
+        h = State(jnp.zeros(3), name='bptt_while')
+
+        def loss(w):
+            lax.while_loop(lambda i: i < 3, lambda i: (setattr(
+                h, 'value', jnp.tanh(w * h.value + 1.0)), i + 1)[1], 0)
+            return h.value.sum()
+        with self.assertRaisesRegex(TraceContextError, 'bptt_while.*(scan|fori_loop|carry)'):
+            StatefulFunction(jax.grad(loss))(0.5)
+        np.testing.assert_array_equal(h.value, jnp.zeros(3))
+        if _JAX_VERSION >= (0, 7):   # forward mode through the loop works
+            got = StatefulFunction(lambda w: jax.jvp(loss, (w,), (1.0,))[1])(0.5)
+            want = jax.jvp(lambda w: lax.fori_loop(0, 3, lambda i, hv: jnp.tanh(
+                w * hv + 1.0), jnp.zeros(3)).sum(), (0.5,), (1.0,))[1]
+            np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 class NestedDtypeAndResultTest(unittest.TestCase):
