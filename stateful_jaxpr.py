@@ -163,10 +163,10 @@ def _trace_path(home) -> tuple:
     return path, True
 
 
-def _remat_body(trace) -> bool:
-    """Whether ``trace`` builds a jax.checkpoint body (its debug info says so)."""
-    info = getattr(getattr(trace, 'frame', None), 'debug_info', None)
-    return str(getattr(info, 'traced_for', '')).startswith('checkpoint')   # ('checkpoint / remat')
+def _traced_for(trace) -> str:
+    """What JAX traces a body for: 'checkpoint / remat' ('checkpoint' .. 0.6), 'cond', 'scan'..."""
+    return str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
+                       'traced_for', ''))
 
 
 def _primal(x, trace):
@@ -259,13 +259,15 @@ def _write_hazard(eqn):
 # reverse-mode differentiation, all releases; a checkpoint, .. 0.7; a jit under differentiation, 0.4.36 .. 0.4.38, also as a
 # bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..), 'tangent'
 # (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while' (reverse mode
-# through a while loop, all releases), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7).
+# through a while loop, all releases), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
+# (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
              'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{',
              'while': r'Reverse-mode differentiation does not work for lax.while_loop',
-             'jacrev': r"Batching rule for 'freeze' not implemented"}
+             'jacrev': r"Batching rule for 'freeze' not implemented",
+             'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute"}
 
 
 # Call primitives: 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call'
@@ -1733,9 +1735,9 @@ class _TraceFrame(StateTraceStack):
             return self.cell(state, treedef, avals)
         return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
 
-    def cell(self, state, treedef, avals) -> '_RefCell':
+    def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
         cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
-                        treedef, avals, self._jax_trace)
+                        treedef, avals, self._jax_trace, improvised)
         self.cells.append(cell)
         return cell
 
@@ -1842,10 +1844,11 @@ def _traced_write(state, value, frames, written: bool):
                     f'{state._describe()} is written inside a nested JAX transformation '
                     f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
                     'Return the value from the transformation and assign it outside')
-            # Written inside a nested transformation: Refs from here on, and the trace is
-            # redone with the State lifted as Refs from the start (``pending``).
+            # Written inside a nested transformation: the trace is redone with the State
+            # lifted as Refs from the start (``pending``); until then Refs from here on keep
+            # the write in the body, lest JAX cache that body without it.
             leaves, treedef = jax.tree_util.tree_flatten(entry)
-            cell = target.cell(state, treedef, [_aval_of(x) for x in leaves])
+            cell = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = cell
             target._pending.add(state)
             cell.write(value)
@@ -1900,19 +1903,22 @@ class _RefCell:
     without them, a value, which only direct writes there may set).  Reads and writes there use
     the innermost level, with its tangents; ``refs`` always get the primal.  When a
     differentiation ends, the primal of its level (its tracer's ``primal``) becomes its parent's."""
-    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged')
+    __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
+                 'improvised')
 
-    def __init__(self, state, refs, treedef, avals, home):
+    def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
         self.home, self.levels = home, []     # the stateful trace's own JAX trace; [trace,
         self.nested = self.staged = False     # content, written] per level, outermost first
+        self.improvised = improvised          # made at a write, in a trace that is redone
 
     def _level(self):
         """``(level, at)``: the innermost level around the current trace (None: none), after
         ended ones fold into their parents and those of differentiations entered since are
-        added; inside a jax.checkpoint body, ``at`` is the trace outside it to read the level at
-        (JAX takes no Ref of a differentiation into a rematerialized body)."""
+        added; ``at``: the body the level is read outside of (None: read here)."""
         path, whole = _trace_path(self.home)
+        if self.improvised:   # (keeps no tangents: the trace is redone)
+            return None, None
         if not whole:   # (.. 0.5: a jit or loop body does not know its parents)
             if self.levels:
                 raise TraceContextError(
@@ -1938,16 +1944,21 @@ class _RefCell:
             levels.append([trace, content, False])
         if not levels:
             return None, None
-        remat = [t for t in path[:path.index(levels[-1][0])] if _remat_body(t)]
-        return levels[-1], remat[-1].parent_trace if remat else None
+        # JAX takes no Ref of a differentiation into a rematerialized body, nor into a cond's
+        # under linearization (reverse mode): those read the level outside them, and refuse writes.
+        linear = type(levels[-1][0]) is _LinearizeTrace
+        opaque = [t for t in path[:path.index(levels[-1][0])]
+                  if _traced_for(t).startswith('checkpoint') or linear and _traced_for(t) in (
+                      'cond', 'switch')]
+        return levels[-1], opaque[-1] if opaque else None
 
     def _get(self, level):
         if level is not None and level[1] is _STALE:
             raise TraceContextError(
                 f'{self.state._describe()} was written inside a differentiation nested in another '
-                'one through a loop or jit body, and is read in the outer one, where its value '
-                'would lose the outer derivative.  Return the value from the inner '
-                'differentiated function (has_aux=True) and assign it in the outer one')
+                '(jax.grad inside jax.grad ...) and is read in the outer one, where JAX '
+                f'{jax.__version__} cannot give it the outer derivative.  Return the value from '
+                'the inner differentiated function (has_aux=True) and assign it in the outer one')
         if level is None or _new_ref:
             refs = self.refs if level is None else level[1]
             return self.treedef.unflatten([_ref_get(ref, ()) for ref in refs])
@@ -1955,7 +1966,7 @@ class _RefCell:
 
     def read(self):
         level, at = self._level()
-        with contextlib.nullcontext() if at is None else _at_trace(at):
+        with contextlib.nullcontext() if at is None else _at_trace(at.parent_trace):
             return self._get(level)
 
     def write(self, value) -> None:
@@ -1965,8 +1976,15 @@ class _RefCell:
         if _drops_ref_tangents(self.home):
             raise _dropped_tangent(self.state._describe())
         level, at = self._level()
-        if at is not None:
+        if at is not None and _traced_for(at).startswith('checkpoint'):
             raise _checkpoint_refusal(self.state._describe())
+        if at is not None:
+            raise TraceContextError(
+                f'{self.state._describe()} is written inside a lax.cond / lax.switch branch under '
+                'reverse-mode differentiation (jax.grad, jax.vjp, jax.linearize ...), where JAX '
+                f'{jax.__version__} cannot differentiate a write.  Compute both outcomes and '
+                'select: s.value = jnp.where(pred, new, s.value), or return the value from the '
+                'cond and assign it outside')
         if level is not None and not _new_ref:
             if trace is level[0]:
                 level[1] = self.treedef.unflatten(leaves)
@@ -1980,7 +1998,7 @@ class _RefCell:
                     _ref_set(ref, (), leaf)
                 leaves = [jax.lax.stop_gradient(x) for x in leaves]
             for ref, leaf in zip(self.refs, leaves):
-                _ref_set(ref, (), leaf)
+                _ref_set(ref, (), jax.lax.stop_gradient(leaf) if self.improvised else leaf)
         except Exception as err:
             raise TraceContextError(
                 f'{self.state._describe()} cannot be written inside this nested '
@@ -2026,37 +2044,40 @@ def _refusal(err: BaseException):
 def _explain_ref_refusal(err: BaseException, cells) -> None:
     """Raises a TraceContextError naming the States of ``cells`` that cause ``err``, if it is
     JAX refusing their writes (those written in a loop, cond or jit body, else nested ones)."""
+    version = jax.__version__
     why = None if isinstance(err, TraceContextError) else {
-        'effects': f'goes through one that JAX {jax.__version__} cannot carry it through: '
-                   f'"{err}" (e.g. a lax.cond under jax.vmap or under jax.grad / jax.vjp / '
-                   'jax.jacrev; on older releases a jax.checkpoint under jax.grad).  Return '
-                   'the value from that transformation and assign it outside (for a cond: '
-                   's.value = jnp.where(pred, new, s.value)), or, under jax.vmap, map the '
-                   'function with StatefulMapping instead',
-        'batched': 'is given a value that JAX batches across jax.vmap lanes (one that differs '
-                   'per lane, or any value where JAX batches the whole body, as under '
-                   'jax.jacfwd / jax.hessian on recent releases), which an unbatched State '
-                   'cannot hold: map the function with StatefulMapping, differentiate with '
-                   'jax.jacrev, or return the value from the transformation and assign it '
-                   'outside',
-        'tangent': f'is given a value that carries a gradient inside a loop, an inner jax.jit '
-                   f'or a jax.checkpoint function under jax.grad, which JAX {jax.__version__} '
+        'effects': f'is written inside a nested transformation that JAX {version} cannot carry '
+                   f'it through: "{err}" (e.g. a lax.cond under jax.vmap or under jax.grad / '
+                   'jax.vjp / jax.jacrev).  Return the value from that transformation and assign '
+                   'it outside (for a cond: s.value = jnp.where(pred, new, s.value)), or, under '
+                   'jax.vmap, map the function with StatefulMapping instead',
+        'batched': 'is written inside a nested transformation with a value that JAX batches '
+                   'across jax.vmap lanes (one that differs per lane, or any value where JAX '
+                   'batches the whole body, as under jax.jacfwd / jax.hessian on recent '
+                   'releases), which an unbatched State cannot hold: map the function with '
+                   'StatefulMapping, differentiate with jax.jacrev, or return the value from '
+                   'the transformation and assign it outside',
+        'tangent': 'is written with a value that carries a gradient inside a loop, an inner '
+                   f'jax.jit or a jax.checkpoint function under jax.grad, which JAX {version} '
                    'cannot differentiate through a State (JAX 0.7 and newer can).  Thread it '
                    'through the loop explicitly: carry its value (lax.scan(body, (c, h.value), '
                    'xs), body returning the new value) and assign it after the loop',
         'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
                  'reverse-mode differentiation, which JAX cannot differentiate: loop with '
                  'lax.scan or a fori_loop with static bounds',
-        'jacrev': f'is written inside a loop or jit body under jax.jacrev, which JAX '
-                  f'{jax.__version__} cannot batch (newer JAX can): take one output row at a '
-                  'time with jax.vjp, or use jax.jacfwd',
+        'transpose': 'is written inside a loop or jit body under nested reverse-mode '
+                     f'differentiation, which JAX {version} fails to transpose (JAX 0.7 and '
+                     '0.11 do not): write it in the differentiated function itself, or carry '
+                     'its value through the body and assign it after',
+        'jacrev': f'is written inside a loop or jit body under jax.jacrev, which JAX {version} '
+                  'cannot batch (newer JAX can): take one output row at a time with jax.vjp, '
+                  'or use jax.jacfwd',
     }.get(_refusal(err))
     if why is None or not cells:
         return
     culprits = ([c for c in cells if c.staged] or [c for c in cells if c.nested] or cells)
     described = ', '.join(sorted(c.state._describe() for c in culprits))
-    raise TraceContextError(f'a State written inside a nested transformation ({described}) '
-                            f'{why}') from err
+    raise TraceContextError(f'{described} {why}') from err
 
 
 def _returned_inputs(body, carry) -> list:
@@ -2199,17 +2220,17 @@ class _Retracer:
     ========================================================  ===================================
     a run of the body ...                                       the next run
     ========================================================  ===================================
-    wrote a State inside a nested transformation that it       lifts it as Refs from its first
-    had not lifted as Refs (whatever else happened)            touch (so does every later trace)
     met a tracer of a finished trace in a body JAX cached      is *isolated*: under a fresh epoch
     (UnexpectedTracerError, or tracer constants)               axis (so is every later trace)
-    raised, after a run that had to lift States as Refs        is isolated (a body JAX cached in
-                                                               that run may hold its Refs)
+    wrote a State inside a nested transformation that it       lifts it as Refs from its first
+    had not lifted as Refs                                     touch (so does every later trace;
+                                                               also after an error, which is raised)
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
     So a first trace runs the body once, twice when it writes States inside nested
-    transformations, three times only when a body JAX cached from an earlier run is in the way;
+    transformations, three times only when a body JAX cached from an earlier run is in the way
+    (a body that run 1 left with its Refs in JAX's cache fails as stale in run 2);
     a later signature runs it once unless it writes a State no earlier trace did.  A run is also
     isolated while a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached
     jaxpr may hold its value.  An isolated run makes jax.numpy's jitted helpers retrace too.
@@ -2220,18 +2241,16 @@ class _Retracer:
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = False
 
-    def next_run(self, pending: set, isolated: bool, lifted: bool, err=None, consts=()):
+    def next_run(self, pending: set, isolated: bool, err=None, consts=()):
         """After a run: learns from it; None if it is final, else whether the next is isolated."""
         self.ref_states.update(pending)
-        if pending:
-            return self.isolate
-        if isolated:
-            return None
-        if isinstance(err, jax.errors.UnexpectedTracerError) or any(
-                isinstance(c, Tracer) for c in consts):   # (or the caller's tracers: once)
+        if not isolated and (isinstance(err, jax.errors.UnexpectedTracerError) or any(
+                isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
             self.isolate = True
             return True
-        return True if err is not None and lifted else None
+        if pending and err is None:
+            return self.isolate
+        return None
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -2243,7 +2262,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     (StatefulMapping's per-lane shapes)."""
     retracer = _Retracer() if retracer is None else retracer
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
-    isolated, lifted = retracer.isolate, False
+    isolated = retracer.isolate
     while True:
         pending, frames, isolated = set(), [], isolated or len(_BAKED_STATES) > 0
 
@@ -2259,16 +2278,14 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             try:
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
             except Exception as err:
-                isolated = retracer.next_run(pending, isolated, lifted, err)
+                isolated = retracer.next_run(pending, isolated, err)
                 if isolated is not None:
-                    lifted = lifted or bool(pending)
                     continue
                 _ctx.trace_error = err    # tells the warm path the function raised it
                 _explain_ref_refusal(err, frames[-1].cells if frames else ())
                 raise
-            isolated = retracer.next_run(pending, isolated, lifted, consts=consts)
+            isolated = retracer.next_run(pending, isolated, consts=consts)
             if isolated is not None:
-                lifted = lifted or bool(pending)
                 continue
             frame, closed = frames[-1], _rebuild(jaxpr, consts)
             del jaxpr, consts

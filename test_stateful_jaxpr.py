@@ -453,20 +453,33 @@ class CompatTest(unittest.TestCase):
         aval = sj._typeof(np.zeros(4, np.float32))
         self.assertEqual((aval.shape, aval.dtype, aval.weak_type), ((4,), jnp.float32, False))
 
-    def test_current_trace_id_and_under_jax_trace(self):
-        outside = sj._current_trace_id()
+    def test_current_trace_path_and_primal(self):
+        outside = sj._current_trace()
         self.assertFalse(sj._under_jax_trace())
         seen = []
 
         def f(x):
-            seen.append((sj._current_trace_id(), sj._under_jax_trace()))
+            seen.append((sj._current_trace(), sj._under_jax_trace(), sj._trace_path(outside)))
             return x * 2.0
         jax.make_jaxpr(f)(1.0)
-        (inside, under), = seen
+        (inside, under, (path, whole)), = seen
         self.assertIsNot(inside, outside)
         self.assertTrue(under)
-        self.assertIs(sj._current_trace_id(), outside)
+        self.assertEqual((path, whole), ([inside], True) if _JAX_VERSION >= (0, 6) else
+                         ([inside], whole))   # (before 0.6 a jaxpr trace knows no parent)
+        self.assertIs(sj._current_trace(), outside)
         self.assertFalse(sj._under_jax_trace())
+        # Inside jax.jvp: a differentiation trace, whose tracers' primal is the outer value.
+        got = []
+
+        def g(x):
+            trace = sj._current_trace()
+            got.append((isinstance(trace, sj._DIFF_TRACES), sj._primal(x, trace)))
+            return x
+        jax.jvp(g, (jnp.float32(3.0),), (jnp.float32(1.0),))
+        (is_diff, primal), = got
+        self.assertTrue(is_diff)
+        self.assertEqual(float(primal), 3.0)
 
     def test_refs_and_discharge(self):
         if not sj._HAS_REFS:
