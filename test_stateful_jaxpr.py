@@ -2787,6 +2787,220 @@ class BackpropThroughTimeTest(unittest.TestCase):
             np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+class NestedDifferentiationTest(unittest.TestCase):
+    """A State written inside an inner differentiation and read in an enclosing one carries
+    the outer derivative, as explicit-state JAX gives it (the inner function returning the
+    new value as aux), or the call is refused naming the State."""
+
+    def _check(self, got_fn, want, name):
+        try:
+            got = got_fn()
+        except TraceContextError as err:
+            self.assertLess(_JAX_VERSION, (0, 7), err)   # refused only where JAX cannot
+            self.assertIn(name, str(err))
+            return
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-5)
+
+    def test_inner_write_read_outside(self):
+        h = State(jnp.float32(0.0), name='nd_h')
+        inner_ds = {
+            'grad': lambda f, z: jax.grad(f)(z),
+            'value_and_grad': lambda f, z: jax.value_and_grad(f)(z)[1],
+            'jvp': lambda f, z: jax.jvp(f, (z,), (1.0,))[1],
+            'vjp': lambda f, z: jax.vjp(f, z)[1](1.0)[0],
+            'linearize': lambda f, z: jax.linearize(f, z)[1](1.0),
+        }
+        outer_ds = {'grad': lambda f: jax.grad(f)(2.0),
+                    'jvp': lambda f: jax.jvp(f, (2.0,), (1.0,))}
+        for (iname, inner_d), (oname, outer_d) in itertools.product(inner_ds.items(),
+                                                                      outer_ds.items()):
+            with self.subTest(inner=iname, outer=oname):
+                def outer(y, inner_d=inner_d):
+                    def inner(z):
+                        h.value = y * z
+                        return z * z
+                    return h.value * 0.0 + inner_d(inner, y) * 0.0 + h.value
+
+                def explicit(y, inner_d=inner_d):
+                    return y * y   # the inner function's aux, y * z at z = y
+                self._check(lambda: StatefulFunction(lambda: outer_d(outer))(),
+                            outer_d(explicit), 'nd_h')
+                self.assertFalse(_tracer_in(h))
+
+    def test_outer_write_rewritten_inside(self):
+        h = State(jnp.float32(0.0), name='nd_rewritten')
+
+        def outer(y):
+            h.value = y * y * y
+            def inner(z):
+                h.value = h.value * z
+                return z
+            jax.grad(inner)(y)
+            return h.value
+
+        def explicit(y):
+            hv = y * y * y
+            return jax.grad(lambda z: (z, hv * z), has_aux=True)(y)[1]
+        self._check(lambda: StatefulFunction(jax.grad(outer))(2.0), jax.grad(explicit)(2.0),
+                    'nd_rewritten')
+        self._check(lambda: StatefulFunction(outer)(2.0), explicit(2.0), 'nd_rewritten')
+        np.testing.assert_allclose(h.value, 16.0)
+
+    def test_meta_learning(self):
+        """Two inner SGD steps update a running statistic; the meta-gradient sees it."""
+        stat = State(jnp.zeros(3), name='nd_stat')
+        x = jnp.array([1.0, 2.0, 3.0])
+
+        def meta(theta):
+            w = theta * jnp.ones(3)
+            def inner_loss(w):
+                stat.value = 0.9 * stat.value + 0.1 * (w * x)
+                return ((w * x - 1.0) ** 2).sum()
+            for _ in range(2):
+                w = w - 0.1 * jax.grad(inner_loss)(w)
+            return ((w * x) ** 2).sum() + stat.value.sum()
+
+        def explicit(theta):
+            w, st = theta * jnp.ones(3), jnp.zeros(3)
+            for _ in range(2):
+                g, st = jax.grad(lambda w, st=st: (((w * x - 1.0) ** 2).sum(),
+                                                   0.9 * st + 0.1 * (w * x)), has_aux=True)(w)
+                w = w - 0.1 * g
+            return ((w * x) ** 2).sum() + st.sum()
+        self._check(lambda: StatefulFunction(jax.grad(meta))(0.3), jax.grad(explicit)(0.3),
+                    'nd_stat')
+
+    def test_a_body_write_under_nested_reverse_mode(self):
+        """Right, or where JAX fails to transpose it (0.8 .. 0.10), refused naming the State."""
+        s = State(jnp.float32(0.5), name='nd_body')
+
+        def outer(x):
+            def inner(y):
+                lax.scan(lambda c, _: (c, setattr(s, 'value', s.value * y)), 0.0, None,
+                         length=2)
+                return s.value * y
+            return jax.grad(inner)(x) + s.value
+
+        def explicit(x):
+            g, sv = jax.grad(lambda y: (0.5 * y * y * y, 0.5 * y * y), has_aux=True)(x)
+            return g + sv
+        try:
+            got = StatefulFunction(jax.grad(outer))(2.0)
+        except TraceContextError as err:
+            self.assertIn('nd_body', str(err))
+            self.assertFalse(_JAX_VERSION >= (0, 11) or (0, 7) <= _JAX_VERSION < (0, 8), err)
+            np.testing.assert_allclose(s.value, 0.5)
+            return
+        np.testing.assert_allclose(got, jax.grad(explicit)(2.0), rtol=1e-6)
+        np.testing.assert_allclose(s.value, 2.0)
+
+
+class CustomRuleTest(unittest.TestCase):
+    """Cached traces keep custom_jvp / custom_vjp rules, and a trace keeping one never serves
+    another JAX transformation: the rule's lazily traced parts see what that call sees."""
+
+    @staticmethod
+    def _spike():
+        @jax.custom_vjp
+        def spike(v):
+            return (v > 1.0).astype(jnp.float32)
+        spike.defvjp(lambda v: (spike(v), v),
+                     lambda v, g: (g / (1 + 10 * jnp.abs(v - 1.0)) ** 2,))
+        return spike
+
+    def test_a_surrogate_survives_the_discharge(self):
+        spike = self._spike()
+        steps = State(jnp.zeros(()), name='cr_steps')
+
+        def run(w, xs):
+            def body(u, x):
+                steps.value = steps.value + 1.0
+                u = 0.9 * u + w * x
+                return u, spike(u).sum()
+            return lax.scan(body, jnp.zeros(3), xs)[1].sum()
+
+        def plain(w, xs):
+            def body(u, x):
+                u = 0.9 * u + w * x
+                return u, spike(u).sum()
+            return lax.scan(body, jnp.zeros(3), xs)[1].sum()
+        w, xs = jnp.array([0.6, 0.9, 1.3]), jnp.ones((6, 3))
+        model = StatefulFunction(run)
+        self.assertIn('custom_vjp_call', str(model.get_jaxpr(w, xs)))
+        want = jax.grad(plain)(w, xs)
+        self.assertGreater(float(jnp.abs(want).sum()), 0.0)
+        np.testing.assert_allclose(StatefulFunction(lambda w, xs: jax.grad(model)(w, xs))(w, xs),
+                                   want, rtol=1e-6)
+        vals = [jnp.zeros(())]
+        np.testing.assert_allclose(jax.grad(lambda w: model.jaxpr_call(vals, w, xs)[1])(w),
+                                   want, rtol=1e-6)
+        if _EXPORT_PROBLEM is None:
+            loaded = sj.deserialize(sj.export(model, w, xs).serialize(vjp_order=1))
+            got = jax.grad(lambda w: loaded(w, xs, states={'cr_steps': jnp.zeros(())})[0])(w)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    def test_no_tracer_survives_in_a_reused_trace(self):
+        s = State(jnp.float32(2.0), name='cr_leak')
+
+        @jax.custom_vjp
+        def act(x):
+            return jnp.tanh(x * s.value)
+        act.defvjp(lambda x: (act(x), x), lambda x, g: (g * 3.0,))
+        model = StatefulFunction(act)
+        for first, second in ((lambda x: jax.grad(model)(x), lambda x: jax.grad(model)(x) * 2.0),
+                              (lambda x: jax.grad(model)(x) * 2.0, lambda x: jax.grad(model)(x))):
+            self.assertEqual(float(StatefulFunction(first)(1.0)) * float(
+                StatefulFunction(second)(1.0)), 18.0)
+        self.assertEqual(float(jax.grad(model)(1.0)), 3.0)
+        self.assertFalse(_tracer_in(s))
+
+    def test_a_rule_reading_a_state_sees_the_call_s_value(self):
+        s = State(jnp.float32(2.0), name='cr_read')
+
+        @jax.custom_vjp
+        def act(x):
+            return x * s.value
+        act.defvjp(lambda x: (act(x), s.value), lambda res, g: (g * res,))
+        model = StatefulFunction(act)
+        self.assertEqual(float(jax.grad(model)(1.0)), 2.0)
+        s.value = jnp.float32(5.0)
+        self.assertEqual(float(jax.grad(model)(1.0)), 5.0)
+        self.assertEqual(float(jax.grad(lambda x: model.jaxpr_call([jnp.float32(7.0)], x)[1])(
+            1.0)), 7.0)
+        self.assertEqual(float(StatefulFunction(jax.grad(model))(1.0)), 5.0)
+
+
+class RunCountTest(unittest.TestCase):
+    """The body runs once on a first trace, twice when it writes a State inside a nested
+    transformation, once per later signature (see the retracer's table)."""
+
+    def test_runs(self):
+        h, w = State(jnp.zeros(3), name='rc_h'), State(jnp.ones(3), name='rc_w')
+        runs = [0]
+
+        def plain(x):
+            runs[0] += 1
+            h.value = h.value + jax.jit(lambda: w.value * x)()   # a nested read only
+            return h.value.sum()
+
+        def nested(x):
+            runs[0] += 1
+            lax.scan(lambda c, _: (c, setattr(h, 'value', h.value * w.value + x)), 0.0, None,
+                     length=3)
+            return h.value.sum()
+        for fun, first in ((plain, 1), (nested, 2)):
+            with self.subTest(fun=fun.__name__):
+                runs[0], sf = 0, StatefulFunction(fun)
+                sf(jnp.ones(3))
+                self.assertEqual(runs[0], first)
+                sf(jnp.ones(3))
+                self.assertEqual(runs[0], first)          # cached
+                sf(jnp.float32(1.0))
+                self.assertEqual(runs[0], first + 1)      # a later signature: once
+        self.assertIn('the next run', sj._Retracer.__doc__)
+
+
 class NestedDtypeAndResultTest(unittest.TestCase):
     """A write inside a nested transformation never changes a value silently,
     and a non-JAX result is a clear error."""
