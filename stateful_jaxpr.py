@@ -90,7 +90,6 @@ def _takes(fun, parameter: str) -> bool:
 ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0.11
 Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
 _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
-_find_top_trace = _src_core.find_top_trace                      # all releases
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
 _make_debug_info = _probe('jax.api_util:debug_info')           # 0.5.1 ..
 _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
@@ -130,11 +129,66 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
+def _nested_jaxprs(params) -> list:
+    """The jaxprs among the values of an equation's ``params``."""
+    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
+    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
+            if isinstance(i, (ClosedJaxpr, Jaxpr))]
+
+
+def _all_eqns(jaxpr):
+    """The equations of ``jaxpr`` and of every jaxpr nested in them."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _nested_jaxprs(eqn.params):
+            yield from _all_eqns(sub)
+
+
+def _map_eqns(jaxpr, fun):
+    """``jaxpr`` (open or closed) with each equation ``e`` replaced by ``fun(e)``, and where
+    ``fun`` keeps it, by ``e`` with ``fun`` mapped over its nested jaxprs."""
+    inner = getattr(jaxpr, 'jaxpr', jaxpr)
+    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
+                      _map_eqns(v, fun) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
+    eqns = [new if (new := fun(e)) is not e or not _nested_jaxprs(e.params)
+            else e.replace(params={k: nest(v) for k, v in e.params.items()}) for e in inner.eqns]
+    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns)
+
+
+# JAX's discharge inlines a custom_jvp / custom_vjp call in a body it discharges, dropping its
+# rule (0.10 ..): each such call that touches no Ref crosses the discharge as a placeholder.
+_kept_p = _jex_core.Primitive('stateful_jaxpr_kept_call')
+_kept_p.multiple_results = True
+_kept_p.def_effectful_abstract_eval(lambda *_, eqn: ([v.aval for v in eqn.outvars], eqn.effects))
+
+
+class _Undischargeable(Exception):
+    """JAX cannot thread state out of some transformation (its discharge's NotImplementedError)."""
+
+
 def _discharge(closed):
-    """``closed`` made pure: Ref inputs become values, their finals extra outputs."""
-    if _DISCHARGE_TAKES_CLOSED:
-        return _discharge_state(closed)
-    return _rebuild(*_discharge_state(closed.jaxpr, closed.consts))
+    """``closed`` made pure, its Ref inputs values and their finals extra outputs, its custom
+    rules kept."""
+    closed = _map_eqns(closed, lambda e: e.replace(primitive=_kept_p, params={'eqn': e}) if (
+        e.primitive.name in _CUSTOM_CALLS
+        and not any(isinstance(f, _RefEffect) for f in e.effects)) else e)
+    try:
+        pure = (_discharge_state(closed) if _DISCHARGE_TAKES_CLOSED
+                else _rebuild(*_discharge_state(closed.jaxpr, closed.consts)))
+    except NotImplementedError as err:
+        raise _Undischargeable(str(err)) from err
+    return _map_eqns(pure, lambda e: e.params['eqn'].replace(invars=e.invars, outvars=e.outvars)
+                     if e.primitive is _kept_p else e)
+
+
+def _has_custom_rules(jaxpr) -> bool:
+    return any(e.primitive.name in _CUSTOM_CALLS for e in _all_eqns(jaxpr))
+
+
+def _drops_jvp_refs(jaxpr) -> bool:
+    """Whether JAX's JVP of a body writing a Ref made outside it made the tangent's Ref, which
+    it then drops (.. 0.6, without differentiable Refs)."""
+    return not _new_ref and any(e.primitive.name == 'mutable_array' for e in _all_eqns(jaxpr))
 
 
 # The current trace, and the traces it is nested in (all releases: one object per trace).
@@ -145,6 +199,11 @@ def _current_trace():
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
 _DIFF_TRACES = (_JVPTrace, _LinearizeTrace)  # jax.jvp / jax.grad's traces (all releases)
+
+
+def _top_trace():
+    """The trace whose jaxpr new inputs go to (``find_top_trace(())``: the current one)."""
+    return _src_core.find_top_trace(())
 
 
 def _under_jax_trace() -> bool:
@@ -216,6 +275,15 @@ def _axis_env(axis_env):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
+_EPOCH_AXES = itertools.count()
+
+
+def _fresh_epoch():
+    """A context under which JAX's caches of traced bodies and jitted functions miss: they key
+    on the axis environment (all releases), so a unique size-1 axis no jaxpr uses isolates."""
+    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)])
+
+
 def _body_binding(eqn) -> tuple:
     """``(bodies, operands, carry)`` of a cond, while, scan or call: the bodies' inputs are fed
     ``operands``; a loop's output k carries its input ``carry + k`` (None: any may reach any)."""
@@ -256,11 +324,12 @@ def _write_hazard(eqn):
 
 
 # How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond, and a cond under
-# reverse-mode differentiation, all releases; a checkpoint, .. 0.7; a jit under differentiation, 0.4.36 .. 0.4.38, also as a
-# bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..), 'tangent'
-# (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while' (reverse mode
-# through a while loop, all releases), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
-# (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
+# reverse-mode differentiation, all releases; a checkpoint, .. 0.7; a jit under differentiation,
+# 0.4.38, also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref,
+# 0.6 ..), 'tangent' (a differentiated value into a Ref of a body differentiated whole, 0.6),
+# 'while' (reverse mode through a while loop, all releases), 'jacrev' (vmap of a Ref made in
+# jax.vjp, 0.7), 'transpose' (a write in a body under nested reverse-mode differentiation,
+# 0.8 .. 0.10).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
@@ -270,12 +339,22 @@ _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effe
              'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute"}
 
 
+def _refusal(err: BaseException):
+    if isinstance(err, NotImplementedError) and not str(err):
+        return 'effects'
+    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
+                None)
+
+
+def _unbound_axis(err: BaseException) -> bool:
+    """Whether ``err`` is JAX's error for a collective over an axis name no one bound."""
+    return isinstance(err, NameError) and 'axis' in str(err)
+
+
 # Call primitives: 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call'
 # 'eval_jaxpr' in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
 _CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
 _CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
-# JAX's JVP of a jit body writing a Ref made outside makes the tangent's Ref and drops it (.. 0.6).
-_NEW_REF_NAME = 'mutable_array'
 # Calls keeping a custom derivative rule ('custom_vjp_call_jaxpr' .. 0.5).
 _CUSTOM_CALLS = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'})
 # Never folded (all releases), beyond what has a body or effects: randomness,
@@ -295,6 +374,49 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
         if (len(ins), len(outs)) == (n_in, n_out):
             return ins, outs
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
+
+
+def _bind(eqn, values):
+    """Evaluates ``eqn`` at ``values``, as JAX's own evaluator does (``get_bind_params``)."""
+    subfuns, params = eqn.primitive.get_bind_params(eqn.params)
+    return eqn.primitive.bind(*subfuns, *values, **params)
+
+
+def _laid_out(value, sharding):
+    """``value`` (traced) given ``sharding``: ``reshard`` on a mesh of explicit axes (0.5 ..),
+    which refuses a mere constraint, else ``with_sharding_constraint``."""
+    explicit = _reshard is not None and _AXIS_EXPLICIT in getattr(
+        getattr(sharding, 'mesh', None), 'axis_types', ())
+    return (_reshard if explicit else jax.lax.with_sharding_constraint)(value, sharding)
+
+
+def _batched_flags(fun, avals, in_axes, axis_name, size) -> list:
+    """Whether each output of ``jax.vmap(fun, in_axes)`` varies across lanes: a custom_vmap
+    identity's rule sees how JAX batches its operands (under jax.eval_shape: nothing runs)."""
+    seen, identity = [], jax.custom_batching.custom_vmap(lambda *xs: xs)
+
+    @identity.def_vmap
+    def rule(axis_size, batched, *xs):
+        seen.extend(batched)
+        return xs, tuple(batched)
+    jax.eval_shape(jax.vmap(lambda *xs: identity(*fun(*xs)), in_axes=in_axes,
+                            axis_name=axis_name, axis_size=size), *avals)
+    return seen
+
+
+def _jax_export():
+    """``jax.export``, or an ImportError naming what it needs beyond JAX (flatbuffers, absl-py)."""
+    try:
+        from jax import export as module
+        missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
+    except ImportError as err:
+        missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(str(err.name).split('.')[0])
+        if missing is None:
+            raise
+    if missing:
+        raise ImportError(f'exporting needs the {missing!r} package, which jax.export uses '
+                          f'on JAX {jax.__version__}: pip install {missing}')
+    return module
 
 
 def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
@@ -1619,17 +1741,16 @@ class _StaticArg:
 # writes, so no tracer enters a State and a failed trace has nothing to restore.  A first touch adds
 # a jaxpr input on the trace captured at the start, so a first read deep inside ``lax.scan``,
 # ``grad`` or an inner ``jit`` is an input, not a constant.  A State *written* inside such a nested
-# transformation is lifted as Refs (``_RefCell``): the trace is redone so, and JAX's discharge
-# threads the write out (as a scan carry, a cond output...).
+# transformation is lifted as Refs (``_RefCell``), and JAX's discharge threads the write out (as a
+# scan carry, a cond output...); inside a differentiation the State acts as a local variable of
+# the differentiated program, through loop bodies too (backpropagation through time).
 #
-# JAX caches the traces of control-flow bodies and jitted functions, keyed on the Python function
-# and ``config.trace_context()``: a cached body that read a State could come back holding a finished
-# trace's tracer, or a value from before a write, and a State read by a plain JAX trace
-# (``_BAKED_STATES``) may sit in any cached jaxpr.  The axis environment is in that key on every
-# release, so binding a unique size-1 axis no jaxpr uses (an *epoch*) makes those caches miss.  This
-# *isolation* also makes jax.numpy's jitted helpers retrace, so a trace is isolated only once known
-# to need it (``_TraceHints``), and renews its epoch when a write follows a nested read of the same
-# State.
+# JAX caches the traces of control-flow bodies and jitted functions: a cached body that read a
+# State could come back holding a finished trace's tracer, or a value from before a write, and a
+# State read by a plain JAX trace (``_BAKED_STATES``) may sit in any cached jaxpr.  An *isolated*
+# trace makes those caches miss (``_fresh_epoch``) but also makes jax.numpy's jitted helpers
+# retrace, so a trace is isolated only once known to need it (``_Retracer``), and renews its epoch
+# when a write follows a nested read of the same State.
 # =============================================================================
 
 class _Traced:
@@ -1691,20 +1812,19 @@ def _reject_states(tree, what: str) -> None:
 # -- The trace frame ----------------------------------------------------------
 # States read under a plain JAX trace (outside stateful traces) while alive.
 _BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
-_EPOCH_AXES = itertools.count()
 
 
 class _TraceFrame(StateTraceStack):
     """One stateful trace's StateTraceStack, with an overlay, whose first touch of a State adds
-    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``); built inside the traced function.
-    A State written inside a nested transformation but not lifted as Refs gets Refs there and
-    then, and joins ``pending``: the trace is redone with it lifted as Refs from the start."""
+    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``); built inside the
+    traced function.  A State written inside a nested transformation but not lifted as Refs gets
+    Refs there and then, and joins ``pending``: the trace is redone, it lifted from the start."""
 
     def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set,
                  isolated: bool):
         super().__init__(name=name)
         self._overlays = True
-        self._builder = _find_top_trace(())     # the trace new inputs go to
+        self._builder = _top_trace()            # the trace new inputs go to
         self._jax_trace = _current_trace()      # a nested transformation's differs
         self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
@@ -1771,13 +1891,12 @@ class _TraceFrame(StateTraceStack):
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
-                       rules=any(e.primitive.name in _CUSTOM_CALLS
-                                 for e in _all_eqns(closed.jaxpr)), **self.result)
+                       rules=_has_custom_rules(closed.jaxpr), **self.result)
 
     def _renew_epoch(self) -> None:
         """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
         self._epoch.close()
-        self._epoch.enter_context(_axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)]))
+        self._epoch.enter_context(_fresh_epoch())
 
     def __enter__(self):
         if self._isolated:
@@ -1898,18 +2017,20 @@ class _RefCell:
     transformation; reads and writes bind at the current JAX trace.
 
     Inside differentiated functions the State is a local variable of the plain program.  Each
-    differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a *level*: Refs made
-    inside that differentiation, which JAX differentiates through loop and jit bodies (on JAX
-    without them, a value, which only direct writes there may set).  Reads and writes there use
-    the innermost level, with its tangents; ``refs`` always get the primal.  When a
-    differentiation ends, the primal of its level (its tracer's ``primal``) becomes its parent's."""
+    differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a *level*
+    ``[trace, content, written, content are Refs]``, outermost first: a value, which direct
+    writes there set, made Refs inside that differentiation once a body nested in it touches
+    the State (JAX differentiates through those, 0.7 ..; before, such a body may write only a
+    value without a tangent).  Reads and writes use the innermost level, with its tangents;
+    ``refs`` always get the primal.  When a differentiation ends, the primal of its level (its
+    tracers' ``primal``) becomes its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
                  'improvised')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
-        self.home, self.levels = home, []     # the stateful trace's own JAX trace; [trace,
-        self.nested = self.staged = False     # content, written] per level, outermost first
+        self.home, self.levels = home, []     # the stateful trace's own JAX trace, the levels
+        self.nested = self.staged = False     # written inside a nested transformation, a body
         self.improvised = improvised          # made at a write, in a trace that is redone
 
     def _level(self):
@@ -1919,55 +2040,56 @@ class _RefCell:
         path, whole = _trace_path(self.home)
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
-        if not whole:   # (.. 0.5: a jit or loop body does not know its parents)
-            if self.levels:
-                raise TraceContextError(
-                    f'{self.state._describe()} was written inside a differentiated function '
-                    '(jax.grad / jax.jvp ...) and is used inside a jit or loop body nested in '
-                    f'some transformation, where JAX {jax.__version__} cannot tell whether '
-                    'that differentiation is still running.  Read the value into a local '
-                    'variable before the body, or upgrade to JAX 0.6 or newer')
-            return None, None
+        if not whole and any(level[0] not in path for level in self.levels):
+            raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
+                f'{self.state._describe()} was written inside a differentiated function '
+                '(jax.grad / jax.jvp ...) and is used inside a jit or loop body nested in '
+                f'some transformation, where JAX {jax.__version__} cannot tell whether '
+                'that differentiation is still running.  Read the value into a local '
+                'variable before the body, or upgrade to JAX 0.6 or newer')
         diffs, levels = [t for t in reversed(path) if isinstance(t, _DIFF_TRACES)], self.levels
         while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
-            trace, content, written = levels.pop()
+            trace, content, written, refs = levels.pop()
             if written and levels:   # hand the primal to the parent, if it is the parent
-                parent = levels[-1]
-                parent[1:] = ([_primal(x, trace) for x in content] if _new_ref else
-                              jax.tree_util.tree_map(lambda x: _primal(x, trace), content)
-                              ) if getattr(trace, 'parent_trace', None) is parent[0] else (
-                                  _STALE), True
+                primal = (jax.tree_util.tree_map(lambda x: _primal(x, trace), content)
+                          if getattr(trace, 'parent_trace', None) is levels[-1][0] else _STALE)
+                levels[-1][1:] = primal, True, refs
         for trace in diffs[len(levels):]:
-            with _at_trace(trace):   # (also from inside a body nested in it)
-                value = self._get(levels[-1] if levels else None)
-                content = [_new_ref(x) for x in _leaves(value)] if _new_ref else value
-            levels.append([trace, content, False])
+            levels.append([trace, self._get(levels[-1] if levels else None, trace), False, False])
         if not levels:
             return None, None
+        level, remat = levels[-1], lambda t: _traced_for(t).startswith('checkpoint')
         # JAX takes no Ref of a differentiation into a rematerialized body, nor into a cond's
-        # under linearization (reverse mode): those read the level outside them, and refuse writes.
-        linear = type(levels[-1][0]) is _LinearizeTrace
-        opaque = [t for t in path[:path.index(levels[-1][0])]
-                  if _traced_for(t).startswith('checkpoint') or linear and _traced_for(t) in (
-                      'cond', 'switch')]
-        return levels[-1], opaque[-1] if opaque else None
+        # under linearization (reverse mode): those read the level outside them, write none.
+        linear = type(level[0]) is _LinearizeTrace
+        opaque = [t for t in path[:path.index(level[0])]
+                  if remat(t) or linear and _traced_for(t) in ('cond', 'switch')]
+        if not level[3] and path[0] is not level[0]:   # a body nested in it touches it
+            if not any(lv[2] for lv in levels) and (
+                    not _new_ref or opaque and not remat(opaque[-1])):
+                del levels[:]   # no tangent yet: the primal, in ``refs``, serves there
+                return None, None
+            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates
+                with _at_trace(level[0]):
+                    level[1:] = [_new_ref(x) for x in _leaves(self._get(level))], level[2], True
+        return level, opaque[-1] if opaque else None
 
-    def _get(self, level):
+    def _get(self, level, at=None):
+        """The value ``level`` (None: the primal) holds, read at trace ``at`` (None: here)."""
         if level is not None and level[1] is _STALE:
             raise TraceContextError(
                 f'{self.state._describe()} was written inside a differentiation nested in another '
                 '(jax.grad inside jax.grad ...) and is read in the outer one, where JAX '
                 f'{jax.__version__} cannot give it the outer derivative.  Return the value from '
                 'the inner differentiated function (has_aux=True) and assign it in the outer one')
-        if level is None or _new_ref:
-            refs = self.refs if level is None else level[1]
-            return self.treedef.unflatten([_ref_get(ref, ()) for ref in refs])
-        return level[1]
+        if level is not None and not level[3]:
+            return level[1]
+        with contextlib.nullcontext() if at is None else _at_trace(at):
+            return self.treedef.unflatten([_ref_get(r, ()) for r in (level or [0, self.refs])[1]])
 
     def read(self):
         level, at = self._level()
-        with contextlib.nullcontext() if at is None else _at_trace(at.parent_trace):
-            return self._get(level)
+        return self._get(level, None if at is None else at.parent_trace)
 
     def write(self, value) -> None:
         leaves, trace = self._leaves_for(value), _current_trace()
@@ -1978,28 +2100,34 @@ class _RefCell:
         level, at = self._level()
         if at is not None and _traced_for(at).startswith('checkpoint'):
             raise _checkpoint_refusal(self.state._describe())
-        if at is not None:
+        if at is not None:   # (a differentiated value already)
             raise TraceContextError(
                 f'{self.state._describe()} is written inside a lax.cond / lax.switch branch under '
                 'reverse-mode differentiation (jax.grad, jax.vjp, jax.linearize ...), where JAX '
                 f'{jax.__version__} cannot differentiate a write.  Compute both outcomes and '
                 'select: s.value = jnp.where(pred, new, s.value), or return the value from the '
                 'cond and assign it outside')
-        if level is not None and not _new_ref:
-            if trace is level[0]:
-                level[1] = self.treedef.unflatten(leaves)
-            else:   # a body in a differentiation: JAX refuses a value with a tangent there
-                self.levels.clear()
-                level = None
+        if level is not None and not level[3]:
+            if trace is not level[0]:   # a body in a differentiation that gave it a tangent
+                raise _dropped_tangent(self.state._describe())
+            level[1] = self.treedef.unflatten(leaves)
         try:
             if level is not None:
                 level[2] = True
-                for ref, leaf in zip(level[1] if _new_ref else (), leaves):
+                for ref, leaf in zip(level[1] if level[3] else (), leaves):
                     _ref_set(ref, (), leaf)
-                leaves = [jax.lax.stop_gradient(x) for x in leaves]
+            primal = level is not None or self.improvised
             for ref, leaf in zip(self.refs, leaves):
-                _ref_set(ref, (), jax.lax.stop_gradient(leaf) if self.improvised else leaf)
+                # The primal under a differentiation; where JAX cannot tell (.. 0.5, inside a
+                # body) what it takes: the value, or else its primal.
+                first, second = (jax.lax.stop_gradient(leaf), leaf)[::-1 if not primal else 1]
+                try:
+                    _ref_set(ref, (), first)
+                except Exception:
+                    _ref_set(ref, (), second)
         except Exception as err:
+            if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
+                raise _Redo from err
             raise TraceContextError(
                 f'{self.state._describe()} cannot be written inside this nested '
                 f'JAX transformation ({type(err).__name__}: {err}).  A value that '
@@ -2032,13 +2160,6 @@ class _RefCell:
                 'change them)')
         return [x if g.dtype == a.dtype else jax.lax.convert_element_type(x, a.dtype)
                 for x, g, a in zip(leaves, got, self.avals)]
-
-
-def _refusal(err: BaseException):
-    if isinstance(err, NotImplementedError) and not str(err):
-        return 'effects'
-    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
-                None)
 
 
 def _explain_ref_refusal(err: BaseException, cells) -> None:
@@ -2109,51 +2230,6 @@ def _forward_unchanged(jaxpr):
                     outvars=[fwd(v) for v in inner.outvars])
 
 
-def _nested_jaxprs(params) -> list:
-    """The jaxprs among the values of an equation's ``params``."""
-    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
-    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
-            if isinstance(i, (ClosedJaxpr, Jaxpr))]
-
-
-def _all_eqns(jaxpr):
-    """The equations of ``jaxpr`` and of every jaxpr nested in them."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _nested_jaxprs(eqn.params):
-            yield from _all_eqns(sub)
-
-
-def _map_eqns(jaxpr, fun):
-    """``jaxpr`` (open or closed) with each equation ``e`` replaced by ``fun(e)``, and where
-    ``fun`` keeps it, by ``e`` with ``fun`` mapped over its nested jaxprs."""
-    inner = getattr(jaxpr, 'jaxpr', jaxpr)
-    nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
-                      _map_eqns(v, fun) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
-    eqns = [new if (new := fun(e)) is not e or not _nested_jaxprs(e.params)
-            else e.replace(params={k: nest(v) for k, v in e.params.items()}) for e in inner.eqns]
-    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns)
-
-
-# JAX's discharge inlines a custom_jvp / custom_vjp call in a body it discharges, dropping its
-# rule (0.10 ..): each such call that touches no Ref crosses the discharge as a placeholder.
-_kept_p = _jex_core.Primitive('stateful_jaxpr_kept_call')
-_kept_p.multiple_results = True
-_kept_p.def_effectful_abstract_eval(lambda *_, eqn: ([v.aval for v in eqn.outvars], eqn.effects))
-
-
-def _kept(eqn):
-    if eqn.primitive.name in _CUSTOM_CALLS and not any(
-            isinstance(e, _RefEffect) for e in eqn.effects):
-        return eqn.replace(primitive=_kept_p, params={'eqn': eqn})
-    return eqn
-
-
-def _restored(eqn):
-    return (eqn.params['eqn'].replace(invars=eqn.invars, outvars=eqn.outvars)
-            if eqn.primitive is _kept_p else eqn)
-
-
 def _dropped_tangent(described: str) -> TraceContextError:
     return TraceContextError(
         f'{described} is written inside a jit or loop body nested in a differentiated '
@@ -2192,11 +2268,11 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '
             f'{jax.__version__} moved out of the body or dropped while differentiating; '
             'return the value from the body and assign it outside, or use JAX 0.6 or newer')
-    if not _new_ref and any(e.primitive.name == _NEW_REF_NAME for e in _all_eqns(closed.jaxpr)):
+    if _drops_jvp_refs(closed.jaxpr):
         raise _dropped_tangent(', '.join(c.state._describe() for c in cells if c.staged))
     try:
-        pure = _map_eqns(_discharge(_map_eqns(closed, _kept)), _restored)
-    except NotImplementedError as err:
+        pure = _discharge(closed)
+    except _Undischargeable as err:
         raise TraceContextError(
             f'{described} is written inside a nested transformation that JAX '
             f'{jax.__version__} cannot thread state out of ({err}); return the value from '
@@ -2214,6 +2290,10 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
 
 
 # -- Tracing, and tracing again -----------------------------------------------
+class _Redo(BaseException):
+    """Aborts a run that is redone anyway (not an Exception, which user code may catch)."""
+
+
 class _Retracer:
     """Why one function's body runs again, and what each run teaches later ones.
 
@@ -2277,6 +2357,9 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         with _axis_env(axis_env), _gc_paused():
             try:
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
+            except _Redo:
+                retracer.ref_states.update(pending)
+                continue
             except Exception as err:
                 isolated = retracer.next_run(pending, isolated, err)
                 if isolated is not None:
@@ -2414,9 +2497,7 @@ def _kept_layout(state, new):
     for k, (o, n) in enumerate(zip(old, leaves)):
         sharding = _multi_device(o)
         if sharding is not None and np.shape(o) == np.shape(n):
-            mesh_axes = getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-            explicit = _reshard is not None and _AXIS_EXPLICIT in mesh_axes
-            leaves[k] = (_reshard if explicit else jax.lax.with_sharding_constraint)(n, sharding)
+            leaves[k] = _laid_out(n, sharding)
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
@@ -3238,28 +3319,19 @@ class StatefulMapping(StatefulFunction):
 
     def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
         """Those of ``wanted`` (returned positions) whose value varies across lanes, per vmap."""
-        closed, first, seen = traced.closed_jaxpr, traced.n_out, []
+        closed, first = traced.closed_jaxpr, traced.n_out
         at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
         leaves = [_leaves(at[r]) for r in wanted]
         picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
-        identity = jax.custom_batching.custom_vmap(lambda *new: new)
-
-        @identity.def_vmap
-        def rule(axis_size, batched, *new):
-            seen.extend(batched)
-            return new, tuple(batched)
-
-        def lanes(*xs):
-            outs = run(*xs)
-            return identity(*[outs[j] for j in picked])
+        flags = iter([False] * len(picked))
         if picked:
             avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
                                  weak_type=v.aval.weak_type)
                      for v, b in zip(closed.jaxpr.invars, in_batched)]
             with _axis_env(self.axis_env):
-                jax.eval_shape(jax.vmap(lanes, in_axes=[0 if b else None for b in in_batched],
-                                        axis_name=self.axis_name, axis_size=n), *avals)
-        flags = iter(seen or [False] * len(picked))
+                flags = iter(_batched_flags(lambda *xs: [run(*xs)[j] for j in picked], avals,
+                                            [0 if b else None for b in in_batched],
+                                            self.axis_name, n) or [False] * len(picked))
         return [r for r, js in zip(wanted, leaves) if any([next(flags) for _ in js])]
 
     def _discover(self, lane_avals, split, sizes, size):
@@ -3290,9 +3362,10 @@ class StatefulMapping(StatefulFunction):
         try:
             traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
                                      name=self.name, return_only_write=True,
-                                     axis_env=axis_env, lift_aval=lift_aval, retracer=self._retracer)
+                                     axis_env=axis_env, lift_aval=lift_aval,
+                                     retracer=self._retracer)
         except NameError as err:
-            if 'axis' not in str(err) or self.axis_name is not None:
+            if not _unbound_axis(err) or self.axis_name is not None:
                 raise
             raise NameError(f'{err}\n{_who(self)} maps its axis without a name; for collectives '
                             "(lax.psum ...) over it, pass axis_name='<name>' and use that "
@@ -3521,21 +3594,6 @@ def _note_miss(sf, key, stale, entry) -> None:
 # and a checksum refusing damaged bytes before any parsing.
 
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
-
-
-def _jax_export():
-    """``jax.export``, or an ImportError naming what it needs beyond JAX (flatbuffers, absl-py)."""
-    try:
-        from jax import export as module
-        missing = None if importlib.util.find_spec('flatbuffers') else 'flatbuffers'
-    except ImportError as err:
-        missing = {'absl': 'absl-py', 'flatbuffers': 'flatbuffers'}.get(str(err.name).split('.')[0])
-        if missing is None:
-            raise
-    if missing:
-        raise ImportError(f'exporting needs the {missing!r} package, which jax.export uses '
-                          f'on JAX {jax.__version__}: pip install {missing}')
-    return module
 
 
 def _key_data(tree, impls=None):
@@ -3823,7 +3881,7 @@ def _evaluate(eqn, values):
             or _size(eqn.outvars) > max(_size(eqn.invars), _FOLD_MAX_GROWTH)):
         return eqn, None
     try:
-        outs = eqn.primitive.bind(*values, **eqn.params)
+        outs = _bind(eqn, values)
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return eqn, None
     return eqn, outs if eqn.primitive.multiple_results else [outs]

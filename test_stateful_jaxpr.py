@@ -2451,6 +2451,28 @@ class DerivativeThroughStateTest(unittest.TestCase):
                 with self.subTest(how=how, where=where):
                     self._check(how, where)
 
+    def test_read_after_write_in_a_differentiation_inside_a_body(self):
+        """Inside a differentiation inside a scan body, a read after a write sees the written
+        value with its tangent (every release)."""
+        h = State(jnp.array([0.5, -1.0, 2.0]), name='dts_body_read')
+
+        def inner(y):
+            h.value = jnp.tanh(y * 2.0) * h.value + y
+            return h.value * 3.0
+
+        def f(xs):
+            return lax.scan(lambda c, x: (c, jax.grad(lambda y: inner(y).sum())(x)), 0.0, xs)[1]
+
+        def explicit(xs, hv):
+            def body(hv, x):
+                g = jax.grad(lambda y: ((jnp.tanh(y * 2.0) * hv + y) * 3.0).sum())(x)
+                return jnp.tanh(x * 2.0) * hv + x, g
+            return lax.scan(body, hv, xs)
+        xs = jnp.array([[0.3, -0.7, 1.1], [0.15, -0.35, 0.55]])
+        hv, want = explicit(xs, h.value)
+        np.testing.assert_allclose(StatefulFunction(f)(xs), want, rtol=1e-5)
+        np.testing.assert_allclose(h.value, hv, rtol=1e-5)
+
     def test_write_inside_an_inner_jit_under_differentiation(self):
         """A write whose value carries a tangent inside a jit nested in the differentiated
         function keeps the tangent (JAX 0.7 and newer); before, it is a TraceContextError
