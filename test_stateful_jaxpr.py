@@ -383,6 +383,25 @@ class ModuleTest(unittest.TestCase):
             self.assertIn('-W error::DeprecationWarning -m unittest -v test_stateful_jaxpr',
                           fh.read())
 
+    def test_readme_releases_are_the_ci_matrix(self):
+        # "Supported and tested", the release table and .ci/run name the same releases.
+        with open(os.path.join(HERE, 'README.md')) as fh:
+            readme = fh.read()
+        with open(os.path.join(HERE, '.ci', 'run')) as fh:
+            matrix = re.search(r'^MATRIX="(.*?)"', fh.read(), re.S | re.M).group(1)
+        listed = re.search(r'Supported and tested: JAX (.*?); `bash', readme, re.S).group(1)
+        table = re.search(r'^\| JAX \|(.*)\|$', readme, re.M).group(1)
+        for releases in (re.findall(r'\d+\.\d+\.\d+(?:\.\d+)?', listed), table.split('|')):
+            self.assertEqual(sorted(r.strip() for r in releases),
+                             sorted({entry.split(':')[0] for entry in matrix.split()}))
+
+    def test_readme_names_the_compat_section(self):
+        # Where the README sends a reader when a new JAX release breaks something.
+        with open(os.path.join(HERE, 'README.md')) as fh:
+            self.assertIn('section 1, "Compatibility shims"', ' '.join(fh.read().split()))
+        with open(sj.__file__) as fh:
+            self.assertIn('\n# 1. Compatibility shims\n', fh.read())
+
 
 # =============================================================================
 # 1. Compatibility shims
@@ -5782,6 +5801,18 @@ class PlainTransformTest(unittest.TestCase):
                     for word in ('StatefulFunction', 'StatefulMapping', 'jaxpr_call'):
                         self.assertIn(word, msg)
                     _assert_unchanged(self, [cnt, acc], snapshot)
+
+    def test_a_plain_jit_bakes_in_what_it_reads(self):
+        # As the README says: a plain jax.jit keeps the value it read, like a
+        # Python global; a StatefulFunction, or passing the value, sees assignments.
+        s = State(jnp.float32(1.0), name='pt_baked')
+        plain, sf = jax.jit(lambda x: x * s.value), StatefulFunction(lambda x: x * s.value)
+        passed = jax.jit(lambda x, v: x * v)
+        self.assertEqual([float(plain(2.0)), float(sf(2.0)), float(passed(2.0, s.value))],
+                         [2.0, 2.0, 2.0])
+        s.value = jnp.float32(5.0)
+        self.assertEqual([float(plain(2.0)), float(sf(2.0)), float(passed(2.0, s.value))],
+                         [2.0, 10.0, 10.0])
 
     def test_read_only_calls_work_also_returning_every_state(self):
         w = State(jnp.arange(3.0), name='pt_w')
