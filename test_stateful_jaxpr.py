@@ -2062,11 +2062,11 @@ class NestedWriteTest(unittest.TestCase):
     def test_custom_jvp_and_custom_vjp_per_release(self):
         # As the README states per release: a write inside a custom_jvp
         # function raises TraceContextError; one inside a custom_vjp function
-        # raises the same before 0.7 and works from 0.7, also under jax.grad.  A read inside either works
-        # on every release, first touch there or not.  Every State is left
-        # unchanged and tracer-free after a raise.  Each write is tried with
-        # and without a State read by a plain jax.jit alive (then the trace is
-        # isolated under a fresh named axis, see the README).
+        # raises the same before 0.7 and works from 0.7, also under jax.grad.
+        # A read inside either works on every release, first touch there or
+        # not.  Every State is left unchanged and tracer-free after a raise.
+        # Each write is tried with and without a State read by a plain jax.jit
+        # alive (then the trace is isolated under a fresh named axis).
         jw = State(jnp.float32(0.0), name='cj_w')
         vw = State(jnp.float32(0.0), name='cv_w')
         jr = State(jnp.float32(3.0), name='cj_r')
