@@ -98,7 +98,7 @@ def _assert_unchanged(tc, states, snapshot):
             np.testing.assert_array_equal(a, b, err_msg=f'the value of {s.name!r} changed')
 
 
-# The installed JAX release, e.g. (0, 4, 30); 0.12.0.1 reads (0, 12, 0).
+# The installed JAX release, e.g. (0, 4, 38); 0.12.0.1 reads (0, 12, 0).
 _JAX_VERSION = tuple(int(p) for p in jax.__version__.split('.')[:3] if p.isdigit())
 
 
@@ -382,6 +382,25 @@ class ModuleTest(unittest.TestCase):
         with open(os.path.join(HERE, '.ci', 'run')) as fh:
             self.assertIn('-W error::DeprecationWarning -m unittest -v test_stateful_jaxpr',
                           fh.read())
+
+    def test_readme_releases_are_the_ci_matrix(self):
+        # "Supported and tested", the release table and .ci/run name the same releases.
+        with open(os.path.join(HERE, 'README.md')) as fh:
+            readme = fh.read()
+        with open(os.path.join(HERE, '.ci', 'run')) as fh:
+            matrix = re.search(r'^MATRIX="(.*?)"', fh.read(), re.S | re.M).group(1)
+        listed = re.search(r'Supported and tested: JAX (.*?); `bash', readme, re.S).group(1)
+        table = re.search(r'^\| JAX \|(.*)\|$', readme, re.M).group(1)
+        for releases in (re.findall(r'\d+\.\d+\.\d+(?:\.\d+)?', listed), table.split('|')):
+            self.assertEqual(sorted(r.strip() for r in releases),
+                             sorted({entry.split(':')[0] for entry in matrix.split()}))
+
+    def test_readme_names_the_compat_section(self):
+        # Where the README sends a reader when a new JAX release breaks something.
+        with open(os.path.join(HERE, 'README.md')) as fh:
+            self.assertIn('section 1, "Compatibility shims"', ' '.join(fh.read().split()))
+        with open(sj.__file__) as fh:
+            self.assertIn('\n# 1. Compatibility shims\n', fh.read())
 
 
 # =============================================================================
@@ -2055,34 +2074,29 @@ class NestedWriteTest(unittest.TestCase):
 
     def test_custom_jvp_and_custom_vjp_per_release(self):
         # As the README states per release: a write inside a custom_jvp
-        # function raises TraceContextError (JAX's UnexpectedTracerError before
-        # 0.4.36); one inside a custom_vjp function raises the same before 0.7
-        # and works from 0.7, also under jax.grad.  A read inside either works
-        # on every release, first touch there or not.  Every State is left
-        # unchanged and tracer-free after a raise.  Each write is tried with
-        # and without a State read by a plain jax.jit alive (then the trace is
-        # isolated under a fresh named axis, see the README).
-        old = _JAX_VERSION < (0, 4, 36)
-        ute = jax.errors.UnexpectedTracerError
+        # function raises TraceContextError; one inside a custom_vjp function
+        # raises the same before 0.7 and works from 0.7, also under jax.grad.
+        # A read inside either works on every release, first touch there or
+        # not.  Every State is left unchanged and tracer-free after a raise.
+        # Each write is tried with and without a State read by a plain jax.jit
+        # alive (then the trace is isolated under a fresh named axis).
         jw = State(jnp.float32(0.0), name='cj_w')
         vw = State(jnp.float32(0.0), name='cv_w')
         jr = State(jnp.float32(3.0), name='cj_r')
         vr = State(jnp.float32(3.0), name='cv_r')
         every = [jw, vw, jr, vr]
 
-        def raises(exc, sf, name=None):
+        def raises(sf, name):
             snap = _snapshot(every)
-            with self.assertRaises(Exception) as cm:
+            with self.assertRaises(TraceContextError) as cm:
                 sf(jnp.float32(1.0))
-            err = cm.exception
-            self.assertIsInstance(err, exc)
-            if isinstance(err, TraceContextError):
-                self.assertIn(f"State '{name}'", str(err))
-                if jax.config.jax_enable_checks and 'cannot carry it through' in str(err):
-                    # JAX's own type checker rejects the Ref program first.
-                    self.assertIn('Effects not supported in `custom_', str(err))
-                else:
-                    self.assertIn('cannot thread state out of', str(err))
+            err = str(cm.exception)
+            self.assertIn(f"State '{name}'", err)
+            if jax.config.jax_enable_checks and 'cannot carry it through' in err:
+                # JAX's own type checker rejects the Ref program first.
+                self.assertIn('Effects not supported in `custom_', err)
+            else:
+                self.assertIn('cannot thread state out of', err)
             _assert_unchanged(self, every, snap)
 
         @jax.custom_jvp
@@ -2117,9 +2131,9 @@ class NestedWriteTest(unittest.TestCase):
             self.assertEqual(bool(sj._BAKED_STATES), isolated)
             with self.subTest(isolated=isolated):
                 # custom_jvp write: raises on every release
-                raises(ute if old else TraceContextError, StatefulFunction(jvp_write), 'cj_w')
+                raises(StatefulFunction(jvp_write), 'cj_w')
                 # custom_vjp write, directly and under jax.grad
-                for fn, under_grad in ((vjp_write, False), (jax.grad(vjp_write), True)):
+                for fn in (vjp_write, jax.grad(vjp_write)):
                     sf = StatefulFunction(fn)
                     if _JAX_VERSION >= (0, 7):
                         vw.value = jnp.float32(0.0)
@@ -2127,13 +2141,8 @@ class NestedWriteTest(unittest.TestCase):
                         self.assertEqual(float(vw.value), 1.0)
                         self.assertFalse(_tracer_in(vw))
                         vw.value = jnp.float32(0.0)
-                    elif old:
-                        # isolated and under jax.grad, old JAX fails inside its
-                        # own tracer bookkeeping instead
-                        raises(KeyError if isolated and under_grad else (ute, TraceContextError),
-                               sf, 'cv_w')
                     else:
-                        raises(TraceContextError, sf, 'cv_w')
+                        raises(sf, 'cv_w')
         # a read inside either, first touch there / touched before the call
         for fn, s in ((jvp_read, jr), (vjp_read, vr)):
             self.assertEqual(float(StatefulFunction(fn)(jnp.float32(2.0))), 6.0)
@@ -2509,7 +2518,7 @@ class DerivativeThroughStateTest(unittest.TestCase):
                 return (h.value ** 2).sum() + jax.jit(lambda: h.value.sum())()
             return jax.grad(inner)(x)
         x = jnp.full(3, 0.3)
-        if (0, 4, 36) <= _JAX_VERSION < (0, 6):
+        if _JAX_VERSION < (0, 6):
             with self.assertRaisesRegex(TraceContextError, "dts_jit.*local variable"):
                 StatefulFunction(f)(x)
             np.testing.assert_array_equal(h.value, jnp.ones(3))
@@ -5423,14 +5432,14 @@ def _refused_differentiations(prog, eager=False) -> set:
     body there (JAX cannot take the value's gradient into the State), under
     jax.jacfwd from JAX 0.8 (JAX batches the whole body), and anywhere under
     jax.disable_jit() (``eager``: no stateful trace threads the write)."""
-    # (JAX 0.4.36 .. 0.5 cannot tell whether a differentiation is still running
+    # (JAX before 0.6 cannot tell whether a differentiation is still running
     # inside a jit or loop body: a read there after such a write is refused.)
     names = {f"'s{m[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] == 'diff'
              for m, inside in _nodes(n[4], 0) if m[0] == 'wseq' and (
                  eager or inside or (n[1] == 'jacfwd' and _JAX_VERSION >= (0, 8))
-                 or (0, 4, 36) <= _JAX_VERSION < (0, 6))}
-    # JAX 0.4.36 .. 0.4.38 refuses a Ref inside a jit under differentiation.
-    if (0, 4, 36) <= _JAX_VERSION < (0, 5) and any(
+                 or _JAX_VERSION < (0, 6))}
+    # JAX 0.4.38 refuses a Ref inside a jit under differentiation.
+    if _JAX_VERSION < (0, 5) and any(
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] == 'diff'
             for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
@@ -6230,6 +6239,18 @@ class PlainTransformTest(unittest.TestCase):
                     for word in ('StatefulFunction', 'StatefulMapping', 'jaxpr_call'):
                         self.assertIn(word, msg)
                     _assert_unchanged(self, [cnt, acc], snapshot)
+
+    def test_a_plain_jit_bakes_in_what_it_reads(self):
+        # As the README says: a plain jax.jit keeps the value it read, like a
+        # Python global; a StatefulFunction, or passing the value, sees assignments.
+        s = State(jnp.float32(1.0), name='pt_baked')
+        plain, sf = jax.jit(lambda x: x * s.value), StatefulFunction(lambda x: x * s.value)
+        passed = jax.jit(lambda x, v: x * v)
+        self.assertEqual([float(plain(2.0)), float(sf(2.0)), float(passed(2.0, s.value))],
+                         [2.0, 2.0, 2.0])
+        s.value = jnp.float32(5.0)
+        self.assertEqual([float(plain(2.0)), float(sf(2.0)), float(passed(2.0, s.value))],
+                         [2.0, 10.0, 10.0])
 
     def test_read_only_calls_work_also_returning_every_state(self):
         w = State(jnp.arange(3.0), name='pt_w')
@@ -8500,7 +8521,7 @@ class MakeJaxprTest(unittest.TestCase):
         self.assertIn('axis_index', str(closed))
 
     def test_abstracted_axes_per_release(self):
-        # As the README's table says: with jax_dynamic_shapes on, JAX 0.4.30 ..
+        # As the README's table says: with jax_dynamic_shapes on, JAX 0.4.38 ..
         # 0.6.x give a dynamic-shape jaxpr for inspection and calling raises;
         # 0.7.x raise a NotImplementedError naming the version; from 0.8.2
         # jax.make_jaxpr has no abstracted_axes and the constructors refuse it
@@ -8531,11 +8552,8 @@ class MakeJaxprTest(unittest.TestCase):
                 self.assertIn(f'cannot be honoured by JAX {jax.__version__}', str(cm.exception))
             _assert_unchanged(self, [s], snap)
             return
-        with warnings.catch_warnings():
-            # JAX 0.4.30 hashes a dynamic-shape tracer while tracing
-            warnings.filterwarnings('ignore', 'unhashable type', FutureWarning)
-            closed, states = sj.make_jaxpr(f, abstracted_axes=('n',))(x)
-            got = sf.get_jaxpr(x)
+        closed, states = sj.make_jaxpr(f, abstracted_axes=('n',))(x)
+        got = sf.get_jaxpr(x)
         self.assertEqual(states, (s,))
         for j in (closed, got):
             self.assertEqual(len(j.jaxpr.invars), 3)       # n, x:f32[n], s
