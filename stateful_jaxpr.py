@@ -54,7 +54,7 @@ __all__ = [
     'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState', 'HiddenState',
     'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree', 'StateTraceStack',
     'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not', 'Everything', 'Nothing',
-    'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr',
+    'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr', 'grad',
     'StatefulMapping', 'explain_cache_misses', 'export', 'deserialize', 'Exported',
     'constant_fold_jaxpr', 'IdentitySet', 'TraceContextError', 'BatchAxisError',
 ]
@@ -2875,9 +2875,9 @@ for _spec in (
 
 
 # =============================================================================
-# 8. make_jaxpr
+# 8. make_jaxpr and grad
 #
-# ``jax.make_jaxpr`` for functions that touch States, over StatefulFunction.
+# ``jax.make_jaxpr`` and ``jax.grad`` for functions that touch States, over StatefulFunction.
 # =============================================================================
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
@@ -2914,6 +2914,83 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
         shapes = (traced.out_shapes()[0],) if return_shape else ()
         return (traced.closed_jaxpr, traced.states, *shapes)
     return make
+
+
+def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphic: bool = False,
+         allow_int: bool = False, has_aux: bool | None = None, return_value: bool = False, *,
+         check_states: bool = True) -> StatefulFunction:
+    """``jax.grad`` of ``fun``'s scalar result with respect to States and arguments.
+
+    ``grads`` holds the gradients of ``grad_states`` (a State, or a sequence or dict of them, in
+    that structure), or of the arguments ``argnums`` (as ``jax.grad``'s; 0 without States), or
+    is ``(state_grads, arg_grads)`` given both.  A call returns it, then the loss with
+    ``return_value``, then ``aux`` with ``has_aux`` (``fun`` returns ``(loss, aux)``).  ``fun``'s
+    traced program is differentiated, its States as inputs; States it writes end as it left
+    them.  A StatefulFunction (compiled, composing in stateful traces); without ``fun``, a
+    decorator.  A grad State ``fun`` never touches is a ValueError (``check_states=False``: 0).
+
+    Example
+    -------
+    >>> w = ParamState(jnp.array([1.0, 2.0]), name='w')
+    >>> @grad(grad_states={'w': w}, argnums=0, return_value=True)
+    ... def loss(x):
+    ...     return (w.value * x).sum() ** 2
+    >>> (g, g_x), value = loss(jnp.ones(2))
+    >>> g['w'].tolist(), g_x.tolist(), float(value)
+    ([6.0, 6.0], [6.0, 12.0], 9.0)
+    """
+    if fun is None:
+        return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
+                              return_value, check_states=check_states)
+    inner, is_state = StatefulFunction(fun), lambda x: isinstance(x, State)
+    pairs, tree = jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)
+    for path, leaf in pairs:
+        if not is_state(leaf):
+            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
+                            f'{jax.tree_util.keystr(path)} is {leaf!r}; pass the State itself')
+    states = [leaf for _, leaf in pairs]
+    uniq = list(dict.fromkeys(states))
+    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
+    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
+        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
+
+    def run(*args, **kwargs):
+        n, touched = len(args), inner.get_states(*args, **kwargs)
+        if any(not -n <= i < n for i in nums or ()):
+            raise TypeError(f'grad(argnums={argnums!r}) of {_who(inner)}: the call passed '
+                            f'{n} positional argument(s)')
+        missing = [s._describe() for s in uniq if s not in touched]
+        if missing and check_states:
+            raise ValueError(f'grad of {_who(inner)}: it never touches {", ".join(missing)}, '
+                             'given in grad_states; drop it, or pass check_states=False for a '
+                             'zero gradient')
+        ints = [s._describe() for s in uniq if not allow_int and not all(
+            jnp.issubdtype(_aval_of(x).dtype, jnp.inexact) for x in _leaves(s.value))]
+        if ints:
+            raise TypeError(f'grad of {_who(inner)}: {", ".join(ints)}, given in grad_states, '
+                            'holds non-float values; pass allow_int=True for float0 gradients')
+        values = {s: s.value for s in touched}
+
+        def loss(grad_values, *args, **kwargs):
+            merged = {**values, **dict(zip(uniq, grad_values))}
+            new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
+            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(f'grad(has_aux=True): {_who(inner)} must return a pair (loss, '
+                                f'aux), not {jax.tree_util.tree_structure(out)}')
+            value, aux = out if has_aux else (out, None)
+            return value, (value, aux, new)
+        diff = jax.grad(loss, (0, *(i % n + 1 for i in nums or ())), has_aux=True,
+                        holomorphic=holomorphic, allow_int=allow_int)
+        g, (value, aux, new) = diff([s.value for s in uniq], *args, **kwargs)
+        for state, written in zip(touched, new):
+            if written is not None:
+                state.value = written
+        state_grads = tree.unflatten([g[0][uniq.index(s)] for s in states])
+        arg_grads = None if nums is None else g[1] if argnums is None or _is_int(argnums) else g[1:]
+        grads = arg_grads if not uniq else state_grads if nums is None else (state_grads, arg_grads)
+        extra = (value,) * bool(return_value) + (aux,) * bool(has_aux)
+        return (grads, *extra) if extra else grads
+    return StatefulFunction(run, name=f'grad({inner.name})')
 
 
 # =============================================================================

@@ -258,7 +258,7 @@ class ModuleTest(unittest.TestCase):
                      'StatefulMapping', 'to_predicate', 'OfType', 'Any', 'All', 'Not',
                      'Everything', 'Nothing', 'constant_fold_jaxpr', 'IdentitySet',
                      'TraceContextError', 'BatchAxisError', 'catch_new_states',
-                     'check_state_value_tree'):
+                     'check_state_value_tree', 'grad'):
             self.assertIn(name, sj.__all__)
             obj = getattr(sj, name)
             self.assertTrue(obj.__doc__, name)
@@ -7994,7 +7994,7 @@ class MultiProcessTest(unittest.TestCase):
 
 
 # =============================================================================
-# 8. make_jaxpr
+# 8. make_jaxpr and grad
 # =============================================================================
 
 
@@ -8108,6 +8108,294 @@ class MakeJaxprTest(unittest.TestCase):
 
 
 _add_with_checks(MakeJaxprTest)
+
+
+# -- grad -------------------------------------------------------------------------
+_GR_W, _GR_B = np.array([0.5, -1.0, 2.0], np.float32), np.float32(0.3)
+_GR_X, _GR_Y = jnp.array([0.3, -0.2, 0.7]), jnp.array([0.1, 0.0, -0.5])
+
+
+def _grad_states():
+    """Two ParamStates the loss reads and a running statistic it writes."""
+    return (sj.ParamState(jnp.asarray(_GR_W), name='gr_w'),
+            sj.ParamState(jnp.asarray(_GR_B), name='gr_b'), State(jnp.zeros(3), name='gr_stat'))
+
+
+def _grad_loss(w, b, stat, has_aux=False):
+    def loss(x, y):
+        h = jnp.tanh(w.value * x + b.value)
+        stat.value = 0.9 * stat.value + 0.1 * h
+        value = ((h - y) ** 2).sum()
+        return (value, {'h': h}) if has_aux else value
+    return loss
+
+
+def _grad_pure(p, stat, x, y):
+    """``_grad_loss`` with its States threaded by hand: ``(value, (aux, new stat))``."""
+    h = jnp.tanh(p['w'] * x + p['b'])
+    return ((h - y) ** 2).sum(), ({'h': h}, 0.9 * stat + 0.1 * h)
+
+
+def _grad_given(kind, w, b):
+    return {'none': None, 'state': w, 'list': [w, b], 'tuple': (b, w),
+            'dict': {'weight': w, 'bias': b}}[kind]
+
+
+def _grad_expected(kind, argnums, has_aux, return_value, x, y):
+    """brainstate's return conventions, built from jax.grad of the hand-threaded loss:
+    ``(expected result, the statistic's new value)``."""
+    p, stat = {'w': jnp.asarray(_GR_W), 'b': jnp.asarray(_GR_B)}, jnp.zeros(3)
+    value, (aux, new) = _grad_pure(p, stat, x, y)
+    gp = jax.grad(lambda p: _grad_pure(p, stat, x, y)[0])(p)
+    arg_grads = jax.grad(lambda *a: _grad_pure(p, stat, *a)[0],
+                         argnums=0 if argnums is None else argnums)(x, y)
+    state_grads = _grad_given(kind, gp['w'], gp['b'])
+    grads = (arg_grads if kind == 'none' else state_grads if argnums is None
+             else (state_grads, arg_grads))
+    extra = (value,) * return_value + (aux,) * has_aux
+    return ((grads, *extra) if extra else grads), new
+
+
+def _assert_tree_close(tc, got, want, what):
+    tc.assertEqual(jax.tree_util.tree_structure(got), jax.tree_util.tree_structure(want), what)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6, err_msg=what)
+
+
+def _rnn_reference(wv, uv, h0, xs, target):
+    """The recurrent loss with its hidden state as an explicit scan carry: ``(loss, final h)``."""
+    def step(h, x):
+        h = jnp.tanh(wv @ h + uv * x)
+        return h, None
+    h = lax.scan(step, h0, xs)[0]
+    return ((h - target) ** 2).sum(), h
+
+
+@jax.custom_vjp
+def _spike(v):
+    return (v > 1.0).astype(jnp.float32)
+
+
+_spike.defvjp(lambda v: (_spike(v), v), lambda v, g: (g / (1 + 10 * jnp.abs(v - 1.0)) ** 2,))
+
+
+class GradTest(_ErrorsCase):
+    """``grad``: the derivatives of ``jax.grad`` applied to the program with its States
+    threaded by hand, returned in brainstate 0.2.1's conventions; the States end as the
+    loss wrote them."""
+
+    def test_every_return_convention_matches_hand_threaded_jax_grad(self):
+        for kind, argnums, has_aux, return_value in itertools.product(
+                ('none', 'state', 'list', 'tuple', 'dict'), (None, 1, (0, 1)), (False, True),
+                (False, True)):
+            what = f'grad_states={kind} argnums={argnums} has_aux={has_aux} ' \
+                   f'return_value={return_value}'
+            with self.subTest(what):
+                w, b, stat = _grad_states()
+                g = sj.grad(_grad_loss(w, b, stat, has_aux), _grad_given(kind, w, b), argnums,
+                            has_aux=has_aux, return_value=return_value)
+                want, new = _grad_expected(kind, argnums, has_aux, return_value, _GR_X, _GR_Y)
+                _assert_tree_close(self, g(_GR_X, _GR_Y), want, what)
+                # the loss's write lands once; the States it only reads are untouched
+                np.testing.assert_allclose(stat.value, new, rtol=1e-6, err_msg=what)
+                np.testing.assert_array_equal(w.value, _GR_W)
+                np.testing.assert_array_equal(b.value, _GR_B)
+
+    def test_defaults_a_list_argnums_and_keyword_arguments(self):
+        w, b, stat = _grad_states()
+        loss = _grad_loss(w, b, stat)
+        # without grad_states: jax.grad's own default, argument 0
+        _assert_tree_close(self, sj.grad(loss)(_GR_X, _GR_Y),
+                           _grad_expected('none', None, False, False, _GR_X, _GR_Y)[0], 'plain')
+        want = _grad_expected('list', (1,), False, False, _GR_X, _GR_Y)[0]
+        got = sj.grad(loss, [w, b], [1])(_GR_X, _GR_Y)
+        _assert_tree_close(self, got, want, 'argnums=[1]')
+        got = sj.grad(loss, [w, b], [0])(_GR_X, y=_GR_Y)    # a keyword is not differentiated
+        _assert_tree_close(self, got, _grad_expected('list', (0,), False, False, _GR_X, _GR_Y)[0],
+                           'y by keyword')
+        # a negative argnums counts from the end, as jax.grad's
+        _assert_tree_close(self, sj.grad(loss, w, -1)(_GR_X, _GR_Y),
+                           _grad_expected('state', 1, False, False, _GR_X, _GR_Y)[0], 'argnums=-1')
+        # the same State twice gets the whole gradient twice (as brainstate)
+        got = sj.grad(loss, [w, b, w])(_GR_X, _GR_Y)
+        _assert_tree_close(self, got, [got[0], got[1], got[0]], 'duplicate')
+        np.testing.assert_allclose(got[2], want[0][0], rtol=2e-5)
+
+    def test_decorator_and_calls_inside_and_outside_a_stateful_function(self):
+        w, b, stat = _grad_states()
+
+        @sj.grad(grad_states={'weight': w, 'bias': b}, return_value=True)
+        def loss(x, y):
+            return _grad_loss(w, b, stat)(x, y)
+        self.assertIsInstance(loss, StatefulFunction)
+        want, new = _grad_expected('dict', None, False, True, _GR_X, _GR_Y)
+        _assert_tree_close(self, loss(_GR_X, _GR_Y), want, 'decorated')
+        np.testing.assert_allclose(stat.value, new, rtol=1e-6)
+
+        # a training loop inside a stateful function: plain SGD in a lax.scan
+        @StatefulFunction
+        def train(xs, y):
+            def step(c, x):
+                grads, value = loss(x, y)
+                w.value = w.value - 0.1 * grads['weight']
+                b.value = b.value - 0.1 * grads['bias']
+                return c, value
+            return lax.scan(step, 0.0, xs)[1]
+        xs = jnp.stack([_GR_X, -_GR_X, 2 * _GR_X])
+        stat.value = jnp.zeros(3)
+        values = train(xs, _GR_Y)
+        p, sv, want = {'w': jnp.asarray(_GR_W), 'b': jnp.asarray(_GR_B)}, jnp.zeros(3), []
+        for x in xs:
+            (value, (_, sv)), gp = jax.value_and_grad(
+                lambda p: _grad_pure(p, sv, x, _GR_Y), has_aux=True)(p)
+            p = jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, p, gp)
+            want.append(value)
+        np.testing.assert_allclose(values, want, rtol=2e-5)
+        for state, expected in ((w, p['w']), (b, p['b']), (stat, sv)):
+            np.testing.assert_allclose(state.value, expected, rtol=2e-5, err_msg=state.name)
+            self.assertFalse(_tracer_in(state))
+
+    def test_runs_compiled_tracing_the_loss_once(self):
+        w, b, stat = _grad_states()
+        runs = [0]
+
+        def loss(x):
+            runs[0] += 1
+            return (w.value * x).sum() ** 2
+        g = sj.grad(loss, w)
+        for _ in range(3):
+            np.testing.assert_allclose(g(_GR_X), 2 * (_GR_W * _GR_X).sum() * _GR_X, rtol=1e-6)
+        self.assertEqual(runs[0], 1)
+        stats = g.get_cache_stats()['jaxpr_cache']
+        self.assertEqual((stats['misses'], stats['hits']), (1, 2))
+        self.assertIn('mul', str(g.get_jaxpr(_GR_X)))     # the gradient program itself
+
+    def test_nested_stateful_function_rng_and_outer_differentiation(self):
+        """A loss calling a nested StatefulFunction that draws from a RandomState; and
+        jax.grad through a function that takes a grad (second order)."""
+        w, b, stat = _grad_states()
+        rng = RandomState(3, name='gr_rng')
+        model = StatefulFunction(
+            lambda x: jnp.tanh(w.value * x) * jax.random.bernoulli(rng.split_key(), 0.5, (3,)))
+        g = sj.grad(lambda x: (model(x) ** 2).sum(), w)
+        key = rng.value
+        got = g(_GR_X)
+        mask = jax.random.bernoulli(jax.random.split(key)[1], 0.5, (3,))
+        want = jax.grad(lambda wv: ((jnp.tanh(wv * _GR_X) * mask) ** 2).sum())(jnp.asarray(_GR_W))
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        np.testing.assert_array_equal(rng.value, jax.random.split(key)[0])   # advanced once
+
+        def outer(a):
+            w.value = a * jnp.asarray(_GR_W)
+            return (sj.grad(lambda x: (jnp.sin(w.value * x) ** 2).sum(), w)(_GR_X) ** 2).sum()
+        inner = lambda wv: jax.grad(lambda v: (jnp.sin(v * _GR_X) ** 2).sum())(wv)  # noqa: E731
+        want = jax.grad(lambda a: (inner(a * jnp.asarray(_GR_W)) ** 2).sum())(1.3)
+        np.testing.assert_allclose(StatefulFunction(jax.grad(outer))(1.3), want, rtol=1e-5)
+        np.testing.assert_allclose(w.value, 1.3 * _GR_W, rtol=1e-6)
+
+    def test_under_plain_jax_transformations(self):
+        w, b, stat = _grad_states()
+        g = sj.grad(lambda x: (w.value * x).sum() ** 2, w)
+        xs = jnp.stack([_GR_X, 2 * _GR_X])
+        want = jax.vmap(lambda x: jax.grad(lambda v: (v * x).sum() ** 2)(jnp.asarray(_GR_W)))(xs)
+        np.testing.assert_allclose(jax.vmap(g)(xs), want, rtol=1e-6)    # per-example gradients
+        np.testing.assert_allclose(jax.jit(g)(_GR_X), want[0], rtol=1e-6)
+        # a loss that writes a State cannot run under a plain jax.jit: nothing carries the write
+        writes = sj.grad(_grad_loss(w, b, stat), w)
+        self.check(TraceContextError, lambda: jax.jit(writes)(_GR_X, _GR_Y), [w, b, stat],
+                   culprit=self.site('gr_stat'), fix=['StatefulFunction'])
+
+    def test_holomorphic_and_allow_int(self):
+        c = State(jnp.array([1.0 + 1.0j, 2.0 - 0.5j]), name='gr_c')
+        got = sj.grad(lambda: (c.value ** 2).sum(), c, holomorphic=True)()
+        np.testing.assert_allclose(got, 2 * c.value, rtol=1e-6)
+        n = State(jnp.arange(3), name='gr_n')
+        w, b, stat = _grad_states()
+        got = sj.grad(lambda: (w.value * n.value).sum(), [w, n], allow_int=True)()
+        np.testing.assert_allclose(got[0], np.arange(3.0))
+        self.assertEqual(got[1].dtype, jax.dtypes.float0)
+        self.check(TypeError, lambda: sj.grad(lambda: (w.value * n.value).sum(), [w, n])(),
+                   [w, n], culprit=self.site('gr_n'), fix=['allow_int=True'])
+
+    def test_errors_name_the_state_or_argument_and_change_nothing(self):
+        w, b, stat = _grad_states()
+        loss, every = _grad_loss(w, b, stat), [w, b, stat]
+        self.check(TypeError, lambda: sj.grad(loss, {'w': w, 'v': w.value}), every,
+                   culprit=["grad_states['v']"], fix=['State itself'])
+        self.check(ValueError, lambda: sj.grad(loss, [w, State(1.0, name='gr_unused')])(
+            _GR_X, _GR_Y), every, culprit=self.site('gr_unused'), fix=['check_states=False'])
+        self.check(TypeError, lambda: sj.grad(loss, w, (0, 2))(_GR_X, _GR_Y), every,
+                   culprit=['argnums=(0, 2)', '2 positional'])
+        self.check(TypeError, lambda: sj.grad(loss, w, 'x'), every, culprit=["'x'", 'argnums'])
+        self.check(TypeError, lambda: sj.grad(loss, w, has_aux=True)(_GR_X, _GR_Y), every,
+                   culprit=['(loss, aux)', 'loss'])
+        self.check(TypeError, lambda: sj.grad(lambda x: w.value * x, w)(_GR_X), every,
+                   culprit=['scalar'])
+        # with check_states=False a State the loss never touches gets a zero gradient
+        unused = State(jnp.ones(2), name='gr_unused')
+        got = sj.grad(loss, [w, unused], check_states=False)(_GR_X, _GR_Y)
+        np.testing.assert_array_equal(got[1], np.zeros(2))
+
+    def test_bptt_through_a_hidden_state_written_in_scan_fori_and_cond(self):
+        """Backpropagation through time: the loss writes a HiddenState in every step of a
+        lax.scan (a cond inside it) or a fori_loop, the gradient goes through all steps."""
+        xs, target = jnp.array([[1.0, 0.0, 0.5], [0.2, -1.0, 0.3], [0.0, 0.4, 1.0]]), jnp.zeros(3)
+        wv, uv = 0.5 * jnp.eye(3) + 0.1, jnp.array([1.0, -0.5, 0.8])
+        for loop in ('scan', 'fori', 'scan_cond'):
+            with self.subTest(loop=loop):
+                w, u = sj.ParamState(wv, name='bp_w'), sj.ParamState(uv, name='bp_u')
+                h = sj.HiddenState(jnp.zeros(3), name='bp_h')
+
+                def step(x):
+                    new = jnp.tanh(w.value @ h.value + u.value * x)
+                    if loop == 'scan_cond':
+                        new = lax.cond(x.sum() > 0, lambda: new, lambda: -new)
+                    h.value = new
+
+                def loss(xs):
+                    if loop == 'fori':
+                        lax.fori_loop(0, 3, lambda i, c: (step(xs[i]), c)[1], 0.0)
+                    else:
+                        lax.scan(lambda c, x: (step(x), (c, None))[1], 0.0, xs)
+                    return ((h.value - target) ** 2).sum()
+                got, value = sj.grad(loss, {'w': w, 'u': u}, return_value=True)(xs)
+
+                def ref(p, h0):
+                    def body(hh, x):
+                        new = jnp.tanh(p['w'] @ hh + p['u'] * x)
+                        if loop == 'scan_cond':
+                            new = lax.cond(x.sum() > 0, lambda: new, lambda: -new)
+                        return new, None
+                    hh = lax.scan(body, h0, xs)[0]
+                    return ((hh - target) ** 2).sum(), hh
+                (want_value, h_end), want = jax.value_and_grad(ref, has_aux=True)(
+                    {'w': wv, 'u': uv}, jnp.zeros(3))
+                _assert_tree_close(self, got, want, loop)
+                np.testing.assert_allclose(value, want_value, rtol=2e-5)
+                np.testing.assert_allclose(h.value, h_end, rtol=2e-5)   # the primal value
+                self.assertFalse(_tracer_in(h))
+
+    def test_bptt_with_a_surrogate_spike(self):
+        """A leaky integrate-and-fire layer: the membrane potential is a State written in
+        every step of a lax.scan, spikes a custom_vjp whose surrogate gradient must survive."""
+        wv, xs = jnp.array([0.6, 0.9, 1.3]), jnp.ones((6, 3))
+        w, v = sj.ParamState(wv, name='lif_w'), sj.HiddenState(jnp.zeros(3), name='lif_v')
+
+        def loss(xs):
+            def body(c, x):
+                v.value = 0.9 * v.value + w.value * x
+                return c, _spike(v.value).sum()
+            return lax.scan(body, 0.0, xs)[1].sum()
+
+        def ref(wv):
+            def body(vv, x):
+                vv = 0.9 * vv + wv * x
+                return vv, _spike(vv).sum()
+            return lax.scan(body, jnp.zeros(3), xs)[1].sum()
+        want = jax.grad(ref)(wv)
+        self.assertTrue(np.all(np.asarray(want) != 0))
+        np.testing.assert_allclose(sj.grad(loss, w)(xs), want, rtol=2e-5)
+        np.testing.assert_allclose(StatefulFunction(sj.grad(loss, w))(xs), want, rtol=2e-5)
 
 
 # =============================================================================
