@@ -310,7 +310,7 @@ class ModuleTest(unittest.TestCase):
         with open(os.path.join(HERE, 'README.md')) as fh:
             blocks = re.findall(r'```python\n(.*?)```', fh.read(), re.S)
         checks = {'def step(x):': self._readme_check_example,
-                  'def run(xs):': self._readme_check_scan,
+                  'def train_step(xs):': self._readme_check_training,
                   'def neuron(i_ext):': self._readme_check_mapping,
                   'def serve(x):': self._readme_check_export}
         self.assertEqual(len(blocks), len(checks))
@@ -354,12 +354,22 @@ class ModuleTest(unittest.TestCase):
         self.assertIsNone(g['new_states'][1])
         self.assertEqual([np.shape(v) for v in g['new_states'] if v is not None], [(2,), (3,)])
 
-    def _readme_check_scan(self, g):
-        ref = np.zeros(4, np.float32)               # h is updated after three steps
-        for _ in range(3):
-            ref = np.tanh(ref + 1.0)
-        np.testing.assert_allclose(g['h'].value, ref, rtol=1e-6)
-        self.assertEqual(g['sums'].shape, (3,))
+    def _readme_check_training(self, g):
+        # five steps of the explicit-carry program: jax.value_and_grad, then plain SGD; the
+        # hidden state runs on from one call to the next
+        xs, p, h, losses = jnp.ones((4, 3)), (0.5 * jnp.eye(3), jnp.ones(3)), jnp.zeros(3), []
+
+        def loss(p, h):
+            h = lax.scan(lambda h, x: (jnp.tanh(p[0] @ h + p[1] * x), None), h, xs)[0]
+            return ((h - 0.5) ** 2).sum(), h
+        for _ in range(5):
+            (value, h), grads = jax.value_and_grad(loss, has_aux=True)(p, h)
+            p = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, grads)
+            losses.append(value)
+        np.testing.assert_allclose(g['losses'], losses, rtol=2e-5)
+        self.assertTrue(np.all(np.diff(losses) < 0))                      # falling
+        for state, want in zip((g['w'], g['u'], g['h']), (*p, h)):
+            np.testing.assert_allclose(state.value, want, rtol=2e-5, atol=1e-6)
 
     def _readme_check_mapping(self, g):
         # shape (64,); v stays (64, 3); rng advanced once
