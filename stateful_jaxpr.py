@@ -299,6 +299,15 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
+# jax.export serializes a pytree node type only once registered (all releases): its registry
+# maps a type to (serialized name, ...); its refusal names the type (serializing) or the name.
+def _export_registry() -> dict:   # (asked once jax.export is imported)
+    return _probe('jax._src.export._export:serialization_registry') or {}
+
+
+_UNREGISTERED_PYTREE = r'unregistered type `([^`]*)`'
+
+
 def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
     spec = jax.random.key_impl(key)
     return spec if isinstance(spec, str) else spec._impl.name
@@ -2944,10 +2953,9 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
                               return_value, check_states=check_states)
     inner, is_state = StatefulFunction(fun), lambda x: isinstance(x, State)
     pairs, tree = jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)
-    for path, leaf in pairs:
-        if not is_state(leaf):
-            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
-                            f'{jax.tree_util.keystr(path)} is {leaf!r}; pass the State itself')
+    bad = [f'grad_states{jax.tree_util.keystr(p)} is {x!r}' for p, x in pairs if not is_state(x)]
+    if bad:
+        raise TypeError(f'grad(grad_states=...) takes States, but {bad[0]}; pass the State itself')
     states = [leaf for _, leaf in pairs]
     uniq = list(dict.fromkeys(states))
     nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
@@ -2959,16 +2967,15 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         if any(not -n <= i < n for i in nums or ()):
             raise TypeError(f'grad(argnums={argnums!r}) of {_who(inner)}: the call passed '
                             f'{n} positional argument(s)')
-        missing = [s._describe() for s in uniq if s not in touched]
-        if missing and check_states:
-            raise ValueError(f'grad of {_who(inner)}: it never touches {", ".join(missing)}, '
-                             'given in grad_states; drop it, or pass check_states=False for a '
-                             'zero gradient')
+        missing = [s._describe() for s in uniq if s not in touched and check_states]
         ints = [s._describe() for s in uniq if not allow_int and not all(
             jnp.issubdtype(_aval_of(x).dtype, jnp.inexact) for x in _leaves(s.value))]
-        if ints:
-            raise TypeError(f'grad of {_who(inner)}: {", ".join(ints)}, given in grad_states, '
-                            'holds non-float values; pass allow_int=True for float0 gradients')
+        if missing or ints:
+            raise (ValueError if missing else TypeError)(
+                f'grad of {_who(inner)}: {", ".join(missing or ints)}, given in grad_states, ' + (
+                    'is never touched by it; drop it, or pass check_states=False for a zero '
+                    'gradient' if missing else 'holds non-float values; pass allow_int=True '
+                    'for float0 gradients'))
         values = {s: s.value for s in touched}
 
         def loss(grad_values, *args, **kwargs):
@@ -3530,6 +3537,34 @@ def _named(err, name: str):   # an error of jax.export, led by ``name``
     return kind(f'{name}: {err}')
 
 
+def _pytree_slots(exported) -> list:
+    """``(label, node types)`` per argument, State and result of a jax.export Exported."""
+    def types(tree):
+        data = tree.node_data()
+        return {data and data[0]}.union(*map(types, tree.children()))
+
+    def keyed(tree):   # a dict node's (key, child) pairs
+        return zip(tree.node_data()[1], tree.children())
+    (args, kwargs), (out, new) = exported.in_tree.children(), exported.out_tree.children()
+    slots = [(f'argument {i}', t) for i, t in enumerate(args.children())]
+    slots += [(f'keyword argument {k!r}', t) for k, t in keyed(kwargs) if k != 'states']
+    slots += [(f'state {n!r}', t) for k, s in keyed(kwargs) if k == 'states' for n, t in keyed(s)]
+    slots += [('the result', out)] + [(f'state {n!r}', t) for n, t in keyed(new)]
+    return [(label, types(t)) for label, t in slots]
+
+
+def _unregistered(err, where: str, slots):
+    """For ``err``, jax.export refusing a pytree type it has no registration for, a ValueError
+    naming the ``slots`` (label, type names) holding it and the registration; else None."""
+    found = re.search(_UNREGISTERED_PYTREE, str(err))
+    held = found and ', '.join(dict.fromkeys(k for k, names in slots if found[1] in names))
+    return found and ValueError(
+        f'{where}: {held or "a value"} holds a pytree of type {found[1]}, which jax.export '
+        'serializes only once registered, under one serialized_name in the exporting and the '
+        'loading process: jax.export.register_namedtuple_serialization for a NamedTuple, else '
+        'jax.export.register_pytree_node_serialization')
+
+
 class Exported:
     """What :func:`export` returns (called as it says) and :func:`deserialize`
     loads: ``exported`` is jax.export's, ``manifest`` JSON naming the
@@ -3551,9 +3586,21 @@ class Exported:
         if not _is_int(vjp_order) or vjp_order < 0:
             raise (ValueError if _is_int(vjp_order) else TypeError)(
                 f'Exported.serialize(vjp_order=...) needs an int >= 0, got {vjp_order!r}')
-        header = json.dumps(self.manifest, sort_keys=True).encode()
-        body = (len(header).to_bytes(8, 'little') + header
-                + bytes(self.exported.serialize(vjp_order=vjp_order)))
+        slots = _pytree_slots(self.exported)
+        try:
+            data = bytes(self.exported.serialize(vjp_order=vjp_order))
+        except ValueError as err:
+            where = f"Exported.serialize of {self.manifest['function']!r}"
+            better = _unregistered(err, where, [(k, map(str, types)) for k, types in slots])
+            if better is None:
+                raise
+            raise better from err
+        names, registry = {}, _export_registry()   # a process lacking one hears which slot
+        for label, types in slots:
+            names.setdefault(label, set()).update(registry[t][0] for t in types if t in registry)
+        header = json.dumps({**self.manifest, 'pytrees': {k: sorted(v) for k, v in names.items()
+                                                          if v}}, sort_keys=True).encode()
+        body = len(header).to_bytes(8, 'little') + header + data
         return _EXPORT_MAGIC + hashlib.sha256(body).digest() + body
 
     def __call__(self, *args, states=None, **kwargs):
@@ -3681,15 +3728,18 @@ def deserialize(data) -> Exported:
     if hashlib.sha256(data[start:]).digest() != data[len(_EXPORT_MAGIC):start]:
         raise ValueError('deserialize: these bytes are damaged or cut short (their checksum '
                          'does not match); export and serialize the function again')
-    module = _jax_export()
+    module, where, pytrees = _jax_export(), 'deserialize', {}
     try:   # only bytes with a valid checksum that this module did not write get here
         end = start + 8 + int.from_bytes(data[start:start + 8], 'little')
         manifest = json.loads(data[start + 8:end])
-        manifest['function'], manifest['result_keys'], [s['role'] for s in manifest['states']]
+        manifest['result_keys'], [s['role'] for s in manifest['states']]
+        pytrees = dict(manifest.pop('pytrees', {}))   # see Exported.serialize
+        where = f"deserialize of {manifest['function']!r}"
         return Exported(module.deserialize(bytearray(data[end:])), manifest)
     except Exception as err:
-        raise ValueError(f'deserialize: these bytes are not an export of stateful_jaxpr '
-                         f'({type(err).__name__}: {err})') from err
+        raise _unregistered(err, where, pytrees.items()) or ValueError(
+            f'deserialize: these bytes are not an export of stateful_jaxpr '
+            f'({type(err).__name__}: {err})') from err
 
 
 # =============================================================================

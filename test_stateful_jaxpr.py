@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 import types
+import typing
 import unittest
 from unittest import mock
 import warnings
@@ -10062,8 +10063,63 @@ class ExportTest(unittest.TestCase):
         self.assertIn('pip install flatbuffers', proc.stdout)
 
 
+class _Moments(typing.NamedTuple):   # an optimizer state as a pytree (optax's are NamedTuples)
+    mu: jax.Array
+    nu: jax.Array
+
+
 @unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
 class ExportRobustnessTest(unittest.TestCase):
+
+    def test_an_unregistered_pytree_type_names_its_holders_and_the_registration(self):
+        class Unregistered(typing.NamedTuple):
+            a: jax.Array
+        opt = State(Unregistered(jnp.zeros(2)), name='ur_opt')
+
+        def step(x, p):
+            opt.value = Unregistered(opt.value.a + x)
+            return p
+        ex = sj.export(step, jnp.ones(2), Unregistered(jnp.ones(2)))
+        snapshot = _snapshot([opt])
+        with self.assertRaises(ValueError) as cm:
+            ex.serialize()
+        msg = str(cm.exception)
+        for words in ("Exported.serialize of 'step'", 'argument 1', "state 'ur_opt'",
+                      'the result', 'Unregistered', 'register_namedtuple_serialization',
+                      'register_pytree_node_serialization'):
+            self.assertIn(words, msg)
+        _assert_unchanged(self, [opt], snapshot)
+
+    def test_deserializing_where_a_pytree_type_is_not_registered_names_the_state(self):
+        try:
+            sj._jax_export().register_namedtuple_serialization(
+                _Moments, serialized_name='test_stateful_jaxpr.Moments')
+        except ValueError:   # registered by an earlier run in this process
+            pass
+        moments = State(_Moments(jnp.zeros(2), jnp.ones(2)), name='ur_moments')
+
+        def step(x):
+            moments.value = _Moments(moments.value.mu + x, moments.value.nu * 2)
+            return x.sum()
+        ex = sj.export(step, jnp.ones(2))
+        blob = ex.serialize()
+        loaded = sj.deserialize(blob)     # here the type is registered
+        self.assertEqual(loaded.manifest, ex.manifest)
+        out, new = loaded(jnp.ones(2), states={'ur_moments': _Moments(jnp.zeros(2), jnp.ones(2))})
+        self.assertIsInstance(new['ur_moments'], _Moments)
+        np.testing.assert_array_equal(new['ur_moments'].nu, [2.0, 2.0])
+        with tempfile.TemporaryDirectory() as tmp:   # a process that never registered it
+            path = os.path.join(tmp, 'blob')
+            with open(path, 'wb') as fh:
+                fh.write(blob)
+            code = ('import sys, stateful_jaxpr as sj\ntry:\n    sj.deserialize(open(sys.argv[1], '
+                    '"rb").read())\nexcept ValueError as err:\n    print(err)')
+            proc = subprocess.run([sys.executable, '-c', code, path], cwd=HERE,
+                                  capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        for words in ("deserialize of 'step': state 'ur_moments'", 'test_stateful_jaxpr.Moments',
+                      'register_namedtuple_serialization', 'register_pytree_node_serialization'):
+            self.assertIn(words, proc.stdout)
 
     def _counter(self):
         acc = State(jnp.arange(3.0), name='acc')
