@@ -2936,7 +2936,8 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     ``return_value``, then ``aux`` with ``has_aux`` (``fun`` returns ``(loss, aux)``).  ``fun``'s
     traced program is differentiated, its States as inputs; States it writes end as it left
     them.  A StatefulFunction (compiled, composing in stateful traces); without ``fun``, a
-    decorator.  A grad State ``fun`` never touches is a ValueError (``check_states=False``: 0).
+    decorator.  A grad State ``fun`` never touches is a ValueError, or with
+    ``check_states=False`` gets a zero gradient.
 
     Example
     -------
@@ -2978,6 +2979,8 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
                     'for float0 gradients'))
         values = {s: s.value for s in touched}
 
+        # The traced program takes every State as an input, so one written in a loop body is a
+        # carry there and jax.grad backpropagates through all its steps on every release.
         def loss(grad_values, *args, **kwargs):
             merged = {**values, **dict(zip(uniq, grad_values))}
             new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
