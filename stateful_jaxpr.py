@@ -300,11 +300,9 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
 
 
 # jax.export serializes a pytree node type only once registered (all releases): its registry
-# maps a type to (serialized name, ...); its refusal names the type (serializing) or the name.
-def _export_registry() -> dict:   # (asked once jax.export is imported)
-    return _probe('jax._src.export._export:serialization_registry') or {}
-
-
+# (probed once jax.export is imported) maps a type to (serialized name, ...); its refusal
+# names the type (serializing) or the serialized name (loading).
+_EXPORT_REGISTRY = 'jax._src.export._export:serialization_registry'
 _UNREGISTERED_PYTREE = r'unregistered type `([^`]*)`'
 
 
@@ -3593,13 +3591,13 @@ class Exported:
         try:
             data = bytes(self.exported.serialize(vjp_order=vjp_order))
         except ValueError as err:
-            where = f"Exported.serialize of {self.manifest['function']!r}"
-            better = _unregistered(err, where, [(k, map(str, types)) for k, types in slots])
+            better = _unregistered(err, f"Exported.serialize of {self.manifest['function']!r}",
+                                   [(k, map(str, types)) for k, types in slots])
             if better is None:
                 raise
             raise better from err
-        names, registry = {}, _export_registry()   # a process lacking one hears which slot
-        for label, types in slots:
+        names, registry = {}, _probe(_EXPORT_REGISTRY) or {}   # a loading process lacking a
+        for label, types in slots:                              # type hears which slot holds it
             names.setdefault(label, set()).update(registry[t][0] for t in types if t in registry)
         header = json.dumps({**self.manifest, 'pytrees': {k: sorted(v) for k, v in names.items()
                                                           if v}}, sort_keys=True).encode()
