@@ -54,7 +54,7 @@ __all__ = [
     'State', 'ShortTermState', 'LongTermState', 'ParamState', 'BatchState', 'HiddenState',
     'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree', 'StateTraceStack',
     'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not', 'Everything', 'Nothing',
-    'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr',
+    'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr', 'grad',
     'StatefulMapping', 'explain_cache_misses', 'export', 'deserialize', 'Exported',
     'constant_fold_jaxpr', 'IdentitySet', 'TraceContextError', 'BatchAxisError',
 ]
@@ -417,6 +417,12 @@ def _jax_export():
         raise ImportError(f'exporting needs the {missing!r} package, which jax.export uses '
                           f'on JAX {jax.__version__}: pip install {missing}')
     return module
+
+# jax.export serializes a pytree node type only once registered (all releases): its registry
+# (probed once jax.export is imported) maps a type to (serialized name, ...); its refusal
+# names the type (serializing) or the serialized name (loading).
+_EXPORT_REGISTRY = 'jax._src.export._export:serialization_registry'
+_UNREGISTERED_PYTREE = r'unregistered type `([^`]*)`'
 
 
 def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
@@ -3060,9 +3066,9 @@ for _spec in (
 
 
 # =============================================================================
-# 8. make_jaxpr
+# 8. make_jaxpr and grad
 #
-# ``jax.make_jaxpr`` for functions that touch States, over StatefulFunction.
+# ``jax.make_jaxpr`` and ``jax.grad`` for functions that touch States, over StatefulFunction.
 # =============================================================================
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
@@ -3099,6 +3105,84 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
         shapes = (traced.out_shapes()[0],) if return_shape else ()
         return (traced.closed_jaxpr, traced.states, *shapes)
     return make
+
+
+def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphic: bool = False,
+         allow_int: bool = False, has_aux: bool | None = None, return_value: bool = False, *,
+         check_states: bool = True) -> StatefulFunction:
+    """``jax.grad`` of ``fun``'s scalar result with respect to States and arguments.
+
+    ``grads`` holds the gradients of ``grad_states`` (a State, or a sequence or dict of them, in
+    that structure), or of the arguments ``argnums`` (as ``jax.grad``'s; 0 without States), or
+    is ``(state_grads, arg_grads)`` given both.  A call returns it, then the loss with
+    ``return_value``, then ``aux`` with ``has_aux`` (``fun`` returns ``(loss, aux)``).  ``fun``'s
+    traced program is differentiated, its States as inputs; States it writes end as it left
+    them.  A StatefulFunction (compiled, composing in stateful traces); without ``fun``, a
+    decorator.  A grad State ``fun`` never touches is a ValueError, or with
+    ``check_states=False`` gets a zero gradient.
+
+    Example
+    -------
+    >>> w = ParamState(jnp.array([1.0, 2.0]), name='w')
+    >>> @grad(grad_states={'w': w}, argnums=0, return_value=True)
+    ... def loss(x):
+    ...     return (w.value * x).sum() ** 2
+    >>> (g, g_x), value = loss(jnp.ones(2))
+    >>> g['w'].tolist(), g_x.tolist(), float(value)
+    ([6.0, 6.0], [6.0, 12.0], 9.0)
+    """
+    if fun is None:
+        return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
+                              return_value, check_states=check_states)
+    inner, is_state = StatefulFunction(fun), lambda x: isinstance(x, State)
+    pairs, tree = jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)
+    bad = [f'grad_states{jax.tree_util.keystr(p)} is {x!r}' for p, x in pairs if not is_state(x)]
+    if bad:
+        raise TypeError(f'grad(grad_states=...) takes States, but {bad[0]}; pass the State itself')
+    states = [leaf for _, leaf in pairs]
+    uniq = list(dict.fromkeys(states))
+    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
+    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
+        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
+
+    def run(*args, **kwargs):
+        n, touched = len(args), inner.get_states(*args, **kwargs)
+        if any(not -n <= i < n for i in nums or ()):
+            raise TypeError(f'grad(argnums={argnums!r}) of {_who(inner)}: the call passed '
+                            f'{n} positional argument(s)')
+        missing = [s._describe() for s in uniq if s not in touched and check_states]
+        ints = [s._describe() for s in uniq if not allow_int and not all(
+            jnp.issubdtype(_aval_of(x).dtype, jnp.inexact) for x in _leaves(s.value))]
+        if missing or ints:
+            raise (ValueError if missing else TypeError)(
+                f'grad of {_who(inner)}: {", ".join(missing or ints)}, given in grad_states, ' + (
+                    'is never touched by it; drop it, or pass check_states=False for a zero '
+                    'gradient' if missing else 'holds non-float values; pass allow_int=True '
+                    'for float0 gradients'))
+        values = {s: s.value for s in touched}
+
+        # The traced program takes every State as an input, so one written in a loop body is a
+        # carry there and jax.grad backpropagates through all its steps on every release.
+        def loss(grad_values, *args, **kwargs):
+            merged = {**values, **dict(zip(uniq, grad_values))}
+            new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
+            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(f'grad(has_aux=True): {_who(inner)} must return a pair (loss, '
+                                f'aux), not {jax.tree_util.tree_structure(out)}')
+            value, aux = out if has_aux else (out, None)
+            return value, (value, aux, new)
+        diff = jax.grad(loss, (0, *(i % n + 1 for i in nums or ())), has_aux=True,
+                        holomorphic=holomorphic, allow_int=allow_int)
+        g, (value, aux, new) = diff([s.value for s in uniq], *args, **kwargs)
+        for state, written in zip(touched, new):
+            if written is not None:
+                state.value = written
+        state_grads = tree.unflatten([g[0][uniq.index(s)] for s in states])
+        arg_grads = None if nums is None else g[1] if argnums is None or _is_int(argnums) else g[1:]
+        grads = arg_grads if not uniq else state_grads if nums is None else (state_grads, arg_grads)
+        extra = (value,) * bool(return_value) + (aux,) * bool(has_aux)
+        return (grads, *extra) if extra else grads
+    return StatefulFunction(run, name=f'grad({inner.name})')
 
 
 # =============================================================================
@@ -3615,6 +3699,34 @@ def _named(err, name: str):   # an error of jax.export, led by ``name``
     return kind(f'{name}: {err}')
 
 
+def _pytree_slots(exported) -> list:
+    """``(label, node types)`` per argument, State and result of a jax.export Exported."""
+    def types(tree):
+        data = tree.node_data()
+        return {data and data[0]}.union(*map(types, tree.children()))
+
+    def keyed(tree):   # a dict node's (key, child) pairs
+        return zip(tree.node_data()[1], tree.children())
+    (args, kwargs), (out, new) = exported.in_tree.children(), exported.out_tree.children()
+    slots = [(f'argument {i}', t) for i, t in enumerate(args.children())]
+    slots += [(f'keyword argument {k!r}', t) for k, t in keyed(kwargs) if k != 'states']
+    slots += [(f'state {n!r}', t) for k, s in keyed(kwargs) if k == 'states' for n, t in keyed(s)]
+    slots += [('the result', out)] + [(f'state {n!r}', t) for n, t in keyed(new)]
+    return [(label, types(t)) for label, t in slots]
+
+
+def _unregistered(err, where: str, slots):
+    """For ``err``, jax.export refusing a pytree type it has no registration for, a ValueError
+    naming the ``slots`` (label, type names) holding it and the registration; else None."""
+    found = re.search(_UNREGISTERED_PYTREE, str(err))
+    held = found and ', '.join(dict.fromkeys(k for k, names in slots if found[1] in names))
+    return found and ValueError(
+        f'{where}: {held or "a value"} holds a pytree of type {found[1]}, which jax.export '
+        'serializes only once registered, under one serialized_name in the exporting and the '
+        'loading process: jax.export.register_namedtuple_serialization for a NamedTuple, else '
+        'jax.export.register_pytree_node_serialization')
+
+
 class Exported:
     """What :func:`export` returns (called as it says) and :func:`deserialize`
     loads: ``exported`` is jax.export's, ``manifest`` JSON naming the
@@ -3636,9 +3748,21 @@ class Exported:
         if not _is_int(vjp_order) or vjp_order < 0:
             raise (ValueError if _is_int(vjp_order) else TypeError)(
                 f'Exported.serialize(vjp_order=...) needs an int >= 0, got {vjp_order!r}')
-        header = json.dumps(self.manifest, sort_keys=True).encode()
-        body = (len(header).to_bytes(8, 'little') + header
-                + bytes(self.exported.serialize(vjp_order=vjp_order)))
+        slots = _pytree_slots(self.exported)
+        try:
+            data = bytes(self.exported.serialize(vjp_order=vjp_order))
+        except ValueError as err:
+            better = _unregistered(err, f"Exported.serialize of {self.manifest['function']!r}",
+                                   [(k, map(str, types)) for k, types in slots])
+            if better is None:
+                raise
+            raise better from err
+        names, registry = {}, _probe(_EXPORT_REGISTRY) or {}   # a loading process lacking a
+        for label, types in slots:                              # type hears which slot holds it
+            names.setdefault(label, set()).update(registry[t][0] for t in types if t in registry)
+        header = json.dumps({**self.manifest, 'pytrees': {k: sorted(v) for k, v in names.items()
+                                                          if v}}, sort_keys=True).encode()
+        body = len(header).to_bytes(8, 'little') + header + data
         return _EXPORT_MAGIC + hashlib.sha256(body).digest() + body
 
     def __call__(self, *args, states=None, **kwargs):
@@ -3766,15 +3890,18 @@ def deserialize(data) -> Exported:
     if hashlib.sha256(data[start:]).digest() != data[len(_EXPORT_MAGIC):start]:
         raise ValueError('deserialize: these bytes are damaged or cut short (their checksum '
                          'does not match); export and serialize the function again')
-    module = _jax_export()
+    module, where, pytrees = _jax_export(), 'deserialize', {}
     try:   # only bytes with a valid checksum that this module did not write get here
         end = start + 8 + int.from_bytes(data[start:start + 8], 'little')
         manifest = json.loads(data[start + 8:end])
-        manifest['function'], manifest['result_keys'], [s['role'] for s in manifest['states']]
+        manifest['result_keys'], [s['role'] for s in manifest['states']]
+        pytrees = dict(manifest.pop('pytrees', {}))   # see Exported.serialize
+        where = f"deserialize of {manifest['function']!r}"
         return Exported(module.deserialize(bytearray(data[end:])), manifest)
     except Exception as err:
-        raise ValueError(f'deserialize: these bytes are not an export of stateful_jaxpr '
-                         f'({type(err).__name__}: {err})') from err
+        raise _unregistered(err, where, pytrees.items()) or ValueError(
+            f'deserialize: these bytes are not an export of stateful_jaxpr '
+            f'({type(err).__name__}: {err})') from err
 
 
 # =============================================================================
