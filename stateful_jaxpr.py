@@ -377,8 +377,10 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
 
 
 def _bind(eqn, values):
-    """Evaluates ``eqn`` at ``values``, as JAX's own evaluator does (``get_bind_params``)."""
-    subfuns, params = eqn.primitive.get_bind_params(eqn.params)
+    """Evaluates ``eqn`` at ``values`` as JAX's evaluator does: ``get_bind_params`` gives
+    ``(subfuns, params)`` (.. 0.8) or the params."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
     return eqn.primitive.bind(*subfuns, *values, **params)
 
 
