@@ -228,6 +228,15 @@ def _traced_for(trace) -> str:
                        'traced_for', ''))
 
 
+def _tells(path, trace) -> bool:
+    """Whether the traces ``path`` (innermost first, maybe cut short) tell if they are inside
+    ``trace``: it is in them, or a parent of it is (then they are outside it)."""
+    parent = getattr(trace, 'parent_trace', None)
+    while parent is not None and parent not in path:
+        parent = getattr(parent, 'parent_trace', None)
+    return trace in path or parent is not None
+
+
 def _primal(x, trace):
     """``x`` seen from outside the differentiation ``trace``: its primal (a tracer's ``primal``)."""
     return x.primal if getattr(x, '_trace', None) is trace else x
@@ -2048,7 +2057,7 @@ class _RefCell:
         path, whole = _trace_path(self.home)
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
-        if not whole and any(level[0] not in path for level in self.levels):
+        if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
             raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
                 f'{self.state._describe()} was written inside a differentiated function '
                 '(jax.grad / jax.jvp ...) and is used inside a jit or loop body nested in '
