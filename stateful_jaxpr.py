@@ -216,24 +216,31 @@ def _trace_path(home) -> tuple:
     path, trace = [], _src_core.trace_ctx.trace
     while trace is not home and not isinstance(trace, _src_core.EvalTrace):
         path.append(trace)
-        trace = getattr(trace, 'parent_trace', None)
+        trace = _parent(trace)
         if trace is None:
             return path, False
     return path, True
 
 
-def _traced_for(trace) -> str:
-    """What JAX traces a body for: 'checkpoint / remat' ('checkpoint' .. 0.6), 'cond', 'scan'..."""
-    return str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
+def _body_of(trace) -> str:
+    """'checkpoint' where ``trace`` builds a jax.checkpoint body, 'cond' a lax.cond / switch
+    branch, else '' (its debug info: 'checkpoint / remat' from 0.7, 'checkpoint' before)."""
+    kind = str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
                        'traced_for', ''))
+    return 'checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in (
+        'cond', 'switch') else ''
+
+
+def _parent(trace):
+    return getattr(trace, 'parent_trace', None)   # (on every trace from 0.6)
 
 
 def _tells(path, trace) -> bool:
     """Whether the traces ``path`` (innermost first, maybe cut short) tell if they are inside
     ``trace``: it is in them, or a parent of it is (then they are outside it)."""
-    parent = getattr(trace, 'parent_trace', None)
+    parent = _parent(trace)
     while parent is not None and parent not in path:
-        parent = getattr(parent, 'parent_trace', None)
+        parent = _parent(parent)
     return trace in path or parent is not None
 
 
@@ -304,10 +311,26 @@ def _body_binding(eqn) -> tuple:
     if name == 'scan':   # consts, carries, xs; counted .. 0.10 | in 'ft_in' 0.11 ..
         n = p['num_consts'] if 'num_consts' in p else len(p['ft_in'].unpack()[0])
         return [p['jaxpr'].jaxpr], eqn.invars, n
-    if name in _CALL_PRIMITIVES:
-        body = next(p[k] for k in _CALL_BODY_PARAMS if k in p)
+    body = _call_body(eqn)[1]
+    if body is not None:
         return [getattr(body, 'jaxpr', body)], eqn.invars, None
     return [], (), None
+
+
+def _call_body(eqn) -> tuple:
+    """``(param, body)`` of a call ('jaxpr' or 'call_jaxpr'), else ``(None, None)``: 'pjit' became
+    'jit' in 0.7, 'closed_call' / 'core_call' 'eval_jaxpr' in 0.11."""
+    return next(((k, eqn.params[k]) for k in ('jaxpr', 'call_jaxpr') if eqn.primitive.name in (
+        'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr') and isinstance(
+            eqn.params.get(k), (ClosedJaxpr, Jaxpr))), (None, None))
+
+
+def _folds(eqn) -> bool:
+    """Whether an equation of no body, no effects, may be evaluated at fold time: randomness,
+    callbacks, placement, axis queries and linearize's deferred tangents may not (all releases)."""
+    return not any(part in eqn.primitive.name for part in (
+        'random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_put', 'axis_index',
+        'custom_lin'))
 
 
 def _written_refs(effects, inputs=None) -> set:
@@ -360,16 +383,8 @@ def _unbound_axis(err: BaseException) -> bool:
     return isinstance(err, NameError) and 'axis' in str(err)
 
 
-# Call primitives: 'pjit' became 'jit' in 0.7, 'closed_call' / 'core_call'
-# 'eval_jaxpr' in 0.11; the body is the 'jaxpr' or 'call_jaxpr' param.
-_CALL_PRIMITIVES = frozenset({'pjit', 'jit', 'closed_call', 'core_call', 'eval_jaxpr'})
-_CALL_BODY_PARAMS = ('jaxpr', 'call_jaxpr')
 # Calls keeping a custom derivative rule ('custom_vjp_call_jaxpr' .. 0.5).
 _CUSTOM_CALLS = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'})
-# Never folded (all releases), beyond what has a body or effects: randomness,
-# callbacks, placement, axis queries and linearize's deferred tangents.
-_NO_FOLD_PARTS = ('random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_put',
-                  'axis_index', 'custom_lin')
 
 
 def _jaxpr_names(text: str, n_in: int, n_out: int):
@@ -433,7 +448,11 @@ def _jax_export():
 # (probed once jax.export is imported) maps a type to (serialized name, ...); its refusal
 # names the type (serializing) or the serialized name (loading).
 _EXPORT_REGISTRY = 'jax._src.export._export:serialization_registry'
-_UNREGISTERED_PYTREE = r'unregistered type `([^`]*)`'
+
+
+def _unregistered_type(err):
+    """The match of jax.export's refusal of a pytree type it has no serialization for, or None."""
+    return re.search(r'unregistered type `([^`]*)`', str(err))
 
 
 def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
@@ -2069,21 +2088,20 @@ class _RefCell:
             trace, content, written, refs = levels.pop()
             if written and levels:   # hand the primal to the parent, if it is the parent
                 primal = (jax.tree_util.tree_map(lambda x: _primal(x, trace), content)
-                          if getattr(trace, 'parent_trace', None) is levels[-1][0] else _STALE)
+                          if _parent(trace) is levels[-1][0] else _STALE)
                 levels[-1][1:] = primal, True, refs
         for trace in diffs[len(levels):]:
             levels.append([trace, self._get(levels[-1] if levels else None, trace), False, False])
         if not levels:
             return None, None
-        level, remat = levels[-1], lambda t: _traced_for(t).startswith('checkpoint')
         # JAX takes no Ref of a differentiation into a rematerialized body, nor into a cond's
         # under linearization (reverse mode): those read the level outside them, write none.
-        linear = type(level[0]) is _LinearizeTrace
+        level, linear = levels[-1], type(levels[-1][0]) is _LinearizeTrace
         opaque = [t for t in path[:path.index(level[0])]
-                  if remat(t) or linear and _traced_for(t) in ('cond', 'switch')]
+                  if _body_of(t) == 'checkpoint' or linear and _body_of(t) == 'cond']
         if not level[3] and path[0] is not level[0]:   # a body nested in it touches it
             if not any(lv[2] for lv in levels) and (
-                    not _new_ref or opaque and not remat(opaque[-1])):
+                    not _new_ref or opaque and _body_of(opaque[-1]) == 'cond'):
                 del levels[:]   # no tangent yet: the primal, in ``refs``, serves there
                 return None, None
             if _new_ref:   # Refs made inside the differentiation, which JAX differentiates
@@ -2106,7 +2124,7 @@ class _RefCell:
 
     def read(self):
         level, at = self._level()
-        return self._get(level, None if at is None else at.parent_trace)
+        return self._get(level, None if at is None else _parent(at))
 
     def write(self, value) -> None:
         leaves, trace = self._leaves_for(value), _current_trace()
@@ -2115,7 +2133,7 @@ class _RefCell:
         if _drops_ref_tangents(self.home):
             raise _dropped_tangent(self.state._describe())
         level, at = self._level()
-        if at is not None and _traced_for(at).startswith('checkpoint'):
+        if at is not None and _body_of(at) == 'checkpoint':
             raise _checkpoint_refusal(self.state._describe())
         if at is not None:   # (a differentiated value already)
             raise TraceContextError(
@@ -3729,7 +3747,7 @@ def _pytree_slots(exported) -> list:
 def _unregistered(err, where: str, slots):
     """For ``err``, jax.export refusing a pytree type it has no registration for, a ValueError
     naming the ``slots`` (label, type names) holding it and the registration; else None."""
-    found = re.search(_UNREGISTERED_PYTREE, str(err))
+    found = _unregistered_type(err)
     held = found and ', '.join(dict.fromkeys(k for k, names in slots if found[1] in names))
     return found and ValueError(
         f'{where}: {held or "a value"} holds a pytree of type {found[1]}, which jax.export '
@@ -4002,11 +4020,8 @@ def _fold(jaxpr, consts, in_values=()):
 def _evaluate(eqn, values):
     """``(eqn, its outputs if it folds with these values, else None)``; a call folds if all its
     body (folded with them) does.  Typed keys never fold: no literal or numpy const holds one."""
-    name = eqn.primitive.name
-    param = next((p for p in _CALL_BODY_PARAMS if name in _CALL_PRIMITIVES
-                  and isinstance(eqn.params.get(p), (ClosedJaxpr, Jaxpr))), None)
+    param, body = _call_body(eqn)
     if param is not None:
-        body = eqn.params[param]
         body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
         eqn = eqn.replace(params={**eqn.params, param: body})
     if (eqn.effects or any(v is _MISSING or isinstance(v, Tracer) for v in values)
@@ -4014,8 +4029,7 @@ def _evaluate(eqn, values):
         return eqn, None
     if param is not None:
         return eqn, None if any(v is _MISSING for v in outs) else outs
-    if (not eqn.invars or _nested_jaxprs(eqn.params)
-            or any(part in name for part in _NO_FOLD_PARTS)
+    if (not eqn.invars or _nested_jaxprs(eqn.params) or not _folds(eqn)
             or _size(eqn.outvars) > max(_size(eqn.invars), _FOLD_MAX_GROWTH)):
         return eqn, None
     try:
