@@ -460,7 +460,6 @@ class _Context(threading.local):
         self.catchers: list = []       # active catch_new_states collectors
         self.check_tree = False        # inside check_state_value_tree(True)
         self.ntraces: int = 0          # user-function traces run by this thread
-        self.held: list = []           # (who, locks, strict) per door this thread is in (_hold)
 
 
 _ctx = _Context()
@@ -509,62 +508,74 @@ def _check_slot(state, slot: str, value, traces) -> None:
 # -- The door: every read-modify-write of State values outside a trace -----------------------
 # A compiled or eager call, a key drawn and an assignment hold the locks of the States they change
 # from the read to the write, taken all or none, so that no two wait for each other.  A host
-# callback runs in its call's thread (see ``_ctx.held``): it may read what the call holds.
+# callback runs inside its call, in its thread: it may read what the call holds.
 _state_locks = weakref.WeakKeyDictionary()   # State -> its lock (a copy gets its own)
+_DOORS = set()   # the code of the functions that hold locks (see _door)
 
 
 def _state_lock(state):
     return _state_locks.setdefault(state, threading.Lock())   # one atomic dict step
 
 
-def _hold(who, states, locks, writes=(), strict=False) -> tuple:
-    """Takes ``locks``, those of ``states`` sorted by id, all or none (waiting, it holds none) for
-    ``who`` (a function; None: this module's step, in which an assignment may nest); returns those
-    taken.  One this thread holds is skipped: a callback may read what its call holds, not change
-    ``writes``.  ``strict``: a trace or compile under them aborts (see ``_dispatch_body``)."""
-    mine = None
+def _door(fun):
+    """Marks ``fun`` as holding the ``locks`` (a local) for ``who`` (a local: a function, or
+    None for this module's own step, in which an assignment may nest) while it runs."""
+    _DOORS.add(fun.__code__)
+    return fun
+
+
+def _running(depth: int) -> list:
+    """``(who, locks, strict)`` of the doors this thread is in, innermost first: the frames of
+    ``_door`` functions beyond ``depth``, read at no cost to a call that needs none."""
+    found, frame = [], sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code in _DOORS:
+            local = frame.f_locals
+            found.append((local['who'], local.get('locks', ()), local.get('strict', False)))
+        frame = frame.f_back
+    return found
+
+
+def _contend(who, states, locks, writes, busy) -> tuple:
+    """The door's way when ``busy``, one of ``locks`` (those of ``states`` sorted by id), was taken:
+    lets go of those taken before it, skips those this thread holds (a callback may read what its
+    call holds, but not change ``writes``), waits for the others holding none; returns the taken."""
+    for lock in locks[:locks.index(busy)]:
+        lock.release()
+    mine = {lock: holder for holder, held, _ in _running(3) for lock in held}
+    for state, lock in zip(sorted(states, key=id), locks):
+        if mine.get(lock) is not None and state in writes:
+            raise RuntimeError(
+                f'{"an assignment or key draw" if who is None else _who(who)} would change '
+                f'{state._describe()} in a host callback (jax.pure_callback, io_callback, '
+                f'jax.debug.callback) of the running call of {_who(mine[lock])}, which holds it '
+                'and writes it back at its end, losing the change (or handing a key out twice).  '
+                'Return the value from the callback and assign it in the function')
+    locks = tuple(lock for lock in locks if lock not in mine)
     while True:
         for k, lock in enumerate(locks):
             if not lock.acquire(False):
+                for taken in locks[:k]:
+                    taken.release()
+                lock.acquire()
+                lock.release()
                 break
         else:
-            _ctx.held.append((who, locks, strict))
             return locks
-        for taken in locks[:k]:
-            taken.release()
-        if mine is None:
-            mine = {lock: holder for holder, held, _ in _ctx.held for lock in held}
-            for state, lock in zip(sorted(states, key=id), locks):
-                if mine.get(lock) is not None and state in writes:
-                    raise RuntimeError(
-                        f'{"an assignment or key draw" if who is None else _who(who)} would '
-                        f'change {state._describe()} in a host callback (jax.pure_callback, '
-                        f'io_callback, jax.debug.callback) of the running call of '
-                        f'{_who(mine[lock])}, which holds it and writes it back at its end, '
-                        'losing the change (or handing a key out twice).  Return the value '
-                        'from the callback and assign it in the function')
-            locks = tuple(lock for lock in locks if lock not in mine)
-        else:
-            lock.acquire()
-            lock.release()
 
 
-def _release(locks) -> None:
-    _ctx.held.pop()
-    for lock in locks:
-        lock.release()
-
-
-@contextlib.contextmanager
-def _locked(state):
-    """The door for one State's read-modify-write (in a trace, the call running it holds the
-    lock); assignments to ``state`` nest in it."""
-    lock = () if _innermost_overlay(_ctx.frames) else (_state_lock(state),)
-    held = _hold(None, (state,), lock, (state,))
+@_door
+def _locked(state, step, *args):
+    """The door for one State's read-modify-write ``step(*args)`` (in a trace, the call running
+    it holds the lock); assignments to ``state`` nest in it."""
+    who, locks = None, () if _innermost_overlay(_ctx.frames) else (_state_lock(state),)
+    if locks and not locks[0].acquire(False):
+        locks = _contend(who, (state,), locks, (state,), locks[0])
     try:
-        yield
+        return step(*args)
     finally:
-        _release(held)
+        for lock in locks:
+            lock.release()
 
 
 def _store(state, value) -> None:
@@ -647,8 +658,7 @@ class State:
             _traced_write(self, v, frames, written=written)
             return
         _check_tracers_may_enter(self, v, ())
-        with _locked(self):
-            _store(self, v)
+        _locked(self, _store, self, v)
 
     def _check_value(self, v) -> None:   # (subclasses restrict values further)
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
@@ -941,37 +951,42 @@ class RandomState(State):
         With ``backup=True`` the advanced key is also saved (:meth:`backup_key`)."""
         if n is not None:
             _check_n(self, 'split_key', n, 'call split_key() for a single key')
-        with _locked(self):
+
+        def split():
             keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
             self.value = keys[0]
             if backup:
                 self.backup_key()
+            return keys
+        keys = _locked(self, split)
         return keys[1] if n is None else keys[1:]
 
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
         """Replaces the key by ``n`` keys split from it (one per lane); with
         ``backup`` it first advances and saves its key for :meth:`restore_key`."""
         _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
-        with _locked(self):
-            self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
+        _locked(self, lambda: self.set_key(
+            self.split_key(n, True) if backup else jax.random.split(self.value, int(n))))
 
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
-        with _locked(self):
+        def backup():
             if _slot(self, '_backup') is not None:
                 raise ValueError(f'{self._describe()}: backup_key() called twice without '
                                  'restore_key(); restore the saved key first')
             _set_slot(self, '_backup', self.value)
+        _locked(self, backup)
 
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
-        with _locked(self):
+        def restore():
             backup = _slot(self, '_backup')
             if backup is None:
                 raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                                  'call backup_key() first')
             self.value = backup
             _set_slot(self, '_backup', None)
+        _locked(self, restore)
 
     def clone(self) -> 'RandomState':
         """A new, independent RandomState seeded from a key split off this one."""
@@ -1924,8 +1939,7 @@ def _traced_write(state, value, frames, written: bool):
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
-        with _locked(state):
-            _store(state, value)
+        _locked(state, _store, state, value)
     else:
         target._values[id(state)] = value
 
@@ -2352,10 +2366,16 @@ class _Entry:
         self.prepared = set()
 
 
-def _locked_call(sf, plan, dispatch, args, kwargs, strict):
-    """The door for a compiled call: ``plan``'s States held while their values are read, run by
-    ``dispatch`` and written back; returns ``(out, the values read)``."""
-    held = _hold(sf, plan.states, plan.locks, plan.write_states, strict)
+@_door
+def _locked_call(who, plan, dispatch, args, kwargs, strict):
+    """The door for a compiled call of ``who``: ``plan``'s States held while their values are
+    read, run by ``dispatch`` and written back; returns ``(out, the values read)``.  ``strict``:
+    a trace or compile under the locks aborts (see ``_dispatch_body``)."""
+    locks = plan.locks
+    for lock in locks:
+        if not lock.acquire(False):
+            locks = _contend(who, plan.states, locks, plan.write_states, lock)
+            break
     try:
         values = list(map(_real_value, plan.states))
         out, new = dispatch(values, *args, **kwargs)
@@ -2368,7 +2388,7 @@ def _locked_call(sf, plan, dispatch, args, kwargs, strict):
                        if s._creation_trace is not _current_trace_id()]
             if refused:
                 raise TraceContextError(
-                    f'{_who(sf)} writes {", ".join(refused)} but was called inside a JAX '
+                    f'{_who(who)} writes {", ".join(refused)} but was called inside a JAX '
                     'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing '
                     'stateful trace, which cannot carry the new value out.  Wrap the outer '
                     'function in StatefulFunction (or StatefulMapping), or thread the values '
@@ -2378,7 +2398,8 @@ def _locked_call(sf, plan, dispatch, args, kwargs, strict):
         for state, value in pairs:
             state._value = value
     finally:
-        _release(held)
+        for lock in locks:
+            lock.release()
     return out, values
 
 
@@ -2654,8 +2675,8 @@ class StatefulFunction:
     def _dispatch_body(self, token, state_values, *args, **kwargs):
         """Traced by jax.jit on a dispatcher miss, which under a strict door (the warm path's) it
         aborts; a negative token (jaxpr_call) keeps no layout."""
-        held = _ctx.held
-        if token > 0 and held and held[-1][2] and held[-1][0] is self:
+        running = _running(1)
+        if token > 0 and running and running[0][0] is self and running[0][2]:
             raise _Unprepared
         plan = self._plans_by_token[abs(token)]
         if self._statics_by_value:
@@ -2726,6 +2747,7 @@ class StatefulFunction:
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
+    @_door
     def _call_eagerly(self, args, kwargs):
         """Under ``jax.disable_jit()`` runs the body as Python, as jax.jit and jax.vmap do, in an
         _EagerCall overlay (which a call nested in it joins) holding each State from its first
@@ -2742,10 +2764,12 @@ class StatefulFunction:
             return out
         if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
             return run()
-        held = []
+        who, locks = self, []
 
         def lift(state):   # the door, at the first touch
-            held.append(_hold(self, (state,), (_state_lock(state),), (state,)))
+            lock = _state_lock(state)
+            locks.extend((lock,) if lock.acquire(False) else
+                         _contend(who, (state,), (lock,), (state,), lock))
             return state._value
         try:
             with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
@@ -2758,8 +2782,8 @@ class StatefulFunction:
                          'inside a JAX transformation in it needs a compiled call')
             raise
         finally:
-            for locks in reversed(held):
-                _release(locks)
+            for lock in locks:
+                lock.release()
         return out
 
     def _call_in_trace(self, args, kwargs):
