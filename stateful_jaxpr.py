@@ -299,6 +299,11 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
+# A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
+# for good; clearing the function's C++ cache lets it back, its traces and executables kept.
+_forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
+
+
 def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
     spec = jax.random.key_impl(key)
     return spec if isinstance(spec, str) else spec._impl.name
@@ -510,7 +515,7 @@ def _check_slot(state, slot: str, value, traces) -> None:
 # from the read to the write, taken all or none, so that no two wait for each other.  A host
 # callback runs inside its call, in its thread: it may read what the call holds.
 _state_locks = weakref.WeakKeyDictionary()   # State -> its lock (a copy gets its own)
-_DOORS = set()   # the code of the functions that hold locks (see _door)
+_DOORS = set()   # the code of the functions holding locks: their frames tell who holds what
 
 
 def _state_lock(state):
@@ -518,15 +523,15 @@ def _state_lock(state):
 
 
 def _door(fun):
-    """Marks ``fun`` as holding the ``locks`` (a local) for ``who`` (a local: a function, or
-    None for this module's own step, in which an assignment may nest) while it runs."""
+    """Marks ``fun``: while it runs, its local ``locks`` are held for its local ``who`` (a
+    function; None: this module's own step, in which an assignment may nest)."""
     _DOORS.add(fun.__code__)
     return fun
 
 
 def _running(depth: int) -> list:
-    """``(who, locks, strict)`` of the doors this thread is in, innermost first: the frames of
-    ``_door`` functions beyond ``depth``, read at no cost to a call that needs none."""
+    """``(who, locks, strict)`` of the doors this thread is in, past ``depth`` frames, innermost
+    first (read from their frames: a warm call pays nothing for it)."""
     found, frame = [], sys._getframe(depth)
     while frame is not None:
         if frame.f_code in _DOORS:
@@ -536,50 +541,52 @@ def _running(depth: int) -> list:
     return found
 
 
-def _contend(who, states, locks, writes, busy) -> tuple:
-    """The door's way when ``busy``, one of ``locks`` (those of ``states`` sorted by id), was taken:
-    lets go of those taken before it, skips those this thread holds (a callback may read what its
-    call holds, but not change ``writes``), waits for the others holding none; returns the taken."""
-    for lock in locks[:locks.index(busy)]:
-        lock.release()
-    mine = {lock: holder for holder, held, _ in _running(3) for lock in held}
-    for state, lock in zip(sorted(states, key=id), locks):
-        if mine.get(lock) is not None and state in writes:
-            raise RuntimeError(
-                f'{"an assignment or key draw" if who is None else _who(who)} would change '
-                f'{state._describe()} in a host callback (jax.pure_callback, io_callback, '
-                f'jax.debug.callback) of the running call of {_who(mine[lock])}, which holds it '
-                'and writes it back at its end, losing the change (or handing a key out twice).  '
-                'Return the value from the callback and assign it in the function')
-    locks = tuple(lock for lock in locks if lock not in mine)
+def _hold(who, states, locks, writes) -> tuple:
+    """Takes ``locks`` (those of ``states`` sorted by id) all or none for the door calling it,
+    waiting with none held; returns those taken.  One this thread holds is skipped: a callback
+    may read what its call holds, but not change ``writes``."""
+    mine = None
     while True:
         for k, lock in enumerate(locks):
             if not lock.acquire(False):
-                for taken in locks[:k]:
-                    taken.release()
-                lock.acquire()
-                lock.release()
                 break
         else:
             return locks
-
-
-@_door
-def _locked(state, step, *args):
-    """The door for one State's read-modify-write ``step(*args)`` (in a trace, the call running
-    it holds the lock); assignments to ``state`` nest in it."""
-    who, locks = None, () if _innermost_overlay(_ctx.frames) else (_state_lock(state),)
-    if locks and not locks[0].acquire(False):
-        locks = _contend(who, (state,), locks, (state,), locks[0])
-    try:
-        return step(*args)
-    finally:
-        for lock in locks:
+        for taken in locks[:k]:
+            taken.release()
+        if mine is not None:
+            lock.acquire()
             lock.release()
+            continue
+        mine = {lock: holder for holder, held, _ in _running(3) for lock in held}
+        for state, lock in zip(sorted(states, key=id), locks):
+            if mine.get(lock) is not None and state in writes:
+                raise RuntimeError(
+                    f'{"an assignment or key draw" if who is None else _who(who)} would change '
+                    f'{state._describe()} in a host callback of the running call of '
+                    f'{_who(mine[lock])}, which holds it: its write-back would lose the change '
+                    '(or hand a key out twice).  Return the value from the callback instead')
+        locks = tuple(lock for lock in locks if lock not in mine)
 
 
+def _atomic(step):
+    """``step(state, ...)`` as the door for the State's read-modify-write, one step for other
+    threads (in a trace, the call running it holds the lock); an assignment to it nests."""
+    @functools.wraps(step)
+    def door(state, *args, **kwargs):
+        who, locks = None, () if _innermost_overlay(_ctx.frames) else (_state_lock(state),)
+        locks = _hold(who, (state,), locks, (state,))
+        try:
+            return step(state, *args, **kwargs)
+        finally:
+            for lock in locks:
+                lock.release()
+    return _door(door)
+
+
+@_atomic
 def _store(state, value) -> None:
-    """Gives ``state`` a checked ``value`` (its lock held)."""
+    """Gives ``state`` a checked ``value``."""
     global _layout_epoch
     if any(map(_multi_device, _leaves((value, state._value)))):
         _layout_epoch += 1
@@ -658,7 +665,7 @@ class State:
             _traced_write(self, v, frames, written=written)
             return
         _check_tracers_may_enter(self, v, ())
-        _locked(self, _store, self, v)
+        _store(self, v)
 
     def _check_value(self, v) -> None:   # (subclasses restrict values further)
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
@@ -946,47 +953,42 @@ class RandomState(State):
         """Assigns ``key`` as the new key."""
         self.value = key
 
+    @_atomic
     def split_key(self, n: int | None = None, backup: bool = False):
         """Advances the state; returns one new key, or ``n`` keys stacked.
         With ``backup=True`` the advanced key is also saved (:meth:`backup_key`)."""
         if n is not None:
             _check_n(self, 'split_key', n, 'call split_key() for a single key')
-
-        def split():
-            keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
-            self.value = keys[0]
-            if backup:
-                self.backup_key()
-            return keys
-        keys = _locked(self, split)
+        keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
+        self.value = keys[0]
+        if backup:
+            self.backup_key()
         return keys[1] if n is None else keys[1:]
 
+    @_atomic
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
         """Replaces the key by ``n`` keys split from it (one per lane); with
         ``backup`` it first advances and saves its key for :meth:`restore_key`."""
         _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
-        _locked(self, lambda: self.set_key(
-            self.split_key(n, True) if backup else jax.random.split(self.value, int(n))))
+        self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
+    @_atomic
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
-        def backup():
-            if _slot(self, '_backup') is not None:
-                raise ValueError(f'{self._describe()}: backup_key() called twice without '
-                                 'restore_key(); restore the saved key first')
-            _set_slot(self, '_backup', self.value)
-        _locked(self, backup)
+        if _slot(self, '_backup') is not None:
+            raise ValueError(f'{self._describe()}: backup_key() called twice without '
+                             'restore_key(); restore the saved key first')
+        _set_slot(self, '_backup', self.value)
 
+    @_atomic
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
-        def restore():
-            backup = _slot(self, '_backup')
-            if backup is None:
-                raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
-                                 'call backup_key() first')
-            self.value = backup
-            _set_slot(self, '_backup', None)
-        _locked(self, restore)
+        backup = _slot(self, '_backup')
+        if backup is None:
+            raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
+                             'call backup_key() first')
+        self.value = backup
+        _set_slot(self, '_backup', None)
 
     def clone(self) -> 'RandomState':
         """A new, independent RandomState seeded from a key split off this one."""
@@ -1939,7 +1941,7 @@ def _traced_write(state, value, frames, written: bool):
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
-        _locked(state, _store, state, value)
+        _store(state, value)
     else:
         target._values[id(state)] = value
 
@@ -2343,7 +2345,7 @@ class _Plan:
     """Which states a compiled call reads, writes and donates, and its dispatchers; shared by
     the entries that agree, and freed with the last of them."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
-                 'locks', 'dispatchers', 'layouts', '__weakref__')
+                 'locks', 'dispatchers', 'warm_paths', 'layouts', '__weakref__')
 
     def __init__(self, states, write_index, donate, written):
         self.token, self.states, self.write_index = next(_plan_tokens), states, write_index
@@ -2353,6 +2355,7 @@ class _Plan:
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
         self.dispatchers: dict = {}   # (token, nargs, donating) -> its jax.jit
+        self.warm_paths: dict = {}    # (token, nargs, donating) -> its _warm_path
         self.layouts: dict = {}       # written states' multi-device layout -> dispatcher token
 
 
@@ -2366,41 +2369,70 @@ class _Entry:
         self.prepared = set()
 
 
+def _write_back(who, plan, new) -> None:
+    """Gives ``plan``'s written States the values a compiled call of ``who`` returned."""
+    pairs = zip(plan.write_states, new)
+    if new and _under_jax_trace():
+        # Under a plain JAX transformation a write happens once per trace, not per
+        # lane or derivative, and may leak a tracer: refused unless the State is local.
+        pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
+        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace_id()]
+        if refused:
+            raise TraceContextError(
+                f'{_who(who)} writes {", ".join(refused)} but was called inside a JAX '
+                'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
+                'trace, which cannot carry the new value out.  Wrap the outer function in '
+                'StatefulFunction (or StatefulMapping), or thread the values with jaxpr_call.')
+        for state, value in pairs:
+            _check_tracers_may_enter(state, value, ())
+    for state, value in pairs:
+        state._value = value
+
+
 @_door
 def _locked_call(who, plan, dispatch, args, kwargs, strict):
     """The door for a compiled call of ``who``: ``plan``'s States held while their values are
     read, run by ``dispatch`` and written back; returns ``(out, the values read)``.  ``strict``:
     a trace or compile under the locks aborts (see ``_dispatch_body``)."""
-    locks = plan.locks
-    for lock in locks:
-        if not lock.acquire(False):
-            locks = _contend(who, plan.states, locks, plan.write_states, lock)
-            break
+    locks = _hold(who, plan.states, plan.locks, plan.write_states)
     try:
         values = list(map(_real_value, plan.states))
         out, new = dispatch(values, *args, **kwargs)
-        pairs = zip(plan.write_states, new)
-        if new and _under_jax_trace():
-            # Under a plain JAX transformation a write happens once per trace, not per
-            # lane or derivative, and may leak a tracer: refused unless the State is local.
-            pairs = [(s, v) for s, v, w in zip(plan.write_states, new, plan.written) if w]
-            refused = [s._describe() for s, _ in pairs
-                       if s._creation_trace is not _current_trace_id()]
-            if refused:
-                raise TraceContextError(
-                    f'{_who(who)} writes {", ".join(refused)} but was called inside a JAX '
-                    'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing '
-                    'stateful trace, which cannot carry the new value out.  Wrap the outer '
-                    'function in StatefulFunction (or StatefulMapping), or thread the values '
-                    'with jaxpr_call.')
-            for state, value in pairs:
-                _check_tracers_may_enter(state, value, ())
-        for state, value in pairs:
-            state._value = value
+        _write_back(who, plan, new)
     finally:
         for lock in locks:
             lock.release()
     return out, values
+
+
+def _warm_path(plan, dispatch, nargs, new):
+    """``warm(who, args, kwargs)``: ``_locked_call`` strict for ``plan``'s warm calls, its locks,
+    reads and writes unrolled (a loop costs a visible part of a jax.jit call); values unlike
+    ``new`` (tracers) take ``_write_back``."""
+    first, n = (new[0] if new else None), len(plan.states)
+    names = {'plan': plan, 'dispatch': dispatch, '_hold': _hold, '_write_back': _write_back,
+             'traced': _under_jax_trace,
+             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
+             **{f's{i}': state for i, state in enumerate(plan.states)},
+             **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
+    reads = f'[{"".join(f"s{i}._value, " for i in range(n))}]'
+    body = [f'out, new = (dispatch({reads}, *args, **kwargs) if kwargs else '
+            f'dispatch({reads}, {"".join(f"args[{i}], " for i in range(nargs))}))']
+    if plan.write_index:
+        body += ['if type(new[0]) is leaf_type and not traced():',
+                 f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
+                 'else:', '    _write_back(who, plan, new)']
+    lines = ['def warm(who, args, kwargs):', '    strict, locks, k = True, plan.locks, 0',
+             '    ' + ' and '.join(f'l{i}.acquire(False) and (k := {i + 1})' for i in range(n)),
+             f'    if k < {n}:', '        for lock in locks[:k]:', '            lock.release()',
+             '        locks = _hold(who, plan.states, locks, plan.write_states)',
+             '    try:', *(f'        {line}' for line in body), '    finally:',
+             '        if locks is not plan.locks:', '            for lock in locks:',
+             '                lock.release()', '        else:',
+             *(f'            l{i}.release()' for i in range(n)), '            pass',
+             '    return out']
+    exec('\n'.join(lines), names)
+    return _door(names['warm'])
 
 
 def _kept_layout(state, new):
@@ -2456,6 +2488,7 @@ def _donating(sf, jitted, plan):
                                      'buffer deleted by a failed donating call')
             raise
     call.lower = lambda values, *args, **kwargs: jitted.lower(*split(values), *args, **kwargs)
+    call._clear_cache = lambda: _forget_failed_calls(jitted)
     return call
 
 
@@ -2473,7 +2506,7 @@ class _EagerCall(StateTraceStack):
 
 
 # The warm path: the last slow call's plan and dispatcher, for as long as they apply.
-_Fast = collections.namedtuple('_Fast', 'plan dispatch nargs epoch')
+_Fast = collections.namedtuple('_Fast', 'plan warm dispatch nargs epoch')
 
 
 def _call(sf, *args, **kwargs):
@@ -2489,8 +2522,9 @@ def _call(sf, *args, **kwargs):
     if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch:
         return sf._call_slow(args, kwargs)
     try:
-        out = _locked_call(sf, fast.plan, fast.dispatch, args, kwargs, True)[0]
+        out = fast.warm(sf, args, kwargs)
     except _Unprepared:   # a new signature: traced and compiled with no lock held
+        _forget_failed_calls(fast.dispatch)
         return sf._call_slow(args, kwargs, fast.plan)
     except (TypeError, ValueError, OverflowError):
         # An argument jax.jit refuses gets the slow path's clearer error here,
@@ -2604,7 +2638,8 @@ class StatefulFunction:
         self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
         # The plans the cached entries use, by their key and by dispatcher token.
-        self._plans, self._plans_by_token = weakref.WeakValueDictionary(), weakref.WeakValueDictionary()
+        self._plans = weakref.WeakValueDictionary()
+        self._plans_by_token = weakref.WeakValueDictionary()
         self._fast = None                # a _Fast
         self._plan_switches = 0
 
@@ -2656,7 +2691,7 @@ class StatefulFunction:
 
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
-        """One jax.jit per plan and layout, the plan's: saves hashing the plan as a static argument."""
+        """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
         plan = self._plans_by_token[abs(token)]
         jitted = plan.dispatchers.get((token, nargs, donating))
         if jitted is None:
@@ -2733,7 +2768,8 @@ class StatefulFunction:
             try:
                 out, values = _locked_call(self, plan, run, (), {}, strict)
                 break
-            except _Unprepared:
+            except _Unprepared:   # (rare) prepared for other values
+                _forget_failed_calls(self._dispatcher(at[1], len(args), bool(plan.donated)))
                 strict = False
         for frame in _ctx.frames:   # recording stacks see what the call touched
             for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen):
@@ -2742,8 +2778,11 @@ class StatefulFunction:
         self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            dispatch = self._dispatcher(at[1], len(args), bool(plan.donated))
-            self._fast = _Fast(plan, dispatch, len(args), at[0])
+            key = (at[1], len(args), bool(plan.donated))
+            if key not in plan.warm_paths:
+                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key), len(args),
+                                                  list(map(_real_value, plan.write_states)))
+            self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0])
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -2767,16 +2806,14 @@ class StatefulFunction:
         who, locks = self, []
 
         def lift(state):   # the door, at the first touch
-            lock = _state_lock(state)
-            locks.extend((lock,) if lock.acquire(False) else
-                         _contend(who, (state,), (lock,), (state,), lock))
+            locks.extend(_hold(who, (state,), (_state_lock(state),), (state,)))
             return state._value
         try:
             with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
                 out, values = run(), frame._values
             for state, written in zip(frame.states, frame.been_writen):
                 if written:
-                    _store(state, values[id(state)])
+                    _store.__wrapped__(state, values[id(state)])   # (this call holds it)
         except TraceContextError as err:   # e.g. a write inside jax.grad in the body
             err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
                          'inside a JAX transformation in it needs a compiled call')
