@@ -2354,9 +2354,8 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
-        self.dispatchers: dict = {}   # (token, nargs, donating) -> its jax.jit
-        self.warm_paths: dict = {}    # (token, nargs, donating) -> its _warm_path
-        self.layouts: dict = {}       # written states' multi-device layout -> dispatcher token
+        # By (token, nargs, donating): jax.jit, _warm_path; by multi-device layout: token.
+        self.dispatchers, self.warm_paths, self.layouts = {}, {}, {}
 
 
 class _Entry:

@@ -7624,19 +7624,23 @@ class CallAtomicityTest(unittest.TestCase):
             shared.value = shared.value + 1.0
         bumper = StatefulFunction(bump)
         bumper()
-        main, finished = threading.current_thread(), []
+        main, compiles, finished = threading.current_thread(), [], []
+
+        def on_compile():   # another call on `shared` runs while the new executable compiles
+            if threading.current_thread() is main:
+                compiles.append(1)
+                if len(compiles) == 1:
+                    finished.append(_finishes_in_another_thread(bumper))
 
         def f(x):
             shared.value = shared.value * x
             return x
-        with _on_backend_compile(lambda: threading.current_thread() is main and finished.append(
-                _finishes_in_another_thread(bumper))):
+        with _on_backend_compile(on_compile):
             StatefulFunction(f)(3.0)
-        self.assertTrue(finished)
-        self.assertTrue(finished[0])     # the compilation of the new executable
-        if not _call_after_lower_compiles_again():
-            self.assertEqual(finished, [True])
-        self.assertEqual(float(shared.value), 6.0 + 3.0 * (len(finished) - 1))
+        self.assertEqual(finished, [True])
+        self.assertEqual(float(shared.value), 6.0)     # bumped before the call read it
+        if not _call_after_lower_compiles_again():     # (0.4.38 compiles the call once more)
+            self.assertEqual(len(compiles), 1)
 
     # -- every other door ------------------------------------------------------------
     def test_an_assignment_waits_for_the_call_that_read_the_state(self):
