@@ -1747,10 +1747,9 @@ _GC_PAUSED = 2 ** 30     # a first threshold no allocation count reaches
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses automatic collections while tracing (full collections rescanning a trace's
-    objects slow thousands of States); nested and concurrent traces share one pause.  It raises
-    the first threshold, and restores it only if no one else changed it: the collector's on/off
-    state, and thresholds another thread set, are theirs."""
+    """Pauses automatic collections while tracing (full collections rescanning a trace's objects
+    slow thousands of States); nested and concurrent traces share one pause, by a threshold put
+    back unless changed: the collector's state is left as other threads set it."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
             _gc_pauses[1], *later = gc.get_threshold()
@@ -2328,7 +2327,8 @@ def _dynamic_shapes_problem(config):
 # ``_dispatch_body``, which inlines the entry's jaxpr (so a first call traces once, as jax.jit
 # does).  A call takes the *warm path* (the last plan's dispatcher, no Python key), the *slow path*
 # (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
-# writing states through ``value``.
+# writing states through ``value``.  The first two go through the door (section 3), their
+# executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
 # =============================================================================
 
 class _Unprepared(BaseException):
@@ -2409,7 +2409,8 @@ def _warm_path(plan, dispatch, nargs, new):
     reads and writes unrolled (a loop costs a visible part of a jax.jit call); values unlike
     ``new`` (tracers) take ``_write_back``."""
     first, n = (new[0] if new else None), len(plan.states)
-    names = {'plan': plan, 'dispatch': dispatch, '_hold': _hold, '_write_back': _write_back,
+    names = {'plan': plan, 'dispatch': dispatch, '_locked_call': _locked_call,
+             '_write_back': _write_back,
              'traced': _under_jax_trace,
              'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
              **{f's{i}': state for i, state in enumerate(plan.states)},
@@ -2423,13 +2424,11 @@ def _warm_path(plan, dispatch, nargs, new):
                  'else:', '    _write_back(who, plan, new)']
     lines = ['def warm(who, args, kwargs):', '    strict, locks, k = True, plan.locks, 0',
              '    ' + ' and '.join(f'l{i}.acquire(False) and (k := {i + 1})' for i in range(n)),
-             f'    if k < {n}:', '        for lock in locks[:k]:', '            lock.release()',
-             '        locks = _hold(who, plan.states, locks, plan.write_states)',
+             f'    if k < {n}:   # one is busy: the long way', '        for lock in locks[:k]:',
+             '            lock.release()', '        locks = ()',
+             '        return _locked_call(who, plan, dispatch, args, kwargs, True)[0]',
              '    try:', *(f'        {line}' for line in body), '    finally:',
-             '        if locks is not plan.locks:', '            for lock in locks:',
-             '                lock.release()', '        else:',
-             *(f'            l{i}.release()' for i in range(n)), '            pass',
-             '    return out']
+             *(f'        l{i}.release()' for i in range(n)), '        pass', '    return out']
     exec('\n'.join(lines), names)
     return _door(names['warm'])
 
