@@ -536,7 +536,7 @@ def _running(depth: int) -> list:
     while frame is not None:
         if frame.f_code in _DOORS:
             local = frame.f_locals
-            found.append((local['who'], local.get('locks', ()), local.get('strict', False)))
+            found.append((local.get('who'), local.get('locks', ()), local.get('strict', False)))
         frame = frame.f_back
     return found
 

@@ -7232,7 +7232,7 @@ class ThreadSafetyTest(unittest.TestCase):
             written.set()
             done.wait(30)
             return shared.value
-        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)))
+        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)), daemon=True)
         t.start()
         try:
             self.assertTrue(written.wait(30), 'the trace never reached its write')
@@ -7262,11 +7262,7 @@ class ThreadSafetyTest(unittest.TestCase):
                         c.set(k, j)
                     except ValueError:
                         pass
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self.assertEqual(_run_threads([work] * 8), [])
         self.assertLessEqual(len(c), 50)
         stats = c.get_stats()
         self.assertEqual(stats['hits'] + stats['misses'], 8 * 200)
