@@ -455,6 +455,11 @@ def _unregistered_type(err):
     return re.search(r'unregistered type `([^`]*)`', str(err))
 
 
+# A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
+# for good; clearing the function's C++ cache lets it back, its traces and executables kept.
+_forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
+
+
 def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
     spec = jax.random.key_impl(key)
     return spec if isinstance(spec, str) else spec._impl.name
@@ -616,7 +621,6 @@ class _Context(threading.local):
         self.catchers: list = []       # active catch_new_states collectors
         self.check_tree = False        # inside check_state_value_tree(True)
         self.ntraces: int = 0          # user-function traces run by this thread
-        self.trace_error = None        # what the last failed trace raised
 
 
 _ctx = _Context()
@@ -660,6 +664,89 @@ def _check_slot(state, slot: str, value, traces) -> None:
                    'outside it' if slot == '_backup' else 'give it a concrete value')
             raise TraceContextError(f'{state._describe()} would keep a tracer in its '
                                     f'{slot[1:]} after the trace that made it; {fix}')
+
+
+# -- The door: every read-modify-write of State values outside a trace -----------------------
+# A compiled or eager call, a key drawn and an assignment hold the locks of the States they change
+# from the read to the write, taken all or none, so that no two wait for each other.  A host
+# callback runs inside its call, in its thread: it may read what the call holds.
+_state_locks = weakref.WeakKeyDictionary()   # State -> its lock (a copy gets its own)
+_DOORS = set()   # the code of the functions holding locks: their frames tell who holds what
+
+
+def _state_lock(state):
+    return _state_locks.setdefault(state, threading.Lock())   # one atomic dict step
+
+
+def _door(fun):
+    """Marks ``fun``: while it runs, its local ``locks`` are held for its local ``who`` (a
+    function; None: this module's own step, in which an assignment may nest)."""
+    _DOORS.add(fun.__code__)
+    return fun
+
+
+def _running(depth: int) -> list:
+    """``(who, locks, strict)`` of the doors this thread is in, past ``depth`` frames, innermost
+    first (read from their frames: a warm call pays nothing for it)."""
+    found, frame = [], sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code in _DOORS:
+            local = frame.f_locals
+            found.append((local.get('who'), local.get('locks', ()), local.get('strict', False)))
+        frame = frame.f_back
+    return found
+
+
+def _hold(who, states, locks, writes) -> tuple:
+    """Takes ``locks`` (those of ``states`` sorted by id) all or none for the door calling it,
+    waiting with none held; returns those taken.  One this thread holds is skipped: a callback
+    may read what its call holds, but not change ``writes``."""
+    mine = None
+    while True:
+        for k, lock in enumerate(locks):
+            if not lock.acquire(False):
+                break
+        else:
+            return locks
+        for taken in locks[:k]:
+            taken.release()
+        if mine is not None:
+            lock.acquire()
+            lock.release()
+            continue
+        mine = {lock: holder for holder, held, _ in _running(3) for lock in held}
+        for state, lock in zip(sorted(states, key=id), locks):
+            if mine.get(lock) is not None and state in writes:
+                raise RuntimeError(
+                    f'{"an assignment or key draw" if who is None else _who(who)} would change '
+                    f'{state._describe()} in a host callback of the running call of '
+                    f'{_who(mine[lock])}, which holds it: its write-back would lose the change '
+                    '(or hand a key out twice).  Return the value from the callback instead')
+        locks = tuple(lock for lock in locks if lock not in mine)
+
+
+def _atomic(step):
+    """``step(state, ...)`` as the door for the State's read-modify-write, one step for other
+    threads (in a trace, the call running it holds the lock); an assignment to it nests."""
+    @functools.wraps(step)
+    def door(state, *args, **kwargs):
+        who, locks = None, () if _innermost_overlay(_ctx.frames) else (_state_lock(state),)
+        locks = _hold(who, (state,), locks, (state,))
+        try:
+            return step(state, *args, **kwargs)
+        finally:
+            for lock in locks:
+                lock.release()
+    return _door(door)
+
+
+@_atomic
+def _store(state, value) -> None:
+    """Gives ``state`` a checked ``value``."""
+    global _layout_epoch
+    if any(map(_multi_device, _leaves((value, state._value)))):
+        _layout_epoch += 1
+    state._value, state._broken = value, None
 
 
 class State:
@@ -718,7 +805,6 @@ class State:
         self._assign(v, written=False)
 
     def _assign(self, v, written: bool) -> None:
-        global _layout_epoch
         self._check_value(v)
         if _ctx.check_tree:
             frame = _innermost_overlay(_ctx.frames)
@@ -735,10 +821,7 @@ class State:
             _traced_write(self, v, frames, written=written)
             return
         _check_tracers_may_enter(self, v, ())
-        if any(map(_multi_device, _leaves((v, self._value)))):
-            _layout_epoch += 1
-        self._value = v
-        self._broken = None
+        _store(self, v)
 
     def _check_value(self, v) -> None:   # (subclasses restrict values further)
         # (A tracer, the common value while tracing, is a leaf: no tree walk.)
@@ -1026,26 +1109,26 @@ class RandomState(State):
         """Assigns ``key`` as the new key."""
         self.value = key
 
+    @_atomic
     def split_key(self, n: int | None = None, backup: bool = False):
         """Advances the state; returns one new key, or ``n`` keys stacked.
         With ``backup=True`` the advanced key is also saved (:meth:`backup_key`)."""
         if n is not None:
             _check_n(self, 'split_key', n, 'call split_key() for a single key')
-        # Eagerly, the read and the write are one step for other threads (a
-        # trace takes no lock: the call that runs it holds the State's).
-        with contextlib.nullcontext() if _ctx.frames else _state_lock(self):
-            keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
-            self.value = keys[0]
-            if backup:
-                self.backup_key()
+        keys = jax.random.split(self.value, 2 if n is None else int(n) + 1)
+        self.value = keys[0]
+        if backup:
+            self.backup_key()
         return keys[1] if n is None else keys[1:]
 
+    @_atomic
     def self_assign_multi_keys(self, n: int, backup: bool = True) -> None:
         """Replaces the key by ``n`` keys split from it (one per lane); with
         ``backup`` it first advances and saves its key for :meth:`restore_key`."""
         _check_n(self, 'self_assign_multi_keys', n, 'pass the number of keys wanted')
         self.value = self.split_key(n, True) if backup else jax.random.split(self.value, int(n))
 
+    @_atomic
     def backup_key(self) -> None:
         """Remembers the current key so that :meth:`restore_key` can return to it."""
         if _slot(self, '_backup') is not None:
@@ -1053,6 +1136,7 @@ class RandomState(State):
                              'restore_key(); restore the saved key first')
         _set_slot(self, '_backup', self.value)
 
+    @_atomic
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
         backup = _slot(self, '_backup')
@@ -1641,14 +1725,11 @@ class BoundedCache:
             self._data = collections.OrderedDict()
             # next() on an itertools.count is atomic, so the lock-free warm path can count.
             self._hits, self._misses = itertools.count(), itertools.count()
-            self._retracted = itertools.count()   # hits the warm path counted before a retrace
 
     def get_stats(self) -> dict:
         """``{size, maxsize, hits, misses, hit_rate}``; ``hit_rate`` in percent."""
         with self._lock:   # repr is a count's only public view of its position
-            hits, misses, retracted = (int(repr(c)[len('count('):-1])
-                                       for c in (self._hits, self._misses, self._retracted))
-            hits = max(0, hits - retracted)
+            hits, misses = (int(repr(c)[len('count('):-1]) for c in (self._hits, self._misses))
             return {'size': len(self._data), 'maxsize': self.maxsize, 'hits': hits,
                     'misses': misses, 'hit_rate': 100.0 * hits / max(hits + misses, 1)}
 
@@ -1816,25 +1897,28 @@ class _Traced:
 
 
 _gc_lock = threading.Lock()
-_gc_pauses = [0, False]   # active pauses, whether gc was enabled at the first
+_gc_pauses = [0, None]   # active pauses, the collector's first threshold before them
+_GC_PAUSED = 2 ** 30     # a first threshold no allocation count reaches
 
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses the cyclic collector while tracing (full collections rescanning a trace's
-    objects slow thousands of States); nested and concurrent traces share one pause."""
+    """Pauses automatic collections while tracing (full collections rescanning a trace's objects
+    slow thousands of States); nested and concurrent traces share one pause, by a threshold put
+    back unless changed: the collector's state is left as other threads set it."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
-            _gc_pauses[1] = gc.isenabled()
-            gc.disable()
+            _gc_pauses[1], *later = gc.get_threshold()
+            gc.set_threshold(_GC_PAUSED, *later)
         _gc_pauses[0] += 1
     try:
         yield
     finally:
         with _gc_lock:
             _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
+            first, *later = gc.get_threshold()
+            if _gc_pauses[0] == 0 and first == _GC_PAUSED:
+                gc.set_threshold(_gc_pauses[1], *later)
 
 
 def _reject_states(tree, what: str) -> None:
@@ -2015,8 +2099,7 @@ def _traced_write(state, value, frames, written: bool):
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
-        state._value = value
-        state._broken = None
+        _store(state, value)
     else:
         target._values[id(state)] = value
 
@@ -2399,7 +2482,6 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 isolated = retracer.next_run(pending, isolated, err)
                 if isolated is not None:
                     continue
-                _ctx.trace_error = err    # tells the warm path the function raised it
                 _explain_ref_refusal(err, frames[-1].cells if frames else ())
                 raise
             isolated = retracer.next_run(pending, isolated, consts=consts)
@@ -2460,31 +2542,25 @@ def _dynamic_shapes_problem(config):
 # ``_dispatch_body``, which inlines the entry's jaxpr (so a first call traces once, as jax.jit
 # does).  A call takes the *warm path* (the last plan's dispatcher, no Python key), the *slow path*
 # (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
-# writing states through ``value``.
+# writing states through ``value``.  The first two go through the door (section 3), their
+# executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
 # =============================================================================
 
-class _PlanMismatch(Exception):
-    """The dispatcher was called with a plan the arguments do not use."""
+class _Unprepared(BaseException):
+    """A trace or compile began under the locks of a call that expected its executable ready:
+    the call lets go of them and prepares it first.  (Not an Exception: see _Redo.)"""
 
 
 _plan_tokens = itertools.count(1)
-# After this many plan switches a function stays on the slow path (see _call).
+# After this many plan switches a function stays on the slow path (see _call_slow).
 _MAX_PLAN_SWITCHES = 3
 
 
-# One lock per State, held from reading the states to writing them back: calls sharing a
-# State run in sequence.  Plans take them in one order, by id (a plan keeps its States alive).
-_state_locks = weakref.WeakKeyDictionary()
-
-
-def _state_lock(state):
-    return _state_locks.setdefault(state, threading.RLock())   # one atomic dict step
-
-
 class _Plan:
-    """Which states a compiled call reads, writes and donates; shared by entries that agree."""
+    """Which states a compiled call reads, writes and donates, and its dispatchers; shared by
+    the entries that agree, and freed with the last of them."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
-                 'locks')
+                 'locks', 'dispatchers', 'warm_paths', 'layouts', '__weakref__')
 
     def __init__(self, states, write_index, donate, written):
         self.token, self.states, self.write_index = next(_plan_tokens), states, write_index
@@ -2493,18 +2569,22 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
+        # By (token, nargs, donating): jax.jit, _warm_path; by multi-device layout: token.
+        self.dispatchers, self.warm_paths, self.layouts = {}, {}, {}
 
 
 class _Entry:
-    """One cache entry; ``view`` (what the accessors describe) may be built lazily."""
-    __slots__ = ('traced', 'plan', 'apply', 'view')
+    """One cache entry; ``view`` (what the accessors describe) may be built lazily;
+    ``prepared``: the dispatchers compiled for it."""
+    __slots__ = ('traced', 'plan', 'apply', 'view', 'prepared')
 
     def __init__(self, traced, plan, apply, view):
         self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
+        self.prepared = set()
 
 
-def _write_back(fun, plan, new) -> None:
-    """Gives ``plan``'s written states the values a compiled call returned."""
+def _write_back(who, plan, new) -> None:
+    """Gives ``plan``'s written States the values a compiled call of ``who`` returned."""
     pairs = zip(plan.write_states, new)
     if new and _under_jax_trace():
         # Under a plain JAX transformation a write happens once per trace, not per
@@ -2513,7 +2593,7 @@ def _write_back(fun, plan, new) -> None:
         refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace()]
         if refused:
             raise TraceContextError(
-                f'{_who(fun)} writes {", ".join(refused)} but was called inside a JAX '
+                f'{_who(who)} writes {", ".join(refused)} but was called inside a JAX '
                 'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
                 'trace, which cannot carry the new value out.  Wrap the outer function in '
                 'StatefulFunction (or StatefulMapping), or thread the values with jaxpr_call.')
@@ -2521,6 +2601,51 @@ def _write_back(fun, plan, new) -> None:
             _check_tracers_may_enter(state, value, ())
     for state, value in pairs:
         state._value = value
+
+
+@_door
+def _locked_call(who, plan, dispatch, args, kwargs, strict):
+    """The door for a compiled call of ``who``: ``plan``'s States held while their values are
+    read, run by ``dispatch`` and written back; returns ``(out, the values read)``.  ``strict``:
+    a trace or compile under the locks aborts (see ``_dispatch_body``)."""
+    locks = _hold(who, plan.states, plan.locks, plan.write_states)
+    try:
+        values = list(map(_real_value, plan.states))
+        out, new = dispatch(values, *args, **kwargs)
+        _write_back(who, plan, new)
+    finally:
+        for lock in locks:
+            lock.release()
+    return out, values
+
+
+def _warm_path(plan, dispatch, nargs, new):
+    """``warm(who, args, kwargs)``: ``_locked_call`` strict for ``plan``'s warm calls, its locks,
+    reads and writes unrolled (a loop costs a visible part of a jax.jit call); values unlike
+    ``new`` (tracers) take ``_write_back``."""
+    first, n = (new[0] if new else None), len(plan.states)
+    names = {'plan': plan, 'dispatch': dispatch, '_locked_call': _locked_call,
+             '_write_back': _write_back,
+             'traced': _under_jax_trace,
+             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
+             **{f's{i}': state for i, state in enumerate(plan.states)},
+             **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
+    reads = f'[{"".join(f"s{i}._value, " for i in range(n))}]'
+    body = [f'out, new = (dispatch({reads}, *args, **kwargs) if kwargs else '
+            f'dispatch({reads}, {"".join(f"args[{i}], " for i in range(nargs))}))']
+    if plan.write_index:
+        body += ['if type(new[0]) is leaf_type and not traced():',
+                 f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
+                 'else:', '    _write_back(who, plan, new)']
+    lines = ['def warm(who, args, kwargs):', '    strict, locks, k = True, plan.locks, 0',
+             '    ' + ' and '.join(f'l{i}.acquire(False) and (k := {i + 1})' for i in range(n)),
+             f'    if k < {n}:   # one is busy: the long way', '        for lock in locks[:k]:',
+             '            lock.release()', '        locks = ()',
+             '        return _locked_call(who, plan, dispatch, args, kwargs, True)[0]',
+             '    try:', *(f'        {line}' for line in body), '    finally:',
+             *(f'        l{i}.release()' for i in range(n)), '        pass', '    return out']
+    exec('\n'.join(lines), names)
+    return _door(names['warm'])
 
 
 def _kept_layout(state, new):
@@ -2542,14 +2667,15 @@ def _layout_token(sf, plan) -> int:
                    for leaf in _leaves(state._value))
     if not any(layout):
         return plan.token
-    token = sf._layout_tokens.setdefault((plan.token, layout), next(_plan_tokens))
+    token = plan.layouts.setdefault(layout, next(_plan_tokens))
     sf._plans_by_token[token] = plan
     return token
 
 
 def _donating(sf, jitted, plan):
-    """The donating ``jitted``, refusing an array two states share: JAX may crash on it."""
-    def call(values, *args, **kwargs):
+    """The donating ``jitted`` (and its ``lower``), refusing an array two states share: JAX may
+    crash on it."""
+    def split(values):
         owner = {}
         for i in plan.donated + plan.kept:
             for leaf in _leaves(values[i]):
@@ -2559,9 +2685,11 @@ def _donating(sf, jitted, plan):
                         f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
                         f'and {plan.states[i]._describe()} both hold; give one of them a copy '
                         '(jnp.copy) or leave it out of donate_states')
+        return [values[i] for i in plan.donated], [values[i] for i in plan.kept]
+
+    def call(values, *args, **kwargs):
         try:
-            return jitted([values[i] for i in plan.donated],
-                          [values[i] for i in plan.kept], *args, **kwargs)
+            return jitted(*split(values), *args, **kwargs)
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
@@ -2570,6 +2698,8 @@ def _donating(sf, jitted, plan):
                                      f'({type(err).__name__}: {err}); assign it a new value',
                                      'buffer deleted by a failed donating call')
             raise
+    call.lower = lambda values, *args, **kwargs: jitted.lower(*split(values), *args, **kwargs)
+    call._clear_cache = lambda: _forget_failed_calls(jitted)
     return call
 
 
@@ -2580,48 +2710,34 @@ def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
     return sf._dispatch_body(token, [given[i] for i in range(len(plan.states))], *args, **kwargs)
 
 
-def _warm_path(plan, dispatch, nargs, new):
-    """``warm(sf, args, kwargs)``: ``plan``'s call with locks, reads and writes unrolled (a
-    loop costs a visible part of a jax.jit call); values unlike ``new`` (tracers): _write_back."""
-    first = new[0] if new else None
-    names = {'dispatch': dispatch, 'plan': plan, '_write_back': _write_back,
-             'traced': _under_jax_trace,
-             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
-             **{f's{i}': state for i, state in enumerate(plan.states)},
-             **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
-    locks = [f'l{i}' for i in range(len(plan.locks))]
-    body = [f'values = [{"".join(f"s{i}._value, " for i in range(len(plan.states)))}]',
-            'out, new = (dispatch(values, *args, **kwargs) if kwargs else '
-            f'dispatch(values, {"".join(f"args[{i}], " for i in range(nargs))}))']
-    if plan.write_index:
-        body += ['if type(new[0]) is leaf_type and not traced():',
-                 f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
-                 'else:', '    _write_back(sf, plan, new)']
-    lines = (['def warm(sf, args, kwargs):'] + [f'    {lock}.acquire()' for lock in locks]
-             + ['    try:'] + [f'        {line}' for line in body] + ['    finally:']
-             + ([f'        {lock}.release()' for lock in locks] or ['        pass'])
-             + ['    next(sf._cache._hits)', '    return out'])
-    exec('\n'.join(lines), names)
-    return names['warm']
+class _EagerCall(StateTraceStack):
+    """The overlay of a call run eagerly (``_call_eagerly``); such calls take their locks one at a
+    time, lest two take them in opposite orders."""
+    one_at_a_time = threading.RLock()
+
+
+# The warm path: the last slow call's plan and dispatcher, for as long as they apply.
+_Fast = collections.namedtuple('_Fast', 'plan warm dispatch nargs epoch')
 
 
 def _call(sf, *args, **kwargs):
-    """``__call__``: the last plan's warm path where it still applies, else the slow path."""
+    """``__call__``: the warm path, through the door with its executable ready, where it still
+    applies, else the slow path; a call in a trace joins it, one in recording stacks only is
+    recorded there."""
     if _frames_open and _ctx.frames:
-        return sf._call_in_trace(args, kwargs)
+        overlay = _innermost_overlay(_ctx.frames)
+        if type(overlay) is _EagerCall:
+            return sf._call_eagerly(args, kwargs)
+        return sf._call_slow(args, kwargs) if overlay is None else sf._call_in_trace(args, kwargs)
     fast = sf._fast
-    if fast is None or fast[1] != len(args) or fast[2] != _layout_epoch:
+    if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch:
         return sf._call_slow(args, kwargs)
     try:
-        return fast[0](sf, args, kwargs)
-    except _PlanMismatch:
-        # Switching plans costs an aborted trace: a function that keeps
-        # switching gives up the warm path.
-        sf._plan_switches += 1
-        return sf._call_slow(args, kwargs)
-    except (TypeError, ValueError, OverflowError) as err:
-        if _ctx.trace_error is err:   # raised by the traced function itself
-            raise
+        out = fast.warm(sf, args, kwargs)
+    except _Unprepared:   # a new signature: traced and compiled with no lock held
+        _forget_failed_calls(fast.dispatch)
+        return sf._call_slow(args, kwargs, fast.plan)
+    except (TypeError, ValueError, OverflowError):
         # An argument jax.jit refuses gets the slow path's clearer error here,
         # and a static argument hashable only by value goes the slow path.
         # Anything else came from running the computation: never run it twice.
@@ -2629,6 +2745,8 @@ def _call(sf, *args, **kwargs):
         if sf._statics_by_value:
             return sf._call_slow(args, kwargs)
         raise
+    next(sf._cache._hits)
+    return out
 
 
 _real_value = operator.attrgetter('_value')     # a State's own value
@@ -2730,11 +2848,11 @@ class StatefulFunction:
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()
         self._statics_by_value = False   # some static argument hashes only by value
-        self._plans, self._plans_by_token, self._dispatchers = {}, {}, {}
-        self._layout_tokens: dict = {}   # (plan token, layout) -> dispatcher key
-        self._fast = None                # (warm path, nargs, layout epoch)
+        # The plans the cached entries use, by their key and by dispatcher token.
+        self._plans = weakref.WeakValueDictionary()
+        self._plans_by_token = weakref.WeakValueDictionary()
+        self._fast = None                # a _Fast
         self._plan_switches = 0
-        self._warm_paths: dict = {}      # dispatcher key -> its _warm_path
 
     # -- entries -----------------------------------------------------------------
     _cache_key = _call_key
@@ -2787,8 +2905,9 @@ class StatefulFunction:
 
     # -- compiled calls ------------------------------------------------------------
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
-        """One jax.jit per plan and layout: saves hashing the plan as a static argument."""
-        jitted = self._dispatchers.get((token, nargs, donating))
+        """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
+        plan = self._plans_by_token[abs(token)]
+        jitted = plan.dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
             first = 2 if donating else 1          # where *args start
@@ -2798,88 +2917,125 @@ class StatefulFunction:
                              static_argnames=self.static_argnames or None,
                              donate_argnums=(0,) if donating else ())
             if donating:
-                jitted = _donating(self, jitted, self._plans_by_token[token])
-            self._dispatchers[(token, nargs, donating)] = jitted
+                jitted = _donating(self, jitted, plan)
+            plan.dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
     def _dispatch_body(self, token, state_values, *args, **kwargs):
-        """Traced by jax.jit on a dispatcher miss; a negative token (jaxpr_call) keeps no layout."""
+        """Traced by jax.jit on a dispatcher miss, which under a strict door (the warm path's) it
+        aborts; a negative token (jaxpr_call) keeps no layout."""
+        running = _running(1)
+        if token > 0 and running and running[0][0] is self and running[0][2]:
+            raise _Unprepared
         plan = self._plans_by_token[abs(token)]
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
-        if token > 0 and jax.config.jax_disable_jit and not _under_jax_trace():   # a warm call
-            return self._call_eagerly(args, kwargs), [s._value for s in plan.write_states]
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values))
         entry = self._cached(key, lambda state: given[id(state)], plan)
-        if entry is None:
-            ntraces = _ctx.ntraces
+        if entry is None:   # a State changed shape since the caller looked its entry up
             entry = self._entry_for(key, leaves, split, count=False)
-            if _ctx.ntraces != ntraces and token > 0:   # the warm path counted a hit: a miss
-                next(self._cache._retracted)
-                next(self._cache._misses)
             if entry.plan is not plan:
-                raise _PlanMismatch
+                raise _Unprepared
         out, new = entry.apply(list(state_values), leaves)
         if token > 0:
             new = [_kept_layout(state, value) if self._keep((), state) else value
                    for state, value in zip(plan.write_states, new)]
         return out, new
 
-    def _run(self, entry, state_values, args, kwargs, leaves, token):
-        """Runs ``entry``; a negative ``token`` (``jaxpr_call``) donates and lays out nothing."""
+    def _run(self, entry, state_values, args, kwargs, leaves, token, lower=False):
+        """Runs ``entry`` (``lower``: compiles it only); a negative ``token`` (``jaxpr_call``)
+        donates and lays out nothing."""
         if not self._compiled_dispatch or not entry.traced.cacheable or (
                 entry.traced.rules and _under_jax_trace()):   # (see _cached)
-            return entry.apply(state_values, leaves)
+            return None if lower else entry.apply(state_values, leaves)
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
             statics = _static_positions(self, len(args))
             args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
             kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
                       for k, v in kwargs.items()}
-        donating = token > 0 and bool(entry.plan.donated)
-        return self._dispatcher(token, len(args), donating)(state_values, *args, **kwargs)
+        jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
+        if lower:
+            return jitted.lower(state_values, *args, **kwargs).compile()
+        return jitted(state_values, *args, **kwargs)
 
-    def _call_slow(self, args, kwargs):
+    def _call_slow(self, args, kwargs, warm_plan=None):
+        """A call the long way: the entry traced and its executable compiled with no State lock
+        held, then run through the door (strict; should that miss the executable, once more, not
+        strict); the warm path from then on.  ``warm_plan``: the warm path's, which missed."""
         if jax.config.jax_disable_jit and not _under_jax_trace():
             return self._call_eagerly(args, kwargs)
-        ntraces = _ctx.ntraces
-        _, entry, leaves = self._lookup(args, kwargs, count=False)
-        plan = entry.plan
-        with contextlib.ExitStack() as held:
-            for lock in plan.locks:
-                held.enter_context(lock)
-            epoch, token = _layout_epoch, _layout_token(self, plan)
-            out, new = self._run(entry, [s._value for s in plan.states], args, kwargs, leaves,
-                                 token)
-            _write_back(self, plan, new)
+        ntraces, strict, at = _ctx.ntraces, not _under_jax_trace(), []
+
+        def run(values):   # the layout as the States have it under the locks
+            at[:] = _layout_epoch, _layout_token(self, plan)
+            return self._run(entry, values, args, kwargs, leaves, at[1])
+        while True:
+            _, entry, leaves = self._lookup(args, kwargs, count=False)
+            plan, token = entry.plan, _layout_token(self, entry.plan)
+            key = (token, len(args), bool(plan.donated))
+            if strict and (warm_plan is not None or key not in entry.prepared):
+                with contextlib.suppress(_Unprepared):
+                    self._run(entry, list(map(_real_value, plan.states)), args, kwargs, leaves,
+                              token, lower=True)
+                entry.prepared.add(key)
+            try:
+                out, values = _locked_call(self, plan, run, (), {}, strict)
+                break
+            except _Unprepared:   # (rare) prepared for other values
+                _forget_failed_calls(self._dispatcher(at[1], len(args), bool(plan.donated)))
+                strict = False
+        for frame in _ctx.frames:   # recording stacks see what the call touched
+            for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen):
+                frame._touch(*touched)
+        self._plan_switches += warm_plan is not None and plan is not warm_plan
         self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            key = (token, len(args), bool(plan.donated))
-            warm = self._warm_paths.get(key)
-            if warm is None:
-                warm = _warm_path(plan, self._dispatcher(*key), len(args), new)
-                self._warm_paths[key] = warm
-            self._fast = (warm, len(args), epoch)
+            key = (at[1], len(args), bool(plan.donated))
+            if key not in plan.warm_paths:
+                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key), len(args),
+                                                  list(map(_real_value, plan.write_states)))
+            self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0])
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
+    @_door
     def _call_eagerly(self, args, kwargs):
-        """Under ``jax.disable_jit()`` runs the body as Python, as jax.jit and jax.vmap do."""
+        """Under ``jax.disable_jit()`` runs the body as Python, as jax.jit and jax.vmap do, in an
+        _EagerCall overlay (which a call nested in it joins) holding each State from its first
+        touch: the writes reach the States at the end, together, as a compiled call's do."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
-        try:
-            if not isinstance(self, StatefulMapping):
+        entry = self._build_entry(key, leaves, split) if isinstance(self, StatefulMapping) else None
+
+        def run():
+            if entry is None:
                 return self.fun(*args, **kwargs)
-            entry = self._build_entry(key, leaves, split)
-            out, new = entry.apply([s._value for s in entry.plan.states], leaves)
-        except Exception as err:
-            _ctx.trace_error = err    # the warm path must not run it again
-            if isinstance(err, TraceContextError):   # e.g. a write inside jax.grad in the body
-                err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
-                             'inside a JAX transformation in it needs a compiled call')
+            out, new = entry.apply([s.value for s in entry.plan.states], leaves)
+            for state, value in zip(entry.plan.write_states, new):
+                state.value = value
+            return out
+        if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
+            return run()
+        who, locks = self, []
+
+        def lift(state):   # the door, at the first touch
+            locks.extend(_hold(who, (state,), (_state_lock(state),), (state,)))
+            return state._value
+        try:
+            with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
+                out, values = run(), frame._values
+            for state, written in zip(frame.states, frame.been_writen):
+                if written:
+                    _store.__wrapped__(state, values[id(state)])   # (this call holds it)
+        except TraceContextError as err:   # e.g. a write inside jax.grad in the body
+            err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
+                         'inside a JAX transformation in it needs a compiled call')
             raise
-        _write_back(self, entry.plan, new)
+        finally:
+            for lock in locks:
+                lock.release()
         return out
 
     def _call_in_trace(self, args, kwargs):

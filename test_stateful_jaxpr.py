@@ -3147,16 +3147,39 @@ class FailureSafetyTest(unittest.TestCase):
         self._check(g, 1.0, states=[a])
 
     def test_garbage_collector_resumes_after_tracing(self):
-        self.assertTrue(gc.isenabled())
+        threshold = gc.get_threshold()
 
         def f(x):
-            self.assertFalse(gc.isenabled())     # paused while tracing
+            self.assertGreater(gc.get_threshold()[0], 10 ** 8)   # paused while tracing
+            self.assertTrue(gc.isenabled())                       # yet not switched off
             raise _Boom
         with self.assertRaises(_Boom):
             StatefulFunction(f)(1.0)
-        self.assertTrue(gc.isenabled())
+        self.assertEqual(gc.get_threshold(), threshold)
         StatefulFunction(lambda x: x)(1.0)
+        self.assertEqual(gc.get_threshold(), threshold)
         self.assertTrue(gc.isenabled())
+
+    def test_a_trace_keeps_the_collector_settings_another_thread_made(self):
+        threshold = gc.get_threshold()
+        self.addCleanup(gc.set_threshold, *threshold)
+        self.addCleanup(gc.enable)
+        tracing, switched = threading.Event(), threading.Event()
+
+        def f(x):
+            tracing.set()
+            self.assertTrue(switched.wait(30))
+            return x
+
+        def switch_off(_):
+            self.assertTrue(tracing.wait(30))
+            gc.disable()
+            gc.set_threshold(threshold[0] + 1, *threshold[1:])
+            switched.set()
+        errors = _run_threads([lambda _: StatefulFunction(f)(1.0), switch_off], join_timeout=60)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertFalse(gc.isenabled())
+        self.assertEqual(gc.get_threshold(), (threshold[0] + 1, *threshold[1:]))
 
     def test_next_call_works_after_failure(self):
         a = State(jnp.zeros(()))
@@ -7254,6 +7277,44 @@ def _format_thread_errors(errors):
     return '\n'.join(f'thread {i}: {type(e).__name__}: {e}\n{tb}' for i, e, tb in errors[:3])
 
 
+def _finishes_in_another_thread(fun, timeout=30.0) -> bool:
+    """Whether ``fun()``, run in another thread, returns within ``timeout`` seconds (no lock
+    this thread holds keeps it waiting)."""
+    thread = threading.Thread(target=fun, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+_COMPILE_HOOKS = []   # run in the compiling thread after each XLA compilation
+
+
+@contextlib.contextmanager
+def _on_backend_compile(hook):
+    if not hasattr(_on_backend_compile, 'registered'):
+        def listener(event, *_, **__):
+            if event == '/jax/core/compile/backend_compile_duration':
+                for h in list(_COMPILE_HOOKS):
+                    h()
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        _on_backend_compile.registered = True
+    _COMPILE_HOOKS.append(hook)
+    try:
+        yield
+    finally:
+        _COMPILE_HOOKS.remove(hook)
+
+
+def _call_after_lower_compiles_again() -> bool:
+    """Whether this JAX compiles a jax.jit call again after ``lower().compile()`` (0.4.38)."""
+    compiles = []
+    jitted, x = jax.jit(lambda v: v * 3.5 + 0.25), jnp.arange(7.0)
+    jitted.lower(x).compile()
+    with _on_backend_compile(lambda: compiles.append(1)):
+        jitted(x)
+    return bool(compiles)
+
+
 def _jaxpr_cache_stats(fn):
     return fn.get_cache_stats()['jaxpr_cache']
 
@@ -7677,7 +7738,7 @@ class ThreadSafetyTest(unittest.TestCase):
             written.set()
             done.wait(30)
             return shared.value
-        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)))
+        t = threading.Thread(target=lambda: seen.append(StatefulFunction(slow)(2.0)), daemon=True)
         t.start()
         try:
             self.assertTrue(written.wait(30), 'the trace never reached its write')
@@ -7707,11 +7768,7 @@ class ThreadSafetyTest(unittest.TestCase):
                         c.set(k, j)
                     except ValueError:
                         pass
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self.assertEqual(_run_threads([work] * 8), [])
         self.assertLessEqual(len(c), 50)
         stats = c.get_stats()
         self.assertEqual(stats['hits'] + stats['misses'], 8 * 200)
@@ -7931,6 +7988,249 @@ class CallAtomicityTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, 'not a JAX type'):
             sf('text')
 
+    # -- host callbacks run inside their call: they read what it holds, never change it ----
+    def test_a_key_drawn_in_a_callback_of_the_call_holding_it_raises(self):
+        from jax.experimental import io_callback
+        f32, armed = jax.ShapeDtypeStruct((), jnp.float32), [False]
+        rng = RandomState(0, name='held_rng')
+
+        def draw(x):
+            if armed[0]:
+                rng.split_key()
+            return np.asarray(x, np.float32)
+        kinds = {'pure_callback': lambda x: jax.pure_callback(draw, f32, x),
+                 'io_callback': lambda x: io_callback(draw, f32, x),
+                 'debug.callback': lambda x: (jax.debug.callback(draw, x), x)[1]}
+        for kind, callback in kinds.items():
+            with self.subTest(kind):
+                sf = StatefulFunction(lambda x, cb=callback: cb(x) + jax.random.uniform(
+                    rng.split_key()), name=f'draws_{kind}')
+                armed[0] = False
+                sf(1.0)                                   # the warm path from now on
+                armed[0], key = True, rng.value
+                with self.assertRaisesRegex(Exception, r"(?s)RandomState 'held_rng'.*running "
+                                            rf"call of StatefulFunction\('draws_{kind}'\)"):
+                    jax.block_until_ready(sf(1.0))
+                np.testing.assert_array_equal(rng.value, key)   # no key handed out
+
+    def test_an_assignment_in_a_callback_of_the_call_holding_the_state_raises(self):
+        from jax.experimental import io_callback
+        s, armed = State(jnp.zeros(()), name='held_total'), [False]
+
+        def add_100(x):
+            if armed[0]:
+                s.value = s.value + 100.0
+            return np.asarray(x, np.float32)
+
+        def f(x):
+            s.value = s.value + io_callback(add_100, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+        sf = StatefulFunction(f, name='adds')
+        sf(1.0)
+        armed[0] = True
+        with self.assertRaisesRegex(Exception, r"(?s)'held_total'.*running call of "
+                                    r"StatefulFunction\('adds'\)"):
+            jax.block_until_ready(sf(1.0))
+        self.assertEqual(float(s.value), 1.0)
+        add_100(1.0)                                        # outside a call: fine
+        self.assertEqual(float(s.value), 101.0)
+
+    def test_a_call_in_a_callback_reads_but_never_writes_what_its_call_holds(self):
+        held, other = State(jnp.ones(()), name='held_s'), State(jnp.zeros(()), name='other')
+        seen, mode = [], ['read']
+
+        def bump():
+            held.value = held.value + 1.0
+
+        def read_held_write_other():
+            other.value = other.value + held.value
+            return held.value
+        writer = StatefulFunction(bump, name='bump')
+        reader = StatefulFunction(read_held_write_other, name='reader')
+
+        def callback(x):
+            if mode[0] == 'read':
+                seen.append((float(held.value), float(reader())))
+            else:
+                writer()
+            return np.asarray(x, np.float32)
+
+        def f(x):
+            held.value = held.value * 2 + jax.pure_callback(
+                callback, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+        sf = StatefulFunction(f, name='outer')
+        sf(0.0), sf(0.0)                        # the first call, then the warm path
+        self.assertEqual(seen, [(1.0, 1.0), (2.0, 2.0)])   # the values before each call
+        self.assertEqual((float(held.value), float(other.value)), (4.0, 3.0))
+        mode[0] = 'write'
+        with self.assertRaisesRegex(Exception, r"(?s)StatefulFunction\('bump'\).*'held_s'.*"
+                                    r"running call of StatefulFunction\('outer'\)"):
+            jax.block_until_ready(sf(0.0))
+        self.assertEqual((float(held.value), float(other.value)), (4.0, 3.0))
+
+    def test_a_callback_calling_a_function_on_other_states_adds_no_deadlock(self):
+        # f holds `model` and calls g (touching only `metric`) from a callback while another
+        # thread loops h, which touches both: with the States threaded by hand nothing waits.
+        metric, model = sorted((State(jnp.zeros(())), State(jnp.zeros(()))), key=id)
+        metric.name, model.name = 'metric', 'model'    # (h would lock `metric` first)
+
+        def g(x):
+            metric.value = metric.value + x
+            return x
+        g_sf = StatefulFunction(g)
+
+        def log(x):
+            g_sf(x)
+            return np.asarray(x, np.float32)
+
+        def f(x):
+            model.value = model.value + jax.pure_callback(
+                log, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+
+        def h(x):
+            model.value = model.value + x
+            metric.value = metric.value + x
+            return x
+        f_sf, h_sf = StatefulFunction(f), StatefulFunction(h)
+        f_sf(1.0), h_sf(1.0)
+        errors = _run_threads([lambda _: [jax.block_until_ready(f_sf(1.0)) for _ in range(100)],
+                               lambda _: [h_sf(1.0) for _ in range(100)]], join_timeout=60)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual((float(model.value), float(metric.value)), (202.0, 202.0))
+
+    # -- tracing and compiling hold no lock ------------------------------------------
+    def test_a_retrace_for_new_argument_shapes_holds_no_lock(self):
+        shared = State(jnp.zeros(()), name='shared_total')
+
+        def set_5():
+            shared.value = jnp.float32(5.0)
+        setter = StatefulFunction(set_5)
+        setter()
+
+        def f(x):
+            if x.shape == (3,):      # the warm path's retrace: another call on `shared` runs
+                self.assertTrue(_finishes_in_another_thread(setter))
+            shared.value = shared.value + x.sum()
+            return x
+        sf = StatefulFunction(f)
+        sf(jnp.ones(2)), sf(jnp.ones(2))
+        sf(jnp.ones(3))
+        self.assertEqual(float(shared.value), 8.0)    # set to 5 before the call read it
+
+    def test_compiling_holds_no_lock(self):
+        shared = State(jnp.zeros(()), name='shared_count')
+
+        def bump():
+            shared.value = shared.value + 1.0
+        bumper = StatefulFunction(bump)
+        bumper()
+        main, compiles, finished = threading.current_thread(), [], []
+
+        def on_compile():   # another call on `shared` runs while the new executable compiles
+            if threading.current_thread() is main:
+                compiles.append(1)
+                if len(compiles) == 1:
+                    finished.append(_finishes_in_another_thread(bumper))
+
+        def f(x):
+            shared.value = shared.value * x
+            return x
+        with _on_backend_compile(on_compile):
+            StatefulFunction(f)(3.0)
+        self.assertEqual(finished, [True])
+        self.assertEqual(float(shared.value), 6.0)     # bumped before the call read it
+        if not _call_after_lower_compiles_again():     # (0.4.38 compiles the call once more)
+            self.assertEqual(len(compiles), 1)
+
+    # -- every other door ------------------------------------------------------------
+    def test_an_assignment_waits_for_the_call_that_read_the_state(self):
+        s = State(jnp.zeros(()), name='reset_target')
+        armed, in_call, assigned = [False], threading.Event(), threading.Event()
+
+        def wait(x):
+            if armed[0]:
+                in_call.set()
+                assigned.wait(1.0)   # an assignment not kept waiting lands now, and is lost
+            return np.asarray(x, np.float32)
+
+        def f(x):
+            s.value = s.value + jax.pure_callback(wait, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return x
+        sf = StatefulFunction(f)
+        sf(1.0)
+        armed[0] = True
+
+        def reset(_):
+            self.assertTrue(in_call.wait(30))
+            s.value = jnp.float32(100.0)
+            assigned.set()
+        errors = _run_threads([lambda _: jax.block_until_ready(sf(1.0)), reset])
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertIn(float(s.value), (100.0, 101.0))   # the call, then the reset (or reversed)
+
+    def test_calls_under_disable_jit_are_atomic(self):
+        s = State(jnp.zeros(()), name='eager_total')
+        odd, left, lock = [], [3], threading.Lock()
+
+        def add_twice(x):
+            s.value = s.value + x
+            s.value = s.value + x        # no other thread sees the value in between
+            return x
+        sf = StatefulFunction(add_twice)
+
+        def worker(_):
+            try:
+                with jax.disable_jit():
+                    for _ in range(100):
+                        sf(1.0)
+            finally:
+                with lock:
+                    left[0] -= 1
+
+        def reader(_):
+            while left[0]:
+                if float(s.value) % 2:
+                    odd.append(float(s.value))
+        errors = _run_threads([worker] * 3 + [reader])
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual(float(s.value), 600.0)
+        self.assertEqual(odd, [])
+
+    def test_calls_in_recording_stacks_are_atomic_and_recorded(self):
+        s, r = State(jnp.zeros(()), name='recorded_total'), State(jnp.ones(()), name='read')
+
+        def add(x):
+            s.value = s.value + x * r.value
+            return x
+        sf, stacks = StatefulFunction(add), []
+
+        def worker(_):
+            for _ in range(200):
+                with StateTraceStack() as stack:
+                    sf(1.0)
+            stacks.append(stack)
+        errors = _run_threads([worker] * 4)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual(float(s.value), 800.0)
+        for stack in stacks:
+            self.assertEqual((stack.states, stack.been_writen), ([s, r], [True, False]))
+            self.assertEqual(float(stack.original_state_values[1]), 1.0)
+
+    def test_key_draws_in_recording_stacks_are_never_repeated(self):
+        rng = RandomState(0, name='recorded_rng')
+        keys = [[] for _ in range(4)]
+
+        def worker(k):
+            for _ in range(200):
+                with StateTraceStack() as stack:
+                    keys[k].append(rng.split_key())
+                self.assertEqual((stack.states, stack.been_writen), ([rng], [True]))
+        errors = _run_threads([worker] * 4)
+        self.assertFalse(errors, _format_thread_errors(errors))
+        self.assertEqual(len({tuple(np.asarray(k).tolist()) for ks in keys for k in ks}), 800)
+
 
 def _build_nested_functions():
     inner_state = sj.State(jnp.zeros(()), name='mem_inner')
@@ -7991,6 +8291,34 @@ class MemoryTest(unittest.TestCase):
             self.assertEqual(errors, [])
             return [weakref.ref(s), weakref.ref(sf)]
         self.assertAllFreed(build())
+
+    def test_evicted_entries_free_their_states_and_executables(self):
+        # 300 signatures, each with its own State, through the 128-entry cache.
+        states, dispatchers, jit = [], [], jax.jit
+
+        def f(x, i):
+            state = states[i]()
+            state.value = state.value + x
+            return x
+
+        def recording_jit(*args, **kwargs):    # each signature's compiled dispatcher
+            jitted = jit(*args, **kwargs)
+            dispatchers.append(weakref.ref(jitted))
+            return jitted
+        sf = StatefulFunction(f, static_argnums=1)
+        with mock.patch.object(jax, 'jit', recording_jit):
+            for i in range(300):
+                state = State(jnp.zeros(3), name=f'signature{i}')
+                states.append(weakref.ref(state))
+                sf(1.0, i)
+                del state
+        gc.collect()
+        kept = [i for i, ref in enumerate(states) if ref() is not None]
+        self.assertEqual(kept, list(range(300 - 128, 300)))
+        self.assertEqual([i for i, ref in enumerate(dispatchers) if ref() is not None], kept)
+        sf.clear_cache()
+        gc.collect()
+        self.assertEqual([ref for ref in states + dispatchers if ref() is not None], [])
 
     def test_failed_trace_frees_everything(self):
         def build():
@@ -8156,7 +8484,7 @@ class ShardingTest(unittest.TestCase):
         s = State(jnp.zeros(4), name='single')
         sf = StatefulFunction(_filler(s))
         sf(jnp.arange(3.0))
-        (dispatch,) = sf._dispatchers.values()      # the compiled call's jax.jit
+        dispatch = sf._fast.dispatch                # the compiled call's jax.jit
         if not hasattr(dispatch, 'trace'):
             self.skipTest(f'jax.jit(...).trace is missing on JAX {jax.__version__}')
         jaxpr = str(dispatch.trace([s.value], jnp.arange(3.0)).jaxpr)
