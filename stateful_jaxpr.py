@@ -119,6 +119,13 @@ _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__ve
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 
 
+# JAX leaves its own frames out of a user's traceback (jax_traceback_filtering) at its API
+# boundaries: this file's frames too, at the module's boundaries (all releases).
+_api_boundary = _probe('jax._src.traceback_util:api_boundary') or (lambda fun: fun)
+if _probe('jax._src.traceback_util:register_exclusion') is not None:
+    _probe('jax._src.traceback_util:register_exclusion')(__file__)
+
+
 def _rebuild(jaxpr, consts, like=None, **fields):
     """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (None: open)."""
     if fields:
@@ -506,12 +513,14 @@ class BatchAxisError(ValueError):
 _JAX_DIR = os.path.dirname(jax.__file__)
 
 
+_USER_CODE = set()   # code objects of this file that are user code (the demo adds its own)
+
+
 def _outside(skip_jax: bool):
-    """``(frame, level)`` of the first caller outside this module (and JAX); the
-    demo ``main()`` is user code that lives here, so it counts as a caller."""
+    """``(frame, level)`` of the first caller outside this module (and JAX)."""
     frame, level = sys._getframe(2), 2
     while frame is not None and ((frame.f_code.co_filename == __file__ and frame.f_code
-                                  is not main.__code__) or (
+                                  not in _USER_CODE) or (
             skip_jax and frame.f_code.co_filename.startswith(_JAX_DIR))):
         frame, level = frame.f_back, level + 1
     return frame, level
@@ -598,10 +607,11 @@ def _multi_device(leaf):
 # =============================================================================
 # 3. States and the state trace stack
 #
-# Outside a stateful trace ``State.value`` is a plain attribute; inside, reads
-# and writes go to the thread's innermost frame (a StateTraceStack or section
-# 6's _TraceFrame).  Side slots (name, metadata, stack level, backup key) written
-# inside an overlaying frame reach the State only when it closes without error.
+# Outside a stateful trace ``State.value`` is a plain attribute; inside, reads and writes go to the
+# thread's innermost frame (a StateTraceStack or section 6's _TraceFrame), through forward hooks:
+# section 6's ``_traced_read`` / ``_traced_write``, which may hold a value as Refs (``_RefCell``).
+# Side slots (name, metadata, stack level, backup key) written inside an overlaying frame reach the
+# State only when it closes without error.
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
@@ -625,6 +635,7 @@ class _Context(threading.local):
 
 _ctx = _Context()
 _MISSING = object()
+_Broken = collections.namedtuple('_Broken', 'error message shown')   # a State's lost value
 
 
 def _innermost_overlay(frames):
@@ -749,6 +760,33 @@ def _store(state, value) -> None:
     state._value, state._broken = value, None
 
 
+# States read under a plain JAX trace (outside stateful traces) while alive.
+_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+
+
+def _check_tracers_may_enter(state, value, allowed_traces) -> None:
+    """Rejects a tracer that would outlive its trace inside ``state``."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, Tracer):
+            trace = _tracer_trace(leaf)
+            if trace is state._creation_trace or trace in allowed_traces:
+                continue
+            if allowed_traces:
+                raise TraceContextError(
+                    f'{state._describe()} was assigned a traced value inside a JAX '
+                    'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
+                    'nested in a stateful function, and no enclosing trace can thread it '
+                    'out: the State was created inside the stateful function.  Create the '
+                    'State outside the function, or return the value from the '
+                    'transformation and assign it outside.')
+            raise TraceContextError(
+                f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
+                'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
+                'keep a tracer that outlives its transformation.  Wrap the outer function '
+                'in StatefulFunction (or StatefulMapping) so state updates are threaded, or '
+                'thread the values explicitly with StatefulFunction.jaxpr_call().')
+
+
 class State:
     """A mutable container for a pytree of arrays.
 
@@ -773,7 +811,7 @@ class State:
         self._source = _user_site()
         self._check_value(value)
         self._value = value
-        self._broken = None   # (error type, message, repr text) while nothing readable is held
+        self._broken = None   # a _Broken while nothing readable is held
         frames = _ctx.frames
         self._stack_level = len(frames)
         self._creation_trace = _current_trace()
@@ -840,7 +878,7 @@ class State:
                             'an array of an explicit wider dtype with jax_enable_x64 on')
 
     def _raise_broken(self):
-        raise self._broken[0](self._broken[1])
+        raise self._broken.error(self._broken.message)
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -932,7 +970,7 @@ class State:
         return hash(id(self))
 
     def __repr__(self):
-        shown = f'<{self._broken[2]}>' if self._broken is not None else repr(self._value)
+        shown = f'<{self._broken.shown}>' if self._broken is not None else repr(self._value)
         name = f'name={self._name!r}, ' if self._name else ''
         if '\n' in shown:
             shown = '\n  ' + shown.replace('\n', '\n  ')
@@ -1258,7 +1296,7 @@ class StateTraceStack:
                 state._value = jax.tree_util.tree_map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                     if isinstance(x, Tracer) else x, state._value)
-                state._broken = (TraceContextError, f'{state._describe()} was created inside '
+                state._broken = _Broken(TraceContextError, f'{state._describe()} was created inside '
                                  'a traced function and still holds a tracer from that finished '
                                  'trace; return its value from the function (or create the State '
                                  'outside it) instead of reading it afterwards',
@@ -1339,70 +1377,6 @@ class StateTraceStack:
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
-class _StateCatcher(collections.abc.Sequence):
-    """The States created inside a :func:`catch_new_states` block, in creation order."""
-
-    def __init__(self, state_tag, state_to_exclude):
-        self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
-        self.state_ids, self.states = set(), []
-
-    def append(self, state: State) -> None:
-        """Adds ``state`` (tagging it) unless excluded or already caught."""
-        if id(state) in self.state_ids or self.state_to_exclude((), state):
-            return
-        if self.state_tag is not None:
-            state.tag = self.state_tag
-        self.state_ids.add(id(state))
-        self.states.append(state)
-
-    def remove(self, state: State) -> None:
-        if id(state) in self.state_ids:
-            self.state_ids.discard(id(state))
-            self.states.remove(state)
-
-    def clear(self) -> None:
-        self.state_ids.clear()
-        self.states.clear()
-
-    def get_states(self) -> list:
-        return self.states
-
-    def get_state_values(self) -> list:
-        return [s.value for s in self.states]
-
-    def get_by_tag(self, tag: str) -> list:
-        return [s for s in self.states if s.tag == tag]
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, index):
-        return self.states[index]
-
-    def __contains__(self, state) -> bool:
-        return id(state) in self.state_ids
-
-
-@contextlib.contextmanager
-def catch_new_states(state_tag: str | None = None, state_to_exclude=None):
-    """Collects the States created inside the block, except those matching
-    the filter ``state_to_exclude``, and tags them with ``state_tag``.
-
-    Example
-    -------
-    >>> with catch_new_states('layer1') as new:
-    ...     w = State(jnp.ones(2))
-    >>> new.get_states() == [w], w.tag
-    (True, 'layer1')
-    """
-    catcher = _StateCatcher(state_tag, state_to_exclude)
-    _ctx.catchers.append(catcher)
-    try:
-        yield catcher
-    finally:
-        _ctx.catchers.remove(catcher)
-
-
 @contextlib.contextmanager
 def check_state_value_tree(val: bool = True):
     """Inside this block, assigning a value whose pytree structure differs
@@ -1420,6 +1394,14 @@ def check_state_value_tree(val: bool = True):
         yield
     finally:
         _ctx.check_tree = outer
+
+
+def _reject_states(tree, what: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, State):
+            where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
+            raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
+                             'value instead (state.value)')
 
 
 # =============================================================================
@@ -1581,11 +1563,75 @@ def to_predicate(the_filter) -> Callable:
         'tuple/list of filters, or OfType/Any/All/Not/Everything/Nothing')
 
 
+class _StateCatcher(collections.abc.Sequence):
+    """The States created inside a :func:`catch_new_states` block, in creation order."""
+
+    def __init__(self, state_tag, state_to_exclude):
+        self.state_tag, self.state_to_exclude = state_tag, to_predicate(state_to_exclude)
+        self.state_ids, self.states = set(), []
+
+    def append(self, state: State) -> None:
+        """Adds ``state`` (tagging it) unless excluded or already caught."""
+        if id(state) in self.state_ids or self.state_to_exclude((), state):
+            return
+        if self.state_tag is not None:
+            state.tag = self.state_tag
+        self.state_ids.add(id(state))
+        self.states.append(state)
+
+    def remove(self, state: State) -> None:
+        if id(state) in self.state_ids:
+            self.state_ids.discard(id(state))
+            self.states.remove(state)
+
+    def clear(self) -> None:
+        self.state_ids.clear()
+        self.states.clear()
+
+    def get_states(self) -> list:
+        return self.states
+
+    def get_state_values(self) -> list:
+        return [s.value for s in self.states]
+
+    def get_by_tag(self, tag: str) -> list:
+        return [s for s in self.states if s.tag == tag]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index):
+        return self.states[index]
+
+    def __contains__(self, state) -> bool:
+        return id(state) in self.state_ids
+
+
+@contextlib.contextmanager
+def catch_new_states(state_tag: str | None = None, state_to_exclude=None):
+    """Collects the States created inside the block, except those matching
+    the filter ``state_to_exclude``, and tags them with ``state_tag``.
+
+    Example
+    -------
+    >>> with catch_new_states('layer1') as new:
+    ...     w = State(jnp.ones(2))
+    >>> new.get_states() == [w], w.tag
+    (True, 'layer1')
+    """
+    catcher = _StateCatcher(state_tag, state_to_exclude)
+    _ctx.catchers.append(catcher)
+    try:
+        yield catcher
+    finally:
+        _ctx.catchers.remove(catcher)
+
+
 # =============================================================================
 # 5. Cache and argument keys
 #
-# A stateful function keeps one trace per call signature, in a bounded LRU
-# cache; static arguments count by value (``make_hashable``).
+# A stateful function keeps one trace per call signature, in a bounded LRU cache; static arguments
+# count by value (``make_hashable``).  A key in words tells why a function traced again.
 # =============================================================================
 
 class hashabledict(dict):
@@ -1849,6 +1895,163 @@ class _StaticArg:
         return isinstance(other, _StaticArg) and self._key == other._key
 
 
+# -- A key in words -------------------------------------------------------------
+def _sig_text(shape, dtype, weak_type: bool) -> str:
+    """``float32[3,4]`` (``weak`` appended for a weakly typed value)."""
+    return f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
+
+
+def _value_text(sig) -> str:
+    """A state value signature from ``_value_sig`` in words."""
+    treedef, leaves = sig
+    texts = [_sig_text(*leaf) for leaf in leaves]
+    if treedef.num_nodes == 1 and len(texts) == 1:
+        return texts[0]
+    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
+                           for p, t in zip(_leaf_paths(treedef), texts)) + '}'
+
+
+def _leaf_paths(treedef) -> list:
+    """The key path of each leaf of ``treedef`` (rebuilt with placeholder leaves)."""
+    try:
+        tree = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+        return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    except Exception:  # a pytree class whose unflatten checks its leaves
+        return [(jax.tree_util.FlattenedIndexKey(i),) for i in range(treedef.num_leaves)]
+
+
+def _arg_labels(key) -> list:
+    """``argument 0['w'][1]`` / ``keyword 'scale'`` per flat dynamic leaf of a cache key."""
+    static = {i for i, _ in key['static_args']}
+    tree_a, tree_k = key['dyn_args'][0], key['dyn_kwargs'][0]
+    positions = [i for i in range(len(tree_a.children()) + len(static)) if i not in static]
+    labels = []
+    for path in _leaf_paths(tree_a) + _leaf_paths(tree_k):
+        head, rest = path[0], jax.tree_util.keystr(tuple(path[1:]))
+        if isinstance(head, jax.tree_util.SequenceKey):
+            labels.append(f'argument {positions[head.idx]}{rest}')
+        elif isinstance(head, jax.tree_util.DictKey):
+            labels.append(f'keyword {head.key!r}{rest}')
+        else:
+            labels.append(f'argument leaf {head.key}')
+    return labels
+
+
+def _static_items(key) -> list:
+    """``(label, value)`` of each static argument in a cache key (values as hashed)."""
+    return ([(f'static argument {i}', v) for i, v in key['static_args']]
+            + [(f'static argument {k!r}', v) for k, v in key['static_kwargs']])
+
+
+def _key_summary(key) -> str:
+    """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
+    sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
+    items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
+    items += [f'{label}={value!r}' for label, value in _static_items(key)]
+    more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
+    return ', '.join(items[:6]) + more or 'no arguments'
+
+
+# -- Why a function traced again -----------------------------------------------
+
+_logger = logging.getLogger(__name__)
+_EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
+_explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')]
+
+
+def explain_cache_misses(enabled: bool = True) -> bool:
+    """Turns cache-miss explanations on or off for functions built without their
+    own ``explain_cache_misses=``, returning the previous setting (on at import
+    with ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace
+    logs a warning on the ``stateful_jaxpr`` logger: the nearest cached entry
+    and what differs (arguments, static values, States' shapes, States newly
+    or no longer touched).  ``get_miss_causes()`` counts causes either way.
+
+    Example
+    -------
+    >>> previous = explain_cache_misses(True)
+    >>> sf = StatefulFunction(lambda x: x * 2)
+    >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3))     # logs: argument 0: float32[2] -> float32[3]
+    >>> sf.get_miss_causes()
+    {'first trace': 1, 'argument shape/dtype': 1}
+    >>> _ = explain_cache_misses(previous)
+    """
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f'explain_cache_misses(enabled) needs True or False, got {enabled!r}')
+    previous, _explain_default[0] = _explain_default[0], bool(enabled)
+    return previous
+
+
+def _explain_flag(value):
+    """A constructor's ``explain_cache_misses`` argument, checked."""
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f'explain_cache_misses must be True, False or None (None follows '
+                        f'stateful_jaxpr.explain_cache_misses()), got {value!r}')
+    return None if value is None else bool(value)
+
+
+def _key_differences(old, new, labels) -> list:
+    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
+    found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
+    for label in dict.fromkeys(list(olds) + list(news)):
+        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
+        if a != b:
+            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
+            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
+    for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
+        (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
+        here, labels = labels[:len(sigs_b)], labels[len(sigs_b):]
+        if tree_a != tree_b:
+            found.append(('argument structure', f'{what} argument structure: {tree_a} -> {tree_b}'))
+        else:
+            found += [('argument shape/dtype', f'{label}: {_sig_text(*a)} -> {_sig_text(*b)}')
+                      for label, a, b in zip(here, sigs_a, sigs_b) if a != b]
+    return found
+
+
+def _state_differences(old_traced, new_traced) -> list:
+    """``(cause, line)`` per State whose value changed shape, or which one trace lacks."""
+    found = [('state shape/dtype', f'{s._describe()}: {_value_text(sig)} -> {_value_text(now)}')
+             for s, sig in zip(old_traced.states, old_traced.state_sigs)
+             if (now := _value_sig(s._value)) != sig]
+    old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
+    found += [('new state', f'newly touched: {s._describe()}')
+              for s in new_traced.states if id(s) not in old_ids]
+    found += [('vanished state', f'no longer touched: {s._describe()}')
+              for s in old_traced.states if id(s) not in new_ids]
+    return found
+
+
+def _note_miss(sf, key, stale, entry) -> None:
+    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
+    with sf._cache._lock:
+        cached = [(key, stale)] if stale is not None else list(sf._cache._data.items())
+        first = not sf._miss_causes
+    near = None
+    if first:
+        found = [('first trace', '')]
+    elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
+        labels = _arg_labels(key)
+        near, old, found = min([(k, old, _key_differences(k, key, labels))
+                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
+        found = found + _state_differences(old.traced, entry.traced)
+    else:
+        found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                     f'cacheable; cache_size={sf._cache.maxsize})')]
+    with sf._cache._lock:
+        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
+    enabled = sf.explain_cache_misses
+    if first or not (_explain_default[0] if enabled is None else enabled):
+        return
+    lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
+        '  - nothing the cache key or the States show (the entry was not cacheable)'
+    _logger.warning('%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
+                    type(sf).__name__, sf.name, _key_summary(key),
+                    'none' if near is None else f'({_key_summary(near)})',
+                    ' (the same arguments; its States changed)' if stale is not None else '',
+                    lines)
+
+
 # =============================================================================
 # 6. The tracing core
 #
@@ -1867,7 +2070,8 @@ class _StaticArg:
 # State read by a plain JAX trace (``_BAKED_STATES``) may sit in any cached jaxpr.  An *isolated*
 # trace makes those caches miss (``_fresh_epoch``) but also makes jax.numpy's jitted helpers
 # retrace, so a trace is isolated only once known to need it (``_Retracer``), and renews its epoch
-# when a write follows a nested read of the same State.
+# when a write follows a nested read of the same State.  Last, a trace's inputs and outputs in
+# words (labelled jaxprs).
 # =============================================================================
 
 class _Traced:
@@ -1897,7 +2101,12 @@ class _Traced:
 
 
 _gc_lock = threading.Lock()
-_gc_pauses = [0, None]   # active pauses, the collector's first threshold before them
+
+
+class _GcPause:
+    count, first = 0, None   # active pauses, the collector's first threshold before them
+
+
 _GC_PAUSED = 2 ** 30     # a first threshold no allocation count reaches
 
 
@@ -1907,31 +2116,21 @@ def _gc_paused():
     slow thousands of States); nested and concurrent traces share one pause, by a threshold put
     back unless changed: the collector's state is left as other threads set it."""
     with _gc_lock:
-        if _gc_pauses[0] == 0:
-            _gc_pauses[1], *later = gc.get_threshold()
+        if _GcPause.count == 0:
+            _GcPause.first, *later = gc.get_threshold()
             gc.set_threshold(_GC_PAUSED, *later)
-        _gc_pauses[0] += 1
+        _GcPause.count += 1
     try:
         yield
     finally:
         with _gc_lock:
-            _gc_pauses[0] -= 1
+            _GcPause.count -= 1
             first, *later = gc.get_threshold()
-            if _gc_pauses[0] == 0 and first == _GC_PAUSED:
-                gc.set_threshold(_gc_pauses[1], *later)
-
-
-def _reject_states(tree, what: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, State):
-            where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
-            raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
-                             'value instead (state.value)')
+            if _GcPause.count == 0 and first == _GC_PAUSED:
+                gc.set_threshold(_GcPause.first, *later)
 
 
 # -- The trace frame ----------------------------------------------------------
-# States read under a plain JAX trace (outside stateful traces) while alive.
-_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
 
 
 class _TraceFrame(StateTraceStack):
@@ -2102,29 +2301,6 @@ def _traced_write(state, value, frames, written: bool):
         _store(state, value)
     else:
         target._values[id(state)] = value
-
-
-def _check_tracers_may_enter(state, value, allowed_traces) -> None:
-    """Rejects a tracer that would outlive its trace inside ``state``."""
-    for leaf in _leaves(value):
-        if isinstance(leaf, Tracer):
-            trace = _tracer_trace(leaf)
-            if trace is state._creation_trace or trace in allowed_traces:
-                continue
-            if allowed_traces:
-                raise TraceContextError(
-                    f'{state._describe()} was assigned a traced value inside a JAX '
-                    'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
-                    'nested in a stateful function, and no enclosing trace can thread it '
-                    'out: the State was created inside the stateful function.  Create the '
-                    'State outside the function, or return the value from the '
-                    'transformation and assign it outside.')
-            raise TraceContextError(
-                f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
-                'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
-                'keep a tracer that outlives its transformation.  Wrap the outer function '
-                'in StatefulFunction (or StatefulMapping) so state updates are threaded, or '
-                'thread the values explicitly with StatefulFunction.jaxpr_call().')
 
 
 # -- Writes inside nested transformations: Refs ----------------------------------
@@ -2534,6 +2710,59 @@ def _dynamic_shapes_problem(config):
     return None
 
 
+# -- A trace's inputs and outputs in words ---------------------------------------
+def _state_labels(states) -> list:
+    """Name, else ``RandomState@model.py:12`` (stable across runs); repeats get ``#2`` ..."""
+    labels, seen = [], {}
+    for s in states:
+        base = s._name or type(s).__name__ + (
+            f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
+        seen[base] = n = seen.get(base, 0) + 1
+        labels.append(base if n == 1 else f'{base}#{n}')
+    return labels
+
+
+def _state_roles(traced) -> list:
+    """``'read'``, ``'written'`` or ``'read and written'`` (its incoming value used) per state."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    used = {v for v in [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
+            if isinstance(v, Var)}
+    invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
+    value_used = [any([next(invars) in used for _ in sig[1]]) for sig in traced.state_sigs]
+    return [('read and written' if read else 'written') if written else 'read'
+            for read, written in zip(value_used, traced.trace_stack.been_writen)]
+
+
+def _pretty(traced: _Traced, key) -> str:
+    """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
+    jaxpr, text, keystr = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr), jax.tree_util.keystr
+    labels, roles, args = _state_labels(traced.states), _state_roles(traced), _arg_labels(key)
+    state_of, in_roles = [], []
+    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
+        for path in _leaf_paths(sig[0]):
+            state_of.append(i)
+            in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
+                            f'{roles[i]}, created at {_format_site(state._source)}')
+    extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
+    in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
+    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of))
+    out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
+    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
+        i = traced.returned[path[0].idx]
+        unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
+        out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
+                         + ('returned unchanged' if unchanged else 'new value'))
+    names_in, names_out = _jaxpr_names(text, len(jaxpr.invars), len(jaxpr.outvars))
+    width = max([len(n) for n in names_in + names_out] + [1])
+    awidth = max([len(v.aval.str_short()) for v in jaxpr.invars + jaxpr.outvars] + [1])
+    lines = [text, '']
+    for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
+                                        ('outputs', names_out, jaxpr.outvars, out_roles)]:
+        lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
+                                  for n, v, r in zip(names, vars_, roles_)]
+    return '\n'.join(lines)
+
+
 # =============================================================================
 # 7. StatefulFunction
 #
@@ -2544,6 +2773,7 @@ def _dynamic_shapes_problem(config):
 # (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
 # writing states through ``value``.  The first two go through the door (section 3), their
 # executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
+# ``make_jaxpr`` is ``jax.make_jaxpr`` over a StatefulFunction.
 # =============================================================================
 
 class _Unprepared(BaseException):
@@ -2551,6 +2781,8 @@ class _Unprepared(BaseException):
     the call lets go of them and prepares it first.  (Not an Exception: see _Redo.)"""
 
 
+_real_value = operator.attrgetter('_value')     # a State's own value
+_traced_value = operator.attrgetter('value')    # its value as the current trace sees it
 _plan_tokens = itertools.count(1)
 # After this many plan switches a function stays on the slow path (see _call_slow).
 _MAX_PLAN_SWITCHES = 3
@@ -2619,33 +2851,34 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
     return out, values
 
 
-def _warm_path(plan, dispatch, nargs, new):
-    """``warm(who, args, kwargs)``: ``_locked_call`` strict for ``plan``'s warm calls, its locks,
-    reads and writes unrolled (a loop costs a visible part of a jax.jit call); values unlike
-    ``new`` (tracers) take ``_write_back``."""
-    first, n = (new[0] if new else None), len(plan.states)
-    names = {'plan': plan, 'dispatch': dispatch, '_locked_call': _locked_call,
-             '_write_back': _write_back,
-             'traced': _under_jax_trace,
-             'leaf_type': type(first) if getattr(first, 'aval', None) is not None else None,
-             **{f's{i}': state for i, state in enumerate(plan.states)},
-             **{f'l{i}': lock for i, lock in enumerate(plan.locks)}}
-    reads = f'[{"".join(f"s{i}._value, " for i in range(n))}]'
-    body = [f'out, new = (dispatch({reads}, *args, **kwargs) if kwargs else '
-            f'dispatch({reads}, {"".join(f"args[{i}], " for i in range(nargs))}))']
-    if plan.write_index:
-        body += ['if type(new[0]) is leaf_type and not traced():',
-                 f'    {"".join(f"s{i}._value, " for i in plan.write_index)}= new',
-                 'else:', '    _write_back(who, plan, new)']
-    lines = ['def warm(who, args, kwargs):', '    strict, locks, k = True, plan.locks, 0',
-             '    ' + ' and '.join(f'l{i}.acquire(False) and (k := {i + 1})' for i in range(n)),
-             f'    if k < {n}:   # one is busy: the long way', '        for lock in locks[:k]:',
-             '            lock.release()', '        locks = ()',
-             '        return _locked_call(who, plan, dispatch, args, kwargs, True)[0]',
-             '    try:', *(f'        {line}' for line in body), '    finally:',
-             *(f'        l{i}.release()' for i in range(n)), '        pass', '    return out']
-    exec('\n'.join(lines), names)
-    return _door(names['warm'])
+def _warm_path(plan, dispatch, new):
+    """``warm(who, args, kwargs)``: ``_locked_call`` for ``plan``'s warm calls, strict, without
+    its general steps; values unlike ``new`` (tracers) take ``_write_back``."""
+    first = new[0] if new else None
+    leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
+    states, all_locks, writes = plan.states, plan.locks, plan.write_states
+
+    def warm(who, args, kwargs):
+        strict, locks = True, all_locks   # (what _running reads)
+        for k, lock in enumerate(locks):
+            if not lock.acquire(False):   # one is busy: the long way
+                for taken in locks[:k]:
+                    taken.release()
+                locks = ()
+                return _locked_call(who, plan, dispatch, args, kwargs, True)[0]
+        try:
+            values = list(map(_real_value, states))   # (jax.jit's fast path takes no **{})
+            out, new = dispatch(values, *args, **kwargs) if kwargs else dispatch(values, *args)
+            if writes and type(new[0]) is leaf_type and not _under_jax_trace():
+                for state, value in zip(writes, new):
+                    state._value = value
+            elif writes:
+                _write_back(who, plan, new)
+        finally:
+            for lock in locks:
+                lock.release()
+        return out
+    return _door(warm)
 
 
 def _kept_layout(state, new):
@@ -2693,7 +2926,7 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._broken = (RuntimeError, f'{state._describe()} has no value: its buffer '
+                    state._broken = _Broken(RuntimeError, f'{state._describe()} has no value: its buffer '
                                      f'was donated to a call of {_who(sf)} that then failed '
                                      f'({type(err).__name__}: {err}); assign it a new value',
                                      'buffer deleted by a failed donating call')
@@ -2749,10 +2982,6 @@ def _call(sf, *args, **kwargs):
     return out
 
 
-_real_value = operator.attrgetter('_value')     # a State's own value
-_traced_value = operator.attrgetter('value')    # its value as the current trace sees it
-
-
 class StatefulFunction:
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
@@ -2791,6 +3020,7 @@ class StatefulFunction:
     """
 
     _compiled_dispatch = True   # StatefulMapping over jax.pmap turns it off
+    _traced_eagerly = False     # under jax.disable_jit(): StatefulMapping traces, then maps
     __call__ = _call
 
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
@@ -2889,6 +3119,7 @@ class StatefulFunction:
             self._cache._record(hit is not None)
         return entry
 
+    @_api_boundary
     def _lookup(self, args, kwargs, count: bool = True, read=_real_value):
         """``(key, entry, flat args)`` for a call, traced if needed (``count``-ed as a call)."""
         key, leaves, split = self._cache_key(args, kwargs)
@@ -2960,6 +3191,7 @@ class StatefulFunction:
             return jitted.lower(state_values, *args, **kwargs).compile()
         return jitted(state_values, *args, **kwargs)
 
+    @_api_boundary
     def _call_slow(self, args, kwargs, warm_plan=None):
         """A call the long way: the entry traced and its executable compiled with no State lock
         held, then run through the door (strict; should that miss the executable, once more, not
@@ -2995,7 +3227,7 @@ class StatefulFunction:
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             key = (at[1], len(args), bool(plan.donated))
             if key not in plan.warm_paths:
-                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key), len(args),
+                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key),
                                                   list(map(_real_value, plan.write_states)))
             self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0])
         self._cache._record(_ctx.ntraces == ntraces)
@@ -3007,7 +3239,7 @@ class StatefulFunction:
         _EagerCall overlay (which a call nested in it joins) holding each State from its first
         touch: the writes reach the States at the end, together, as a compiled call's do."""
         key, leaves, split = self._cache_key(args, kwargs)   # the usual argument checks
-        entry = self._build_entry(key, leaves, split) if isinstance(self, StatefulMapping) else None
+        entry = self._build_entry(key, leaves, split) if self._traced_eagerly else None
 
         def run():
             if entry is None:
@@ -3079,6 +3311,70 @@ class StatefulFunction:
 
     def _view_by_key(self, cache_key, context: str) -> _Traced:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
+
+    def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
+        if compile_if_miss:
+            return self._view(self._lookup(args, kwargs)[1])
+        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
+
+    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The ClosedJaxpr for these arguments."""
+        return self._view_of(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
+
+    def get_jaxpr_by_cache(self, cache_key):
+        """:meth:`get_jaxpr` for a cache key."""
+        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
+
+    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
+        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes``
+        has one entry per state (``get_states()`` order), ``None`` where not returned."""
+        return self._view_of(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
+
+    def get_out_shapes_by_cache(self, cache_key):
+        """:meth:`get_out_shapes` for a cache key."""
+        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
+
+    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both."""
+        return self._view_of(args, kwargs, compile_if_miss, 'Output tree').full_tree
+
+    def get_out_treedef_by_cache(self, cache_key):
+        """:meth:`get_out_treedef` for a cache key."""
+        return self._view_by_key(cache_key, 'Output tree').full_tree
+
+    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The :class:`StateTraceStack` recorded while tracing."""
+        return self._view_of(args, kwargs, compile_if_miss, 'State trace').trace_stack
+
+    def get_state_trace_by_cache(self, cache_key):
+        """:meth:`get_state_trace` for a cache key."""
+        return self._view_by_key(cache_key, 'State trace').trace_stack
+
+    def get_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """Every touched State, in jaxpr-input order."""
+        return self._view_of(args, kwargs, compile_if_miss, 'State trace').states
+
+    def get_states_by_cache(self, cache_key):
+        """:meth:`get_states` for a cache key."""
+        return self._view_by_key(cache_key, 'State trace').states
+
+    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The touched States that are only read."""
+        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                          **kwargs).get_read_states())
+
+    def get_read_states_by_cache(self, cache_key):
+        """:meth:`get_read_states` for a cache key."""
+        return tuple(self.get_state_trace_by_cache(cache_key).get_read_states())
+
+    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The touched States that are written."""
+        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                          **kwargs).get_write_states())
+
+    def get_write_states_by_cache(self, cache_key):
+        """:meth:`get_write_states` for a cache key."""
+        return tuple(self.get_state_trace_by_cache(cache_key).get_write_states())
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
@@ -3217,45 +3513,6 @@ class StatefulFunction:
         return f'{type(self).__name__}({self.name!r}, entries={len(self._cache)})'
 
 
-def _accessors(name, context, pick, doc):
-    """``get_<name>`` and ``get_<name>_by_cache``: ``pick`` of an entry's view."""
-    def get(self, *args, compile_if_miss: bool = True, **kwargs):
-        if compile_if_miss:
-            return pick(self._view(self._lookup(args, kwargs)[1]))
-        return pick(self._view_by_key(self._cache_key(args, kwargs)[0], context))
-
-    def by_cache(self, cache_key):
-        return pick(self._view_by_key(cache_key, context))
-    get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
-    for fun, suffix in ((get, ''), (by_cache, '_by_cache')):
-        fun.__name__ = fun.__qualname__ = f'get_{name}{suffix}'
-        setattr(StatefulFunction, fun.__name__, fun)
-
-
-for _spec in (
-        ('jaxpr', 'JAX expression', lambda v: v.closed_jaxpr,
-         'The ClosedJaxpr for these arguments.'),
-        ('out_shapes', 'Output shapes', lambda v: v.out_shapes(),
-         '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
-         'has one entry per state (``get_states()`` order), ``None`` where not returned.'),
-        ('out_treedef', 'Output tree', lambda v: v.full_tree,
-         'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.'),
-        ('state_trace', 'State trace', lambda v: v.trace_stack,
-         'The :class:`StateTraceStack` recorded while tracing.'),
-        ('states', 'State trace', lambda v: v.states, 'Every touched State, in jaxpr-input order.'),
-        ('read_states', 'State trace', lambda v: tuple(v.trace_stack.get_read_states()),
-         'The touched States that are only read.'),
-        ('write_states', 'State trace', lambda v: tuple(v.trace_stack.get_write_states()),
-         'The touched States that are written.')):
-    _accessors(*_spec)
-
-
-# =============================================================================
-# 8. make_jaxpr and grad
-#
-# ``jax.make_jaxpr`` and ``jax.grad`` for functions that touch States, over StatefulFunction.
-# =============================================================================
-
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
                return_shape: bool = False, abstracted_axes=None,
                return_only_write: bool = False, pretty: bool = False) -> Callable:
@@ -3290,6 +3547,13 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
         shapes = (traced.out_shapes()[0],) if return_shape else ()
         return (traced.closed_jaxpr, traced.states, *shapes)
     return make
+
+
+# =============================================================================
+# 8. grad
+#
+# ``jax.grad`` with respect to States (brainstate's ``transform.grad``), over StatefulFunction.
+# =============================================================================
 
 
 def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphic: bool = False,
@@ -3508,6 +3772,8 @@ class StatefulMapping(StatefulFunction):
     (4,)
     """
 
+    _traced_eagerly = True
+
     def __init__(self, fun: Callable, in_axes=0, out_axes=0, state_in_axes=None,
                  state_out_axes=None, static_argnums=(), static_argnames=(), axis_env=None,
                  abstracted_axes=None, axis_size: int | None = None, axis_name=None,
@@ -3644,223 +3910,11 @@ class StatefulMapping(StatefulFunction):
 
 
 # =============================================================================
-# 10. Inspecting and shipping
+# 10. Shipping
 #
-# Labelled jaxprs, why a function traced again, and an export whose states are
-# named inputs and outputs.  All of it runs on request or on the miss path.
+# An export whose states are named inputs and outputs: jax.export checks shapes, platforms,
+# devices; the container adds the states' manifest and a checksum refusing damaged bytes first.
 # =============================================================================
-
-def _sig_text(shape, dtype, weak_type: bool) -> str:
-    """``float32[3,4]`` (``weak`` appended for a weakly typed value)."""
-    return f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
-
-
-def _value_text(sig) -> str:
-    """A state value signature from ``_value_sig`` in words."""
-    treedef, leaves = sig
-    texts = [_sig_text(*leaf) for leaf in leaves]
-    if treedef.num_nodes == 1 and len(texts) == 1:
-        return texts[0]
-    return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
-                           for p, t in zip(_leaf_paths(treedef), texts)) + '}'
-
-
-def _leaf_paths(treedef) -> list:
-    """The key path of each leaf of ``treedef`` (rebuilt with placeholder leaves)."""
-    try:
-        tree = jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
-        return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    except Exception:  # a pytree class whose unflatten checks its leaves
-        return [(jax.tree_util.FlattenedIndexKey(i),) for i in range(treedef.num_leaves)]
-
-
-def _arg_labels(key) -> list:
-    """``argument 0['w'][1]`` / ``keyword 'scale'`` per flat dynamic leaf of a cache key."""
-    static = {i for i, _ in key['static_args']}
-    tree_a, tree_k = key['dyn_args'][0], key['dyn_kwargs'][0]
-    positions = [i for i in range(len(tree_a.children()) + len(static)) if i not in static]
-    labels = []
-    for path in _leaf_paths(tree_a) + _leaf_paths(tree_k):
-        head, rest = path[0], jax.tree_util.keystr(tuple(path[1:]))
-        if isinstance(head, jax.tree_util.SequenceKey):
-            labels.append(f'argument {positions[head.idx]}{rest}')
-        elif isinstance(head, jax.tree_util.DictKey):
-            labels.append(f'keyword {head.key!r}{rest}')
-        else:
-            labels.append(f'argument leaf {head.key}')
-    return labels
-
-
-def _static_items(key) -> list:
-    """``(label, value)`` of each static argument in a cache key (values as hashed)."""
-    return ([(f'static argument {i}', v) for i, v in key['static_args']]
-            + [(f'static argument {k!r}', v) for k, v in key['static_kwargs']])
-
-
-def _key_summary(key) -> str:
-    """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
-    sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
-    items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
-    items += [f'{label}={value!r}' for label, value in _static_items(key)]
-    more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
-    return ', '.join(items[:6]) + more or 'no arguments'
-
-
-def _state_labels(states) -> list:
-    """Name, else ``RandomState@model.py:12`` (stable across runs); repeats get ``#2`` ..."""
-    labels, seen = [], {}
-    for s in states:
-        base = s._name or type(s).__name__ + (
-            f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
-        seen[base] = n = seen.get(base, 0) + 1
-        labels.append(base if n == 1 else f'{base}#{n}')
-    return labels
-
-
-def _state_roles(traced) -> list:
-    """``'read'``, ``'written'`` or ``'read and written'`` (its incoming value used) per state."""
-    jaxpr = traced.closed_jaxpr.jaxpr
-    used = {v for v in [*jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.invars)]
-            if isinstance(v, Var)}
-    invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
-    value_used = [any([next(invars) in used for _ in sig[1]]) for sig in traced.state_sigs]
-    return [('read and written' if read else 'written') if written else 'read'
-            for read, written in zip(value_used, traced.trace_stack.been_writen)]
-
-
-def _pretty(traced: _Traced, key) -> str:
-    """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
-    jaxpr, text, keystr = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr), jax.tree_util.keystr
-    labels, roles, args = _state_labels(traced.states), _state_roles(traced), _arg_labels(key)
-    state_of, in_roles = [], []
-    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
-        for path in _leaf_paths(sig[0]):
-            state_of.append(i)
-            in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
-                            f'{roles[i]}, created at {_format_site(state._source)}')
-    extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
-    in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
-    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of))
-    out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
-    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
-        i = traced.returned[path[0].idx]
-        unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
-        out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
-                         + ('returned unchanged' if unchanged else 'new value'))
-    names_in, names_out = _jaxpr_names(text, len(jaxpr.invars), len(jaxpr.outvars))
-    width = max([len(n) for n in names_in + names_out] + [1])
-    awidth = max([len(v.aval.str_short()) for v in jaxpr.invars + jaxpr.outvars] + [1])
-    lines = [text, '']
-    for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
-                                        ('outputs', names_out, jaxpr.outvars, out_roles)]:
-        lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
-                                  for n, v, r in zip(names, vars_, roles_)]
-    return '\n'.join(lines)
-
-
-# -- Why a function traced again ----------------------------------------------
-
-_logger = logging.getLogger(__name__)
-_EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
-_explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')]
-
-
-def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns cache-miss explanations on or off for functions built without their
-    own ``explain_cache_misses=``, returning the previous setting (on at import
-    with ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace
-    logs a warning on the ``stateful_jaxpr`` logger: the nearest cached entry
-    and what differs (arguments, static values, States' shapes, States newly
-    or no longer touched).  ``get_miss_causes()`` counts causes either way.
-
-    Example
-    -------
-    >>> previous = explain_cache_misses(True)
-    >>> sf = StatefulFunction(lambda x: x * 2)
-    >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3))     # logs: argument 0: float32[2] -> float32[3]
-    >>> sf.get_miss_causes()
-    {'first trace': 1, 'argument shape/dtype': 1}
-    >>> _ = explain_cache_misses(previous)
-    """
-    if not isinstance(enabled, (bool, np.bool_)):
-        raise TypeError(f'explain_cache_misses(enabled) needs True or False, got {enabled!r}')
-    previous, _explain_default[0] = _explain_default[0], bool(enabled)
-    return previous
-
-
-def _explain_flag(value):
-    """A constructor's ``explain_cache_misses`` argument, checked."""
-    if value is not None and not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f'explain_cache_misses must be True, False or None (None follows '
-                        f'stateful_jaxpr.explain_cache_misses()), got {value!r}')
-    return None if value is None else bool(value)
-
-
-def _key_differences(old, new, labels) -> list:
-    """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
-    found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
-    for label in dict.fromkeys(list(olds) + list(news)):
-        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
-        if a != b:
-            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
-    for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
-        (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
-        here, labels = labels[:len(sigs_b)], labels[len(sigs_b):]
-        if tree_a != tree_b:
-            found.append(('argument structure', f'{what} argument structure: {tree_a} -> {tree_b}'))
-        else:
-            found += [('argument shape/dtype', f'{label}: {_sig_text(*a)} -> {_sig_text(*b)}')
-                      for label, a, b in zip(here, sigs_a, sigs_b) if a != b]
-    return found
-
-
-def _state_differences(old_traced, new_traced) -> list:
-    """``(cause, line)`` per State whose value changed shape, or which one trace lacks."""
-    found = [('state shape/dtype', f'{s._describe()}: {_value_text(sig)} -> {_value_text(now)}')
-             for s, sig in zip(old_traced.states, old_traced.state_sigs)
-             if (now := _value_sig(s._value)) != sig]
-    old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
-    found += [('new state', f'newly touched: {s._describe()}')
-              for s in new_traced.states if id(s) not in old_ids]
-    found += [('vanished state', f'no longer touched: {s._describe()}')
-              for s in old_traced.states if id(s) not in new_ids]
-    return found
-
-
-def _note_miss(sf, key, stale, entry) -> None:
-    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
-    with sf._cache._lock:
-        cached = [(key, stale)] if stale is not None else list(sf._cache._data.items())
-        first = not sf._miss_causes
-    near = None
-    if first:
-        found = [('first trace', '')]
-    elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
-        labels = _arg_labels(key)
-        near, old, found = min([(k, old, _key_differences(k, key, labels))
-                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
-        found = found + _state_differences(old.traced, entry.traced)
-    else:
-        found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                     f'cacheable; cache_size={sf._cache.maxsize})')]
-    with sf._cache._lock:
-        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
-    enabled = sf.explain_cache_misses
-    if first or not (_explain_default[0] if enabled is None else enabled):
-        return
-    lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
-        '  - nothing the cache key or the States show (the entry was not cacheable)'
-    _logger.warning('%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-                    type(sf).__name__, sf.name, _key_summary(key),
-                    'none' if near is None else f'({_key_summary(near)})',
-                    ' (the same arguments; its States changed)' if stale is not None else '',
-                    lines)
-
-
-# -- Export --------------------------------------------------------------------
-# jax.export checks shapes, platforms, devices; the container adds the states' manifest
-# and a checksum refusing damaged bytes before any parsing.
 
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
@@ -4251,6 +4305,8 @@ def main() -> None:
     print(f'\n4. StatefulMapping over 4 lanes, one random key per lane:\n'
           f'   out={np.round(np.asarray(out), 3)}\n   h=\n{np.round(np.asarray(h.value), 3)}')
 
+
+_USER_CODE.add(main.__code__)   # where the demo's States are made: user code, shown as such
 
 if __name__ == '__main__':
     main()
