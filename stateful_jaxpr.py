@@ -2,14 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Imperative, mutable ``State`` objects that trace into pure, cached JAX programs.
 
-Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``,
-``grad`` and ``scan``.  :class:`StatefulFunction` traces a function over
-:class:`State` objects into a ``ClosedJaxpr`` whose extra inputs and outputs
-are those states, caches it per abstract signature and runs it compiled;
-:class:`StatefulMapping` maps one over a batch with per-state batch axes and
-per-lane random keys.  The file depends on ``jax`` only: copy it into your
-project.  Its numbered sections follow the data flow, from the compatibility
-shims (the only place that touches JAX internals) to a demo ``main()``.
+Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``, ``grad`` and
+``scan``.  :class:`StatefulFunction` traces a function over :class:`State` objects into a
+``ClosedJaxpr`` whose extra inputs and outputs are those states, caches it per abstract signature
+and runs it compiled; :class:`StatefulMapping` maps one over a batch with per-state batch axes and
+per-lane random keys.  The file depends on ``jax`` only: copy it into your project.  Its numbered
+sections follow the data flow, from the compatibility shims (the only place that touches JAX
+internals) to a demo ``main()``.
 
 Example
 -------
@@ -93,6 +92,7 @@ _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. 
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
 _make_debug_info = _probe('jax.api_util:debug_info')           # 0.5.1 ..
 _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
+_EPOCH_AXES = itertools.count()   # numbers _fresh_epoch's axes
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
@@ -118,12 +118,14 @@ _new_ref = _probe('jax:new_ref', 'jax:array_ref')   # 0.7.2 .. | 0.7.1
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 
-
 # JAX leaves its own frames out of a user's traceback (jax_traceback_filtering) at its API
 # boundaries: this file's frames too, at the module's boundaries (all releases).
 _api_boundary = _probe('jax._src.traceback_util:api_boundary') or (lambda fun: fun)
 if _probe('jax._src.traceback_util:register_exclusion') is not None:
     _probe('jax._src.traceback_util:register_exclusion')(__file__)
+# A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
+# for good; clearing the function's C++ cache lets it back, its traces and executables kept.
+_forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
 
 
 def _rebuild(jaxpr, consts, like=None, **fields):
@@ -167,6 +169,8 @@ def _map_eqns(jaxpr, fun):
 _kept_p = _jex_core.Primitive('stateful_jaxpr_kept_call')
 _kept_p.multiple_results = True
 _kept_p.def_effectful_abstract_eval(lambda *_, eqn: ([v.aval for v in eqn.outvars], eqn.effects))
+# Calls keeping a custom derivative rule ('custom_vjp_call_jaxpr' .. 0.5).
+_CUSTOM_CALLS = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'})
 
 
 class _Undischargeable(Exception):
@@ -174,8 +178,7 @@ class _Undischargeable(Exception):
 
 
 def _discharge(closed):
-    """``closed`` made pure, its Ref inputs values and their finals extra outputs, its custom
-    rules kept."""
+    """``closed`` made pure, Ref inputs as values and finals as extra outputs, custom rules kept."""
     closed = _map_eqns(closed, lambda e: e.replace(primitive=_kept_p, params={'eqn': e}) if (
         e.primitive.name in _CUSTOM_CALLS
         and not any(isinstance(f, _RefEffect) for f in e.effects)) else e)
@@ -206,11 +209,7 @@ def _current_trace():
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
 _DIFF_TRACES = (_JVPTrace, _LinearizeTrace)  # jax.jvp / jax.grad's traces (all releases)
-
-
-def _top_trace():
-    """The trace whose jaxpr new inputs go to (``find_top_trace(())``: the current one)."""
-    return _src_core.find_top_trace(())
+_top_trace = _current_trace   # the trace new jaxpr inputs go to (find_top_trace(()), all releases)
 
 
 def _under_jax_trace() -> bool:
@@ -281,13 +280,11 @@ def _new_arg(trace, aval):
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
     """``(jaxpr, out_avals, consts)`` of ``flat_fun(*leaves)`` (a 4-tuple up to 0.6)."""
-    if _make_debug_info is None:
-        wrapped = _lu.wrap_init(flat_fun)
-    else:
+    dbg = {}
+    if _make_debug_info is not None:
         names = None if _ARG_NAMES_MAY_BE_NONE else tuple(f'arg{i}' for i in range(len(in_avals)))
-        dbg = _make_debug_info(name, fun, (), {})._replace(arg_names=names)
-        wrapped = _lu.wrap_init(flat_fun, debug_info=dbg)
-    return _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))[:3]
+        dbg['debug_info'] = _make_debug_info(name, fun, (), {})._replace(arg_names=names)
+    return _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fun, **dbg), list(in_avals))[:3]
 
 
 def _axis_env(axis_env):
@@ -296,9 +293,6 @@ def _axis_env(axis_env):
         raise NotImplementedError('binding named axes needs jax._src.core.extend_axis_env_nd, '
                                   f'which JAX {jax.__version__} lacks')
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
-
-
-_EPOCH_AXES = itertools.count()
 
 
 def _fresh_epoch():
@@ -319,9 +313,7 @@ def _body_binding(eqn) -> tuple:
         n = p['num_consts'] if 'num_consts' in p else len(p['ft_in'].unpack()[0])
         return [p['jaxpr'].jaxpr], eqn.invars, n
     body = _call_body(eqn)[1]
-    if body is not None:
-        return [getattr(body, 'jaxpr', body)], eqn.invars, None
-    return [], (), None
+    return ([], (), None) if body is None else ([getattr(body, 'jaxpr', body)], eqn.invars, None)
 
 
 def _call_body(eqn) -> tuple:
@@ -390,10 +382,6 @@ def _unbound_axis(err: BaseException) -> bool:
     return isinstance(err, NameError) and 'axis' in str(err)
 
 
-# Calls keeping a custom derivative rule ('custom_vjp_call_jaxpr' .. 0.5).
-_CUSTOM_CALLS = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'})
-
-
 def _jaxpr_names(text: str, n_in: int, n_out: int):
     """The input and output names JAX printed, else ``#i``; the main ``{ lambda`` starts a line
     (shared sub-jaxprs may be printed before it)."""
@@ -451,6 +439,7 @@ def _jax_export():
                           f'on JAX {jax.__version__}: pip install {missing}')
     return module
 
+
 # jax.export serializes a pytree node type only once registered (all releases): its registry
 # (probed once jax.export is imported) maps a type to (serialized name, ...); its refusal
 # names the type (serializing) or the serialized name (loading).
@@ -462,12 +451,7 @@ def _unregistered_type(err):
     return re.search(r'unregistered type `([^`]*)`', str(err))
 
 
-# A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
-# for good; clearing the function's C++ cache lets it back, its traces and executables kept.
-_forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
-
-
-def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .. 0.4.38
+def _key_impl_name(key) -> str:   # key_impl: a PRNGSpec for an impl not registered by name
     spec = jax.random.key_impl(key)
     return spec if isinstance(spec, str) else spec._impl.name
 
@@ -475,21 +459,20 @@ def _key_impl_name(key) -> str:   # key_impl: a name 0.5 ..; a PRNGSpec 0.4.30 .
 # =============================================================================
 # 2. Errors and small helpers
 #
-# The two errors users catch, and the helpers every later section leans on:
-# where user code is called from, what a value's signature is (the unit of every
-# cache key), and whether a value spans several devices.
+# The two errors users catch, and helpers later sections lean on: where user code calls from, a
+# value's signature (the unit of every cache key), whether a value spans several devices.
 # =============================================================================
 
 Tracer, ShapedArray = jax.core.Tracer, jax.core.ShapedArray
+_leaves = jax.tree_util.tree_leaves
 
 
 class TraceContextError(RuntimeError):
     """A traced value would escape the JAX trace it belongs to.
 
-    Raised when a value is written into a :class:`State` where no enclosing
-    stateful trace can thread it out (for example inside a plain ``jax.jit``,
-    or per-lane inside a ``jax.vmap`` nested in a stateful function), and when
-    a State that kept a tracer from a finished trace is read.
+    Raised when a value is written into a :class:`State` where no enclosing stateful trace can
+    thread it out (for example inside a plain ``jax.jit``, or per-lane inside a ``jax.vmap`` nested
+    in a stateful function), and when a State that kept a tracer from a finished trace is read.
 
     Example
     -------
@@ -504,24 +487,21 @@ class TraceContextError(RuntimeError):
 class BatchAxisError(ValueError):
     """A state's batch axis is inconsistent with what the mapping declared.
 
-    Raised by :class:`StatefulMapping` with
-    ``unexpected_out_state_mapping='raise'`` when a state that came in
-    unbatched is written with a batched value.
+    Raised by :class:`StatefulMapping` with ``unexpected_out_state_mapping='raise'`` when a state
+    that came in unbatched is written with a batched value.
     """
 
 
 _JAX_DIR = os.path.dirname(jax.__file__)
-
-
 _USER_CODE = set()   # code objects of this file that are user code (the demo adds its own)
 
 
 def _outside(skip_jax: bool):
     """``(frame, level)`` of the first caller outside this module (and JAX)."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and ((frame.f_code.co_filename == __file__ and frame.f_code
-                                  not in _USER_CODE) or (
-            skip_jax and frame.f_code.co_filename.startswith(_JAX_DIR))):
+    while frame is not None and frame.f_code not in _USER_CODE and (
+            frame.f_code.co_filename == __file__
+            or skip_jax and frame.f_code.co_filename.startswith(_JAX_DIR)):
         frame, level = frame.f_back, level + 1
     return frame, level
 
@@ -548,10 +528,6 @@ def _label(state) -> str:
 
 def _format_site(site) -> str:
     return 'an unknown place' if site is None else '{}:{} (in {})'.format(*site)
-
-
-def _leaves(tree) -> list:
-    return jax.tree_util.tree_leaves(tree)
 
 
 def _aval_of(x):
@@ -590,18 +566,15 @@ def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
 
-# Bumped when a State outside any trace gets or loses a value spanning several
-# devices: jax.jit retraces on new shapes but not on new shardings, so a changed
-# layout must reach the compiled dispatcher's static key (see ``_layout_token``).
+# Bumped when a State outside any trace gets or loses a multi-device value: jax.jit retraces on
+# new shapes, not on new shardings, so the dispatcher's static key (``_layout_token``) must see it.
 _layout_epoch = 0
 
 
 def _multi_device(leaf):
     """``leaf``'s sharding if it spans several devices, else ``None``."""
-    sharding = getattr(leaf, 'sharding', None)
-    if sharding is None or isinstance(leaf, Tracer) or len(sharding.device_set) < 2:
-        return None
-    return sharding
+    sharding = None if isinstance(leaf, Tracer) else getattr(leaf, 'sharding', None)
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
 
 
 # =============================================================================
