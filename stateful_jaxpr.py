@@ -90,7 +90,7 @@ ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0
 Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
 _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
-_make_debug_info = _probe('jax.api_util:debug_info')           # 0.5.1 ..
+_make_debug_info = _probe('jax.api_util:debug_info')   # 0.5.1 .. (wrap_init warns without it)
 _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _EPOCH_AXES = itertools.count()   # numbers _fresh_epoch's axes
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
@@ -100,8 +100,7 @@ _JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   #
 _JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')        # all releases
 _LinearizeTrace = _probe('jax._src.interpreters.ad:LinearizeTrace')   # 0.4.38 ..
 _NEW_ARG_TAKES_SOURCE_INFO = _takes(_JaxprTrace.new_arg, 'source_info')   # 0.6.1 ..
-# ``wrap_init`` warns without ``debug_info=`` (0.5.1 ..); ``arg_names=None``
-# keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
+# ``arg_names=None`` keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
 _ARG_NAMES_MAY_BE_NONE = _probe('jax._src.linear_util:DebugInfo.assert_arg_names') is not None
 # Mutable references (jax._src.state, all releases): a State written inside a nested
 # transformation is held as Refs while tracing; JAX's ``discharge_state`` threads writes out.
@@ -273,7 +272,6 @@ def _drops_ref_tangents(home) -> bool:
 
 
 def _new_arg(trace, aval):
-    """Adds a fresh input of abstract value ``aval`` to the jaxpr ``trace`` builds."""
     source = (_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()
     return trace.new_arg(aval, *source)
 
@@ -354,13 +352,12 @@ def _write_hazard(eqn):
     return None
 
 
-# How JAX refuses a Ref program, by its error texts: 'effects' (vmap of a cond, and a cond under
-# reverse-mode differentiation, all releases; a checkpoint, .. 0.7; a jit under differentiation,
-# 0.4.38, also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref,
-# 0.6 ..), 'tangent' (a differentiated value into a Ref of a body differentiated whole, 0.6),
-# 'while' (reverse mode through a while loop, all releases), 'jacrev' (vmap of a Ref made in
-# jax.vjp, 0.7), 'transpose' (a write in a body under nested reverse-mode differentiation,
-# 0.8 .. 0.10).
+# How JAX refuses a Ref program, by its error texts (all releases unless marked): 'effects' (vmap
+# of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under differentiation, 0.4.38,
+# also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..),
+# 'tangent' (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while'
+# (reverse mode through a while loop), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
+# (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding input|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
@@ -396,10 +393,9 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
 
 
 def _bind(eqn, values):
-    """Evaluates ``eqn`` at ``values`` as JAX's evaluator does: ``get_bind_params`` gives
-    ``(subfuns, params)`` (.. 0.8) or the params."""
+    """Evaluates ``eqn`` at ``values`` as JAX's evaluator does, through ``get_bind_params``."""
     got = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)   # (subfuns, params) .. 0.8
     return eqn.primitive.bind(*subfuns, *values, **params)
 
 
