@@ -215,6 +215,10 @@ def _under_jax_trace() -> bool:
     return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
 
 
+def _parent(trace):
+    return getattr(trace, 'parent_trace', None)   # (on every trace from 0.6)
+
+
 def _trace_path(home) -> tuple:
     """``(traces, whole)``: the current trace and its parents up to ``home``, innermost first;
     not ``whole`` on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..)."""
@@ -234,10 +238,6 @@ def _body_of(trace) -> str:
                        'traced_for', ''))
     return 'checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in (
         'cond', 'switch') else ''
-
-
-def _parent(trace):
-    return getattr(trace, 'parent_trace', None)   # (on every trace from 0.6)
 
 
 def _tells(path, trace) -> bool:
