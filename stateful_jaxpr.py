@@ -1068,13 +1068,9 @@ def _is_key(x) -> bool:
                                 and np.shape(x)[-len(shape):] == shape)
 
 
-def _raw_key_text(batch: str = '') -> str:
-    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return f"raw uint32[{batch}{', '.join(map(str, shape))}]"
-
-
 def _make_key(seed_or_key, owner: str):
-    """The key a RandomState holds for ``seed_or_key`` (see there); ``owner`` names it in errors."""
+    """The key a RandomState holds for a seed (int, integer array or None: a random one); any
+    other ``seed_or_key`` as given, for RandomState._check_value.  ``owner`` names it in errors."""
     if seed_or_key is None:
         seed_or_key = _pyrandom.randrange(2 ** 31)
     if _is_int(seed_or_key):
@@ -1082,16 +1078,10 @@ def _make_key(seed_or_key, owner: str):
             raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
                                 'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
         return jax.random.PRNGKey(int(seed_or_key))
-    if isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)):
-        if _is_key(seed_or_key):
-            return seed_or_key
-        if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
-            return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))   # an integer array seed
-    kind = type(seed_or_key).__name__
-    if hasattr(seed_or_key, 'shape'):
-        kind += f' {getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key))}'
-    raise ValueError(f'{owner}: expected an int seed, None, a {_raw_key_text()} key (the '
-                     f'default PRNG implementation\'s) or a typed key (jax.random.key), got {kind}')
+    if (isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)) and np.size(seed_or_key) == 1
+            and jnp.issubdtype(seed_or_key.dtype, jnp.integer)):   # (a key's dtype is not)
+        return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))
+    return seed_or_key
 
 
 def _check_n(owner, method: str, n, fix: str) -> None:
@@ -1121,9 +1111,12 @@ class RandomState(State):
     def _check_value(self, v):
         super()._check_value(v)
         if not _is_key(v):
+            raw = ', '.join(map(str, _raw_key_shape(jax.config.jax_default_prng_impl)))
+            shown = f' {getattr(v, "dtype", "")}{list(np.shape(v))}' if hasattr(v, 'shape') else ''
             raise ValueError(
-                f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
-                f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
+                f'{self._describe()} holds a PRNG key (raw uint32[..., {raw}] or typed), got '
+                f'{type(v).__name__}{shown}; give it a raw uint32[{raw}] key (jax.random.PRNGKey) '
+                'or a typed key (jax.random.key), or seed it with an int seed or None')
 
     def seed(self, seed_or_key=None) -> None:
         """Resets the key: ``PRNGKey(int)``, a given key, or a fresh random one."""
@@ -1202,15 +1195,13 @@ class StateTraceStack:
         self._overlays, self._values, self._side, self._owned = False, {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
-                raise TypeError(
-                    f'StateTraceStack(new_arg=None, name=None) got new_arg={new_arg!r}, which '
-                    f'is not callable; to name the stack pass name={new_arg!r} by keyword')
+                raise TypeError(f'StateTraceStack(new_arg, name) got new_arg={new_arg!r}, not a '
+                                f'callable; to name the stack pass name={new_arg!r} by keyword')
             self.set_new_arg(new_arg)
 
     def set_new_arg(self, new_arg: Callable) -> None:
         """Makes this stack lift states through ``new_arg(state)`` (see class doc)."""
-        self._new_arg = new_arg
-        self._overlays = True
+        self._new_arg, self._overlays = new_arg, True
 
     def _lift(self, state, current):   # (a _TraceFrame also needs ``current``)
         return self._new_arg(state)
