@@ -1320,8 +1320,7 @@ class StateTraceStack:
                 state.restore_value(original)
 
     def assign_state_vals(self, state_vals: Sequence) -> None:
-        """Assigns ``state_vals`` (one per state): written states by ``value``,
-        the others by ``restore_value``."""
+        """Assigns one value per state: by ``value`` if written, else by ``restore_value``."""
         self.assign_state_vals_v2(state_vals, state_vals)
 
     def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
