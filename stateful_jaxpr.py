@@ -626,7 +626,7 @@ def _set_slot(state, slot: str, value) -> None:
     if frame is not None:
         frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack._commit
         return
-    _check_slot(state, slot, value, ())
+    _check_tracers_may_enter(state, value, (), slot)
     setattr(state, slot, value)
 
 
@@ -635,15 +635,29 @@ def _slot_property(slot: str, doc: str, settable: bool = True) -> property:
                     (lambda self, v: _set_slot(self, slot, v)) if settable else None, doc=doc)
 
 
-def _check_slot(state, slot: str, value, traces) -> None:
-    """Refuses a tracer that would outlive its trace in a side slot."""
+def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None:
+    """Refuses a tracer that would outlive its trace in ``state``'s value or side ``slot``: one
+    from neither the trace that made ``state`` nor ``traces`` (the stateful ones around)."""
     for leaf in _leaves(value):
-        if isinstance(leaf, Tracer) and not (
+        if not isinstance(leaf, Tracer) or (
                 (trace := _tracer_trace(leaf)) is state._creation_trace or trace in traces):
+            continue
+        if slot != '_value':
             fix = ('call restore_key() before the traced function returns, or backup_key() '
                    'outside it' if slot == '_backup' else 'give it a concrete value')
-            raise TraceContextError(f'{state._describe()} would keep a tracer in its '
-                                    f'{slot[1:]} after the trace that made it; {fix}')
+            problem = f'would keep a tracer in its {slot[1:]} after the trace that made it; {fix}'
+        elif traces:
+            problem = ('was assigned a traced value in a JAX transformation (lax.scan, lax.cond, '
+                       'an inner jax.jit, jax.grad ...) nested in the stateful function that '
+                       'created it: no enclosing trace can thread it out.  Create the State '
+                       'outside the function, or return the value from the transformation and '
+                       'assign it outside')
+        else:
+            problem = ('was assigned a JAX tracer outside any stateful trace (e.g. in a plain '
+                       'jax.jit, jax.grad or jax.vmap), which it would outlive.  Wrap the outer '
+                       'function in StatefulFunction (or StatefulMapping) to thread State updates, '
+                       'or thread the values explicitly with StatefulFunction.jaxpr_call()')
+        raise TraceContextError(f'{state._describe()} {problem}')
 
 
 # -- The door: every read-modify-write of State values outside a trace -----------------------
@@ -733,36 +747,12 @@ def _store(state, value) -> None:
 _BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
 
 
-def _check_tracers_may_enter(state, value, allowed_traces) -> None:
-    """Rejects a tracer that would outlive its trace inside ``state``."""
-    for leaf in _leaves(value):
-        if isinstance(leaf, Tracer):
-            trace = _tracer_trace(leaf)
-            if trace is state._creation_trace or trace in allowed_traces:
-                continue
-            if allowed_traces:
-                raise TraceContextError(
-                    f'{state._describe()} was assigned a traced value inside a JAX '
-                    'transformation (lax.scan / lax.cond / an inner jax.jit / jax.grad ...) '
-                    'nested in a stateful function, and no enclosing trace can thread it '
-                    'out: the State was created inside the stateful function.  Create the '
-                    'State outside the function, or return the value from the '
-                    'transformation and assign it outside.')
-            raise TraceContextError(
-                f'{state._describe()} was assigned a JAX tracer while no stateful trace is '
-                'active (e.g. inside a plain jax.jit / jax.grad / jax.vmap); the State would '
-                'keep a tracer that outlives its transformation.  Wrap the outer function '
-                'in StatefulFunction (or StatefulMapping) so state updates are threaded, or '
-                'thread the values explicitly with StatefulFunction.jaxpr_call().')
-
-
 class State:
     """A mutable container for a pytree of arrays.
 
-    While a :class:`StatefulFunction` traces, reading ``value`` records a read
-    and assigning records a write; otherwise it is a plain attribute.  ``name``
-    labels reprs, jaxprs and errors; ``metadata`` is free-form (string filters
-    match its ``tag``).
+    While a :class:`StatefulFunction` traces, reading ``value`` records a read and assigning
+    records a write; otherwise it is a plain attribute.  ``name`` labels reprs, jaxprs and
+    errors; ``metadata`` is free-form (string filters match its ``tag``).
 
     Example
     -------
@@ -776,17 +766,14 @@ class State:
                  '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
-        self._name, self._metadata = name, metadata
-        self._source = _user_site()
+        """Checks ``value``; notes where, in which trace and at which stack depth it is made."""
+        self._name, self._metadata, self._source = name, metadata, _user_site()
         self._check_value(value)
-        self._value = value
-        self._broken = None   # a _Broken while nothing readable is held
-        frames = _ctx.frames
-        self._stack_level = len(frames)
-        self._creation_trace = _current_trace()
-        self._owner = owner = _innermost_overlay(frames)
-        if owner is not None:
-            owner._owned.append(self)
+        self._value, self._broken = value, None   # _broken: a _Broken while nothing is readable
+        self._stack_level, self._creation_trace = len(_ctx.frames), _current_trace()
+        self._owner = _innermost_overlay(_ctx.frames)   # the overlay it lives in, if any
+        if self._owner is not None:
+            self._owner._owned.append(self)
         for catcher in _ctx.catchers:
             catcher.append(self)
 
@@ -799,8 +786,7 @@ class State:
         if self._broken is not None:
             self._raise_broken()
         if _under_jax_trace():
-            # Read by a plain JAX trace: a jaxpr JAX may cache holds this value.
-            _BAKED_STATES.add(self)
+            _BAKED_STATES.add(self)   # read by a plain JAX trace: a jaxpr JAX may cache holds it
         return self._value
 
     @value.setter
@@ -812,27 +798,28 @@ class State:
         self._assign(v, written=False)
 
     def _assign(self, v, written: bool) -> None:
+        """Checks ``v`` and hands it to the innermost stateful trace, else to the State."""
         self._check_value(v)
+        frames = _ctx.frames
         if _ctx.check_tree:
-            frame = _innermost_overlay(_ctx.frames)
+            frame = _innermost_overlay(frames)
             cur = self._value if frame is None else frame._values.get(id(self), self._value)
             old = cur.treedef if type(cur) is _RefCell else jax.tree_util.tree_structure(cur)
             new = jax.tree_util.tree_structure(v)
             if old != new:
                 raise ValueError(
-                    f'the pytree structure of {self._describe()} would change from '
-                    f'{old} to {new} inside check_state_value_tree(); assign a value '
-                    'with the same structure or leave the check_state_value_tree() block')
-        frames = _ctx.frames
+                    f'the pytree structure of {self._describe()} would change from {old} to '
+                    f'{new} inside check_state_value_tree(); assign a value with the same '
+                    'structure or leave the check_state_value_tree() block')
         if frames:
             _traced_write(self, v, frames, written=written)
-            return
-        _check_tracers_may_enter(self, v, ())
-        _store(self, v)
+        else:
+            _check_tracers_may_enter(self, v, ())
+            _store(self, v)
 
-    def _check_value(self, v) -> None:   # (subclasses restrict values further)
-        # (A tracer, the common value while tracing, is a leaf: no tree walk.)
-        if not isinstance(v, Tracer):
+    def _check_value(self, v) -> None:
+        """Refuses a value no State may hold (subclasses restrict values further)."""
+        if not isinstance(v, Tracer):   # (the common value while tracing, and a leaf)
             for leaf in _leaves(v):
                 if isinstance(leaf, State):
                     raise ValueError(
@@ -969,8 +956,7 @@ class TreefyState:
     def __init__(self, type: type, value, **metadata):
         if not (inspect.isclass(type) and issubclass(type, State)):
             raise TypeError(f'TreefyState(type, value) needs a State class, got {type!r}')
-        self.type = type
-        self.value = value
+        self.type, self.value = type, value
         vars(self).update(metadata)
 
     @property
@@ -1030,9 +1016,8 @@ class HiddenState(ShortTermState):
     def _check_value(self, v):
         super()._check_value(v)
         if not isinstance(v, (jax.Array, Tracer, np.ndarray, np.generic, int, float, complex)):
-            raise ValueError(
-                f'{self._describe()} holds a single array, got {type(v).__name__}; '
-                'use State for pytree values')
+            raise ValueError(f'{self._describe()} holds a single array, got '
+                             f'{type(v).__name__}; use State for pytree values')
 
 
 @functools.lru_cache(maxsize=None)
@@ -1052,29 +1037,20 @@ def _is_key(x) -> bool:
                                 and np.shape(x)[-len(shape):] == shape)
 
 
-def _raw_key_text(batch: str = '') -> str:
-    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return f"raw uint32[{batch}{', '.join(map(str, shape))}]"
-
-
 def _make_key(seed_or_key, owner: str):
+    """The key a RandomState holds for a seed (int, integer array or None: a random one); any
+    other ``seed_or_key`` as given, for RandomState._check_value.  ``owner`` names it in errors."""
     if seed_or_key is None:
-        return jax.random.PRNGKey(_pyrandom.randrange(2 ** 31))
+        seed_or_key = _pyrandom.randrange(2 ** 31)
     if _is_int(seed_or_key):
         if not -2 ** 63 <= seed_or_key < 2 ** 63:
             raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
                                 'pass a seed in [-2**63, 2**63), e.g. seed % 2**63')
         return jax.random.PRNGKey(int(seed_or_key))
-    if isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)):
-        if _is_key(seed_or_key):
-            return seed_or_key
-        if np.size(seed_or_key) == 1 and jnp.issubdtype(seed_or_key.dtype, jnp.integer):
-            return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))   # an integer array seed
-    kind = type(seed_or_key).__name__
-    if hasattr(seed_or_key, 'shape'):
-        kind += f' {getattr(seed_or_key, "dtype", "")}{list(np.shape(seed_or_key))}'
-    raise ValueError(f'{owner}: expected an int seed, None, a {_raw_key_text()} key (the '
-                     f'default PRNG implementation\'s) or a typed key (jax.random.key), got {kind}')
+    if (isinstance(seed_or_key, (Tracer, jax.Array, np.ndarray)) and np.size(seed_or_key) == 1
+            and jnp.issubdtype(seed_or_key.dtype, jnp.integer)):   # (a key's dtype is not)
+        return jax.random.PRNGKey(jnp.reshape(seed_or_key, ()))
+    return seed_or_key
 
 
 def _check_n(owner, method: str, n, fix: str) -> None:
@@ -1104,9 +1080,12 @@ class RandomState(State):
     def _check_value(self, v):
         super()._check_value(v)
         if not _is_key(v):
+            raw = ', '.join(map(str, _raw_key_shape(jax.config.jax_default_prng_impl)))
+            shown = f' {getattr(v, "dtype", "")}{list(np.shape(v))}' if hasattr(v, 'shape') else ''
             raise ValueError(
-                f'{self._describe()} holds a PRNG key ({_raw_key_text("..., ")} or typed), got '
-                f'{type(v).__name__} {getattr(v, "dtype", "")}{list(np.shape(v))}')
+                f'{self._describe()} holds a PRNG key (raw uint32[..., {raw}] or typed), got '
+                f'{type(v).__name__}{shown}; give it a raw uint32[{raw}] key (jax.random.PRNGKey) '
+                'or a typed key (jax.random.key), or seed it with an int seed or None')
 
     def seed(self, seed_or_key=None) -> None:
         """Resets the key: ``PRNGKey(int)``, a given key, or a fresh random one."""
@@ -1161,11 +1140,10 @@ class RandomState(State):
 class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
-    A context manager; stacks nest LIFO, per thread, and an enclosing stack
-    also records what a nested one does.  With ``new_arg``, ``new_arg(state)``
-    on a state's first touch gives what the code inside sees for it, and the
-    values assigned inside stay in the stack (an overlay) instead of going
-    into the States.  ``name`` labels errors.  Names, return types and the
+    A context manager; stacks nest LIFO, per thread, and an enclosing stack also records what a
+    nested one does.  With ``new_arg``, ``new_arg(state)`` on a state's first touch gives what
+    the code inside sees for it, and the values assigned inside stay in the stack (an overlay)
+    instead of going into the States.  ``name`` labels errors.  Names, return types and the
     spelling ``been_writen`` follow brainstate 0.2.1.
 
     Example
@@ -1186,15 +1164,13 @@ class StateTraceStack:
         self._overlays, self._values, self._side, self._owned = False, {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
-                raise TypeError(
-                    f'StateTraceStack(new_arg=None, name=None) got new_arg={new_arg!r}, which '
-                    f'is not callable; to name the stack pass name={new_arg!r} by keyword')
+                raise TypeError(f'StateTraceStack(new_arg, name) got new_arg={new_arg!r}, not a '
+                                f'callable; to name the stack pass name={new_arg!r} by keyword')
             self.set_new_arg(new_arg)
 
     def set_new_arg(self, new_arg: Callable) -> None:
         """Makes this stack lift states through ``new_arg(state)`` (see class doc)."""
-        self._new_arg = new_arg
-        self._overlays = True
+        self._new_arg, self._overlays = new_arg, True
 
     def _lift(self, state, current):   # (a _TraceFrame also needs ``current``)
         return self._new_arg(state)
@@ -1231,15 +1207,15 @@ class StateTraceStack:
         return self
 
     def __exit__(self, exc_type, *exc):
+        """Leaves the stack (LIFO); without an error, hands on the side slots written inside."""
         frames = _ctx.frames
         if self in frames:
             _open_frames(-1)
         if not frames or frames[-1] is not self:
             if self in frames:
                 frames.remove(self)
-            raise RuntimeError(
-                f'StateTraceStack {self.name!r} exited out of order: trace stacks must '
-                'be exited in the reverse order they were entered (use nested `with`)')
+            raise RuntimeError(f'StateTraceStack {self.name!r} exited out of order: exit trace '
+                               'stacks in the reverse order they were entered (nested `with`)')
         frames.pop()
         try:
             if exc_type is None:
@@ -1253,7 +1229,7 @@ class StateTraceStack:
         entries = [e for e in self._side.values()
                    if not (e[0]._owner is self and _contains_tracer(e[2]))]
         for state, slot, value in entries:
-            _check_slot(state, slot, value, traces)
+            _check_tracers_may_enter(state, value, traces, slot)
         for entry in entries:
             _set_slot(*entry)
 
@@ -1265,11 +1241,10 @@ class StateTraceStack:
                 state._value = jax.tree_util.tree_map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                     if isinstance(x, Tracer) else x, state._value)
-                state._broken = _Broken(TraceContextError, f'{state._describe()} was created inside '
-                                 'a traced function and still holds a tracer from that finished '
-                                 'trace; return its value from the function (or create the State '
-                                 'outside it) instead of reading it afterwards',
-                                 'tracer from a finished trace')
+                state._broken = _Broken(TraceContextError, (
+                    f'{state._describe()} holds a tracer from the finished trace that created it; '
+                    'return its value from the traced function, or create the State outside it'),
+                    'tracer from a finished trace')
         self._owned, self._values, self._side = [], {}, {}
 
     @property
@@ -1314,8 +1289,7 @@ class StateTraceStack:
                 state.restore_value(original)
 
     def assign_state_vals(self, state_vals: Sequence) -> None:
-        """Assigns ``state_vals`` (one per state): written states by ``value``,
-        the others by ``restore_value``."""
+        """Assigns one value per state: by ``value`` if written, else by ``restore_value``."""
         self.assign_state_vals_v2(state_vals, state_vals)
 
     def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
@@ -1348,9 +1322,8 @@ class StateTraceStack:
 
 @contextlib.contextmanager
 def check_state_value_tree(val: bool = True):
-    """Inside this block, assigning a value whose pytree structure differs
-    from a State's current one raises ``ValueError`` (``val=False`` turns the
-    check off inside an enclosing block).
+    """Inside this block, assigning a value whose pytree structure differs from a State's current
+    one raises ``ValueError`` (``val=False`` turns the check off inside an enclosing block).
 
     Example
     -------
@@ -1526,10 +1499,9 @@ def to_predicate(the_filter) -> Callable:
         return Any(*the_filter)
     if callable(the_filter):   # a predicate, or a filter already
         return the_filter
-    raise TypeError(
-        f'unsupported state filter {the_filter!r} of type {type(the_filter).__name__}; use a State '
-        'subclass, a tag string, a predicate f(path, state), True/..., False/None, a '
-        'tuple/list of filters, or OfType/Any/All/Not/Everything/Nothing')
+    raise TypeError(f'unsupported state filter {the_filter!r} ({type(the_filter).__name__}); use '
+                    'a State subclass, a tag string, a predicate f(path, state), True/..., '
+                    'False/None, a tuple/list of them, or OfType/Any/All/Not/Everything/Nothing')
 
 
 class _StateCatcher(collections.abc.Sequence):
