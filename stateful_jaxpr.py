@@ -1784,7 +1784,6 @@ _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 
 
 # -- Argument keys: static arguments by value, dynamic ones by structure and leaf signature.
-
 def _static_spec(value, what: str) -> tuple:
     """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
     names = what == 'static_argnames'
@@ -1953,7 +1952,6 @@ def _key_summary(key) -> str:
 
 
 # -- Why a function traced again -----------------------------------------------
-
 _logger = logging.getLogger(__name__)
 _EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
 _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')]
@@ -2075,9 +2073,8 @@ def _note_miss(sf, key, stale, entry) -> None:
 
 class _Traced:
     """Everything one trace produced; immutable once built."""
-    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
-                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out',
-                 'rules')
+    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned', 'state_tree',
+                 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out', 'rules')
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -2107,9 +2104,8 @@ class _GcPause:
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses automatic collections while tracing (full collections rescanning a trace's objects
-    slow thousands of States); nested and concurrent traces share one pause, by a threshold put
-    back unless changed: the collector's state is left as other threads set it."""
+    """Pauses automatic collections while tracing (rescanning a trace's objects slows thousands of
+    States); traces share one pause, its threshold put back unless another thread changed it."""
     with _GcPause.lock:
         if _GcPause.count == 0:
             _GcPause.first, *later = gc.get_threshold()
@@ -2127,10 +2123,9 @@ def _gc_paused():
 
 # -- The trace frame ----------------------------------------------------------
 class _TraceFrame(StateTraceStack):
-    """One stateful trace's StateTraceStack, with an overlay, whose first touch of a State adds
-    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``); built inside the
-    traced function.  A State written inside a nested transformation but not lifted as Refs gets
-    Refs there and then, and joins ``pending``: the trace is redone, it lifted from the start."""
+    """One stateful trace's overlay, made inside the traced function: a State's first touch adds
+    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``).  One written inside
+    a nested transformation gets Refs there and then, and joins ``pending``: the trace is redone."""
 
     def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set,
                  isolated: bool):
@@ -2297,33 +2292,28 @@ _STALE = object()   # a level a nested differentiation wrote where its primal ca
 # recognised by ``_refusal``); ``{jax}`` is JAX's release, ``{err}`` its error.
 _CANNOT = {
     'effects': 'is written inside a nested transformation that JAX {jax} cannot carry it through: '
-               '"{err}" (e.g. a lax.cond under jax.vmap or under reverse-mode differentiation).  '
-               'Return the value from that transformation and assign it outside (for a cond: '
-               's.value = jnp.where(pred, new, s.value)), or under jax.vmap map the function '
-               'with StatefulMapping instead',
-    'batched': 'is written inside a nested transformation with a value that JAX batches across '
-               'jax.vmap lanes (one that differs per lane, or any value under jax.jacfwd / '
-               'jax.hessian on recent releases), which an unbatched State cannot hold: map the '
-               'function with StatefulMapping, differentiate with jax.jacrev, or return the value '
-               'from the transformation and assign it outside',
+               '"{err}" (e.g. a lax.cond under jax.vmap or reverse-mode differentiation).  Return '
+               'the value from it and assign it outside (for a cond: s.value = jnp.where(pred, '
+               'new, s.value)), or under jax.vmap map the function with StatefulMapping instead',
+    'batched': 'is written inside a nested transformation with a value JAX batches across jax.vmap '
+               'lanes (one differing per lane, or any under jax.jacfwd / jax.hessian on recent '
+               'JAX), which an unbatched State cannot hold: map the function with StatefulMapping, '
+               'differentiate with jax.jacrev, or return the value and assign it outside',
     'tangent': 'is written inside a loop, jit or jax.checkpoint body nested in a differentiated '
                "function, where JAX {jax} would drop the written value's derivative, or refuses "
-               'it (JAX 0.7 and newer keep it).  Thread it explicitly: carry its value through the '
-               'loop (lax.scan(body, (c, h.value), xs), the body returning the new value) or '
-               'return it from the jit, and assign it after',
+               'it (JAX 0.7 and newer keep it).  Carry its value through the loop (lax.scan(body, '
+               '(c, h.value), xs), body returning it) or return it from the jit, then assign it',
     'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
              'reverse-mode differentiation, which JAX cannot differentiate: loop with lax.scan or '
              'a fori_loop with static bounds',
     'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
                  'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
-                 'differentiated function itself, or carry its value through the body and assign '
-                 'it after',
+                 'differentiated function, or carry its value through the body and assign it after',
     'jacrev': 'is written inside a loop or jit body under jax.jacrev, which JAX {jax} cannot batch '
               '(newer JAX can): take one output row at a time with jax.vjp, or use jax.jacfwd',
-    'checkpoint': 'is written inside a jax.checkpoint function that is differentiated: JAX runs '
-                  'it again to rematerialize it, so the write would happen twice.  Write the '
-                  'State outside the checkpointed function (return the value from it and assign '
-                  'it after)',
+    'checkpoint': 'is written inside a differentiated jax.checkpoint function, which JAX runs '
+                  'again to rematerialize it, so the write would happen twice.  Write the State '
+                  'outside the checkpointed function (return the value from it, assign it after)',
     'cond': 'is written inside a lax.cond / lax.switch branch under reverse-mode differentiation '
             '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot differentiate a '
             'write.  Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), '
@@ -2574,11 +2564,10 @@ class _Retracer:
     ========================================================  ===================================
 
     So a first trace runs the body once, twice when it writes States inside nested
-    transformations, three times only when a body JAX cached from an earlier run is in the way
-    (a body that run 1 left with its Refs in JAX's cache fails as stale in run 2);
-    a later signature runs it once unless it writes a State no earlier trace did.  A run is also
-    isolated while a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached
-    jaxpr may hold its value.  An isolated run makes jax.numpy's jitted helpers retrace too.
+    transformations, three times only when a body JAX cached from an earlier run is in the way (a
+    body that run 1 left with its Refs in JAX's cache fails as stale in run 2); a later signature
+    runs it once unless it writes a State no earlier trace did.  A run is also isolated while a
+    State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('ref_states', 'isolate')
 
