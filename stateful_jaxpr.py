@@ -1724,9 +1724,7 @@ class BoundedCache:
 _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 
 
-# -- Argument keys: static arguments by value, dynamic ones by pytree structure
-# and (shape, dtype, weak_type) per leaf; ``sf`` is the StatefulFunction.
-
+# -- Argument keys: static arguments by value, dynamic ones by structure and leaf signature.
 def _static_spec(value, what: str) -> tuple:
     """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
     names = what == 'static_argnames'
@@ -1791,6 +1789,7 @@ def _call_key(sf, args, kwargs):
 
 
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
+    """Raises the error naming the first dynamic argument leaf that is not a JAX value."""
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
         _reject_states(tree, f'{_who(sf)}: {what}')
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -1894,19 +1893,17 @@ def _key_summary(key) -> str:
 
 
 # -- Why a function traced again -----------------------------------------------
-
 _logger = logging.getLogger(__name__)
 _EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
 _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')]
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns cache-miss explanations on or off for functions built without their
-    own ``explain_cache_misses=``, returning the previous setting (on at import
-    with ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace
-    logs a warning on the ``stateful_jaxpr`` logger: the nearest cached entry
-    and what differs (arguments, static values, States' shapes, States newly
-    or no longer touched).  ``get_miss_causes()`` counts causes either way.
+    """Turns cache-miss explanations on or off for functions built without their own
+    ``explain_cache_misses=``, returning the previous setting (on at import with
+    ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace logs a warning on the
+    ``stateful_jaxpr`` logger: the nearest cached entry and what differs (arguments, static values,
+    States' shapes, States newly or no longer touched); ``get_miss_causes()`` counts causes always.
 
     Example
     -------
@@ -2017,9 +2014,8 @@ def _note_miss(sf, key, stale, entry) -> None:
 
 class _Traced:
     """Everything one trace produced; immutable once built."""
-    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned',
-                 'state_tree', 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out',
-                 'rules')
+    __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned', 'state_tree',
+                 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out', 'rules')
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -2041,58 +2037,53 @@ class _Traced:
                                          for a in self.out_avals])
 
 
-_gc_lock = threading.Lock()
-
-
 class _GcPause:
-    count, first = 0, None   # active pauses, the collector's first threshold before them
-
-
-_GC_PAUSED = 2 ** 30     # a first threshold no allocation count reaches
+    """What _gc_paused shares: active pauses, the collector's first threshold before them."""
+    count, first, lock = 0, None, threading.Lock()
+    PAUSED = 2 ** 30   # a first threshold no allocation count reaches
 
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pauses automatic collections while tracing (full collections rescanning a trace's objects
-    slow thousands of States); nested and concurrent traces share one pause, by a threshold put
-    back unless changed: the collector's state is left as other threads set it."""
-    with _gc_lock:
+    """Pauses automatic collections while tracing (rescanning a trace's objects slows thousands of
+    States); traces share one pause, its threshold put back unless another thread changed it."""
+    with _GcPause.lock:
         if _GcPause.count == 0:
             _GcPause.first, *later = gc.get_threshold()
-            gc.set_threshold(_GC_PAUSED, *later)
+            gc.set_threshold(_GcPause.PAUSED, *later)
         _GcPause.count += 1
     try:
         yield
     finally:
-        with _gc_lock:
+        with _GcPause.lock:
             _GcPause.count -= 1
             first, *later = gc.get_threshold()
-            if _GcPause.count == 0 and first == _GC_PAUSED:
+            if _GcPause.count == 0 and first == _GcPause.PAUSED:
                 gc.set_threshold(_GcPause.first, *later)
 
 
 # -- The trace frame ----------------------------------------------------------
-
-
 class _TraceFrame(StateTraceStack):
-    """One stateful trace's StateTraceStack, with an overlay, whose first touch of a State adds
-    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``); built inside the
-    traced function.  A State written inside a nested transformation but not lifted as Refs gets
-    Refs there and then, and joins ``pending``: the trace is redone, it lifted from the start."""
+    """One stateful trace's overlay, made inside the traced function: a State's first touch adds
+    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``).  One written inside
+    a nested transformation gets Refs there and then, and joins ``pending``: the trace is redone."""
 
     def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set,
                  isolated: bool):
+        """A frame at the current JAX trace; ``lift_aval(state, aval)`` gives a State's input
+        aval; an ``isolated`` frame binds a fresh epoch until its exit."""
         super().__init__(name=name)
         self._overlays = True
         self._builder = _top_trace()            # the trace new inputs go to
         self._jax_trace = _current_trace()      # a nested transformation's differs
         self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
-        self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
-        self._isolated = isolated
         self.cells: list = []                   # the _RefCells, for the discharge
         self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
+        self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
+        if isolated:
+            self._renew_epoch()
 
     def _lift(self, state, current):
         """New jaxpr inputs for ``state``: Refs, in a _RefCell, if known to be written so."""
@@ -2100,14 +2091,11 @@ class _TraceFrame(StateTraceStack):
             treedef, avals = current.treedef, list(current.avals)
         else:
             leaves, treedef = jax.tree_util.tree_flatten(current)
-            avals = []
-            for leaf in leaves:
-                try:
-                    avals.append(_aval_of(leaf))
-                except TypeError:
-                    raise TypeError(f'{state._describe()} holds a leaf of type '
-                                    f'{type(leaf).__name__}, which is not a JAX array '
-                                    'type') from None
+            try:
+                avals = [_aval_of(leaf) for leaf in leaves]
+            except TypeError as err:
+                raise TypeError(f'{state._describe()} holds a leaf that is not a JAX array '
+                                f'({err}); assign it an array') from None
         self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
@@ -2137,8 +2125,7 @@ class _TraceFrame(StateTraceStack):
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values = [self._values[id(self.states[i])] for i in returned]
         values = [v.read() if type(v) is _RefCell else v for v in values]
-        # (out, one entry per state, None where not returned): the structure
-        # brainstate's jaxpr_call and out_treedef expose.
+        # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
         part = dict(zip(returned, values))
         part = tuple(part.get(i) for i in range(len(self.states)))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
@@ -2157,11 +2144,6 @@ class _TraceFrame(StateTraceStack):
         """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
         self._epoch.close()
         self._epoch.enter_context(_fresh_epoch())
-
-    def __enter__(self):
-        if self._isolated:
-            self._renew_epoch()
-        return super().__enter__()
 
     def __exit__(self, *exc):
         try:
@@ -2212,30 +2194,29 @@ def _view(state, entry, frame):
 
 
 def _traced_write(state, value, frames, written: bool):
+    """Writes ``value`` into the innermost overlay's view of ``state`` (its Refs where held so),
+    else into the State; a first write inside a nested transformation gives it Refs."""
     entry, target = _touch_all(state, frames, write=written)
-    if type(entry) is _RefCell:
-        entry.write(value)
-        return
-    if target is not None and target._jax_trace is not None:
+    if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
         if _current_trace() is not target._jax_trace:
             if not _HAS_REFS:
                 raise TraceContextError(
-                    f'{state._describe()} is written inside a nested JAX transformation '
-                    f'(lax.scan / lax.cond / an inner jax.jit / jax.grad ...); {_NO_REFS}.  '
-                    'Return the value from the transformation and assign it outside')
-            # Written inside a nested transformation: the trace is redone with the State
-            # lifted as Refs from the start (``pending``); until then Refs from here on keep
-            # the write in the body, lest JAX cache that body without it.
+                    f'{state._describe()} is written inside a nested JAX transformation; '
+                    f'{_NO_REFS}.  Return the value from the transformation and assign it '
+                    'outside')
+            # The trace is redone with the State lifted as Refs from the start (``pending``);
+            # until then Refs keep the write in the body, lest JAX cache that body without it.
             leaves, treedef = jax.tree_util.tree_flatten(entry)
-            cell = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
-            target._values[id(state)] = cell
+            entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
+            target._values[id(state)] = entry
             target._pending.add(state)
-            cell.write(value)
-            return
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
             target._renew_epoch()
             target._nested_reads.clear()
+    if type(entry) is _RefCell:
+        entry.write(value)
+        return
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
@@ -2246,6 +2227,44 @@ def _traced_write(state, value, frames, written: bool):
 
 # -- Writes inside nested transformations: Refs ----------------------------------
 _STALE = object()   # a level a nested differentiation wrote where its primal cannot reach
+
+
+# What a refused write of a State cannot do, and the way out, by kind (JAX's refusals are
+# recognised by ``_refusal``); ``{jax}`` is JAX's release, ``{err}`` its error.
+_CANNOT = {
+    'effects': 'is written inside a nested transformation that JAX {jax} cannot carry it through: '
+               '"{err}" (e.g. a lax.cond under jax.vmap or reverse-mode differentiation).  Return '
+               'the value from it and assign it outside (for a cond: s.value = jnp.where(pred, '
+               'new, s.value)), or under jax.vmap map the function with StatefulMapping instead',
+    'batched': 'is written inside a nested transformation with a value JAX batches across jax.vmap '
+               'lanes (one differing per lane, or any under jax.jacfwd / jax.hessian on recent '
+               'JAX), which an unbatched State cannot hold: map the function with StatefulMapping, '
+               'differentiate with jax.jacrev, or return the value and assign it outside',
+    'tangent': 'is written inside a loop, jit or jax.checkpoint body nested in a differentiated '
+               "function, where JAX {jax} would drop the written value's derivative, or refuses "
+               'it (JAX 0.7 and newer keep it).  Carry its value through the loop (lax.scan(body, '
+               '(c, h.value), xs), body returning it) or return it from the jit, then assign it',
+    'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
+             'reverse-mode differentiation, which JAX cannot differentiate: loop with lax.scan or '
+             'a fori_loop with static bounds',
+    'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
+                 'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
+                 'differentiated function, or carry its value through the body and assign it after',
+    'jacrev': 'is written inside a loop or jit body under jax.jacrev, which JAX {jax} cannot batch '
+              '(newer JAX can): take one output row at a time with jax.vjp, or use jax.jacfwd',
+    'checkpoint': 'is written inside a differentiated jax.checkpoint function, which JAX runs '
+                  'again to rematerialize it, so the write would happen twice.  Write the State '
+                  'outside the checkpointed function (return the value from it, assign it after)',
+    'cond': 'is written inside a lax.cond / lax.switch branch under reverse-mode differentiation '
+            '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot differentiate a '
+            'write.  Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), '
+            'or return the value from the cond and assign it outside',
+}
+
+
+def _cannot(kind: str, described: str, err=None) -> TraceContextError:
+    """The error for a write of the States ``described`` refused as ``kind`` (see _CANNOT)."""
+    return TraceContextError(f'{described} ' + _CANNOT[kind].format(jax=jax.__version__, err=err))
 
 
 class _RefCell:
@@ -2278,11 +2297,10 @@ class _RefCell:
             return None, None
         if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
             raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
-                f'{self.state._describe()} was written inside a differentiated function '
-                '(jax.grad / jax.jvp ...) and is used inside a jit or loop body nested in '
-                f'some transformation, where JAX {jax.__version__} cannot tell whether '
-                'that differentiation is still running.  Read the value into a local '
-                'variable before the body, or upgrade to JAX 0.6 or newer')
+                f'{self.state._describe()} was written inside a differentiated function and is '
+                'used inside a jit or loop body nested in some transformation, where JAX '
+                f'{jax.__version__} cannot tell whether that differentiation is still running.  '
+                'Read the value into a local variable before the body, or use JAX 0.6 or newer')
         diffs, levels = [t for t in reversed(path) if isinstance(t, _DIFF_TRACES)], self.levels
         while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
             trace, content, written, refs = levels.pop()
@@ -2327,24 +2345,20 @@ class _RefCell:
         return self._get(level, None if at is None else _parent(at))
 
     def write(self, value) -> None:
+        """Writes ``value`` at the current trace: into the innermost level, and its primal into
+        ``refs``; refuses what JAX could not differentiate there."""
         leaves, trace = self._leaves_for(value), _current_trace()
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (type(trace) is _JaxprTrace and trace is not self.home)
         if _drops_ref_tangents(self.home):
-            raise _dropped_tangent(self.state._describe())
+            raise _cannot('tangent', self.state._describe())
         level, at = self._level()
-        if at is not None and _body_of(at) == 'checkpoint':
-            raise _checkpoint_refusal(self.state._describe())
         if at is not None:   # (a differentiated value already)
-            raise TraceContextError(
-                f'{self.state._describe()} is written inside a lax.cond / lax.switch branch under '
-                'reverse-mode differentiation (jax.grad, jax.vjp, jax.linearize ...), where JAX '
-                f'{jax.__version__} cannot differentiate a write.  Compute both outcomes and '
-                'select: s.value = jnp.where(pred, new, s.value), or return the value from the '
-                'cond and assign it outside')
+            raise _cannot('checkpoint' if _body_of(at) == 'checkpoint' else 'cond',
+                          self.state._describe())
         if level is not None and not level[3]:
             if trace is not level[0]:   # a body in a differentiation that gave it a tangent
-                raise _dropped_tangent(self.state._describe())
+                raise _cannot('tangent', self.state._describe())
             level[1] = self.treedef.unflatten(leaves)
         try:
             if level is not None:
@@ -2364,13 +2378,11 @@ class _RefCell:
             if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
                 raise _Redo from err
             raise TraceContextError(
-                f'{self.state._describe()} cannot be written inside this nested '
-                f'JAX transformation ({type(err).__name__}: {err}).  A value that '
-                'varies across jax.vmap lanes cannot go into an unbatched State '
-                '(and jax.jacfwd / jax.hessian batch every value on recent JAX): map '
-                'the function with StatefulMapping, differentiate with jax.jacrev, '
-                'or return the value from the transformation and assign it '
-                'outside') from err
+                f'{self.state._describe()} cannot be written inside this nested JAX transformation '
+                f'({type(err).__name__}: {err}).  A value varying across jax.vmap lanes cannot go '
+                'into an unbatched State (jax.jacfwd / jax.hessian batch every value on recent '
+                'JAX): map the function with StatefulMapping, differentiate with jax.jacrev, or '
+                'return the value from the transformation and assign it outside') from err
 
     def _leaves_for(self, value) -> list:
         """``value``'s leaves, checked against the Refs; a weakly typed leaf is cast
@@ -2388,11 +2400,9 @@ class _RefCell:
             shown = (treedef.unflatten([g.str_short() for g in got]) if got is not None
                      else f'a value of structure {treedef}')
             raise TraceContextError(
-                f'{self.state._describe()} is written inside a nested JAX transformation '
-                '(lax.scan / lax.cond / lax.while_loop / an inner jax.jit / jax.grad ...), '
-                f'where it must keep its structure, shapes and dtypes {expected}; got {shown}. '
-                'Cast or reshape the value before assigning it (a write at top level may '
-                'change them)')
+                f'{self.state._describe()} is written inside a nested JAX transformation, where '
+                f'it must keep its structure, shapes and dtypes {expected}; got {shown}.  Cast or '
+                'reshape the value before assigning it (a write at top level may change them)')
         return [x if g.dtype == a.dtype else jax.lax.convert_element_type(x, a.dtype)
                 for x, g, a in zip(leaves, got, self.avals)]
 
@@ -2400,40 +2410,10 @@ class _RefCell:
 def _explain_ref_refusal(err: BaseException, cells) -> None:
     """Raises a TraceContextError naming the States of ``cells`` that cause ``err``, if it is
     JAX refusing their writes (those written in a loop, cond or jit body, else nested ones)."""
-    version = jax.__version__
-    why = None if isinstance(err, TraceContextError) else {
-        'effects': f'is written inside a nested transformation that JAX {version} cannot carry '
-                   f'it through: "{err}" (e.g. a lax.cond under jax.vmap or under jax.grad / '
-                   'jax.vjp / jax.jacrev).  Return the value from that transformation and assign '
-                   'it outside (for a cond: s.value = jnp.where(pred, new, s.value)), or, under '
-                   'jax.vmap, map the function with StatefulMapping instead',
-        'batched': 'is written inside a nested transformation with a value that JAX batches '
-                   'across jax.vmap lanes (one that differs per lane, or any value where JAX '
-                   'batches the whole body, as under jax.jacfwd / jax.hessian on recent '
-                   'releases), which an unbatched State cannot hold: map the function with '
-                   'StatefulMapping, differentiate with jax.jacrev, or return the value from '
-                   'the transformation and assign it outside',
-        'tangent': 'is written with a value that carries a gradient inside a loop, an inner '
-                   f'jax.jit or a jax.checkpoint function under jax.grad, which JAX {version} '
-                   'cannot differentiate through a State (JAX 0.7 and newer can).  Thread it '
-                   'through the loop explicitly: carry its value (lax.scan(body, (c, h.value), '
-                   'xs), body returning the new value) and assign it after the loop',
-        'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
-                 'reverse-mode differentiation, which JAX cannot differentiate: loop with '
-                 'lax.scan or a fori_loop with static bounds',
-        'transpose': 'is written inside a loop or jit body under nested reverse-mode '
-                     f'differentiation, which JAX {version} fails to transpose (JAX 0.7 and '
-                     '0.11 do not): write it in the differentiated function itself, or carry '
-                     'its value through the body and assign it after',
-        'jacrev': f'is written inside a loop or jit body under jax.jacrev, which JAX {version} '
-                  'cannot batch (newer JAX can): take one output row at a time with jax.vjp, '
-                  'or use jax.jacfwd',
-    }.get(_refusal(err))
-    if why is None or not cells:
-        return
-    culprits = ([c for c in cells if c.staged] or [c for c in cells if c.nested] or cells)
-    described = ', '.join(sorted(c.state._describe() for c in culprits))
-    raise TraceContextError(f'{described} {why}') from err
+    kind = None if isinstance(err, TraceContextError) else _refusal(err)
+    if kind is not None and cells:
+        culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested] or cells
+        raise _cannot(kind, ', '.join(sorted(c.state._describe() for c in culprits)), err) from err
 
 
 def _returned_inputs(body, carry) -> list:
@@ -2465,23 +2445,6 @@ def _forward_unchanged(jaxpr):
                     outvars=[fwd(v) for v in inner.outvars])
 
 
-def _dropped_tangent(described: str) -> TraceContextError:
-    return TraceContextError(
-        f'{described} is written inside a jit or loop body nested in a differentiated '
-        f"function, where JAX {jax.__version__} would drop the written value's derivative (JAX "
-        '0.7 and newer keep it).  Thread it explicitly: carry its value through the loop '
-        '(lax.scan(body, (c, h.value), xs), the body returning the new value) or return it '
-        'from the jit, and assign it after')
-
-
-def _checkpoint_refusal(described: str) -> TraceContextError:
-    return TraceContextError(
-        f'{described} is written inside a jax.checkpoint function that is differentiated '
-        '(jax.grad / jax.vjp / jax.linearize): JAX runs that function again to rematerialize '
-        'it, so the write would happen twice.  Write the State outside the checkpointed '
-        'function (return the value from it and assign it after)')
-
-
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
@@ -2492,7 +2455,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             'JAX would give that condition the value from before the loop.  Compute the '
             "condition from the loop carry instead (carry the State's value or the test)")
     if hazard == 'checkpoint':
-        raise _checkpoint_refusal(f'a State among {described}')
+        raise _cannot('checkpoint', f'a State among {described}')
     refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
@@ -2504,23 +2467,21 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             f'{jax.__version__} moved out of the body or dropped while differentiating; '
             'return the value from the body and assign it outside, or use JAX 0.6 or newer')
     if _drops_jvp_refs(closed.jaxpr):
-        raise _dropped_tangent(', '.join(c.state._describe() for c in cells if c.staged))
+        raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
     try:
         pure = _discharge(closed)
     except _Undischargeable as err:
         raise TraceContextError(
-            f'{described} is written inside a nested transformation that JAX '
-            f'{jax.__version__} cannot thread state out of ({err}); return the value from '
-            'that transformation and assign it outside') from err
+            f'{described} is written inside a nested transformation that JAX {jax.__version__} '
+            f'cannot thread state out of ({err}): return the value and assign it outside') from err
     pure = _forward_unchanged(pure)
     outvars = pure.jaxpr.outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
     for before, after in zip(closed.jaxpr.outvars, outvars):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
                 f'a State among {described} changed shape inside a nested transformation '
-                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by '
-                'writing a per-lane value inside jax.vmap; map the function with '
-                'StatefulMapping instead')
+                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by writing '
+                'a per-lane value inside jax.vmap; map the function with StatefulMapping instead')
     return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
 
 
@@ -2544,11 +2505,10 @@ class _Retracer:
     ========================================================  ===================================
 
     So a first trace runs the body once, twice when it writes States inside nested
-    transformations, three times only when a body JAX cached from an earlier run is in the way
-    (a body that run 1 left with its Refs in JAX's cache fails as stale in run 2);
-    a later signature runs it once unless it writes a State no earlier trace did.  A run is also
-    isolated while a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached
-    jaxpr may hold its value.  An isolated run makes jax.numpy's jitted helpers retrace too.
+    transformations, three times only when a body JAX cached from an earlier run is in the way (a
+    body that run 1 left with its Refs in JAX's cache fails as stale in run 2); a later signature
+    runs it once unless it writes a State no earlier trace did.  A run is also isolated while a
+    State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('ref_states', 'isolate')
 
@@ -2621,10 +2581,9 @@ def _abstracted_tracer(abstracted_axes, split):
     problem = _dynamic_shapes_problem(getattr(jax.config, 'jax_dynamic_shapes', None))
     if problem is not None:
         raise NotImplementedError(
-            f'abstracted_axes cannot be honoured by JAX {jax.__version__} ({problem}).  '
-            "Dynamic shapes need JAX 0.4.30 .. 0.6.x with jax.config.update("
-            "'jax_dynamic_shapes', True); otherwise drop abstracted_axes and trace once per "
-            'concrete shape')
+            f'abstracted_axes cannot be honoured by JAX {jax.__version__} ({problem}).  Dynamic '
+            "shapes need JAX 0.6 or older with jax.config.update('jax_dynamic_shapes', True); "
+            'otherwise drop abstracted_axes and trace once per concrete shape')
     return _make_jaxpr_tracer(abstracted_axes, jax.tree_util.tree_structure(dyn_args))
 
 
