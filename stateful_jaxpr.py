@@ -3077,7 +3077,7 @@ class StatefulFunction:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
-        self._key_locks = weakref.WeakValueDictionary()
+        self._key_locks = weakref.WeakValueDictionary()   # per key; weak: evicted keys go
         self._statics_by_value = False   # some static argument hashes only by value
         # The plans the cached entries use, by their key and by dispatcher token.
         self._plans = weakref.WeakValueDictionary()
@@ -3087,11 +3087,6 @@ class StatefulFunction:
 
     # -- entries -----------------------------------------------------------------
     _cache_key = _call_key
-
-    def _key_lock(self, key):
-        # Weakly held, so that evicted keys (and their static arguments) are not kept alive.
-        with self._key_locks_guard:
-            return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
@@ -3106,10 +3101,12 @@ class StatefulFunction:
         return entry if fresh else None
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
-        """The valid entry for ``key``, tracing (once per key) when needed."""
+        """The valid entry for ``key``, tracing (once per key, under its lock) when needed."""
         entry = hit = self._cached(key, read)
         if entry is None:
-            with self._key_lock(key):
+            with self._key_locks_guard:
+                lock = self._key_locks.setdefault(key, threading.RLock())
+            with lock:
                 entry = hit = self._cached(key, read)
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
@@ -3119,6 +3116,26 @@ class StatefulFunction:
         if count:
             self._cache._record(hit is not None)
         return entry
+
+    def _build_entry(self, key, leaves, split) -> _Entry:
+        """Traces ``fun`` for these arguments into an entry whose ``apply`` runs the jaxpr."""
+        dynamic = self.abstracted_axes is not None
+        trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
+        traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
+                                 name=self.name, return_only_write=self.return_only_write,
+                                 axis_env=self.axis_env, trace_with=trace_with,
+                                 retracer=self._retracer)
+        run = traced.runner()
+
+        def apply(state_values, flat_args):
+            if dynamic:
+                raise NotImplementedError(
+                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
+                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
+            return run(flat_args, state_values)
+        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
+                      traced)
 
     @_api_boundary
     def _lookup(self, args, kwargs, count: bool = True, read=_real_value):
@@ -3289,15 +3306,7 @@ class StatefulFunction:
                 ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
 
     def get_miss_causes(self) -> dict:
-        """``{cause: number of traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`).
-
-        Example
-        -------
-        >>> sf = StatefulFunction(lambda x: x * 2)
-        >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3)); _ = sf(jnp.ones(3))
-        >>> sf.get_miss_causes()
-        {'first trace': 1, 'argument shape/dtype': 1}
-        """
+        """``{cause: traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`)."""
         return dict(self._miss_causes)
 
     # -- brainstate 0.2.1's accessors, with its names, signatures and return types.
@@ -3404,25 +3413,6 @@ class StatefulFunction:
                 result[key] = str(err)
         return result
 
-    def _build_entry(self, key, leaves, split) -> _Entry:
-        dynamic = self.abstracted_axes is not None
-        trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
-        traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
-                                 name=self.name, return_only_write=self.return_only_write,
-                                 axis_env=self.axis_env, trace_with=trace_with,
-                                 retracer=self._retracer)
-        run = traced.runner()
-
-        def apply(state_values, flat_args):
-            if dynamic:
-                raise NotImplementedError(
-                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
-                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
-            return run(flat_args, state_values)
-        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
-        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
-                      traced)
-
     # -- public API --------------------------------------------------------------
     def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
         """Traces for these arguments on a cache miss; returns ``self``."""
@@ -3469,10 +3459,9 @@ class StatefulFunction:
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         # A custom rule JAX traces now reads the States as given, not as they are.
-        given = StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
-                                else s._value) if entry.traced.rules and _under_jax_trace() else (
-                                    contextlib.nullcontext())
-        with given:
+        rules = entry.traced.rules and _under_jax_trace()
+        with StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
+                             else s._value) if rules else contextlib.nullcontext():
             out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                                  -entry.plan.token)
         returned = set(view.returned)
@@ -3518,10 +3507,9 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
                return_only_write: bool = False, pretty: bool = False) -> Callable:
     """Like ``jax.make_jaxpr``, with the States the function touches as inputs and outputs.
 
-    The returned function gives ``(closed_jaxpr, states)``, with
-    ``return_shape=True`` also ``out_shapes``, with ``pretty=True`` the
-    labelled text of :meth:`StatefulFunction.pretty_jaxpr` instead.  For a
-    function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
+    The returned function gives ``(closed_jaxpr, states)``, with ``return_shape=True`` also
+    ``out_shapes``, with ``pretty=True`` the labelled text of :meth:`StatefulFunction.pretty_jaxpr`
+    instead.  For a function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
 
     Example
     -------
