@@ -2751,14 +2751,16 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
     return out, values
 
 
-def _warm_path(plan, dispatch, new):
+def _warm_path(plan, dispatch):
     """``warm(who, args, kwargs)``: ``_locked_call`` for ``plan``'s warm calls, strict, without
-    its general steps; values unlike ``new`` (tracers) take ``_write_back``."""
-    first = new[0] if new else None
+    its general steps."""
+    first = plan.write_states[0]._value if plan.write_states else None
     leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
     states, all_locks, writes = plan.states, plan.locks, plan.write_states
 
     def warm(who, args, kwargs):
+        """One call: every lock or none (then the long way); values unlike the States' own at
+        the first call (tracers) take ``_write_back``."""
         strict, locks = True, all_locks   # (what _running reads)
         for k, lock in enumerate(locks):
             if not lock.acquire(False):   # one is busy: the long way
@@ -2826,10 +2828,10 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._broken = _Broken(RuntimeError, f'{state._describe()} has no value: its buffer '
-                                     f'was donated to a call of {_who(sf)} that then failed '
-                                     f'({type(err).__name__}: {err}); assign it a new value',
-                                     'buffer deleted by a failed donating call')
+                    state._broken = _Broken(
+                        RuntimeError, f'{state._describe()} has no value: its buffer was donated '
+                        f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
+                        'assign it a new value', 'buffer deleted by a failed donating call')
             raise
     call.lower = lambda values, *args, **kwargs: jitted.lower(*split(values), *args, **kwargs)
     call._clear_cache = lambda: _forget_failed_calls(jitted)
@@ -2885,11 +2887,10 @@ def _call(sf, *args, **kwargs):
 class StatefulFunction:
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
-    The jaxpr's inputs are the flat dynamic arguments followed by every touched
-    State in first-touch order; its outputs are the flat results followed by
-    the written States (all touched ones with ``return_only_write=False``).
-    Calls run compiled, one trace cached per argument signature, and write the
-    new state values back.
+    The jaxpr's inputs are the flat dynamic arguments, then every touched State in first-touch
+    order; its outputs are the flat results, then the written States (all touched ones with
+    ``return_only_write=False``).  Calls run compiled, one trace cached per argument signature,
+    and write the new state values back.
 
     Parameters
     ----------
@@ -2924,9 +2925,9 @@ class StatefulFunction:
     __call__ = _call
 
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,
-                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True,
-                 *, donate_states=None, keep_sharding=True,
-                 explain_cache_misses: bool | None = None):
+                 abstracted_axes=None, name: str | None = None, return_only_write: bool = True, *,
+                 donate_states=None, keep_sharding=True, explain_cache_misses: bool | None = None):
+        """Checks every argument (an error names the bad one) and starts with an empty cache."""
         who, kind = type(self).__name__, type(fun).__name__
         if isinstance(fun, (staticmethod, classmethod)):
             raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
@@ -2976,7 +2977,7 @@ class StatefulFunction:
         """Drops every cached trace and compiled executable (and the statistics)."""
         self._cache.clear()
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
-        self._key_locks = weakref.WeakValueDictionary()
+        self._key_locks = weakref.WeakValueDictionary()   # per key; weak: evicted keys go
         self._statics_by_value = False   # some static argument hashes only by value
         # The plans the cached entries use, by their key and by dispatcher token.
         self._plans = weakref.WeakValueDictionary()
@@ -2986,11 +2987,6 @@ class StatefulFunction:
 
     # -- entries -----------------------------------------------------------------
     _cache_key = _call_key
-
-    def _key_lock(self, key):
-        # Weakly held, so that evicted keys (and their static arguments) are not kept alive.
-        with self._key_locks_guard:
-            return self._key_locks.setdefault(key, threading.RLock())
 
     def _cached(self, key, read=_real_value, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
@@ -3005,10 +3001,12 @@ class StatefulFunction:
         return entry if fresh else None
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
-        """The valid entry for ``key``, tracing (once per key) when needed."""
+        """The valid entry for ``key``, tracing (once per key, under its lock) when needed."""
         entry = hit = self._cached(key, read)
         if entry is None:
-            with self._key_lock(key):
+            with self._key_locks_guard:
+                lock = self._key_locks.setdefault(key, threading.RLock())
+            with lock:
                 entry = hit = self._cached(key, read)
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
@@ -3018,6 +3016,26 @@ class StatefulFunction:
         if count:
             self._cache._record(hit is not None)
         return entry
+
+    def _build_entry(self, key, leaves, split) -> _Entry:
+        """Traces ``fun`` for these arguments into an entry whose ``apply`` runs the jaxpr."""
+        dynamic = self.abstracted_axes is not None
+        trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
+        traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
+                                 name=self.name, return_only_write=self.return_only_write,
+                                 axis_env=self.axis_env, trace_with=trace_with,
+                                 retracer=self._retracer)
+        run = traced.runner()
+
+        def apply(state_values, flat_args):
+            if dynamic:
+                raise NotImplementedError(
+                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
+                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
+            return run(flat_args, state_values)
+        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
+                      traced)
 
     @_api_boundary
     def _lookup(self, args, kwargs, count: bool = True, read=_real_value):
@@ -3127,8 +3145,7 @@ class StatefulFunction:
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             key = (at[1], len(args), bool(plan.donated))
             if key not in plan.warm_paths:
-                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key),
-                                                  list(map(_real_value, plan.write_states)))
+                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key))
             self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0])
         self._cache._record(_ctx.ntraces == ntraces)
         return out
@@ -3189,15 +3206,7 @@ class StatefulFunction:
                 ('jaxpr_cache', 'out_shapes_cache', 'jaxpr_out_tree_cache', 'state_trace_cache')}
 
     def get_miss_causes(self) -> dict:
-        """``{cause: number of traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`).
-
-        Example
-        -------
-        >>> sf = StatefulFunction(lambda x: x * 2)
-        >>> _ = sf(jnp.ones(2)); _ = sf(jnp.ones(3)); _ = sf(jnp.ones(3))
-        >>> sf.get_miss_causes()
-        {'first trace': 1, 'argument shape/dtype': 1}
-        """
+        """``{cause: traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`)."""
         return dict(self._miss_causes)
 
     # -- brainstate 0.2.1's accessors, with its names, signatures and return types.
@@ -3304,25 +3313,6 @@ class StatefulFunction:
                 result[key] = str(err)
         return result
 
-    def _build_entry(self, key, leaves, split) -> _Entry:
-        dynamic = self.abstracted_axes is not None
-        trace_with = _abstracted_tracer(self.abstracted_axes, split) if dynamic else None
-        traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
-                                 name=self.name, return_only_write=self.return_only_write,
-                                 axis_env=self.axis_env, trace_with=trace_with,
-                                 retracer=self._retracer)
-        run = traced.runner()
-
-        def apply(state_values, flat_args):
-            if dynamic:
-                raise NotImplementedError(
-                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
-                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
-            return run(flat_args, state_values)
-        written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
-        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
-                      traced)
-
     # -- public API --------------------------------------------------------------
     def make_jaxpr(self, *args, **kwargs) -> 'StatefulFunction':
         """Traces for these arguments on a cache miss; returns ``self``."""
@@ -3369,10 +3359,9 @@ class StatefulFunction:
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         # A custom rule JAX traces now reads the States as given, not as they are.
-        given = StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
-                                else s._value) if entry.traced.rules and _under_jax_trace() else (
-                                    contextlib.nullcontext())
-        with given:
+        rules = entry.traced.rules and _under_jax_trace()
+        with StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
+                             else s._value) if rules else contextlib.nullcontext():
             out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                                  -entry.plan.token)
         returned = set(view.returned)
@@ -3418,10 +3407,9 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
                return_only_write: bool = False, pretty: bool = False) -> Callable:
     """Like ``jax.make_jaxpr``, with the States the function touches as inputs and outputs.
 
-    The returned function gives ``(closed_jaxpr, states)``, with
-    ``return_shape=True`` also ``out_shapes``, with ``pretty=True`` the
-    labelled text of :meth:`StatefulFunction.pretty_jaxpr` instead.  For a
-    function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
+    The returned function gives ``(closed_jaxpr, states)``, with ``return_shape=True`` also
+    ``out_shapes``, with ``pretty=True`` the labelled text of :meth:`StatefulFunction.pretty_jaxpr`
+    instead.  For a function that touches no State the jaxpr equals ``jax.make_jaxpr``'s.
 
     Example
     -------
@@ -3453,7 +3441,37 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # 8. grad
 #
 # ``jax.grad`` with respect to States (brainstate's ``transform.grad``), over StatefulFunction.
+# The traced program takes every State as an input, so one written in a loop body is a carry
+# there and jax.grad backpropagates through all its steps on every release.
 # =============================================================================
+
+
+def _grad_targets(grad_states, argnums):
+    """``grad``'s States (flat, their tree, each once) and ``argnums`` as a sequence or None."""
+    pairs, tree = jax.tree_util.tree_flatten_with_path(
+        grad_states, is_leaf=lambda x: isinstance(x, State))
+    for path, x in pairs:
+        if not isinstance(x, State):
+            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
+                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
+    states = [leaf for _, leaf in pairs]
+    uniq = list(dict.fromkeys(states))
+    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
+    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
+        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
+    return states, tree, uniq, nums
+
+
+def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool) -> None:
+    """Refuses a grad State ``inner`` never touches, or one holding non-float values."""
+    missing = [s._describe() for s in uniq if s not in touched and check_states]
+    ints = [s._describe() for s in uniq if not allow_int and not all(
+        jnp.issubdtype(_aval_of(x).dtype, jnp.inexact) for x in _leaves(s.value))]
+    if missing or ints:
+        raise (ValueError if missing else TypeError)(
+            f'grad of {_who(inner)}: {", ".join(missing or ints)}, given in grad_states, ' + (
+                'is never touched by it; drop it, or pass check_states=False for a zero gradient'
+                if missing else 'holds non-float values; pass allow_int=True for float0 gradients'))
 
 
 def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphic: bool = False,
@@ -3461,14 +3479,12 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
          check_states: bool = True) -> StatefulFunction:
     """``jax.grad`` of ``fun``'s scalar result with respect to States and arguments.
 
-    ``grads`` holds the gradients of ``grad_states`` (a State, or a sequence or dict of them, in
+    A call returns the gradients of ``grad_states`` (a State, or a sequence or dict of them, in
     that structure), or of the arguments ``argnums`` (as ``jax.grad``'s; 0 without States), or
-    is ``(state_grads, arg_grads)`` given both.  A call returns it, then the loss with
-    ``return_value``, then ``aux`` with ``has_aux`` (``fun`` returns ``(loss, aux)``).  ``fun``'s
-    traced program is differentiated, its States as inputs; States it writes end as it left
-    them.  A StatefulFunction (compiled, composing in stateful traces); without ``fun``, a
-    decorator.  A grad State ``fun`` never touches is a ValueError, or with
-    ``check_states=False`` gets a zero gradient.
+    ``(state_grads, arg_grads)`` given both; then the loss with ``return_value``; then ``aux``
+    with ``has_aux`` (``fun`` returns ``(loss, aux)``).  States ``fun`` writes end as it left
+    them.  A grad State it never touches is a ValueError, or with ``check_states=False`` gets a
+    zero gradient.  A StatefulFunction; without ``fun``, a decorator.
 
     Example
     -------
@@ -3483,35 +3499,17 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     if fun is None:
         return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
                               return_value, check_states=check_states)
-    inner, is_state = StatefulFunction(fun), lambda x: isinstance(x, State)
-    pairs, tree = jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)
-    bad = [f'grad_states{jax.tree_util.keystr(p)} is {x!r}' for p, x in pairs if not is_state(x)]
-    if bad:
-        raise TypeError(f'grad(grad_states=...) takes States, but {bad[0]}; pass the State itself')
-    states = [leaf for _, leaf in pairs]
-    uniq = list(dict.fromkeys(states))
-    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
-    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
-        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
+    inner, (states, tree, uniq, nums) = StatefulFunction(fun), _grad_targets(grad_states, argnums)
 
     def run(*args, **kwargs):
+        """A call: ``jax.grad`` of ``inner``'s pure form; the States it writes are then set."""
         n, touched = len(args), inner.get_states(*args, **kwargs)
         if any(not -n <= i < n for i in nums or ()):
             raise TypeError(f'grad(argnums={argnums!r}) of {_who(inner)}: the call passed '
                             f'{n} positional argument(s)')
-        missing = [s._describe() for s in uniq if s not in touched and check_states]
-        ints = [s._describe() for s in uniq if not allow_int and not all(
-            jnp.issubdtype(_aval_of(x).dtype, jnp.inexact) for x in _leaves(s.value))]
-        if missing or ints:
-            raise (ValueError if missing else TypeError)(
-                f'grad of {_who(inner)}: {", ".join(missing or ints)}, given in grad_states, ' + (
-                    'is never touched by it; drop it, or pass check_states=False for a zero '
-                    'gradient' if missing else 'holds non-float values; pass allow_int=True '
-                    'for float0 gradients'))
+        _check_grad_states(inner, uniq, touched, check_states, allow_int)
         values = {s: s.value for s in touched}
 
-        # The traced program takes every State as an input, so one written in a loop body is a
-        # carry there and jax.grad backpropagates through all its steps on every release.
         def loss(grad_values, *args, **kwargs):
             merged = {**values, **dict(zip(uniq, grad_values))}
             new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
