@@ -3810,8 +3810,7 @@ class StatefulMapping(StatefulFunction):
 
         mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), in_state_axes),
                                  out_axes=(self.out_axes, list(write_axes.values())),
-                                 axis_name=self.axis_name,
-                                 axis_size=None if any(in_batched) else n)
+                                 axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
 
         def apply(state_values, flat_args):   # each RandomState: one key per lane, one kept
             keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
