@@ -3581,9 +3581,8 @@ def _lane_args(sf, leaves, split):
     if not isinstance(spec, (tuple, list)):
         spec = [spec] * nargs
     elif len(spec) != nargs:
-        raise ValueError(f'{_who(sf)}: in_axes has {len(spec)} entries but the call passed '
-                         f'{nargs} positional argument(s); give one axis (int or None) per '
-                         'positional argument, or a single int for all')
+        raise ValueError(f'{_who(sf)}: in_axes has {len(spec)} entries for {nargs} positional '
+                         'argument(s); give one axis (int or None) per argument, or one for all')
     axes = []   # one per flat leaf
     for i, (prefix, arg) in enumerate(zip([spec[i] for i in range(nargs) if i not in static_pos],
                                           dyn_args)):
@@ -3618,45 +3617,23 @@ def _check_sizes(sf, sizes) -> None:
                              'arguments and batched states must share one batch size')
 
 
-def _mapped_apply(sf, traced, n, arg_axes, state_axes, write_axes, rng_index, nothing_batched):
-    """The mapped call; ``write_axes`` maps a returned state's position to its out axis."""
-    run = traced.runner()
-
-    def lane(lane_args, lane_states):
-        out, returned = run(lane_args, lane_states)
-        return out, [returned[r] for r in write_axes]
-
-    mapped = sf.mapping_fn(lane, in_axes=(list(arg_axes), list(state_axes)),
-                           out_axes=(sf.out_axes, list(write_axes.values())),
-                           axis_name=sf.axis_name, axis_size=n if nothing_batched else None)
-
-    def apply(state_values, flat_args):   # each RandomState: one key per lane, one kept
-        keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
-        values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
-        out, written = mapped(list(flat_args), values)
-        return out, list(written) + [k[0] for k in keys.values()]
-    return apply
-
-
 class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
-    States matched by ``state_in_axes`` (``{axis: filter}`` or a bare filter,
-    axis 0) are split along that axis on the way in and stacked along it on
-    the way out, unless ``state_out_axes`` says another; other states are
-    broadcast.  Every touched :class:`RandomState` is split into one key per
-    lane (as ``split_key(n)`` would), then holds the advanced key.  An
-    unbatched state written with a batched value leaves batched on axis 0:
-    silently (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a
-    warning (``'warn'``), or not at all (``'raise'``: :class:`BatchAxisError`).
+    States matched by ``state_in_axes`` (``{axis: filter}``, or a bare filter for axis 0)
+    are split along that axis on the way in and stacked along it (or as ``state_out_axes``
+    says) on the way out; other states are broadcast.  Every touched :class:`RandomState`
+    gets one key per lane (as ``split_key(n)`` would), then holds the advanced key.  An
+    unbatched state written with a batched value leaves batched on axis 0: silently
+    (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a warning (``'warn'``),
+    or not at all (``'raise'``: :class:`BatchAxisError`).
 
-    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over
-    axis 0); ``axis_size`` is the batch size where nothing is batched;
-    ``axis_name`` is for collectives; ``mapping_fn``: ``jax.vmap``,
-    ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
-    :class:`StatefulFunction`'s, whose accessors describe the whole mapped
-    call, states ordered as in brainstate (batched-in by axis, then by the
-    axis they leave with, then RandomStates).
+    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over axis 0);
+    ``axis_size`` is the batch size where nothing is batched; ``axis_name`` names the axis
+    for collectives; ``mapping_fn`` is ``jax.vmap``, ``jax.pmap`` or a shard_map-based
+    mapper like them.  The rest is :class:`StatefulFunction`'s; its accessors describe the
+    whole mapped call, states ordered as in brainstate (batched-in by axis, then by the axis
+    they leave with, then RandomStates).
 
     Example
     -------
@@ -3678,6 +3655,7 @@ class StatefulMapping(StatefulFunction):
                  name: str | None = None, mapping_fn: Callable = jax.vmap,
                  unexpected_out_state_mapping: str = 'auto', *, donate_states=None,
                  keep_sharding=True, explain_cache_misses: bool | None = None):
+        """Checks and keeps the mapping's own options; the rest go to StatefulFunction."""
         if abstracted_axes is not None:
             raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
                                       'map over concrete shapes instead')
@@ -3703,6 +3681,7 @@ class StatefulMapping(StatefulFunction):
         self._compiled_dispatch = mapping_fn is not jax.pmap
 
     def _build_entry(self, key, leaves, split) -> _Entry:
+        """Traces one lane, settles each state's axes and maps the lane with ``mapping_fn``."""
         lane_avals, arg_axes, sizes, avals = _lane_args(self, leaves, split)
         if self.axis_size is not None:
             sizes.append(('axis_size', self.axis_size))
@@ -3713,69 +3692,83 @@ class StatefulMapping(StatefulFunction):
             # Collectives saw a guessed axis size: trace again with the real one.
             traced, state_axes, found = self._discover(lane_avals, split, [], found[0][1])
         if not found:
-            raise ValueError(
-                f'{_who(self)}: nothing is batched (no argument has an in_axes entry and no '
-                'state matches state_in_axes), so the batch size is unknown; pass axis_size=n')
-        n, states = found[0][1], traced.states
+            raise ValueError(f'{_who(self)}: nothing is batched (no in_axes entry, no state in '
+                             'state_in_axes), so the batch size is unknown; pass axis_size=n')
+        n, states, run = found[0][1], traced.states, traced.runner()
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
             axis is not None for axis, sig in zip(in_state_axes, traced.state_sigs) for _ in sig[1]]
-        write_axes, out_axes = {}, {}    # by returned position, by state index
-        for r, i in enumerate(traced.returned):
-            if i not in rng_index:      # a RandomState leaves with the advanced key
-                axis = _axis_for(states[i], self._state_out)
-                write_axes[r] = out_axes[i] = state_axes[i] if axis is None else axis
-        unbatched = [r for r, axis in write_axes.items() if axis is None]
-        for r in self._batched_returns(traced, in_batched, n, unbatched):
-            i = traced.returned[r]
-            message = (f'{_who(self)}: {states[i]._describe()} came in unbatched but is written '
-                       'with a batched value, so it leaves batched along axis 0. Declare it '
-                       'with state_in_axes (batched in) or state_out_axes (batched out)')
-            if self.unexpected_out_state_mapping == 'raise':
-                raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
-            if self.unexpected_out_state_mapping == 'warn':
-                warnings.warn(message, UserWarning, stacklevel=_outside(skip_jax=True)[1])
-            write_axes[r] = out_axes[i] = 0
-        plan = self._plan_for(states, (*out_axes, *rng_index))
-        apply = _mapped_apply(self, traced, n, arg_axes, in_state_axes, write_axes, rng_index,
-                              not any(in_batched))
+        out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
+        write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
+
+        def lane(lane_args, lane_states):
+            out, returned = run(lane_args, lane_states)
+            return out, [returned[r] for r in write_axes]
+
+        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), in_state_axes),
+                                 out_axes=(self.out_axes, list(write_axes.values())),
+                                 axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
+
+        def apply(state_values, flat_args):   # each RandomState: one key per lane, one kept
+            keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
+            values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
+            out, written = mapped(list(flat_args), values)
+            return out, list(written) + [k[0] for k in keys.values()]
 
         def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function
             for state in _brainstate_order(states, state_axes, out_axes, rng_index):
                 state.value          # the first touch fixes the jaxpr input order
             return self(*args, **kwargs)
         rebuild = _rebuilder(split)   # not ``split``, which holds the call's arrays
-        return _Entry(traced, plan, apply, lambda: _trace_stateful(
-            whole, avals, rebuild, name=self.name, return_only_write=False,
-            axis_env=self.axis_env))
+        return _Entry(traced, self._plan_for(states, (*out_axes, *rng_index)), apply,
+                      lambda: _trace_stateful(whole, avals, rebuild, name=self.name,
+                                              return_only_write=False, axis_env=self.axis_env))
 
-    def _batched_returns(self, traced, in_batched, n: int, wanted) -> list:
-        """Those of ``wanted`` (returned positions) whose value varies across lanes, per vmap."""
+    def _out_axes(self, traced, state_axes, rng_index, in_batched, n: int) -> dict:
+        """The axis each written state but a RandomState leaves along, by state index: as
+        ``state_out_axes`` says, else as it came in; an unbatched one written with a value
+        varying across lanes (per vmap) leaves on axis 0, as the policy allows."""
+        out_axes = {}
+        for i in traced.returned:
+            if i not in rng_index:      # a RandomState leaves with the advanced key
+                axis = _axis_for(traced.states[i], self._state_out)
+                out_axes[i] = state_axes[i] if axis is None else axis
+        unbatched = [r for r, i in enumerate(traced.returned) if out_axes.get(i, 0) is None]
         closed, first = traced.closed_jaxpr, traced.n_out
         at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
-        leaves = [_leaves(at[r]) for r in wanted]
+        leaves = [_leaves(at[r]) for r in unbatched]
         picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
-        flags = iter([False] * len(picked))
-        if picked:
-            avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
-                                 weak_type=v.aval.weak_type)
-                     for v, b in zip(closed.jaxpr.invars, in_batched)]
-            with _axis_env(self.axis_env):
-                flags = iter(_batched_flags(lambda *xs: [run(*xs)[j] for j in picked], avals,
-                                            [0 if b else None for b in in_batched],
-                                            self.axis_name, n) or [False] * len(picked))
-        return [r for r, js in zip(wanted, leaves) if any([next(flags) for _ in js])]
+        if not picked:
+            return out_axes
+        avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
+                             weak_type=v.aval.weak_type)
+                 for v, b in zip(closed.jaxpr.invars, in_batched)]
+        with _axis_env(self.axis_env):
+            flags = iter(_batched_flags(lambda *xs: [run(*xs)[j] for j in picked], avals,
+                                        [0 if b else None for b in in_batched],
+                                        self.axis_name, n) or [False] * len(picked))
+        for r in [r for r, js in zip(unbatched, leaves) if any([next(flags) for _ in js])]:
+            state = traced.states[traced.returned[r]]
+            message = (f'{_who(self)}: {state._describe()} came in unbatched but is written '
+                       'with a batched value, so it leaves batched along axis 0. Declare it '
+                       'with state_in_axes (batched in) or state_out_axes (batched out)')
+            if self.unexpected_out_state_mapping == 'raise':
+                raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
+            if self.unexpected_out_state_mapping == 'warn':
+                warnings.warn(message, UserWarning, stacklevel=_outside(skip_jax=True)[1])
+            out_axes[traced.returned[r]] = 0
+        return out_axes
 
     def _discover(self, lane_avals, split, sizes, size):
         """Per-lane trace, each state's axis (None for RandomStates), ``sizes`` with states'."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
+            """A leaf of ``state`` as one lane sees it; the state's first leaf fixes its axis."""
             axis = state_axes.get(id(state), _MISSING)
             if axis is _MISSING:
-                if isinstance(state, RandomState) and len(aval.shape) > (
-                        0 if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) else 1):
+                if isinstance(state, RandomState) and aval.ndim > (0 if _is_typed_key(aval) else 1):
                     raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
                                          'stack of keys; a mapping splits every RandomState '
                                          'per lane itself: give it a single key instead')
@@ -3793,16 +3786,14 @@ class StatefulMapping(StatefulFunction):
         axis_env = list(self.axis_env or ()) + (
             [] if self.axis_name is None else [(self.axis_name, size)])
         try:
-            traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split),
-                                     name=self.name, return_only_write=True,
-                                     axis_env=axis_env, lift_aval=lift_aval,
-                                     retracer=self._retracer)
+            traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split), name=self.name,
+                                     return_only_write=True, axis_env=axis_env,
+                                     lift_aval=lift_aval, retracer=self._retracer)
         except NameError as err:
             if not _unbound_axis(err) or self.axis_name is not None:
                 raise
-            raise NameError(f'{err}\n{_who(self)} maps its axis without a name; for collectives '
-                            "(lax.psum ...) over it, pass axis_name='<name>' and use that "
-                            'name') from err
+            raise NameError(f'{err}\n{_who(self)} maps its axis without a name; to use it in '
+                            "collectives (lax.psum ...), pass axis_name='<name>'") from err
         # Axes stay as declared (negative too): the mapper resolves them per leaf.
         return traced, [state_axes.get(id(s)) for s in traced.states], sizes
 
@@ -3854,9 +3845,9 @@ def _pytree_slots(exported) -> list:
 
 def _unregistered(err, where: str, slots):
     """For ``err``, jax.export refusing a pytree type it has no registration for, a ValueError
-    naming the ``slots`` (label, type names) holding it and the registration; else None."""
+    naming the ``slots`` ((label, type names), ...) holding it, and the fix; else None."""
     found = _unregistered_type(err)
-    held = found and ', '.join(dict.fromkeys(k for k, names in slots if found[1] in names))
+    held = found and ', '.join(dict.fromkeys(k for k, ts in slots if found[1] in map(str, ts)))
     return found and ValueError(
         f'{where}: {held or "a value"} holds a pytree of type {found[1]}, which jax.export '
         'serializes only once registered, under one serialized_name in the exporting and the '
@@ -3865,10 +3856,9 @@ def _unregistered(err, where: str, slots):
 
 
 class Exported:
-    """What :func:`export` returns (called as it says) and :func:`deserialize`
-    loads: ``exported`` is jax.export's, ``manifest`` JSON naming the
-    ``function``, ``static_arguments`` and per State its ``name``, ``type``,
-    ``role`` and ``created_at``.
+    """What :func:`export` returns (called as it says) and :func:`deserialize` loads:
+    ``exported`` is jax.export's, ``manifest`` JSON naming the ``function``,
+    ``static_arguments`` and per State its ``name``, ``type``, ``role`` and ``created_at``.
 
     Example
     -------
@@ -3889,8 +3879,8 @@ class Exported:
         try:
             data = bytes(self.exported.serialize(vjp_order=vjp_order))
         except ValueError as err:
-            better = _unregistered(err, f"Exported.serialize of {self.manifest['function']!r}",
-                                   [(k, map(str, types)) for k, types in slots])
+            where = f"Exported.serialize of {self.manifest['function']!r}"
+            better = _unregistered(err, where, slots)
             if better is None:
                 raise
             raise better from err
@@ -3903,6 +3893,7 @@ class Exported:
         return _EXPORT_MAGIC + hashlib.sha256(body).digest() + body
 
     def __call__(self, *args, states=None, **kwargs):
+        """``(outputs, {written state: new value})``, the arguments and ``states`` checked."""
         name = f"exported {self.manifest['function']!r}"
         roles = {s['name']: s['role'] for s in self.manifest['states']}
         if not isinstance(states, (dict, type(None))):
@@ -3939,14 +3930,12 @@ class Exported:
 
 
 def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
-    """Exports ``fun(*args, **kwargs)`` (a StatefulFunction, StatefulMapping or
-    plain function) with ``jax.export``, its uniquely named States becoming
-    named inputs and outputs; no State changes.  The arguments fix the shapes
-    (static ones the values); ``platforms``: a name or names (default: the
-    current backend).  Call the :class:`Exported` as ``ex(*dynamic_args,
-    states={name: value of each state read}, **kwargs)`` for ``(outputs,
-    {written state: new value})``.  Needs ``flatbuffers`` (and ``absl-py`` on
-    JAX 0.4.x), which ``pip install jax`` does not install.
+    """Exports ``fun(*args, **kwargs)`` (a StatefulFunction, StatefulMapping or plain function)
+    with ``jax.export``, its uniquely named States becoming named inputs and outputs; no State
+    changes.  The arguments fix the shapes (static ones the values); ``platforms``: a name or
+    names (default: the current backend).  Call the :class:`Exported` as ``ex(*dynamic_args,
+    states={name: value of each state read}, **kwargs)`` for ``(outputs, {written state: new
+    value})``.  Needs ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x) besides JAX.
 
     Example
     -------
@@ -3964,17 +3953,16 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
             and all(isinstance(p, str) for p in platforms)):
         raise TypeError("export: platforms= takes a platform name or a sequence of names "
                         f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
-    module = _jax_export()
     sf = fun if isinstance(fun, StatefulFunction) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
     traced = sf._view(sf._entry_for(key, leaves, split, count=True))
     names, roles = [s._name for s in traced.states], _state_roles(traced)
-    bad = [s for s in traced.states if not s._name or names.count(s._name) > 1]
+    bad = ''.join(f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
+                  for s in traced.states if not s._name or names.count(s._name) > 1)
     if bad:
         raise ValueError(f'export: an export passes States by name, but these of {_who(sf)} '
-                         'have no name or share one:\n' + ''.join(
-                             f'  - {s._describe()}{"" if s._name else " (no name)"}\n' for s in bad)
-                         + "Give each a unique name (State(..., name='w') or state.name = 'w')")
+                         f"have no name or share one:\n{bad}Give each a unique name "
+                         "(State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
     inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
@@ -3989,10 +3977,9 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
         result = out, {n: v for n, v, role in zip(names, new, roles) if role != 'read'}
         out_keys[:] = _key_impls(result)
         return _key_data(result)
-
     pure.__name__ = pure.__qualname__ = sf.name   # how jax.export's own errors name it
     try:
-        exported = module.export(jax.jit(pure), platforms=platforms)(
+        exported = _jax_export().export(jax.jit(pure), platforms=platforms)(
             *_key_data(dyn_args), **_key_data(dyn_kwargs), states=_key_data(inputs))
     except (TypeError, ValueError, NotImplementedError) as err:
         raise _named(err, f'export of {_who(sf)}') from err
@@ -4000,9 +3987,8 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
         'function': sf.name, 'jax_version': jax.__version__, 'result_keys': out_keys,
         'static_arguments': {**{f'argument {i}': repr(v) for i, v in static_args},
                              **{f'keyword {k!r}': repr(v) for k, v in static_kwargs.items()}},
-        'states': [{'name': n, 'type': type(s).__name__, 'role': role,
-                    'created_at': _format_site(s._source)}
-                   for n, s, role in zip(names, traced.states, roles)]})
+        'states': [{'name': s._name, 'type': type(s).__name__, 'role': r,
+                    'created_at': _format_site(s._source)} for s, r in zip(traced.states, roles)]})
 
 
 def deserialize(data) -> Exported:
