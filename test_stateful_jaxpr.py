@@ -103,6 +103,13 @@ def _assert_unchanged(tc, states, snapshot):
 _JAX_VERSION = tuple(int(p) for p in jax.__version__.split('.')[:3] if p.isdigit())
 
 
+def _known_failure_on(releases: bool):
+    """Marks a test of what the module gets wrong on these releases (the
+    differential fuzzer found it; ``_known_failure`` recognises it there): an
+    expected failure, so that the fix shows as an unexpected success."""
+    return unittest.expectedFailure if releases else (lambda test: test)
+
+
 def _eval_closed(closed, *args):
     return jax.extend.core.jaxpr_as_fun(closed)(*args)
 
@@ -2828,6 +2835,57 @@ class BackpropThroughTimeTest(unittest.TestCase):
                           for w in (0.5, -0.3)])
         np.testing.assert_allclose(got, want, rtol=2e-5)
 
+    @_known_failure_on(_JAX_VERSION >= (0, 7))
+    def test_a_read_in_a_cond_inside_the_loop_body(self):
+        # (As for a cond directly in the differentiated function: the branch reads
+        # the value the body holds, not the State's Ref, which JAX cannot take
+        # into a cond under reverse mode.)
+        h = sj.HiddenState(jnp.float32(0.5), name='bptt_cond_read')
+
+        def loss(z):
+            def body(i, acc):
+                h.value = h.value * z
+                return acc + lax.cond(h.value > 0, lambda: h.value, lambda: 0.0)
+            return lax.fori_loop(0, 2, body, 0.0)
+
+        def explicit(z):
+            def body(i, carry):
+                acc, hv = carry
+                hv = hv * z
+                return acc + lax.cond(hv > 0, lambda: hv, lambda: 0.0), hv
+            return lax.fori_loop(0, 2, body, (0.0, 0.5))
+        try:
+            got = StatefulFunction(jax.value_and_grad(loss))(2.0)
+        except TraceContextError as err:
+            self.assertLess(_JAX_VERSION, (0, 7), err)
+            self.assertIn('bptt_cond_read', str(err))
+            return
+        want = jax.value_and_grad(lambda z: explicit(z)[0])(2.0)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(h.value, explicit(2.0)[1], rtol=1e-6)
+
+    @_known_failure_on((0, 8) <= _JAX_VERSION < (0, 11))
+    def test_tree_with_an_integer_leaf_written_in_a_loop_body(self):
+        # (JAX 0.8 .. 0.10 cannot transpose a loop writing an integer Ref made in
+        # the differentiated function; the integer leaf carries no derivative.)
+        h = State({'f': jnp.float32(0.3), 'i': jnp.arange(2)}, name='bptt_int_leaf')
+
+        def loss(p):
+            def body(i, c):
+                h.value = {'f': h.value['f'] * p, 'i': h.value['i'] + 1}
+                return c
+            lax.fori_loop(0, 2, body, 0.0)
+            return h.value['f']
+        try:
+            got = StatefulFunction(jax.grad(loss))(2.0)
+        except TraceContextError as err:
+            self.assertLess(_JAX_VERSION, (0, 7), err)
+            self.assertIn('bptt_int_leaf', str(err))
+            return
+        np.testing.assert_allclose(got, 1.2, rtol=1e-6)       # d(0.3 p^2)/dp at 2
+        np.testing.assert_allclose(h.value['f'], 1.2, rtol=1e-6)
+        np.testing.assert_array_equal(h.value['i'], [2, 3])
+
     def test_reverse_mode_through_a_while_loop_is_refused_naming_the_state(self):
         h = State(jnp.zeros(3), name='bptt_while')
 
@@ -3011,6 +3069,94 @@ class CustomRuleTest(unittest.TestCase):
             self.assertEqual(float(StatefulFunction(first)(1.0)) * float(
                 StatefulFunction(second)(1.0)), 18.0)
         self.assertEqual(float(jax.grad(model)(1.0)), 3.0)
+        self.assertFalse(_tracer_in(s))
+
+    def test_nested_custom_vjp_reading_a_state_written_nested(self):
+        n = State(jnp.float32(3.0), name='cr_nested_read')
+
+        @jax.custom_vjp
+        def act(x):
+            return x * n.value
+        act.defvjp(lambda x: (x * n.value, None), lambda _, g: (g * 0.5,))
+        model = StatefulFunction(act)
+
+        def main(x):
+            jax.jit(lambda: setattr(n, 'value', jnp.float32(2.0)))()
+            return jax.value_and_grad(model)(x)
+        try:
+            got = StatefulFunction(main)(1.5)
+        except TraceContextError as err:
+            self.assertLess(_JAX_VERSION, (0, 7), err)
+            self.assertIn('cr_nested_read', str(err))
+            return
+        np.testing.assert_allclose(got, (3.0, 0.5))
+        self.assertEqual(float(n.value), 2.0)
+
+    @_known_failure_on(True)
+    def test_custom_jvp_reading_a_state_written_in_a_scan(self):
+        k = State(jnp.float32(1.0), name='cr_jvp_written')
+
+        @jax.custom_jvp
+        def act(x):
+            return x * k.value
+        act.defjvp(lambda xs, ts: (act(xs[0]), ts[0] * 0.5))
+
+        def f(x):
+            lax.scan(lambda c, _: (c, setattr(k, 'value', k.value + 1.0)), 0.0, None, length=2)
+            return jax.value_and_grad(act)(x)
+        np.testing.assert_allclose(StatefulFunction(f)(0.5), (1.5, 0.5))
+        self.assertEqual(float(k.value), 3.0)
+
+    @_known_failure_on(_JAX_VERSION >= (0, 11))
+    def test_nested_custom_vjp_in_a_scan_body_writing_a_constant(self):
+        b, n = State(jnp.float32(0.25), name='cr_scan_read'), State(0, name='cr_scan_count')
+
+        @jax.custom_vjp
+        def act(x):
+            return x * b.value
+        act.defvjp(lambda x: (act(x), None), lambda _, g: (g * 3.0,))
+
+        def run(x):
+            def step(c, _):
+                n.value = jnp.int32(7)
+                return act(x), None
+            return lax.scan(step, x, None, length=2)[0]
+        try:
+            got = StatefulFunction(jax.grad(StatefulFunction(run)))(0.5)
+        except TraceContextError as err:
+            self.assertLess(_JAX_VERSION, (0, 7), err)
+            self.assertIn('cr_scan_count', str(err))
+            return
+        self.assertEqual((float(got), int(n.value)), (3.0, 7))
+        self.assertFalse(_tracer_in(b) or _tracer_in(n))
+
+    @_known_failure_on(True)
+    def test_custom_vjp_rule_reading_a_state_in_a_body(self):
+        b = State(jnp.float32(0.25), name='cr_rule_in_body')
+
+        @jax.custom_vjp
+        def act(x):
+            return x * 0.5
+        act.defvjp(lambda x: (act(x), None), lambda _, g: (g * b.value,))
+        bodies = {'scan': (lambda x: lax.scan(lambda c, _: (act(c + x), None), x, None,
+                                              length=2)[0], 0.25 * (0.25 * 2 + 1)),
+                  'jit': (jax.jit(act), 0.25)}
+        for name, (f, want) in bodies.items():
+            with self.subTest(body=name):
+                np.testing.assert_allclose(StatefulFunction(jax.grad(f))(0.5), want)
+                self.assertFalse(_tracer_in(b))
+
+    @_known_failure_on(True)
+    def test_custom_jvp_reading_a_state_in_a_body_under_jvp(self):
+        s = State(jnp.float32(0.5), name='cr_jvp_body')
+
+        @jax.custom_jvp
+        def act(x):
+            return x * s.value
+        act.defjvp(lambda xs, ts: (xs[0] * s.value, ts[0] * 3.0))
+        f = lambda x: lax.scan(lambda c, _: (act(c), None), x, None, length=2)[0]  # noqa: E731
+        got = StatefulFunction(lambda x: jax.jvp(f, (x,), (1.0,)))(0.7)
+        np.testing.assert_allclose(got, (0.175, 9.0), rtol=1e-6)
         self.assertFalse(_tracer_in(s))
 
     def test_a_rule_reading_a_state_sees_the_call_s_value(self):
@@ -4381,6 +4527,166 @@ class _ProgramGenerator:
         sc['vars'].append((v, dom))
         return ('let', v, e)
 
+    def loop_write(self, sc, si, path, p, forward):
+        """A float State written from ``p`` and its own previous value inside a
+        lax.scan or fori_loop body (a while loop: forward mode only), a lax.cond
+        (alone or in a scan body) or inner jits, read back afterwards; maybe
+        written first outside them, so that it brings a tangent in."""
+        r = self.r
+        read = ('read', si, path)
+        u = self.next_loc
+        self.next_loc += 1
+
+        def write(sc_, carry=None):
+            step = ('fmul', read, p) if r.random() < 0.7 else ('fmul', p, read)
+            value = (r.choice(('fadd', 'fsub')), step, carry or self.expr('f', 1, sc_))
+            return ('wseq', 'f', si, path, value,
+                    (r.choice(('fadd', 'fmul')), read, self.expr('f', 1, sc_)))
+        kind, dyn = r.choice(('scan', 'scan', 'fori', 'fori', 'cond', 'jit', 'scan_cond',
+                              'scan_jit')), False
+        if kind.startswith('scan'):
+            inner = dict(sc, locs=sc['locs'] + [((u, 'cf'), 'f'), ((u, 'ci'), 'i'),
+                                                ((u, 'x'), 'i')])
+            body = write(inner, ('loc', u, 'cf'))
+            if kind == 'scan_cond':
+                body = ('cond', 'f', ('iadd', ('loc', u, 'x'), self.expr('i', 1, inner)),
+                        *r.sample([body, self.expr('f', 1, inner)], 2))
+            elif kind == 'scan_jit':
+                body = ('jit', 'f', body)
+            e = ('scan', 'f', r.choice((1, 2, ('static',))), u, self.expr('f', 1, sc),
+                 self.expr('i', 1, sc), body, self.expr('i', 1, inner))
+        elif kind == 'fori':
+            inner = dict(sc, locs=sc['locs'] + [((u, 'acc'), 'f'), ((u, 'k'), 'i')])
+            L = r.choice((1, 2, ('static',)))
+            dyn = forward and r.random() < 0.4   # traced bounds: a while loop
+            if dyn:
+                L = ('dyn', self.expr('i', 1, sc))
+            e = ('fori', 'f', L, u, self.expr('f', 1, sc), write(inner, ('loc', u, 'acc')))
+        elif kind == 'cond':
+            e = ('cond', 'f', self.expr('i', 1, sc), *r.sample([write(sc), self.expr('f', 1, sc)],
+                                                                2))
+        else:   # two inner jits, the second reading what the first wrote
+            e = ('fadd', ('jit', 'f', write(sc)), ('jit', 'f', write(sc)))
+        if r.random() < 0.3:
+            e = ('wseq', 'f', si, path, ('fmul', read, p), e)
+        return ('fadd', e, read), 'cond' not in kind and not dyn   # (whether it surely runs)
+
+    def train(self, prog, sc0, sc):
+        """Adds differentiations that carry States (on a third random stream:
+        every seed keeps the rest of its program): a State written inside a
+        loop, cond or jit body of the differentiated function (backpropagation
+        through time), one written in an inner differentiation and read in the
+        outer one, and a nested StatefulFunction whose body applies a custom
+        rule, differentiated whole."""
+        self.r = r = random.Random(f'train-{self.seed}')
+        body, floats = prog['body'], [lf for lf in self.writable if lf[2] in ('f32', 'c64')]
+        prog['train'] = []
+
+        def add(make):
+            first = r.random() < 0.4
+            let = make(dict(sc0, vars=[]) if first else sc)
+            # (after a custom rule applied first: the check (f) looks for it there)
+            at = 0 if not first else int(bool(body) and body[0][0] == 'let'
+                                         and body[0][2][0] == 'custom')
+            body.insert(at if first else len(body), let)
+            prog['outs'].append(('var', let[1]))
+            prog['train'].append(let[1])
+        if floats and r.random() < 0.2:
+            add(lambda sc_: self.diff_loop(sc_, r.choice(floats)))
+        if floats and r.random() < 0.12:
+            add(lambda sc_: self.diff_nested(sc_, r.choice(floats)))
+        if self.leaves and r.random() < 0.1:
+            add(self.diff_custom_sf)
+
+    def _diff_scope(self, sc):
+        u = self.next_loc
+        self.next_loc += 1
+        return u, dict(sc, locs=sc['locs'] + [((u, 'p'), 'f')], no_while=True, nowrite=True,
+                       nocoll=True, ro_subs=[])
+
+    def _let(self, sc, e):
+        v = self.new_var()
+        sc['vars'].append((v, 'f'))
+        return ('let', v, e)
+
+    def diff_loop(self, sc, leaf):
+        """A 'let' differentiating a function that writes a float State inside a
+        loop, cond or jit body."""
+        r = self.r
+        mode = r.choice(('grad', 'grad', 'vjp', 'value_and_grad', 'jacrev', 'linearize', 'jvp',
+                         'jvp', 'jacfwd'))
+        u, inner = self._diff_scope(sc)
+        body, sure = self.loop_write(inner, leaf[0], leaf[1], ('loc', u, 'p'),
+                                     mode in ('jvp', 'jacfwd'))
+        return self._let(sc, ('diff', mode, u, self.expr('f', 1, sc), body, sure))
+
+    def diff_nested(self, sc, leaf):
+        """A 'let' differentiating a function that differentiates another one
+        writing a float State (from both functions' arguments; at its top, in a
+        loop or jit body, or with the outer function writing it first) and then
+        reads the State."""
+        r = self.r
+        si, path = leaf[:2]
+        read = ('read', si, path)
+        u, inner = self._diff_scope(sc)
+        u2, inner2 = self._diff_scope(inner)
+        p, q = ('loc', u, 'p'), ('loc', u2, 'p')
+        imode = r.choice(('grad', 'value_and_grad', 'vjp', 'jvp', 'linearize'))
+        where = r.choice(('top', 'top', 'top', 'loop'))
+        if where == 'loop':
+            ibody, sure = self.loop_write(inner2, si, path, (r.choice(('fadd', 'fmul')), q, p),
+                                          imode == 'jvp')
+        else:
+            write = r.choice([(r.choice(('fadd', 'fmul')), q, p), ('fadd', ('fmul', read, q), p)])
+            ibody, sure = ('wseq', 'f', si, path, write,
+                           (r.choice(('fadd', 'fmul')), read, self.expr('f', 1, inner2))), True
+        at = r.choice([p, (r.choice(('fadd', 'fmul')), p, self.expr('f', 1, inner))])
+        body = ('fadd', ('diff', imode, u2, at, ibody, sure), read)
+        if r.random() < 0.3:   # the outer function writes it first
+            body = ('wseq', 'f', si, path, ('fmul', read, p), body)
+        mode = r.choice(('grad', 'grad', 'jvp', 'vjp', 'value_and_grad', 'linearize', 'jacrev'))
+        return self._let(sc, ('diff', mode, u, self.expr('f', 1, sc), body, True))
+
+    def diff_custom_sf(self, sc):
+        """A 'let' differentiating a nested StatefulFunction whose body applies a
+        custom_vjp / custom_jvp function reading a State (in a lax.scan body
+        that also writes another State, which the custom function never reads:
+        plain JAX cannot differentiate a custom rule with respect to a value it
+        closes over).  The nested function sees its argument, the States and
+        the static argument only (a trace it caches serves later calls)."""
+        r = self.r
+        u, u2, u3 = range(self.next_loc, self.next_loc + 3)
+        self.next_loc += 3
+        nsc = {'args': [], 'vars': [], 'locs': [((u, 'p'), 'f')], 'ro_subs': [],
+               'no_while': True, 'nowrite': True, 'nocoll': True}
+        written = r.choice(self.writable) if self.writable and r.random() < 0.6 else None
+        kept = self.leaves
+        self.leaves = [lf for lf in kept if written is None or lf[0] != written[0]]
+        if not self.leaves:
+            self.leaves, written = kept, None
+        si, path, dt, sk = r.choice([lf for lf in self.leaves if lf[2] in ('f32', 'c64')]
+                                    or self.leaves)
+        read = ('read', si, path) if _DOMAIN[dt] == 'f' else ('itof', ('read', si, path))
+        cbody = ('fmul', ('fadd', ('loc', u2, 'p'), read),
+                 self.expr('f', 1, dict(nsc, locs=[((u2, 'p'), 'f')])))
+        rule = self.expr('f', 1, dict(nsc, locs=[]))
+        self.leaves = kept
+        mode = r.choice(('grad', 'grad', 'vjp', 'jvp', 'value_and_grad'))
+        kind = 'jvp' if mode == 'jvp' else r.choice(('vjp', 'jvp'))   # (no jvp of a custom_vjp)
+        p = ('loc', u, 'p')
+        if written:
+            inner = dict(nsc, locs=nsc['locs'] + [((u3, 'cf'), 'f'), ((u3, 'ci'), 'i'),
+                                                  ((u3, 'x'), 'i')])
+            apply = ('capply', kind, u2, ('fadd', ('loc', u3, 'cf'), p), cbody, rule)
+            write = ('wseq', 'f', written[0], written[1],
+                     self.expr(_DOMAIN[written[2]], 1, inner), apply)
+            body = ('scan', 'f', r.choice((1, 2, ('static',))), u3, p, self.expr('i', 1, nsc),
+                    write, self.expr('i', 1, inner))
+        else:
+            body = ('fadd', ('capply', kind, u2, ('fmul', p, self.expr('f', 1, nsc)), cbody, rule),
+                    self.expr('f', 1, nsc))
+        return self._let(sc, ('sfdiff', mode, u, self.expr('f', 1, sc), body, True))
+
     def extend(self, prog, sc0, sc):
         """Adds this suite's newer features from a second random stream, so
         that every seed keeps the rest of its program (campaign seeds replay)."""
@@ -4414,6 +4720,7 @@ class _ProgramGenerator:
             prog['weak'] = {'state': len(prog['states']) - 1, 'arg': len(prog['args']) - 1}
             prog['outs'].append(('raw', prog['weak']['state'], prog['weak']['arg']))
         prog['coll'] = self.coll
+        self.train(prog, sc0, sc)
         return prog
 
     def new_var(self):
@@ -4571,17 +4878,20 @@ def _generate_program(seed):
 # -- interpreter ------------------------------------------------------------------
 class _Env:
     # explicit: the reference (a differentiated function threads the States it
-    # writes as local variables: ``ov``); coll: a lane's collective results;
-    # custom: the custom_vjp / custom_jvp functions, made once and called by
-    # every trace (as a user's module-level function is).
+    # writes as local variables, ``ov``, through its loop bodies too, and reads
+    # the others from ``base``, their values when the outermost one began: no
+    # State is touched under the differentiation); coll: a lane's collective
+    # results; custom: the custom_vjp / custom_jvp functions and nested
+    # StatefulFunctions, made once and called by every trace (as a user's
+    # module-level function is).
     __slots__ = ('prog', 'W', 'states', 'rngs', 'args', 'static', 'c', 'cf', 'vars', 'locs',
-                 'subs', 'specs', 'explicit', 'ov', 'coll', 'custom')
+                 'subs', 'specs', 'explicit', 'ov', 'base', 'coll', 'custom')
 
     def __init__(self, prog, states, rngs, args, static, subs, explicit=False, coll=None,
                  custom=None):
         self.prog, self.W, self.states, self.rngs = prog, prog['W'], states, rngs
         self.args, self.static, self.subs = list(args), static, subs
-        self.explicit, self.ov, self.coll = explicit, None, coll
+        self.explicit, self.ov, self.base, self.coll = explicit, None, None, coll
         self.custom = {} if custom is None else custom
         if isinstance(static, int):
             self.c, self.cf = static, 0.0
@@ -4606,7 +4916,23 @@ def _i32(x):
 
 
 def _state_get(env, si):
-    return env.ov[si] if env.ov is not None and si in env.ov else env.states[si].value
+    """State ``si``'s value (``('rng', i)``: RandomState i's key)."""
+    for values in (env.ov, env.base):
+        if values is not None and si in values:
+            return values[si]
+    return env.rngs[si[1]].value if isinstance(si, tuple) else env.states[si].value
+
+
+def _as_locals(env):
+    """``env`` for a differentiated function: in the reference, every State
+    read there comes from a snapshot taken outside it."""
+    if not env.explicit or env.base is not None:
+        return env
+    env = env.child({})
+    env.base = {**dict(enumerate(s.value for s in env.states)),
+                **{('rng', i): r.value for i, r in enumerate(env.rngs)}}
+    env.states = env.rngs = None   # (nothing under it may reach them)
+    return env
 
 
 def _state_put(env, si, value):
@@ -4638,27 +4964,45 @@ def _lax_collectives():
 
 
 def _differentiate(e, env):
-    """('diff', mode, u, at, body, sure): a transformation of a function that
-    writes a State and reads it back.  In the reference the States it writes
-    are local variables (has_aux hands their primal values out)."""
+    """('diff' | 'sfdiff', mode, u, at, body, sure): a transformation of a
+    function of (u, 'p') that writes States and reads them back ('sfdiff': a
+    nested StatefulFunction, made once).  In the reference the States it
+    writes are local variables (has_aux hands their primal values out)."""
     _, mode, u, at_e, body, _ = e
     at = _eval_expr(at_e, env)
+    outer = _as_locals(env)
 
     def fn(p):
-        inner = env.child({(u, 'p'): p})
+        inner = outer.child({(u, 'p'): p})
         if env.explicit:
             inner.ov = dict(env.ov or {})
         return jnp.sin(_eval_expr(body, inner)), inner.ov
+    if e[0] == 'sfdiff' and not env.explicit:
+        if e not in env.custom:   # (its body sees only its argument, States, the static)
+            prog, states, rngs, custom = env.prog, env.states, env.rngs, env.custom
+
+            def run(p, static):
+                inner = _Env(prog, states, rngs, [], static, [], custom=custom)
+                return jnp.sin(_eval_expr(body, inner.child({(u, 'p'): p})))
+            env.custom[e] = sj.StatefulFunction(run, static_argnums=(1,))
+        fn = (lambda sf: lambda p: (sf(p, env.static), None))(env.custom[e])
+    summed = lambda p: (lambda y, a: (jnp.sum(y), a))(*fn(p))   # noqa: E731
     if mode == 'grad':
-        res, ov = jax.grad(lambda p: (lambda y, a: (jnp.sum(y), a))(*fn(p)), has_aux=True)(at)
+        res, ov = jax.grad(summed, has_aux=True)(at)
+    elif mode == 'value_and_grad':
+        (v, ov), g = jax.value_and_grad(summed, has_aux=True)(at)
+        res = 0.5 * (g + v)
     elif mode == 'vjp':
         y, pull, ov = jax.vjp(fn, at, has_aux=True)
         res = 0.5 * (y + pull(jnp.cos(at))[0])
     elif mode == 'jvp':
         y, t, ov = jax.jvp(fn, (at,), (jnp.cos(at),), has_aux=True)
         res = 0.5 * (y + t)
+    elif mode == 'linearize':
+        y, lin, ov = jax.linearize(fn, at, has_aux=True)
+        res = 0.5 * (y + lin(jnp.cos(at)))
     else:
-        jac, ov = jax.jacfwd(fn, has_aux=True)(at)
+        jac, ov = (jax.jacfwd if mode == 'jacfwd' else jax.jacrev)(fn, has_aux=True)(at)
         res = jnp.sum(jac.reshape(env.W + (-1,)), -1) if env.W else jac
     for si, value in (ov or {}).items():
         _state_put(env, si, value)
@@ -4668,8 +5012,9 @@ def _differentiate(e, env):
 def _custom_rule(e, env):
     """('custom', kind, u, at, body, rule): value and gradient through a
     custom_vjp / custom_jvp function whose derivative is the rule's factor."""
-    f = _custom_fn(e, env)
-    value, grad = jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p))))(_eval_expr(e[3], env))
+    at = _eval_expr(e[3], env)
+    f = _custom_fn(e, _as_locals(env))
+    value, grad = jax.value_and_grad(lambda p: jnp.sum(jnp.sin(f(p))))(at)
     return grad + 0.1 * value
 
 
@@ -4806,7 +5151,7 @@ def _eval_expr(e, env):
     if op == 'jit':
         return jax.jit(lambda: _eval_expr(e[2], env))()
     if op == 'peek':
-        return _key_uniform(env.rngs[e[1]].value, W)
+        return _key_uniform(_state_get(env, ('rng', e[1])), W)
     if op in ('wseq', 'cwseq'):
         _write_leaf(env, e[2], e[3], _eval_expr(e[4], env))
         return _eval_expr(e[5], env)
@@ -4818,10 +5163,12 @@ def _eval_expr(e, env):
         if env.coll is not None:
             return env.coll[e]
         return _collective(e[1], e[2], W, e[3] and _eval_expr(e[3], env), _lax_collectives())
-    if op == 'diff':
+    if op in ('diff', 'sfdiff'):
         return _differentiate(e, env)
     if op == 'custom':
         return _custom_rule(e, env)
+    if op == 'capply':
+        return _custom_fn(e, env)(_eval_expr(e[3], env))
     if op == 'raw':   # no cast: the dtype follows the State's weak type
         return _state_get(env, e[1]) * env.args[e[2]]
     if op == 'vmapsf':
@@ -4832,8 +5179,10 @@ def _eval_expr(e, env):
     if op == 'grad':
         _, u, at, body_e = e
 
+        outer = _as_locals(env)
+
         def loss(p):
-            return jnp.sum(jnp.sin(_eval_expr(body_e, env.child({(u, 'p'): p}))))
+            return jnp.sum(jnp.sin(_eval_expr(body_e, outer.child({(u, 'p'): p}))))
         return jax.grad(loss)(_eval_expr(at, env))
     if op == 'cond':
         pred = (jnp.sum(_eval_expr(e[2], env)) & 1) == 0
@@ -5129,14 +5478,52 @@ def _nodes(node, odd, inside=False):
                 yield from _nodes(x, odd, inside or i in bodies)
 
 
+_BODIES = frozenset(('scan', 'fori', 'cond', 'jit'))
+_REVERSE = frozenset(('grad', 'value_and_grad', 'vjp', 'jacrev', 'linearize'))
+
+
+def _under_diffs(node, odd, frames=()):
+    """``(node, frames)`` for each node ``node`` runs (as ``_nodes``; ``odd``
+    None: both Python-level branches), ``frames`` the differentiations around
+    it, outermost first, each ``(diff node, kinds between it and the node)``:
+    the lax bodies and jits ('while' too for a fori_loop with traced bounds),
+    custom rules ('custom', 'capply') and differentiations ('diff')."""
+    if isinstance(node, list):
+        for x in node:
+            yield from _under_diffs(x, odd, frames)
+    elif isinstance(node, tuple) and node and isinstance(node[0], str):
+        op = node[0]
+        if op == 'pyif':
+            yield from _under_diffs([node[1], node[2]] if odd is None else
+                                    node[1] if odd else node[2], odd, frames)
+            return
+        yield node, frames
+        kinds = {op} | ({'while'} if op == 'fori' and isinstance(node[2], tuple)
+                        and node[2][0] == 'dyn' else set())
+        bodies = {'scan': (6, 7), 'fori': (5,), 'cond': (3, 4), 'jit': (2,), 'custom': (4, 5),
+                  'capply': (4, 5)}.get(op, ())
+        for i, x in enumerate(node[1:], 1):
+            if op in ('diff', 'sfdiff') and i == 4:
+                sub = tuple((d, b | {'diff'}) for d, b in frames) + ((node, frozenset()),)
+            else:
+                sub = tuple((d, b | kinds) for d, b in frames) if i in bodies else frames
+            yield from _under_diffs(x, odd, sub)
+
+
 def _program_features(prog) -> dict:
     """What a program exercises, for the fuzzer's coverage shares."""
     odd = _Env(prog, [], [], [], prog['static'], []).c % 2
     found = {}
     for node, inside in _nodes([prog['body'], prog['outs']], odd):
         found[node[0]] = found.get(node[0], False) or inside
-        if node[0] == 'diff' and node[-1]:   # the write surely runs
+        if node[0] == 'diff' and node[5]:   # the write surely runs
             found['diff_state'] = True
+    for node, frames in _under_diffs([prog['body'], prog['outs']], odd):
+        if node[0] == 'wseq' and frames:   # a State written under a differentiation
+            found['diff_loop'] = found.get('diff_loop') or bool(frames[-1][1] & _BODIES)
+            found['diff_nested'] = found.get('diff_nested') or len(frames) > 1
+        if node[0] == 'capply' and frames and frames[-1][0][0] == 'sfdiff':
+            found['diff_custom_sf'] = True
     return {'nested_write': found.get('wseq', False),
             'batched': bool(prog['lanes']),
             'mapping_in_sf': bool(prog['lanes']) and prog['compose'],
@@ -5144,7 +5531,12 @@ def _program_features(prog) -> dict:
             'custom_rule': 'custom' in found,
             'collective_nested': found.get('coll', False),
             'nested_dtype_change': found.get('halve', False),
-            'weak_change': prog['weak'] is not None}
+            'weak_change': prog['weak'] is not None,
+            # through a loop, cond or jit body / an inner differentiation / a
+            # nested StatefulFunction applying a custom rule
+            'diff_loop': found.get('diff_loop', False),
+            'diff_nested': found.get('diff_nested', False),
+            'diff_custom_sf': found.get('diff_custom_sf', False)}
 
 
 def _collective_states(prog) -> set:
@@ -5206,20 +5598,38 @@ def _state_filter(kind, axis1):
 
 
 # -- the differential check ------------------------------------------------------------
-def _check_program(seed, extras=True):
+# Seeds of the programs refused as documented: 'train' (then checked again without
+# what _ProgramGenerator.train added), 'whole' (also without it, or with nothing added).
+_FUZZ_REFUSED = {'train': set(), 'whole': set()}
+
+
+def _after_refusal(prog, extras):
+    """A program refused as documented is checked again without what ``train``
+    added (JAX before 0.7 refuses most of it), so that its other parts still are."""
+    _FUZZ_REFUSED['train' if prog['train'] else 'whole'].add(prog['seed'])
+    return _check_program(prog['seed'], extras, train=False) if prog['train'] else prog
+
+
+def _check_program(seed, extras=True, train=True):
     """Runs every path for the program of ``seed``; raises AssertionError on a mismatch.
 
     ``extras=False`` skips the extra calls a program may ask for (another static
     value, a state changing shape, the eager debugging mode): each costs one
-    more XLA compile.
+    more XLA compile.  ``train=False`` leaves out the differentiations
+    ``_ProgramGenerator.train`` adds.
     """
     prog = _generate_program(seed)
+    if not train:
+        prog['body'] = [st for st in prog['body'] if st[:2] not in
+                        [('let', v) for v in prog['train']]]
+        prog['outs'] = [o for o in prog['outs'] if o not in [('var', v) for v in prog['train']]]
+        prog['train'] = []
     if not extras:
         prog.update(restatic=False, stale=False, eager_sf=False)
     if len(sj._BAKED_STATES):   # (States of earlier programs, unreachable: collect them)
         gc.collect()
     if prog['lanes']:
-        return _check_mapped(prog)
+        return _check_mapped(prog, extras)
     states, rngs, inits, dyn = _build_program(prog)
     every = states + rngs
     pos, kw, argnums, argnames = _pack_args(prog, dyn, prog['static'])
@@ -5248,8 +5658,8 @@ def _check_program(seed, extras=True):
     except sj.TraceContextError as err:
         if not any(name in str(err) for name in refusable):
             raise
-        _assert_close(inits, _state_values(every), '(b) states after a refused dtype change')
-        return prog
+        _assert_close(inits, _state_values(every), '(b) states after a refused call')
+        return _after_refusal(prog, extras)
     _assert_close(out1, got1, '(b) sf() output, call 1')
     _assert_close(fin1, _state_values(every), '(b) sf() states, call 1')
     got2 = sf(*pos, **kw)
@@ -5421,9 +5831,10 @@ def _check_program(seed, extras=True):
     for node in [st[2] for st in prog['body'][:1] if st[0] == 'let' and st[2][0] == 'custom']:
         made = {False: {}, True: {}}
 
-        def outer(p, mod):
+        def outer(p, mod, base=None):
             env = _Env(prog, states, rngs, dyn, prog['static'], [], explicit=not mod,
                        custom=made[mod])
+            env.base = base   # (the reference reads no State under jax.grad)
             return jnp.sum(jnp.sin(_custom_fn(node, env)(p)))
         try:
             with _reference_mode():
@@ -5431,7 +5842,9 @@ def _check_program(seed, extras=True):
                                               _make_subs(prog, states, rngs, False),
                                               explicit=True))
                 _reset_states(every, inits)   # (the point ``at`` may write a State)
-                want = jax.grad(outer)(at, False)
+                base = _as_locals(_Env(prog, states, rngs, dyn, prog['static'], [],
+                                       explicit=True)).base
+                want = jax.grad(outer)(at, False, base)
             _reset_states(every, inits)
             _assert_user_path("(f) grad(sf)")
             with _reference_mode(eager=False):
@@ -5477,27 +5890,37 @@ def _stale_target(prog):
 
 
 def _refused_differentiations(prog, eager=False) -> set:
-    """The names of the States a differentiated function writes where the
-    README says the write is refused, naming the State: inside a jit or cond
-    body there (JAX cannot take the value's gradient into the State), under
-    jax.jacfwd from JAX 0.8 (JAX batches the whole body), and anywhere under
-    jax.disable_jit() (``eager``: no stateful trace threads the write)."""
-    # (JAX before 0.6 cannot tell whether a differentiation is still running
-    # inside a jit or loop body: a read there after such a write is refused.)
-    names = {f"'s{m[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] == 'diff'
-             for m, inside in _nodes(n[4], 0) if m[0] == 'wseq' and (
-                 eager or inside or (n[1] == 'jacfwd' and _JAX_VERSION >= (0, 8))
-                 or _JAX_VERSION < (0, 6))}
+    """The names of the States written under a differentiation where the
+    README says the write is refused, naming the State, as JAX cannot carry
+    it: before JAX 0.7 in a loop, cond or jit body there or under a nested
+    differentiation (before 0.6 anywhere); in a lax.cond branch, or a while
+    loop, under reverse-mode differentiation; in a body under jax.jacrev on
+    JAX 0.7 or under nested reverse-mode differentiation on 0.8 .. 0.10;
+    under jax.jacfwd from JAX 0.8 (JAX batches the whole body); and anywhere
+    under jax.disable_jit() (``eager``: no stateful trace threads the write)."""
+    v, names = _JAX_VERSION, set()
+    for node, frames in _under_diffs(prog['body'], None):
+        if node[0] != 'wseq' or not frames:
+            continue
+        body = frames[-1][1] & _BODIES   # (between the innermost differentiation and it)
+        modes = [d[1] for d, _ in frames]
+        if (eager or v < (0, 6) or v < (0, 7) and (body or len(frames) > 1)
+                or 'jacfwd' in modes and v >= (0, 8)
+                or any(d[1] in _REVERSE and b & {'cond', 'while'} for d, b in frames)
+                or v < (0, 8) and any(d[1] == 'jacrev' and b & _BODIES for d, b in frames)
+                or body and (0, 8) <= v < (0, 11) and modes[-1] in _REVERSE
+                and any(m in _REVERSE for m in modes[:-1])):
+            names.add(f"'s{node[2]}'")
     # JAX 0.4.38 refuses a Ref inside a jit under differentiation.
-    if _JAX_VERSION < (0, 5) and any(
-            m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] == 'diff'
+    if v < (0, 5) and any(
+            m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
             for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
     # A lax.cond under differentiation (before JAX 0.7), or in a custom rule,
     # refuses any State written inside a nested transformation (a Ref) it reads.
     # So does one under jax.jacfwd's vmap, on every release.
     if any(m[0] == 'cond' for n, _ in _nodes(prog['body'], 0)
-           if n[0] == 'custom' or (n[0] in ('diff', 'grad') and _JAX_VERSION < (0, 7))
+           if n[0] in ('custom', 'capply') or (n[0] in ('diff', 'sfdiff', 'grad') and v < (0, 7))
            or n[:2] == ('diff', 'jacfwd')
            for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
@@ -5518,7 +5941,7 @@ def _refused(call, prog, every, inits, what, eager=False):
     return None
 
 
-def _check_mapped(prog):
+def _check_mapped(prog, extras):
     states, rngs, inits, dyn = _build_program(prog)
     every = states + rngs
     n = prog['lanes']
@@ -5618,7 +6041,7 @@ def _check_mapped(prog):
             warnings.simplefilter('ignore', UserWarning)   # the 'warn' policy
             got = _refused(lambda: sm(*pos, **kw), prog, every, inits, '(e)')
         if got is None:
-            return prog
+            return _after_refusal(prog, extras)
         _assert_close(expected[step][0], got, f'(e) StatefulMapping output, call {step + 1}')
         _assert_states(expected[step][1], _state_values(every),
                        f'(e) StatefulMapping states, call {step + 1}')
@@ -5656,9 +6079,53 @@ def _collective_tables(prog, lane_args):
 
 
 def _failure_kind(err):
-    """The exception type and the start of its message, numbers masked (to group)."""
+    """The exception type and the start of its message, numbers and the State's
+    description masked (to group)."""
     text = str(err).splitlines()[0] if str(err) else ''
-    return re.sub(r'\d+', '#', f'{type(err).__name__}: {text}')[:90]
+    text = re.sub(r"\w+ '[^']*' created at .*? \(in [^)]*\)", 'State', text)
+    return re.sub(r'\d+', '#', f'{type(err).__name__}: {text}')[:120]
+
+
+def _known_failure(seed, err):
+    """The regression test pinning ``err``, the failure of program ``seed``, if it
+    is one of the module's known failures (each an error, not a wrong value)."""
+    prog, text, v = _generate_program(seed), f'{type(err).__name__}: {err}', _JAX_VERSION
+    named = {int(i) for i in re.findall(r"'s(\d+)'", text)}
+    found = list(_under_diffs([prog['body'], prog['outs']], None))
+    # A custom_jvp function reading a State that a nested transformation writes:
+    # JAX has no discharge rule for the call.
+    if 'primitive: custom_jvp_call' in text and any(
+            n[0] in ('custom', 'capply') and n[1] == 'jvp' and m[0] == 'read' and m[1] in named
+            for n, _ in found for m, _ in _nodes(list(n[4:]), 0)):
+        return 'CustomRuleTest.test_custom_jvp_reading_a_state_written_in_a_scan'
+    # A State written in a loop or jit body under reverse mode and read in a
+    # lax.cond there: JAX cannot take its Ref into the cond.
+    if v >= (0, 7) and 'cond partial-eval' in text and any(
+            n[0] == 'cond' and m[:2] == ('read', i) and any(
+                d[1] in _REVERSE and b & {'scan', 'fori', 'jit'} for d, b in frames)
+            for n, frames in found for m, _ in _nodes(list(n[1:]), 0) for i in named):
+        return 'BackpropThroughTimeTest.test_a_read_in_a_cond_inside_the_loop_body'
+    # A tree State with an integer leaf, written in a body under reverse mode.
+    if (0, 8) <= v < (0, 11) and 'under nested reverse-mode' in text and named and all(
+            {dt for _, dt, _ in _leaf_specs(prog['states'][i]['tree'])} & {'i32', 'bool'}
+            for i in named):
+        return 'BackpropThroughTimeTest.test_tree_with_an_integer_leaf_written_in_a_loop_body'
+    # A custom rule reading a State, applied inside a body under differentiation:
+    # a tracer leaks.
+    leak = re.search("No constant handler|not a valid JAX type|Unreachable|UnexpectedTracer"
+                     "|unhashable type: 'Literal'", text)
+    for n, frames in found if leak else ():
+        if n[0] != 'capply':
+            continue
+        forward, reverse = ({d[1] for d, b in frames if b & kinds} & modes for kinds, modes in (
+            (_BODIES, {'jvp', 'jacfwd'}), ({'scan', 'fori', 'jit', 'cond'}, _REVERSE)))
+        if n[1] == 'jvp' and forward:
+            return 'CustomRuleTest.test_custom_jvp_reading_a_state_in_a_body_under_jvp'
+        if reverse and any(m[0] in ('read', 'peek') for m, _ in _nodes(n[5], 0)):
+            return 'CustomRuleTest.test_custom_vjp_rule_reading_a_state_in_a_body'
+        if reverse and v >= (0, 11):
+            return 'CustomRuleTest.test_nested_custom_vjp_in_a_scan_body_writing_a_constant'
+    return None
 
 
 def _describe_program(seed):
@@ -5676,14 +6143,15 @@ class FuzzDifferentialTest(unittest.TestCase):
     MIN_PROGRAMS = 60
     # (the last four: present at all, one program in sixty at least)
     MIN_SHARES = {'nested_write': 0.25, 'batched': 0.10, 'mapping_in_sf': 0.05,
-                  'diff_state': 0.15, 'collective_nested': 1 / 60, 'custom_rule': 1 / 60,
+                  'diff_state': 0.15, 'diff_loop': 0.15, 'diff_nested': 0.05,
+                  'diff_custom_sf': 0.05, 'collective_nested': 1 / 60, 'custom_rule': 1 / 60,
                   'weak_change': 1 / 60, 'nested_dtype_change': 1 / 60}
 
     def test_differential_fuzz(self):
         self.assertGreaterEqual(self.N, self.MIN_PROGRAMS,
                                 f'SJ_FUZZ_PROGRAMS={self.N} is below the floor of '
                                 f'{self.MIN_PROGRAMS} programs')
-        failures = []
+        failures, known = [], {}
         counts = dict.fromkeys(self.MIN_SHARES, 0)
         gc.collect()     # States other tests read under plain JAX traces are gone
         t0 = time.perf_counter()
@@ -5695,12 +6163,17 @@ class FuzzDifferentialTest(unittest.TestCase):
                 # benchmarks/fuzz.py runs them for every program.
                 _check_program(seed, extras=seed % 6 == 0)
             except Exception as err:  # report every failing seed, not just the first
+                test = _known_failure(seed, err)
+                if test is not None:
+                    known.setdefault(test, []).append(seed)
+                    continue
                 # (not the exception: its frames would keep that program's States alive)
                 failures.append((seed, _failure_kind(err), traceback.format_exc()))
         dt = time.perf_counter() - t0
         shares = {k: v / self.N for k, v in counts.items()}
         print(f'\n[fuzz] {self.N} programs in {dt:.1f}s ({self.N / dt:.1f} programs/s), '
-              f'base seed {self.SEED}, {len(failures)} failure(s); shares: '
+              f'base seed {self.SEED}, {len(failures)} failure(s), known failures '
+              f'{known or "none"}; shares: '
               + ', '.join(f'{k} {v:.0%}' for k, v in shares.items()), file=sys.stderr)
         for key, floor in self.MIN_SHARES.items():
             self.assertGreaterEqual(shares[key], floor, f'only {shares[key]:.0%} of the '
@@ -5769,6 +6242,46 @@ class FuzzDifferentialTest(unittest.TestCase):
         for seed in (0, 1, 12345):
             self.assertEqual(_generate_program(seed), _generate_program(seed))
 
+    def test_reference_threads_states_as_the_explicit_program(self):
+        # The reference for a State written in a scan body under jax.grad, or in an
+        # inner jax.grad and read in the outer one, is the program with the State
+        # threaded by hand, values and derivatives; it reads the State once, before
+        # the differentiation, and the State ends with the primal value.
+        reads = []
+
+        class Counted(sj.State):
+            __slots__ = ()
+            value = property(lambda self: reads.append(1) or sj.State.value.fget(self),
+                             sj.State.value.fset)
+        read, p, q = ('read', 0, ()), ('loc', 0, 'p'), ('loc', 1, 'p')
+        write = ('wseq', 'f', 0, (), ('fadd', ('fmul', read, p), ('loc', 1, 'cf')), read)
+        bptt = ('fadd', ('scan', 'f', 3, 1, p, ('iconst', 0), write, ('iconst', 0)), read)
+        nested = ('fadd', ('diff', 'grad', 1, p, ('wseq', 'f', 0, (), ('fmul', q, p), q), True),
+                  read)
+
+        def bptt_explicit(x):
+            def step(carry, _):
+                h = jnp.tanh((carry[1] * jnp.tanh(x) + carry[0]) * 0.5)
+                return (jnp.tanh(h), h), jnp.tanh(h)
+            (cf, h), ys = lax.scan(step, (x, jnp.float32(0.3)), None, length=3)
+            return jnp.sin((cf + 0.1 * ys.mean(0) + h) * 0.5), h
+
+        def nested_explicit(x):
+            g, h = jax.grad(lambda z: (jnp.sin(z), jnp.tanh(z * jnp.tanh(x))), has_aux=True)(x)
+            return jnp.sin((g + h) * 0.5), h
+        for body, explicit in ((bptt, bptt_explicit), (nested, nested_explicit)):
+            with self.subTest(explicit=explicit.__name__):
+                h = Counted(jnp.float32(0.3), name='ref_h')
+                env = _Env({'W': (), 'states': [{'tree': ('leaf', 'f32', 'W')}]}, [h], [],
+                           [jnp.float32(0.7)], 1, [], explicit=True)
+                reads.clear()
+                with _reference_mode():
+                    got = _eval_expr(('diff', 'grad', 0, ('arg', 0), body, True), env)
+                self.assertEqual(len(reads), 1)
+                want, final = jax.grad(explicit, has_aux=True)(jnp.float32(0.7))
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+                np.testing.assert_allclose(h.value, final, rtol=1e-6)
+
 
 def fuzz_main(argv=None):
     """Long differential fuzzing run: ``--seed S --n N`` or ``--replay SEED``."""
@@ -5795,22 +6308,28 @@ def fuzz_main(argv=None):
             return 1
         print(f'ok seed {args.replay}', flush=True)
         return 0
-    failures, kinds = [], {}
+    failures, kinds, counts, known = [], {}, {}, {}
     t0 = last = time.perf_counter()
     done = 0
     for seed in range(args.seed, args.seed + args.n):
         try:
             _check_program(seed)
         except Exception as err:
-            failures.append(seed)
-            kind = _failure_kind(err)
-            print(f'FAIL seed {seed} (replay: --replay {seed}): {kind}', flush=True)
-            if args.verbose or kind not in kinds:
-                traceback.print_exc(file=sys.stdout)
-                sys.stdout.flush()
-            kinds.setdefault(kind, []).append(seed)
-            if args.stop:
-                break
+            kind, test = _failure_kind(err), _known_failure(seed, err)
+            if test is not None:
+                print(f'KNOWN seed {seed} (pinned by {test}): {kind}', flush=True)
+                known.setdefault(test, []).append(seed)
+            else:
+                failures.append(seed)
+                print(f'FAIL seed {seed} (replay: --replay {seed}): {kind}', flush=True)
+                if args.verbose or kind not in kinds:
+                    traceback.print_exc(file=sys.stdout)
+                    sys.stdout.flush()
+                kinds.setdefault(kind, []).append(seed)
+                if args.stop:
+                    break
+        for key, value in _program_features(_generate_program(seed)).items():
+            counts[key] = counts.get(key, 0) + value
         done += 1
         now = time.perf_counter()
         if now - last > 10 or done == args.n:
@@ -5821,8 +6340,13 @@ def fuzz_main(argv=None):
             jax.clear_caches()   # bound memory over long runs
     dt = time.perf_counter() - t0
     print(f'done: {done} programs in {dt:.1f}s ({done / dt:.1f} programs/s); '
-          f'{len(failures)} failure(s)', flush=True)
-    for kind, seeds in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+          f'{len(failures)} failure(s), {sum(map(len, known.values()))} known; '
+          'refused as documented: '
+          f"{len(_FUZZ_REFUSED['train'] - _FUZZ_REFUSED['whole'])} for what train() adds only, "
+          f"{len(_FUZZ_REFUSED['whole'])} with or without it; shares: "
+          + ', '.join(f'{k} {v / max(done, 1):.0%}' for k, v in counts.items()), flush=True)
+    for kind, seeds in [*sorted(kinds.items(), key=lambda kv: -len(kv[1])),
+                        *[(f'known, pinned by {t}', v) for t, v in known.items()]]:
         more = ' ...' if len(seeds) > 20 else ''
         print(f'  {len(seeds)} x {kind}\n      seeds {seeds[:20]}{more}', flush=True)
     return 1 if failures else 0

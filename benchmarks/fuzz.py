@@ -1,9 +1,12 @@
 """Long differential-fuzzing run for stateful_jaxpr.
 
 Random stateful programs are generated from consecutive seeds and run eagerly
-(the reference), through ``StatefulFunction``, ``jax.jit`` over ``jaxpr_call``,
-the constant-folded jaxpr and ``StatefulMapping``; every path must agree.
-Prints programs/s and the seed of any failure so it can be replayed:
+(the reference; a differentiated function carries the States it writes by
+hand), through ``StatefulFunction``, ``jax.jit`` over ``jaxpr_call``, the
+constant-folded jaxpr and ``StatefulMapping``; every path must agree, values
+and derivatives.  Prints programs/s, the share of programs exercising each
+feature and the seed of any failure so it can be replayed (a known failure of
+the module is printed with the regression test that pins it):
 
     python benchmarks/fuzz.py                    # 10,000 programs from seed 0
     python benchmarks/fuzz.py --seed 5000 --n 200
