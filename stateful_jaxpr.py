@@ -2716,9 +2716,11 @@ class _Entry:
 
 
 def _write_back(who, plan, new) -> None:
-    """Gives ``plan``'s written States the values a compiled call of ``who`` returned."""
+    """Gives ``plan``'s written States the values a compiled call of ``who`` returned; under a
+    plain JAX trace, notes that the trace holds the values the call read (``_BAKED_STATES``)."""
     pairs = zip(plan.write_states, new)
-    if new and _under_jax_trace():
+    if _under_jax_trace():
+        _BAKED_STATES.update(plan.states)
         # Under a plain JAX transformation a write happens once per trace, not per
         # lane or derivative, and may leak a tracer: refused unless the State is local.
         pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
@@ -2774,7 +2776,7 @@ def _warm_path(plan, dispatch):
             if writes and type(new[0]) is leaf_type and not _under_jax_trace():
                 for state, value in zip(writes, new):
                     state._value = value
-            elif writes:
+            elif writes or _under_jax_trace():
                 _write_back(who, plan, new)
         finally:
             for lock in locks:
@@ -2990,11 +2992,12 @@ class StatefulFunction:
 
     def _cached(self, key, read=_real_value, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
-        one keeping a custom rule serves no JAX transformation, lest its rule's lazily traced
-        jaxprs (closing over what the first one saw, States too) serve another."""
+        one keeping a custom rule serves no JAX transformation but our own dispatcher's jit
+        (``plan``), lest its rule's lazily traced jaxprs (closing over what the first one saw,
+        States too) serve another."""
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan) or (
-                entry.traced.rules and _under_jax_trace()):
+                entry.traced.rules and plan is None and _under_jax_trace()):
             return None
         fresh = all(_stale_sig(read(state), sig, True) is None
                     for state, sig in zip(entry.plan.states, entry.traced.state_sigs))

@@ -3204,6 +3204,17 @@ class RunCountTest(unittest.TestCase):
                 self.assertEqual(runs[0], first + 1)      # a later signature: once
         self.assertIn('the next run', sj._Retracer.__doc__)
 
+    def test_a_custom_rule_in_the_body_runs_once_on_a_first_call(self):
+        s, runs = State(jnp.float32(2.0), name='rc_rule'), [0]
+
+        def body(x):
+            runs[0] += 1
+            s.value = jax.nn.relu(s.value * x)    # relu is a custom_jvp function
+            return s.value
+        sf = StatefulFunction(body)
+        self.assertEqual(float(sf(1.5)), 3.0)
+        self.assertEqual((runs[0], float(sf(1.0))), (1, 3.0))
+
 
 class NestedDtypeAndResultTest(unittest.TestCase):
     """A write inside a nested transformation never changes a value silently,
@@ -6825,6 +6836,20 @@ class PlainTransformTest(unittest.TestCase):
         s.value = jnp.float32(5.0)
         self.assertEqual([float(plain(2.0)), float(sf(2.0)), float(passed(2.0, s.value))],
                          [2.0, 10.0, 10.0])
+
+    def test_a_stateful_trace_sees_past_what_a_plain_jit_baked(self):
+        # A StatefulFunction called inside a plain jax.jit bakes the value in that
+        # jit's cached trace; a later stateful trace calling the jit must not reuse it.
+        for warm in (False, True):
+            with self.subTest(warm=warm):
+                s = State(jnp.float32(1.0), name='pt_baked_call')
+                read = StatefulFunction(lambda: s.value)
+                if warm:
+                    read()
+                plain = jax.jit(lambda x: x + read())
+                self.assertEqual(float(plain(0.0)), 1.0)
+                s.value = jnp.float32(2.0)
+                self.assertEqual(float(StatefulFunction(lambda x: plain(x))(0.0)), 2.0)
 
     def test_read_only_calls_work_also_returning_every_state(self):
         w = State(jnp.arange(3.0), name='pt_w')
