@@ -30,8 +30,9 @@ fresh function objects and States each time, and a constant no other program
 uses folded into each program, so that nothing is reused from JAX's caches.
 The training rows (``training.py``: a LIF network's BPTT step and forward run,
 an MLP step) time the first ``make_jaxpr`` likewise; a side that refuses the
-workload (its ``TraceContextError``: BPTT before JAX 0.7, or an older module)
-or computes other numbers than plain JAX is shown as such and not timed.
+workload (its ``TraceContextError``: BPTT before JAX 0.7, or an older module),
+fails otherwise, or computes other numbers than plain JAX is shown as such and
+not timed.
 Ratios below 1 mean the after version is faster.
 """
 
@@ -274,7 +275,8 @@ def first_call_row(mods, n, reps):
 def training_row(mods, kind, reps):
     """First ``make_jaxpr`` of a fresh training workload (``kind``: 'lif_bptt',
     'lif_forward' or 'mlp'), each side checked first; returns the timings and
-    ``{side: 'refused' | 'differs'}`` for the sides left out."""
+    ``{side: 'refused' | 'error' | 'differs'}`` for the sides left out (the
+    error's first line goes to stderr)."""
     if kind == 'mlp':
         x, y, params = tr.mlp_data()
         args, make_states = (x, y), lambda mod: tr.mlp_states(mod, params)
@@ -293,15 +295,21 @@ def training_row(mods, kind, reps):
         start = values()
         try:
             got = mod.StatefulFunction(step(states, c))(*args), values()
-        except mod.TraceContextError:
-            left_out[side] = 'refused'
+        except Exception as err:  # noqa: BLE001 - an older module may fail in other ways
+            left_out[side] = 'refused' if isinstance(err, mod.TraceContextError) else 'error'
+            print(f'{kind}, {side}: {type(err).__name__}: {str(err).splitlines()[0][:200]}',
+                  file=sys.stderr)
             continue
         new, out = jax.jit(pure(c))(start, *args)
+        got, want = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (got, (out, new)))
         try:
-            for a, b in zip(*map(jax.tree_util.tree_leaves, (got, (out, new))), strict=True):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        except (AssertionError, ValueError):
+            for (path, a), (_, b) in zip(got, want, strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                           err_msg=f'(result, states){jax.tree_util.keystr(path)}')
+        except (AssertionError, ValueError) as err:
             left_out[side] = 'differs'
+            print(f'{kind}, {side} vs plain JAX: {" ".join(str(err).split())[:300]}',
+                  file=sys.stderr)
             continue
         makers[side] = lambda mod=mod, states=states: (
             lambda sf: lambda: sf.make_jaxpr(*args) and None)(
