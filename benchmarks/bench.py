@@ -88,6 +88,21 @@ Workloads and targets (ratio ours / plain JAX, unless a unit is given):
   branch of a ``lax.cond`` (the other branch only reads them) and inside an
   inner ``jax.jit``, each applied to the sum of xs; baselines pass the states
   as an explicit cond operand / inner-jit argument.
+* training -- two realistic workloads (``training.py``), trace only: the
+  first ``make_jaxpr`` of a fresh StatefulFunction over a fresh function
+  (nothing cached) vs ``jax.make_jaxpr`` of the same program with the states
+  threaded by hand, <= 2.5; N is the number of States.  A LIF network (400
+  inputs -> 100 neurons, a 1,000-step ``lax.scan``, weights a ParamState read
+  in the body, membrane a HiddenState written there, a ``custom_vjp``
+  surrogate spike): one BPTT training step (``jax.value_and_grad`` through the
+  whole loop, SGD) and the forward run alone; and one step of a 2-layer MLP
+  (BatchNorm statistics in BatchStates, dropout from a RandomState, adam's m,
+  v, count in States).  The "body runs" column counts how often the function
+  given to the StatefulFunction ran per first trace (median over the
+  repetitions; in brackets the scan body / the loss), plain JAX's program
+  beside it; target <= 2 (each writes States inside a nested transformation).
+  A workload the module refuses (``TraceContextError``: BPTT before JAX 0.7)
+  shows "refused" and plain JAX's time alone.
 * memory -- the dispatch program, 100,000 cached calls at N=100: growth of
   VmRSS (/proc/self/status), measured with tracemalloc off, < 5 MB (the quick
   run makes 25,000 calls and extrapolates); then a shorter run under
@@ -124,6 +139,7 @@ import jax.numpy as jnp         # noqa: E402
 import numpy as np              # noqa: E402
 
 import stateful_jaxpr as sj     # noqa: E402
+import training as tr           # noqa: E402  (benchmarks/training.py)
 
 F32 = jnp.float32
 _pc = time.perf_counter_ns
@@ -600,11 +616,12 @@ class Bench:
         self.max_calls = 20000 if quick else 100000
         self.loop_k = 100    # calls per tight-loop block
 
-    def row(self, workload, n, ours, base, extra=None, samples=''):
-        """One table row; ``samples`` says what the medians are over."""
+    def row(self, workload, n, ours, base, extra=None, samples='', runs=''):
+        """One table row; ``samples`` says what the medians are over, ``runs``
+        how often the body ran per trace; ``ours`` None: refused."""
         self.rows.append(dict(workload=workload, n=n, ours_us=ours, jax_us=base,
-                              ratio=ours / base if base else float('nan'),
-                              extra=extra or {}, samples=samples))
+                              ratio=ours / base if ours and base else float('nan'),
+                              extra=extra or {}, samples=samples, runs=runs))
 
     def target(self, name, value, limit, unit='×'):
         self.targets.append(dict(name=name, value=value, limit=limit, unit=unit,
@@ -880,6 +897,64 @@ class Bench:
         self._nested('cond', 'cond write', calls=False)
         self._nested('jit', 'inner-jit write', calls=False)
 
+    # -- training workloads ---------------------------------------------------------
+    def _training(self, label, inner, states, ours, pure, args, reps, allot):
+        """One training row (see ``training.py``): ``ours(constant, runs)`` and
+        ``pure(constant, runs)`` build the stateful function and the explicit
+        program, fresh for every repetition; checked first, then the first
+        ``make_jaxpr`` of each, interleaved.  ``inner`` names what
+        ``runs['body']`` counts.  Refused (TraceContextError): a row saying
+        so, with plain JAX's time alone."""
+        n = len(jax.tree_util.tree_leaves(states, is_leaf=_is_state))
+        c = fresh_decay()
+        try:
+            vals = check_same(label, states, sj.StatefulFunction(ours(c, None)),
+                              jax.jit(pure(c, None)), *args)
+        except sj.TraceContextError as err:
+            vals = values_of(states)
+            t, _ = alternating_once([('jax', lambda: jax.make_jaxpr(
+                pure(fresh_decay(), None))(vals, *args) and None)], reps, allot)
+            self.row(f'{label}: first make_jaxpr', n, None, _medians(t)['jax'],
+                     samples=f'{len(t["jax"])} reps (JAX)')
+            self.notes.append(f'{label}: refused on jax {jax.__version__} (not timed): '
+                              f'{type(err).__name__}: {str(err).splitlines()[0][:160]}')
+            return
+        runs = {'ours': [], 'jax': []}
+
+        def first(side, build, *call_args):
+            def fn():
+                counter = tr.new_runs()
+                runs[side].append(counter)
+                build(fresh_decay(), counter)(*call_args)
+            return fn
+        t, _ = alternating_once(
+            [('ours', first('ours', lambda c, r: sj.StatefulFunction(ours(c, r)).make_jaxpr,
+                            *args)),
+             ('jax', first('jax', lambda c, r: jax.make_jaxpr(pure(c, r)), vals, *args))],
+            reps, allot)
+        med = {side: {k: statistics.median(c[k] for c in counts) for k in ('step', 'body')}
+               for side, counts in runs.items()}
+        self.once_row(f'{label}: first make_jaxpr', n, t, 2.5)
+        self.rows[-1]['runs'] = (f'{med["ours"]["step"]:g} / {med["jax"]["step"]:g} ({inner} '
+                                 f'{med["ours"]["body"]:g} / {med["jax"]["body"]:g})')
+        self.target(f'{label}: body runs per first trace', med['ours']['step'], 2, unit='runs')
+
+    def training(self):
+        """The LIF network (a BPTT step and the forward run) and the MLP step."""
+        reps, allot = (5, 4.0) if self.quick else (15, 15.0)
+        xs, w = tr.lif_data()
+        for grad, what in ((True, 'BPTT step'), (False, 'forward')):
+            st = tr.lif_states(sj, w)
+            self._training(
+                f'LIF 400->100, 1000-step scan, {what}', 'scan body', st,
+                lambda c, runs, st=st, grad=grad: tr.lif_step(st, grad, c, runs),
+                lambda c, runs, grad=grad: tr.lif_pure(grad, c, runs), (xs,), reps, allot)
+        x, y, params = tr.mlp_data()
+        st = tr.mlp_states(sj, params)
+        self._training('MLP step (BatchNorm, dropout, adam)', 'loss', st,
+                       lambda c, runs: tr.mlp_step(st, c, runs),
+                       lambda c, runs: tr.mlp_pure(c, runs), (x, y), reps, allot)
+
     # -- memory -------------------------------------------------------------------
     def memory(self):
         n, calls = 100, (25_000 if self.quick else 100_000)
@@ -958,17 +1033,24 @@ class Bench:
         for k in extras:
             head += f' {k} (µs) |'
             sep += '---:|'
+        with_runs = any(r.get('runs') for r in self.rows)
+        if with_runs:
+            head += ' body runs (ours / JAX) |'
+            sep += '---|'
         head += ' medians over |'
         sep += '---|'
         if self.rows:
             p(head)
             p(sep)
         for r in self.rows:
-            line = (f'| {r["workload"]} | {r["n"]} | {r["ours_us"]:,.1f} | '
-                    f'{r["jax_us"]:,.1f} | {r["ratio"]:.2f} |')
+            ours = 'refused' if r['ours_us'] is None else f'{r["ours_us"]:,.1f}'
+            ratio = '' if r['ours_us'] is None else f'{r["ratio"]:.2f}'
+            line = f'| {r["workload"]} | {r["n"]} | {ours} | {r["jax_us"]:,.1f} | {ratio} |'
             for k in extras:
                 v = r['extra'].get(k)
                 line += f' {v:,.1f} |' if v is not None else ' |'
+            if with_runs:
+                line += f' {r.get("runs", "")} |'
             p(line + f' {r.get("samples", "")} |')
         if hasattr(self, 'mem'):
             p('')
@@ -991,6 +1073,8 @@ class Bench:
         for t in self.targets:
             if t['unit'] == 'MB':
                 val, lim = f'{t["value"]:+.2f} MB', f'< {t["limit"]:g} MB'
+            elif t['unit'] == 'runs':
+                val, lim = f'{t["value"]:g} runs', f'≤ {t["limit"]:g} runs'
             else:
                 val, lim = f'{t["value"]:.2f}×', f'≤ {t["limit"]:g}×'
             if t['met']:
@@ -1018,7 +1102,7 @@ class Bench:
 
 
 SECTIONS = ('dispatch', 'explain', 'trace', 'vmap', 'big_arg', 'scan_write', 'nested_write',
-            'memory')
+            'training', 'memory')
 
 
 def main(argv=None):

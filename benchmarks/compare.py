@@ -28,6 +28,11 @@ median over blocks.  "blocked" rows block on every call; "loop" rows dispatch
 function) take 7 repetitions (3 with ``--quick``) with the order rotated,
 fresh function objects and States each time, and a constant no other program
 uses folded into each program, so that nothing is reused from JAX's caches.
+The training rows (``training.py``: a LIF network's BPTT step and forward run,
+an MLP step) time the first ``make_jaxpr`` likewise; a side that refuses the
+workload (its ``TraceContextError``: BPTT before JAX 0.7, or an older module),
+fails otherwise, or computes other numbers than plain JAX is shown as such and
+not timed.
 Ratios below 1 mean the after version is faster.
 """
 
@@ -46,6 +51,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import training as tr   # benchmarks/training.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = jnp.float32
@@ -265,6 +272,53 @@ def first_call_row(mods, n, reps):
     return rotating_once(makers, reps)
 
 
+def training_row(mods, kind, reps):
+    """First ``make_jaxpr`` of a fresh training workload (``kind``: 'lif_bptt',
+    'lif_forward' or 'mlp'), each side checked first; returns the timings and
+    ``{side: 'refused' | 'error' | 'differs'}`` for the sides left out (the
+    error's first line goes to stderr)."""
+    if kind == 'mlp':
+        x, y, params = tr.mlp_data()
+        args, make_states = (x, y), lambda mod: tr.mlp_states(mod, params)
+        step, pure = tr.mlp_step, tr.mlp_pure
+    else:
+        xs, w = tr.lif_data()
+        grad = kind == 'lif_bptt'
+        args, make_states = (xs,), lambda mod: tr.lif_states(mod, w)
+        step = lambda st, c: tr.lif_step(st, grad, c)  # noqa: E731
+        pure = lambda c: tr.lif_pure(grad, c)          # noqa: E731
+    c, makers, left_out = fresh_decay(), {}, {}
+    for side, mod in mods.items():
+        states = make_states(mod)
+        values = lambda: jax.tree_util.tree_map(  # noqa: E731
+            lambda s: s.value, states, is_leaf=lambda s: isinstance(s, mod.State))
+        start = values()
+        try:
+            got = mod.StatefulFunction(step(states, c))(*args), values()
+        except Exception as err:  # noqa: BLE001 - an older module may fail in other ways
+            left_out[side] = 'refused' if isinstance(err, mod.TraceContextError) else 'error'
+            print(f'{kind}, {side}: {type(err).__name__}: {str(err).splitlines()[0][:200]}',
+                  file=sys.stderr)
+            continue
+        new, out = jax.jit(pure(c))(start, *args)
+        got, want = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (got, (out, new)))
+        try:
+            for (path, a), (_, b) in zip(got, want, strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                           err_msg=f'(result, states){jax.tree_util.keystr(path)}')
+        except (AssertionError, ValueError) as err:
+            left_out[side] = 'differs'
+            print(f'{kind}, {side} vs plain JAX: {" ".join(str(err).split())[:300]}',
+                  file=sys.stderr)
+            continue
+        makers[side] = lambda mod=mod, states=states: (
+            lambda sf: lambda: sf.make_jaxpr(*args) and None)(
+                mod.StatefulFunction(step(states, fresh_decay())))
+    makers['jax'] = lambda: (lambda mk: lambda: mk(start, *args) and None)(
+        jax.make_jaxpr(pure(fresh_decay())))
+    return rotating_once(makers, reps), left_out
+
+
 # -- output -------------------------------------------------------------------
 
 def fmt_time(ns):
@@ -272,11 +326,16 @@ def fmt_time(ns):
     return f'{us:9.1f} µs' if us < 1000 else f'{us / 1e3:9.2f} ms'
 
 
-def print_row(label, t, ratios):
-    r_ab, r_aj = t['after'] / t['before'], t['after'] / t['jax']
-    ratios.append(r_ab)
-    print(f'{label:<34}' + ''.join(f'{fmt_time(t[s]):>14}' for s in SIDES)
-          + f'{r_ab:>14.3f}{r_aj:>11.3f}', flush=True)
+def print_row(label, t, ratios, left_out=None):
+    """One row; a side in ``left_out`` shows why it was not timed."""
+    left_out = left_out or {}
+    cells = ''.join(f'{left_out[s] if s in left_out else fmt_time(t[s]):>14}' for s in SIDES)
+    r_ab = t['after'] / t['before'] if 'after' in t and 'before' in t else None
+    r_aj = t['after'] / t['jax'] if 'after' in t else None
+    if r_ab is not None:
+        ratios.append(r_ab)
+    print(f'{label:<34}{cells}' + (f'{r_ab:>14.3f}' if r_ab is not None else ' ' * 14)
+          + (f'{r_aj:>11.3f}' if r_aj is not None else ''), flush=True)
 
 
 def main(argv=None):
@@ -307,6 +366,10 @@ def main(argv=None):
         print_row(f'scan first make_jaxpr N={n}', trace_row(mods, n, reps), ratios)
     for n in (10, 100):
         print_row(f'first call          N={n}', first_call_row(mods, n, reps), ratios)
+    for kind, label in (('lif_bptt', 'LIF BPTT step make_jaxpr'),
+                        ('lif_forward', 'LIF forward make_jaxpr'), ('mlp', 'MLP step make_jaxpr')):
+        t, left_out = training_row(mods, kind, reps)
+        print_row(label, t, ratios, left_out)
     print(f'\nmedian after/before over {len(ratios)} rows: {statistics.median(ratios):.3f}')
 
 
