@@ -2210,6 +2210,9 @@ def _traced_write(state, value, frames, written: bool):
             entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = entry
             target._pending.add(state)
+            path, whole = _trace_path(target._jax_trace)
+            if not whole or not all(isinstance(t, _DIFF_TRACES) for t in path):
+                target._retracer.in_body = True
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
             target._renew_epoch()
@@ -2500,21 +2503,24 @@ class _Retracer:
     (UnexpectedTracerError, or tracer constants)               axis (so is every later trace)
     wrote a State inside a nested transformation that it       lifts it as Refs from its first
     had not lifted as Refs                                     touch (so does every later trace;
-                                                               also after an error, which is raised)
+                                                               also after an error, which the next
+                                                               run raises if it recurs), isolated if
+                                                               written in a body JAX may have cached
+                                                               with the old Refs
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
     So a first trace runs the body once, twice when it writes States inside nested
-    transformations, three times only when a body JAX cached from an earlier run is in the way (a
-    body that run 1 left with its Refs in JAX's cache fails as stale in run 2); a later signature
-    runs it once unless it writes a State no earlier trace did.  A run is also isolated while a
-    State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
+    transformations, three times only when a body JAX cached from an earlier trace (of another
+    function sharing it) is in the way; a later signature runs it once unless it writes a State
+    no earlier trace did.  A run is also isolated while a State read by a plain JAX trace is alive
+    (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
-    __slots__ = ('ref_states', 'isolate')
+    __slots__ = ('ref_states', 'isolate', 'in_body')
 
     def __init__(self):
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
-        self.isolate = False
+        self.isolate = self.in_body = False   # in_body: this run wrote one inside a body
 
     def next_run(self, pending: set, isolated: bool, err=None, consts=()):
         """After a run: learns from it; None if it is final, else whether the next is isolated."""
@@ -2523,8 +2529,9 @@ class _Retracer:
                 isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
             self.isolate = True
             return True
-        if pending and err is None:
-            return self.isolate
+        in_body, self.in_body = self.in_body, False
+        if pending:   # (after an error too: the Refs improvised in this run may have caused it)
+            return self.isolate or in_body
         return None
 
 
@@ -2537,7 +2544,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     (StatefulMapping's per-lane shapes)."""
     retracer = _Retracer() if retracer is None else retracer
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
-    isolated = retracer.isolate
+    isolated, first = retracer.isolate, None
     while True:
         pending, frames, isolated = set(), [], isolated or len(_BAKED_STATES) > 0
 
@@ -2551,16 +2558,22 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         _ctx.ntraces += 1
         with _axis_env(axis_env), _gc_paused():
             try:
+                failed = None
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
             except _Redo:
                 retracer.ref_states.update(pending)
                 continue
             except Exception as err:
+                # A run that improvised Refs is redone; should a later one fail too, the first
+                # error is told (the one that run met first).
+                failed = first or (err, frames[-1].cells if frames else ())
+                first = first or (pending and failed)
                 isolated = retracer.next_run(pending, isolated, err)
                 if isolated is not None:
                     continue
-                _explain_ref_refusal(err, frames[-1].cells if frames else ())
-                raise
+            if failed:
+                _explain_ref_refusal(*failed)
+                raise failed[0]
             isolated = retracer.next_run(pending, isolated, consts=consts)
             if isolated is not None:
                 continue

@@ -2835,7 +2835,6 @@ class BackpropThroughTimeTest(unittest.TestCase):
                           for w in (0.5, -0.3)])
         np.testing.assert_allclose(got, want, rtol=2e-5)
 
-    @_known_failure_on(_JAX_VERSION >= (0, 7))
     def test_a_read_in_a_cond_inside_the_loop_body(self):
         # (As for a cond directly in the differentiated function: the branch reads
         # the value the body holds, not the State's Ref, which JAX cannot take
@@ -6109,13 +6108,6 @@ def _known_failure(seed, err):
             n[0] in ('custom', 'capply') and n[1] == 'jvp' and m[0] == 'read' and m[1] in named
             for n, _ in found for m, _ in _nodes(list(n[4:]), 0)):
         return 'CustomRuleTest.test_custom_jvp_reading_a_state_written_in_a_scan'
-    # A State written in a loop or jit body under reverse mode and read in a
-    # lax.cond there: JAX cannot take its Ref into the cond.
-    if v >= (0, 7) and 'cond partial-eval' in text and any(
-            n[0] == 'cond' and m[:2] == ('read', i) and any(
-                d[1] in _REVERSE and b & {'scan', 'fori', 'jit'} for d, b in frames)
-            for n, frames in found for m, _ in _nodes(list(n[1:]), 0) for i in named):
-        return 'BackpropThroughTimeTest.test_a_read_in_a_cond_inside_the_loop_body'
     # A tree State with an integer leaf, written in a body under reverse mode.
     if (0, 8) <= v < (0, 11) and 'under nested reverse-mode' in text and named and all(
             {dt for _, dt, _ in _leaf_specs(prog['states'][i]['tree'])} & {'i32', 'bool'}
