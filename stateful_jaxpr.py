@@ -2503,8 +2503,8 @@ class _Retracer:
     (UnexpectedTracerError, or tracer constants)               axis (so is every later trace)
     wrote a State inside a nested transformation that it       lifts it as Refs from its first
     had not lifted as Refs                                     touch (so does every later trace;
-                                                               also after an error, which the next
-                                                               run raises if it recurs), isolated if
+                                                               also after JAX refusing a write,
+                                                               told if it recurs), isolated if
                                                                written in a body JAX may have cached
                                                                with the old Refs
     raised anything else, or none of these happened           none: the error, or the result
@@ -2530,7 +2530,7 @@ class _Retracer:
             self.isolate = True
             return True
         in_body, self.in_body = self.in_body, False
-        if pending:   # (after an error too: the Refs improvised in this run may have caused it)
+        if pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
             return self.isolate or in_body
         return None
 
