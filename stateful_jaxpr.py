@@ -152,6 +152,13 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
+def _nested_consts(jaxpr) -> list:
+    """The constants of the closed jaxprs nested, at any depth, in ``jaxpr``'s equations."""
+    return [c for e in _all_eqns(jaxpr) for v in e.params.values()
+            for i in (v if isinstance(v, (tuple, list)) else (v,))
+            if isinstance(i, (ClosedJaxpr, Jaxpr)) for c in getattr(i, 'consts', ())]
+
+
 def _map_eqns(jaxpr, fun):
     """``jaxpr`` (open or closed) with each equation ``e`` replaced by ``fun(e)``, and where
     ``fun`` keeps it, by ``e`` with ``fun`` mapped over its nested jaxprs."""
@@ -2134,6 +2141,17 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
+        # A custom rule JAX traced apart from the program (a body's transpose) that read a
+        # State: JAX left that State's tracer in a nested jaxpr, which no call could run.
+        leaked = {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
+                  if isinstance(c, Tracer)}
+        if leaked:
+            raise TraceContextError(
+                f'{", ".join(sorted(s._describe() for s in leaked if s)) or "A State"} is read by '
+                'a custom_vjp / custom_jvp rule applied inside a loop, cond or jit body under a '
+                'differentiation, which JAX traces apart from the program, leaving the value '
+                'behind.  Read the State outside the custom function and pass its value in as '
+                'an argument (for a custom_vjp backward rule: a residual of its forward rule)')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
@@ -2152,6 +2170,9 @@ class _TraceFrame(StateTraceStack):
             self._epoch.close()
 
     def _close(self):
+        # Which State each input tracer stands for (see traced), by id: no tracer is kept.
+        self._inputs = {id(x): s for s in self.states for x in _leaves(self._values.get(id(s)))
+                        if isinstance(x, Tracer)}
         super()._close()
         self._originals = [None] * len(self.states)   # a finished trace's tracers
 

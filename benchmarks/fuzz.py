@@ -5,8 +5,8 @@ Random stateful programs are generated from consecutive seeds and run eagerly
 hand), through ``StatefulFunction``, ``jax.jit`` over ``jaxpr_call``, the
 constant-folded jaxpr and ``StatefulMapping``; every path must agree, values
 and derivatives.  Prints programs/s, the share of programs exercising each
-feature and the seed of any failure so it can be replayed (a known failure of
-the module is printed with the regression test that pins it):
+feature and the seed of any failure so it can be replayed (a refusal the
+generator's model does not predict is printed with the test that shows it):
 
     python benchmarks/fuzz.py                    # 10,000 programs from seed 0
     python benchmarks/fuzz.py --seed 5000 --n 200
