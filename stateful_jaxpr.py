@@ -2141,8 +2141,8 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
-        # A custom rule JAX traced apart from the program (a body's transpose) that read a
-        # State: JAX left that State's tracer in a nested jaxpr, which no call could run.
+        """The trace's result; refused where a custom rule JAX traced apart from the program (a
+        body's transpose) read a State, leaving its tracer in a nested jaxpr no call can run."""
         leaked = {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
                   if isinstance(c, Tracer)}
         if leaked:
