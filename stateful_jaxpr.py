@@ -366,7 +366,8 @@ def _write_hazard(eqn):
 # (reverse mode through a while loop), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
 # (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
-                        r'|does not have corresponding input|JaxprInputEffect.* is invalid',
+                        r'|does not have corresponding (jaxpr )?input'
+                        r'|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched',
              'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{',
              'while': r'Reverse-mode differentiation does not work for lax.while_loop',
@@ -754,6 +755,13 @@ def _store(state, value) -> None:
 _BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
 
 
+def _baked(state):
+    """``state``'s own value, noting a plain JAX trace reading it (a jaxpr JAX may cache)."""
+    if _under_jax_trace():
+        _BAKED_STATES.add(state)
+    return state._value
+
+
 class State:
     """A mutable container for a pytree of arrays.
 
@@ -792,9 +800,7 @@ class State:
             return _traced_read(self, frames)
         if self._broken is not None:
             self._raise_broken()
-        if _under_jax_trace():
-            _BAKED_STATES.add(self)   # read by a plain JAX trace: a jaxpr JAX may cache holds it
-        return self._value
+        return _baked(self)
 
     @value.setter
     def value(self, v):
@@ -2085,6 +2091,7 @@ class _TraceFrame(StateTraceStack):
         self._jax_trace = _current_trace()      # a nested transformation's differs
         self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
+        self._inputs: dict = {}                 # id(input tracer) -> its State
         self.cells: list = []                   # the _RefCells, for the discharge
         self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
@@ -2108,7 +2115,9 @@ class _TraceFrame(StateTraceStack):
             avals = [self._lift_aval(state, a) for a in avals]
         if state in self._retracer.ref_states:
             return self.cell(state, treedef, avals)
-        return jax.tree_util.tree_unflatten(treedef, [_new_arg(self._builder, a) for a in avals])
+        leaves = [_new_arg(self._builder, a) for a in avals]
+        self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see traced)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
         cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
@@ -2147,11 +2156,11 @@ class _TraceFrame(StateTraceStack):
                   if isinstance(c, Tracer)}
         if leaked:
             raise TraceContextError(
-                f'{", ".join(sorted(s._describe() for s in leaked if s)) or "A State"} is read by '
-                'a custom_vjp / custom_jvp rule applied inside a loop, cond or jit body under a '
-                'differentiation, which JAX traces apart from the program, leaving the value '
-                'behind.  Read the State outside the custom function and pass its value in as '
-                'an argument (for a custom_vjp backward rule: a residual of its forward rule)')
+                f'{", ".join(sorted(s._describe() for s in leaked if s)) or "a traced value"} is '
+                'read by a custom_vjp / custom_jvp rule applied inside a loop, cond or jit body '
+                'under a differentiation, which JAX traces apart from the program, leaving the '
+                'value behind.  Read it outside the custom function and pass it in as an '
+                'argument (for a custom_vjp backward rule: a residual of its forward rule)')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
@@ -2170,9 +2179,6 @@ class _TraceFrame(StateTraceStack):
             self._epoch.close()
 
     def _close(self):
-        # Which State each input tracer stands for (see traced), by id: no tracer is kept.
-        self._inputs = {id(x): s for s in self.states for x in _leaves(self._values.get(id(s)))
-                        if isinstance(x, Tracer)}
         super()._close()
         self._originals = [None] * len(self.states)   # a finished trace's tracers
 
@@ -2232,7 +2238,7 @@ def _traced_write(state, value, frames, written: bool):
             target._values[id(state)] = entry
             target._pending.add(state)
             path, whole = _trace_path(target._jax_trace)
-            if not whole or not all(isinstance(t, _DIFF_TRACES) for t in path):
+            if not whole or any(type(t) is _JaxprTrace for t in path):
                 target._retracer.in_body = True
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
@@ -2550,7 +2556,7 @@ class _Retracer:
                 isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
             self.isolate = True
             return True
-        in_body, self.in_body = self.in_body, False
+        in_body = self.in_body
         if pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
             return self.isolate or in_body
         return None
@@ -2568,6 +2574,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     isolated, first = retracer.isolate, None
     while True:
         pending, frames, isolated = set(), [], isolated or len(_BAKED_STATES) > 0
+        retracer.in_body = False
 
         def flat_fun(*flat):
             frame = _TraceFrame(name, retracer, lift_aval, pending, isolated)
@@ -2585,10 +2592,11 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 retracer.ref_states.update(pending)
                 continue
             except Exception as err:
-                # A run that improvised Refs is redone; should a later one fail too, the first
-                # error is told (the one that run met first).
-                failed = first or (err, frames[-1].cells if frames else ())
-                first = first or (pending and failed)
+                # JAX refusing the Refs a run improvised: the run is redone, and should the
+                # next be refused too, the first refusal is told (where the write happened).
+                failed = first if first and _refusal(err) else (
+                    err, frames[-1].cells if frames else ())
+                first = first or (pending and _refusal(err) and failed)
                 isolated = retracer.next_run(pending, isolated, err)
                 if isolated is not None:
                     continue
@@ -2888,7 +2896,7 @@ class _EagerCall(StateTraceStack):
 
 
 # The warm path: the last slow call's plan and dispatcher, for as long as they apply.
-_Fast = collections.namedtuple('_Fast', 'plan warm dispatch nargs epoch')
+_Fast = collections.namedtuple('_Fast', 'plan warm dispatch nargs epoch rules')
 
 
 def _call(sf, *args, **kwargs):
@@ -2901,7 +2909,8 @@ def _call(sf, *args, **kwargs):
             return sf._call_eagerly(args, kwargs)
         return sf._call_slow(args, kwargs) if overlay is None else sf._call_in_trace(args, kwargs)
     fast = sf._fast
-    if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch:
+    if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
+            fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
     try:
         out = fast.warm(sf, args, kwargs)
@@ -3048,7 +3057,9 @@ class StatefulFunction:
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
                     _note_miss(self, key, stale, entry)
-                    if entry.traced.cacheable:
+                    # (one keeping a rule made under a JAX trace would bring its rule's jaxprs
+                    # to our dispatcher: see _cached)
+                    if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
                         self._cache._store(key, entry)
         if count:
             self._cache._record(hit is not None)
@@ -3183,7 +3194,8 @@ class StatefulFunction:
             key = (at[1], len(args), bool(plan.donated))
             if key not in plan.warm_paths:
                 plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key))
-            self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0])
+            self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0],
+                               entry.traced.rules)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -3398,7 +3410,7 @@ class StatefulFunction:
         # A custom rule JAX traces now reads the States as given, not as they are.
         rules = entry.traced.rules and _under_jax_trace()
         with StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
-                             else s._value) if rules else contextlib.nullcontext():
+                             else _baked(s)) if rules else contextlib.nullcontext():
             out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                                  -entry.plan.token)
         returned = set(view.returned)
