@@ -361,14 +361,16 @@ def _write_hazard(eqn):
 
 # How JAX refuses a Ref program, by its error texts (all releases unless marked): 'effects' (vmap
 # of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under differentiation, 0.4.38,
-# also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..),
+# also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..;
+# under jax.jacfwd, in a jit body on 0.7, anywhere on 0.8 .. as a vmap or swap shape error),
 # 'tangent' (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while'
 # (reverse mode through a while loop), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
 # (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
 _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding (jaxpr )?input'
                         r'|JaxprInputEffect.* is invalid',
-             'batched': r'vmapped value on an unbatched',
+             'batched': r'vmapped value on an unbatched|got axis spec None but output was '
+                        r'batched|Invalid shape for `swap`',
              'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{',
              'while': r'Reverse-mode differentiation does not work for lax.while_loop',
              'jacrev': r"Batching rule for 'freeze' not implemented",

@@ -5920,8 +5920,8 @@ def _refused_differentiations(prog, eager=False) -> set:
     differentiation (before 0.6 anywhere); in a lax.cond branch, or a while
     loop, under reverse-mode differentiation; in a body under jax.jacrev on
     JAX 0.7 or under nested reverse-mode differentiation on 0.8 .. 0.10;
-    under jax.jacfwd from JAX 0.8 (JAX batches the whole body); and anywhere
-    under jax.disable_jit() (``eager``: no stateful trace threads the write)."""
+    under jax.jacfwd in a body, or anywhere from JAX 0.8 (JAX batches it);
+    and anywhere under jax.disable_jit() (``eager``: no stateful trace threads the write)."""
     v, names = _JAX_VERSION, set()
     for node, frames in _under_diffs(prog['body'], None):
         if node[0] != 'wseq' or not frames:
@@ -5929,7 +5929,7 @@ def _refused_differentiations(prog, eager=False) -> set:
         body = frames[-1][1] & _BODIES   # (between the innermost differentiation and it)
         modes = [d[1] for d, _ in frames]
         if (eager or v < (0, 6) or v < (0, 7) and (body or len(frames) > 1)
-                or 'jacfwd' in modes and v >= (0, 8)
+                or 'jacfwd' in modes and (v >= (0, 8) or body)
                 or any(d[1] in _REVERSE and b & {'cond', 'while'} for d, b in frames)
                 or v < (0, 8) and any(d[1] == 'jacrev' and b & _BODIES for d, b in frames)
                 or body and (0, 8) <= v < (0, 11) and modes[-1] in _REVERSE
