@@ -2354,9 +2354,13 @@ class _RefCell:
                     not _new_ref or opaque and _body_of(opaque[-1]) == 'cond'):
                 del levels[:]   # no tangent yet: the primal, in ``refs``, serves there
                 return None, None
-            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates
+            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates;
+                # a leaf without derivatives keeps its primal Ref (JAX 0.8 .. 0.10 cannot
+                # transpose a loop writing an integer Ref made inside the differentiation).
                 with _at_trace(level[0]):
-                    level[1:] = [_new_ref(x) for x in _leaves(self._get(level))], level[2], True
+                    level[1:] = [_new_ref(x) if jnp.issubdtype(a.dtype, jnp.inexact) else r
+                                 for x, a, r in zip(_leaves(self._get(level)), self.avals,
+                                                    self.refs)], level[2], True
         return level, opaque[-1] if opaque else None
 
     def _get(self, level, at=None):

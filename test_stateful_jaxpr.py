@@ -2870,7 +2870,7 @@ class BackpropThroughTimeTest(unittest.TestCase):
         try:
             got = StatefulFunction(jax.grad(loss))(2.0)
         except TraceContextError as err:
-            self.assertTrue(_JAX_VERSION < (0, 7) or (0, 8) <= _JAX_VERSION < (0, 11), err)
+            self.assertLess(_JAX_VERSION, (0, 7), err)
             self.assertIn('bptt_int_leaf', str(err))
             return
         np.testing.assert_allclose(got, 1.2, rtol=1e-6)       # d(0.3 p^2)/dp at 2
@@ -6117,17 +6117,13 @@ def _unmodelled_refusal(seed, err):
     prog, text, v = _generate_program(seed), f'{type(err).__name__}: {err}', _JAX_VERSION
     named = {int(i) for i in re.findall(r"'s(\d+)'", text)}
     found = list(_under_diffs([prog['body'], prog['outs']], None))
-    # A custom_jvp function reading a State that a nested transformation writes:
-    # JAX has no discharge rule for the call.
-    if 'primitive: custom_jvp_call' in text and any(
-            n[0] in ('custom', 'capply') and n[1] == 'jvp' and m[0] == 'read' and m[1] in named
+    # A custom function reading a State that a nested transformation writes: JAX
+    # has no discharge rule for a custom_jvp call, and on 0.7 loses the Ref's read.
+    jvp_only = 'primitive: custom_jvp_call' in text
+    if (jvp_only or v < (0, 8) and 'corresponding jaxpr input' in text) and any(
+            n[0] in ('custom', 'capply') and (n[1] == 'jvp' or not jvp_only) and m[0] == 'read'
             for n, _ in found for m, _ in _nodes(list(n[4:]), 0)):
         return 'CustomRuleTest.test_custom_jvp_reading_a_state_written_in_a_scan_is_refused'
-    # A tree State with an integer leaf, written in a body under reverse mode.
-    if (0, 8) <= v < (0, 11) and 'under nested reverse-mode' in text and named and all(
-            {dt for _, dt, _ in _leaf_specs(prog['states'][i]['tree'])} & {'i32', 'bool'}
-            for i in named):
-        return 'BackpropThroughTimeTest.test_tree_with_an_integer_leaf_written_in_a_loop_body'
     # A custom rule reading a State, applied inside a body under differentiation.
     leak = type(err) is sj.TraceContextError and 'read by a custom_vjp / custom_jvp' in text
     for n, frames in found if leak else ():
