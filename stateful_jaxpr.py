@@ -228,13 +228,14 @@ def _parent(trace):
 
 def _trace_path(home) -> tuple:
     """``(traces, whole)``: the current trace and its parents up to ``home``, innermost first;
-    not ``whole`` on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..)."""
+    ``whole`` False on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..),
+    None in a trace JAX made apart from the program (a custom rule's, traced when JAX needs it)."""
     path, trace = [], _src_core.trace_ctx.trace
     while trace is not home and not isinstance(trace, _src_core.EvalTrace):
         path.append(trace)
         trace = _parent(trace)
         if trace is None:
-            return path, False
+            return path, None if hasattr(path[-1], 'parent_trace') else False
     return path, True
 
 
@@ -2157,12 +2158,8 @@ class _TraceFrame(StateTraceStack):
         leaked = {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
                   if isinstance(c, Tracer)}
         if leaked:
-            raise TraceContextError(
-                f'{", ".join(sorted(s._describe() for s in leaked if s)) or "a traced value"} is '
-                'read by a custom_vjp / custom_jvp rule applied inside a loop, cond or jit body '
-                'under a differentiation, which JAX traces apart from the program, leaving the '
-                'value behind.  Read it outside the custom function and pass it in as an '
-                'argument (for a custom_vjp backward rule: a residual of its forward rule)')
+            raise _read_apart(', '.join(sorted(s._describe() for s in leaked if s))
+                              or 'a traced value')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
@@ -2294,6 +2291,16 @@ _CANNOT = {
 }
 
 
+def _read_apart(described: str) -> TraceContextError:
+    """The error for a read of the States ``described`` in a function JAX traces apart."""
+    return TraceContextError(
+        f'{described} is read by a custom_vjp / custom_jvp rule that JAX traces apart from the '
+        'program (one applied in a loop, cond or jit body, or a nested StatefulFunction, under a '
+        'differentiation), leaving the value behind.  Read it outside the custom function and '
+        'pass it in as an argument (for a custom_vjp backward rule: a residual of its forward '
+        'rule)')
+
+
 def _cannot(kind: str, described: str, err=None) -> TraceContextError:
     """The error for a write of the States ``described`` refused as ``kind`` (see _CANNOT)."""
     return TraceContextError(f'{described} ' + _CANNOT[kind].format(jax=jax.__version__, err=err))
@@ -2328,6 +2335,8 @@ class _RefCell:
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
         if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
+            if whole is None:
+                raise _read_apart(self.state._describe())
             raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
                 f'{self.state._describe()} was written inside a differentiated function and is '
                 'used inside a jit or loop body nested in some transformation, where JAX '
