@@ -348,8 +348,9 @@ def _written_refs(effects, inputs=None) -> set:
 
 def _write_hazard(eqn):
     """'condition' where a while loop's condition reads a Ref its body writes (JAX's discharge:
-    the value from before the loop, 0.7 .., or an error), 'checkpoint' where a differentiated
-    ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..), else None."""
+    the value from before the loop, 0.7 .., or an error), else 'while' where its body writes one
+    (which JAX linearizes wrongly), 'checkpoint' where a differentiated ``jax.checkpoint`` writes
+    one (JAX reruns it, writes included, 0.8 ..), else None."""
     if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
         return 'checkpoint'   # (the param: all releases)
     if eqn.primitive.name == 'while':   # all releases
@@ -357,6 +358,7 @@ def _write_hazard(eqn):
         if any(isinstance(v, Var) and v in written
                for v in eqn.invars[:eqn.params['cond_nconsts']]):
             return 'condition'
+        return 'while' if written else None
     return None
 
 
@@ -2274,8 +2276,8 @@ _CANNOT = {
                'it (JAX 0.7 and newer keep it).  Carry its value through the loop (lax.scan(body, '
                '(c, h.value), xs), body returning it) or return it from the jit, then assign it',
     'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
-             'reverse-mode differentiation, which JAX cannot differentiate: loop with lax.scan or '
-             'a fori_loop with static bounds',
+             'reverse-mode differentiation or jax.linearize, which JAX cannot differentiate: loop '
+             'with lax.scan or a fori_loop with static bounds',
     'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
                  'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
                  'differentiated function, or carry its value through the body and assign it after',
@@ -2319,12 +2321,13 @@ class _RefCell:
     ``refs`` always get the primal.  When a differentiation ends, the primal of its level (its
     tracers' ``primal``) becomes its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'improvised')
+                 'linearized', 'improvised')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
         self.home, self.levels = home, []     # the stateful trace's own JAX trace, the levels
         self.nested = self.staged = False     # written inside a nested transformation, a body
+        self.linearized = False               # written in a body under jax.linearize / grad
         self.improvised = improvised          # made at a write, in a trace that is redone
 
     def _level(self):
@@ -2395,6 +2398,9 @@ class _RefCell:
         leaves, trace = self._leaves_for(value), _current_trace()
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (type(trace) is _JaxprTrace and trace is not self.home)
+        path = _trace_path(self.home)[0]
+        self.linearized = self.linearized or _JaxprTrace in map(type, path) and (
+            _LinearizeTrace in map(type, path))
         if _drops_ref_tangents(self.home):
             raise _cannot('tangent', self.state._describe())
         level, at = self._level()
@@ -2493,14 +2499,16 @@ def _forward_unchanged(jaxpr):
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
-    hazard = next(filter(None, map(_write_hazard, _all_eqns(closed.jaxpr))), None)
-    if hazard == 'condition':
+    hazards = set(map(_write_hazard, _all_eqns(closed.jaxpr)))
+    if 'condition' in hazards:
         raise TraceContextError(
             f'a lax.while_loop condition reads a State its body writes, among {described}; '
             'JAX would give that condition the value from before the loop.  Compute the '
             "condition from the loop carry instead (carry the State's value or the test)")
-    if hazard == 'checkpoint':
+    if 'checkpoint' in hazards:
         raise _cannot('checkpoint', f'a State among {described}')
+    if 'while' in hazards and any(c.linearized for c in cells):
+        raise _cannot('while', ', '.join(c.state._describe() for c in cells if c.linearized))
     refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))

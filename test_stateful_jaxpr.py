@@ -2877,6 +2877,37 @@ class BackpropThroughTimeTest(unittest.TestCase):
         np.testing.assert_allclose(h.value['f'], 1.2, rtol=1e-6)
         np.testing.assert_array_equal(h.value['i'], [2, 3])
 
+    def test_a_while_loop_under_linearize_never_gives_a_wrong_value(self):
+        # JAX linearizes a while loop (a fori_loop with traced bounds) that writes a
+        # Ref wrongly: refused, naming the State, unless the value is right.
+        h = State(jnp.float32(0.5), name='bptt_lin_while')
+
+        def outer(p2, n, hv=None):
+            def inner(p3):
+                def body(i, c):
+                    acc, v = c if hv is not None else (c, h.value)
+                    v = v * (p3 + p2) + acc
+                    if hv is None:
+                        h.value = v
+                        return v + acc * p3
+                    return v + acc * p3, v
+                r = lax.fori_loop(0, n, body, 0.3 if hv is None else (0.3, hv))
+                return jnp.sin(r + h.value if hv is None else r[0] + r[1])
+            y, t = jax.jvp(inner, (p2,), (jnp.cos(p2),))
+            return jnp.sin(0.5 * (y + t))
+
+        def run(n, hv=None):
+            y, lin = jax.linearize(lambda p: outer(p, n, hv), jnp.float32(0.3))
+            return 0.5 * (y + lin(1.0))
+        want = jax.jit(lambda n: run(n, jnp.float32(0.5)))(5)
+        try:
+            got = StatefulFunction(run)(5)
+        except TraceContextError as err:
+            self.assertIn('bptt_lin_while', str(err))
+            self.assertEqual(float(h.value), 0.5)
+            return
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
     def test_reverse_mode_through_a_while_loop_is_refused_naming_the_state(self):
         h = State(jnp.zeros(3), name='bptt_while')
 
