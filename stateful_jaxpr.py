@@ -208,8 +208,14 @@ def _drops_jvp_refs(jaxpr) -> bool:
 
 
 # The current trace, and the traces it is nested in (all releases: one object per trace).
-def _current_trace():
-    return _src_core.trace_ctx.trace
+try:   # JAX 0.10 ..: trace_ctx.trace is a property over this config value; every warm call asks
+    _trace_ref = _src_core.trace_state_strong_ref
+
+    def _current_trace():
+        return _trace_ref.value
+except AttributeError:   # JAX .. 0.9
+    def _current_trace():
+        return _src_core.trace_ctx.trace
 
 
 _tracer_trace = operator.attrgetter('_trace')
@@ -219,7 +225,7 @@ _top_trace = _current_trace   # the trace new jaxpr inputs go to (find_top_trace
 
 
 def _under_jax_trace() -> bool:
-    return not isinstance(_src_core.trace_ctx.trace, _src_core.EvalTrace)
+    return not isinstance(_current_trace(), _src_core.EvalTrace)
 
 
 def _parent(trace):
@@ -2810,7 +2816,7 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
     locks = _hold(who, plan.states, plan.locks, plan.write_states)
     try:
         values = list(map(_real_value, plan.states))
-        out, new = dispatch(values, *args, **kwargs)
+        out, new = dispatch(*values, *args, **kwargs)
         _write_back(who, plan, new)
     finally:
         for lock in locks:
@@ -2829,15 +2835,15 @@ def _warm_path(plan, dispatch):
         """One call: every lock or none (then the long way); values unlike the States' own at
         the first call (tracers) take ``_write_back``."""
         strict, locks = True, all_locks   # (what _running reads)
-        for k, lock in enumerate(locks):
+        for lock in locks:
             if not lock.acquire(False):   # one is busy: the long way
-                for taken in locks[:k]:
+                for taken in locks[:locks.index(lock)]:
                     taken.release()
                 locks = ()
                 return _locked_call(who, plan, dispatch, args, kwargs, True)[0]
         try:
-            values = list(map(_real_value, states))   # (jax.jit's fast path takes no **{})
-            out, new = dispatch(values, *args, **kwargs) if kwargs else dispatch(values, *args)
+            values = map(_real_value, states)   # (jax.jit's fast path takes no **{})
+            out, new = dispatch(*values, *args, **kwargs) if kwargs else dispatch(*values, *args)
             if writes and type(new[0]) is leaf_type and not _under_jax_trace():
                 for state, value in zip(writes, new):
                     state._value = value
@@ -2877,8 +2883,8 @@ def _layout_token(sf, plan) -> int:
 def _donating(sf, jitted, plan):
     """The donating ``jitted`` (and its ``lower``), refusing an array two states share: JAX may
     crash on it."""
-    def split(values):
-        owner = {}
+    def split(flat):   # the States' values (then the arguments) in the dispatcher's order
+        values, owner = flat[:len(plan.states)], {}
         for i in plan.donated + plan.kept:
             for leaf in _leaves(values[i]):
                 j = owner.setdefault(id(leaf), i)
@@ -2887,11 +2893,11 @@ def _donating(sf, jitted, plan):
                         f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
                         f'and {plan.states[i]._describe()} both hold; give one of them a copy '
                         '(jnp.copy) or leave it out of donate_states')
-        return [values[i] for i in plan.donated], [values[i] for i in plan.kept]
+        return [*(values[i] for i in plan.donated + plan.kept), *flat[len(values):]]
 
-    def call(values, *args, **kwargs):
+    def call(*flat, **kwargs):
         try:
-            return jitted(*split(values), *args, **kwargs)
+            return jitted(*split(flat), **kwargs)
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
@@ -2900,16 +2906,18 @@ def _donating(sf, jitted, plan):
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
             raise
-    call.lower = lambda values, *args, **kwargs: jitted.lower(*split(values), *args, **kwargs)
+    call.lower = lambda *flat, **kwargs: jitted.lower(*split(flat), **kwargs)
     call._clear_cache = lambda: _forget_failed_calls(jitted)
     return call
 
 
-def _dispatch_donated(sf, token, donated, kept, *args, **kwargs):
-    """The donating dispatcher's body: the donated values come apart."""
-    plan = sf._plans_by_token[token]
-    given = dict(zip(plan.donated + plan.kept, [*donated, *kept]))
-    return sf._dispatch_body(token, [given[i] for i in range(len(plan.states))], *args, **kwargs)
+def _dispatch_flat(sf, token, donating, *flat, **kwargs):
+    """A dispatcher's body: the States' values first, one argument each (then jax.jit's fast
+    path flattens no list), a donating one's in ``plan.donated + plan.kept`` order."""
+    plan = sf._plans_by_token[abs(token)]
+    n = len(plan.states)
+    given = dict(zip(plan.donated + plan.kept if donating else range(n), flat[:n]))
+    return sf._dispatch_body(token, [given[i] for i in range(n)], *flat[n:], **kwargs)
 
 
 class _EagerCall(StateTraceStack):
@@ -2919,7 +2927,12 @@ class _EagerCall(StateTraceStack):
 
 
 # The warm path: the last slow call's plan and dispatcher, for as long as they apply.
-_Fast = collections.namedtuple('_Fast', 'plan warm dispatch nargs epoch rules')
+class _Fast:
+    __slots__ = ('plan', 'warm', 'dispatch', 'nargs', 'epoch', 'rules')   # (slots: every warm call reads them)
+
+    def __init__(self, *fields):
+        for name, value in zip(self.__slots__, fields):
+            setattr(self, name, value)
 
 
 def _call(sf, *args, **kwargs):
@@ -3130,12 +3143,11 @@ class StatefulFunction:
         jitted = plan.dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
-            first = 2 if donating else 1          # where *args start
-            body = functools.partial(_dispatch_donated, self) if donating else self._dispatch_body
-            jitted = jax.jit(functools.partial(body, token),
+            first = len(plan.states)          # where *args start
+            jitted = jax.jit(functools.partial(_dispatch_flat, self, token, donating),
                              static_argnums=tuple(i + first for i in statics),
                              static_argnames=self.static_argnames or None,
-                             donate_argnums=(0,) if donating else ())
+                             donate_argnums=tuple(range(len(plan.donated))) if donating else ())
             if donating:
                 jitted = _donating(self, jitted, plan)
             plan.dispatchers[(token, nargs, donating)] = jitted
@@ -3162,7 +3174,7 @@ class StatefulFunction:
         if token > 0:
             new = [_kept_layout(state, value) if self._keep((), state) else value
                    for state, value in zip(plan.write_states, new)]
-        return out, new
+        return out, tuple(new)
 
     def _run(self, entry, state_values, args, kwargs, leaves, token, lower=False):
         """Runs ``entry`` (``lower``: compiles it only); a negative ``token`` (``jaxpr_call``)
@@ -3177,8 +3189,8 @@ class StatefulFunction:
                       for k, v in kwargs.items()}
         jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
         if lower:
-            return jitted.lower(state_values, *args, **kwargs).compile()
-        return jitted(state_values, *args, **kwargs)
+            return jitted.lower(*state_values, *args, **kwargs).compile()
+        return jitted(*state_values, *args, **kwargs)
 
     @_api_boundary
     def _call_slow(self, args, kwargs, warm_plan=None):
@@ -3189,7 +3201,7 @@ class StatefulFunction:
             return self._call_eagerly(args, kwargs)
         ntraces, strict, at = _ctx.ntraces, not _under_jax_trace(), []
 
-        def run(values):   # the layout as the States have it under the locks
+        def run(*values):   # the layout as the States have it under the locks
             at[:] = _layout_epoch, _layout_token(self, plan)
             return self._run(entry, values, args, kwargs, leaves, at[1])
         while True:
