@@ -2578,17 +2578,15 @@ class _Retracer:
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = self.in_body = False   # in_body: this run wrote one inside a body
 
-    def next_run(self, pending: set, isolated: bool, err=None, consts=()):
+    def next_run(self, pending: set, isolated: bool, err, consts):
         """After a run: learns from it; None if it is final, else whether the next is isolated."""
         self.ref_states.update(pending)
         if not isolated and (isinstance(err, jax.errors.UnexpectedTracerError) or any(
                 isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
             self.isolate = True
             return True
-        in_body = self.in_body
         if pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
-            return self.isolate or in_body
-        return None
+            return self.isolate or self.in_body
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -2615,26 +2613,23 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         _ctx.ntraces += 1
         with _axis_env(axis_env), _gc_paused():
             try:
-                failed = None
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
+                err = None
             except _Redo:
                 retracer.ref_states.update(pending)
                 continue
-            except Exception as err:
+            except Exception as caught:
                 # JAX refusing the Refs a run improvised: the run is redone, and should the
                 # next be refused too, the first refusal is told (where the write happened).
-                failed = first if first and _refusal(err) else (
-                    err, frames[-1].cells if frames else ())
-                first = first or (pending and _refusal(err) and failed)
-                isolated = retracer.next_run(pending, isolated, err)
-                if isolated is not None:
-                    continue
-            if failed:
-                _explain_ref_refusal(*failed)
-                raise failed[0]
-            isolated = retracer.next_run(pending, isolated, consts=consts)
+                err, consts, failed = caught, (), (caught, frames[-1].cells if frames else ())
+                if _refusal(err):
+                    failed = first = first or failed
+            isolated = retracer.next_run(pending, isolated, err, consts)
             if isolated is not None:
                 continue
+            if err is not None:
+                _explain_ref_refusal(*failed)
+                raise failed[0]
             frame, closed = frames[-1], _rebuild(jaxpr, consts)
             del jaxpr, consts
             if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
@@ -3069,7 +3064,7 @@ class StatefulFunction:
     # -- entries -----------------------------------------------------------------
     _cache_key = _call_key
 
-    def _cached(self, key, read=_real_value, plan=None):
+    def _cached(self, key, read, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
         one keeping a custom rule serves no JAX transformation but our own dispatcher's jit
         (``plan``), lest its rule's lazily traced jaxprs (closing over what the first one saw,
@@ -3353,21 +3348,21 @@ class StatefulFunction:
 
     def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
         """The touched States that are only read."""
-        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                          **kwargs).get_read_states())
+        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                    **kwargs).get_read_states()
 
     def get_read_states_by_cache(self, cache_key):
         """:meth:`get_read_states` for a cache key."""
-        return tuple(self.get_state_trace_by_cache(cache_key).get_read_states())
+        return self.get_state_trace_by_cache(cache_key).get_read_states()
 
     def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs):
         """The touched States that are written."""
-        return tuple(self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                          **kwargs).get_write_states())
+        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                    **kwargs).get_write_states()
 
     def get_write_states_by_cache(self, cache_key):
         """:meth:`get_write_states` for a cache key."""
-        return tuple(self.get_state_trace_by_cache(cache_key).get_write_states())
+        return self.get_state_trace_by_cache(cache_key).get_write_states()
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
