@@ -2921,9 +2921,10 @@ class _EagerCall(StateTraceStack):
     one_at_a_time = threading.RLock()
 
 
-# The warm path: the last slow call's plan and dispatcher, for as long as they apply.
+# The warm path: the last slow call's plan and dispatcher, for as long as they apply (slots:
+# every warm call reads them).
 class _Fast:
-    __slots__ = ('plan', 'warm', 'dispatch', 'nargs', 'epoch', 'rules')   # (slots: every warm call reads them)
+    __slots__ = ('plan', 'warm', 'dispatch', 'nargs', 'epoch', 'rules')
 
     def __init__(self, *fields):
         for name, value in zip(self.__slots__, fields):
