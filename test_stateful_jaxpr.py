@@ -5255,14 +5255,14 @@ def _eval_expr(e, env):
         rows = jnp.stack([_eval_expr(e[2], env), _eval_expr(e[3], env)])
         out = jax.vmap(lambda row: sub(row, env.static))(rows)
         return out[0] - 0.5 * out[1]
-    if op == 'grad':
+    if op == 'grad':   # (the point first: it may write a State the function reads)
         _, u, at, body_e = e
-
+        x = _eval_expr(at, env)
         outer = _as_locals(env)
 
         def loss(p):
             return jnp.sum(jnp.sin(_eval_expr(body_e, outer.child({(u, 'p'): p}))))
-        return jax.grad(loss)(_eval_expr(at, env))
+        return jax.grad(loss)(x)
     if op == 'cond':
         pred = (jnp.sum(_eval_expr(e[2], env)) & 1) == 0
         return lax.cond(pred, lambda _: _eval_expr(e[3], env), lambda _: _eval_expr(e[4], env),
