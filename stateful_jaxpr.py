@@ -2505,7 +2505,9 @@ def _forward_unchanged(jaxpr):
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
-    hazards = set(map(_write_hazard, _all_eqns(closed.jaxpr)))
+    per_eqn = [(e, set(map(_write_hazard, itertools.chain([e], *map(_all_eqns, _nested_jaxprs(
+        e.params)))))) for e in closed.jaxpr.eqns]   # (top-level equations write cells' Refs)
+    hazards = set().union(*(found for _, found in per_eqn))
     if 'condition' in hazards:
         raise TraceContextError(
             f'a lax.while_loop condition reads a State its body writes, among {described}; '
@@ -2513,13 +2515,16 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             "condition from the loop carry instead (carry the State's value or the test)")
     if 'checkpoint' in hazards:
         raise _cannot('checkpoint', f'a State among {described}')
-    if 'while' in hazards and any(c.linearized for c in cells):
-        raise _cannot('while', ', '.join(c.state._describe() for c in cells if c.linearized))
     refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
+    owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
+    looped = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
+                           if 'while' in found))
+    looped = [c.state._describe() for c, own in zip(cells, owned) if c.linearized and own & looped]
+    if looped:
+        raise _cannot('while', ', '.join(looped))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
-    lost = [c.state._describe() for c in cells
-            if not kept.intersection(itertools.islice(refs, len(c.refs))) and c.staged]
+    lost = [c.state._describe() for c, own in zip(cells, owned) if not kept & own and c.staged]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
         raise TraceContextError(
             f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '

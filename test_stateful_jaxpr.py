@@ -2908,6 +2908,45 @@ class BackpropThroughTimeTest(unittest.TestCase):
             return
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
+    def test_a_while_loop_under_jvp_is_not_refused_for_another_states_reverse_mode_write(self):
+        # A State written in a while loop under jax.jvp, another in a jit body under jax.vjp:
+        # only a State the loop writes can be the culprit, and that one is not linearized.
+        looped, other = State(jnp.float32(0.5), name='jvp_loop'), State(jnp.float32(2.0))
+
+        def run(p, n):
+            def in_loop(q):
+                def body(i, acc):
+                    looped.value = looped.value * 0.5 + acc * q
+                    return acc + looped.value
+                return lax.fori_loop(0, n, body, q)
+            y, t = jax.jvp(in_loop, (p,), (1.0,))
+
+            def in_jit(q):
+                other.value = other.value * q
+                return other.value * q
+            z, pull = jax.vjp(lambda q: jax.jit(in_jit)(q), p)
+            return y + t + z + pull(1.0)[0]
+
+        def by_hand(p, n, lv, ov):
+            def in_loop(q):
+                def body(i, c):
+                    acc, v = c
+                    v = v * 0.5 + acc * q
+                    return acc + v, v
+                return lax.fori_loop(0, n, body, (q, lv))
+            (y, lv), (t, _) = jax.jvp(in_loop, (p,), (1.0,))
+            ov = ov * p
+            z, pull = jax.vjp(lambda q: (ov / p * q) * q, p)
+            return y + t + z + pull(1.0)[0], lv, ov
+        if _JAX_VERSION < (0, 7):   # (writes in bodies under a differentiation: refused)
+            with self.assertRaises(TraceContextError):
+                StatefulFunction(run)(0.3, 4)
+            return
+        want = jax.jit(by_hand)(0.3, 4, 0.5, 2.0)
+        got = StatefulFunction(run)(0.3, 4)
+        np.testing.assert_allclose(got, want[0], rtol=1e-5)
+        np.testing.assert_allclose([looped.value, other.value], want[1:], rtol=1e-5)
+
     def test_reverse_mode_through_a_while_loop_is_refused_naming_the_state(self):
         h = State(jnp.zeros(3), name='bptt_while')
 
@@ -5990,6 +6029,13 @@ def _refused_differentiations(prog, eager=False) -> set:
                 or body and (0, 8) <= v < (0, 11) and modes[-1] in _REVERSE
                 and any(m in _REVERSE for m in modes[:-1])):
             names.add(f"'s{node[2]}'")
+    # A State written in a while loop under a differentiation is also refused when a write of it
+    # elsewhere is in a body under reverse mode: the discharge sees one Ref for both writes.
+    writes = [(node[2], frames) for node, frames in _under_diffs(prog['body'], None)
+              if node[0] == 'wseq' and frames]
+    looped = {si for si, frames in writes if any('while' in b for _, b in frames)}
+    names |= {f"'s{si}'" for si, frames in writes if si in looped
+              and any(d[1] in _REVERSE for d, _ in frames)}
     # JAX 0.4.38 refuses a Ref inside a jit under differentiation.
     if v < (0, 5) and any(
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
