@@ -2505,8 +2505,9 @@ def _forward_unchanged(jaxpr):
 def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
     described = ', '.join(c.state._describe() for c in cells)
-    per_eqn = [(e, set(map(_write_hazard, itertools.chain([e], *map(_all_eqns, _nested_jaxprs(
-        e.params)))))) for e in closed.jaxpr.eqns]   # (top-level equations write cells' Refs)
+    # The hazards in each top-level equation, whose effects say which cells' Refs it writes.
+    per_eqn = [(e, {_write_hazard(x) for x in itertools.chain(
+        [e], *map(_all_eqns, _nested_jaxprs(e.params)))}) for e in closed.jaxpr.eqns]
     hazards = set().union(*(found for _, found in per_eqn))
     if 'condition' in hazards:
         raise TraceContextError(
@@ -2517,11 +2518,12 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
         raise _cannot('checkpoint', f'a State among {described}')
     refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
-    looped = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
-                           if 'while' in found))
-    looped = [c.state._describe() for c, own in zip(cells, owned) if c.linearized and own & looped]
-    if looped:
-        raise _cannot('while', ', '.join(looped))
+    looping = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
+                            if 'while' in found))
+    culprits = [c.state._describe() for c, own in zip(cells, owned)
+                if c.linearized and own & looping]
+    if culprits:
+        raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
     lost = [c.state._describe() for c, own in zip(cells, owned) if not kept & own and c.staged]
