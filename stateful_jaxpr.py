@@ -2287,8 +2287,9 @@ _CANNOT = {
     'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
                  'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
                  'differentiated function, or carry its value through the body and assign it after',
-    'jacrev': 'is written inside a loop or jit body under jax.jacrev, which JAX {jax} cannot batch '
-              '(newer JAX can): take one output row at a time with jax.vjp, or use jax.jacfwd',
+    'jacrev': 'is written under jax.jacrev inside a loop or jit body, or where one reads it, which '
+              'JAX {jax} cannot batch (newer JAX can): take one output row at a time with jax.vjp, '
+              'or carry its value through the body (a read: into a local before it)',
     'checkpoint': 'is written inside a differentiated jax.checkpoint function, which JAX runs '
                   'again to rematerialize it, so the write would happen twice.  Write the State '
                   'outside the checkpointed function (return the value from it, assign it after)',

@@ -2750,6 +2750,38 @@ class BackpropThroughTimeTest(unittest.TestCase):
                                            rtol=2e-5, atol=1e-6)
                 self.assertFalse(_tracer_in(h))
 
+    def test_a_write_whose_state_a_body_reads_under_a_jacobian_or_in_a_nested_cond(self):
+        # Refused, naming the State: before JAX 0.6 (JAX cannot tell if the read still runs);
+        # on 0.7, where JAX cannot batch (jax.jacfwd / jax.jacrev) or transpose (a lax.cond in
+        # a jvp under jax.grad) the State's Ref; under jax.jacfwd from 0.8 (it batches the write).
+        v = _JAX_VERSION[:2]
+
+        def looped(s, p):
+            s.value = s.value * p
+            return s.value + lax.fori_loop(0, 2, lambda i, c: c * s.value, p)
+
+        def cond_in_jvp(s, p):
+            s.value = s.value * p
+            read = lambda: lax.cond(True, lambda: p, lambda: s.value)
+            return jax.jvp(lambda q: q * read(), (p,), (1.0,))[1]
+
+        for transform, body, refused in ((jax.jacrev, looped, v < (0, 6) or v == (0, 7)),
+                                         (jax.jacfwd, looped, v < (0, 6) or v >= (0, 7)),
+                                         (jax.grad, cond_in_jvp, v < (0, 6) or v == (0, 7))):
+            with self.subTest(transform=transform.__name__, body=body.__name__):
+                s = sj.State(jnp.ones(()), name='jac_read')
+                sf = StatefulFunction(lambda x: transform(lambda p: body(s, p))(x))
+                if refused:
+                    with self.assertRaisesRegex(TraceContextError, "'jac_read'"):
+                        sf(2.0)
+                    self.assertEqual(s.value, 1.0)
+                    self.assertFalse(_tracer_in(s))
+                    continue
+                local = types.SimpleNamespace(value=jnp.ones(()))   # the State, threaded by hand
+                np.testing.assert_allclose(sf(2.0), transform(lambda p: body(local, p))(2.0))
+                self.assertEqual(s.value, 2.0)
+                self.assertFalse(_tracer_in(s))
+
     def test_before_jax_0_7_only_the_culprit_is_named_with_the_rewrite(self):
         if _JAX_VERSION >= (0, 7):
             self.skipTest('JAX 0.7 and newer differentiate through the write')
@@ -6012,9 +6044,11 @@ def _refused_differentiations(prog, eager=False) -> set:
     README says the write is refused, naming the State, as JAX cannot carry
     it: before JAX 0.7 in a loop, cond or jit body there or under a nested
     differentiation (before 0.6 anywhere); in a lax.cond branch, or a while
-    loop, under reverse-mode differentiation; in a body under jax.jacrev on
-    JAX 0.7 or under nested reverse-mode differentiation on 0.8 .. 0.10;
-    under jax.jacfwd in a body, or anywhere from JAX 0.8 (JAX batches it);
+    loop, under reverse-mode differentiation; on JAX 0.7 in a body under
+    jax.jacrev, or anywhere under jax.jacfwd / jax.jacrev when a body there
+    reads it too, as when a lax.cond in a differentiation nested in reverse
+    mode does; in a body under nested reverse-mode differentiation on 0.8 ..
+    0.10; under jax.jacfwd in a body, or anywhere from JAX 0.8 (JAX batches it);
     and anywhere under jax.disable_jit() (``eager``: no stateful trace threads the write)."""
     v, names = _JAX_VERSION, set()
     for node, frames in _under_diffs(prog['body'], None):
@@ -6036,6 +6070,16 @@ def _refused_differentiations(prog, eager=False) -> set:
     looped = {si for si, frames in writes if any('while' in b for _, b in frames)}
     names |= {f"'s{si}'" for si, frames in writes if si in looped
               and any(d[1] in _REVERSE for d, _ in frames)}
+    # JAX 0.7 cannot batch (jax.jacfwd / jax.jacrev) or transpose (a lax.cond inside a
+    # differentiation nested in reverse mode) the Ref of a State a body there reads or writes.
+    if v[:2] == (0, 7):
+        found = list(_under_diffs(prog['body'], None))
+        used = {(id(d), n[1] if n[0] == 'read' else n[2]) for n, frames in found
+                if n[0] in ('read', 'wseq') for d, b in frames
+                if d[1] in ('jacfwd', 'jacrev') and b & _BODIES
+                or d[1] in _REVERSE and {'cond', 'diff'} <= b}
+        names |= {f"'s{n[2]}'" for n, frames in found if n[0] == 'wseq'
+                  for d, _ in frames if (id(d), n[2]) in used}
     # JAX 0.4.38 refuses a Ref inside a jit under differentiation.
     if v < (0, 5) and any(
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
