@@ -2107,6 +2107,7 @@ class _TraceFrame(StateTraceStack):
         self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
         self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
+        self.isolated = False
         if isolated:
             self._renew_epoch()
 
@@ -2178,6 +2179,7 @@ class _TraceFrame(StateTraceStack):
         """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
         self._epoch.close()
         self._epoch.enter_context(_fresh_epoch())
+        self.isolated = True
 
     def __exit__(self, *exc):
         try:
@@ -2223,8 +2225,18 @@ def _view(state, entry, frame):
             _current_trace() is not frame._jax_trace):
         frame._nested_reads.add(id(state))   # a nested transformation closes over it
         if not all(isinstance(x, Tracer) for x in _leaves(entry)):
-            frame._retracer.isolate = True   # JAX may cache that value with the body
+            # JAX may cache that value with the body, for any later trace: a run in JAX's own
+            # context stops before it does, and is redone under a fresh epoch.
+            frame._retracer.isolate = True
+            if not frame.isolated and _in_body(frame._jax_trace):
+                raise _Redo
     return entry
+
+
+def _in_body(home) -> bool:
+    """Whether the current trace builds a body (of a loop, cond or jit) JAX may cache."""
+    path, whole = _trace_path(home)
+    return not whole or any(type(t) is _JaxprTrace for t in path)
 
 
 def _traced_write(state, value, frames, written: bool):
@@ -2244,8 +2256,7 @@ def _traced_write(state, value, frames, written: bool):
             entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = entry
             target._pending.add(state)
-            path, whole = _trace_path(target._jax_trace)
-            if not whole or any(type(t) is _JaxprTrace for t in path):
+            if _in_body(target._jax_trace):
                 target._retracer.in_body = True
         elif id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
@@ -2625,6 +2636,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 err = None
             except _Redo:
                 retracer.ref_states.update(pending)
+                isolated = isolated or retracer.isolate
                 continue
             except Exception as caught:
                 # JAX refusing the Refs a run improvised: the run is redone, and should the

@@ -2402,6 +2402,23 @@ class NestedWriteTest(unittest.TestCase):
         a, b = StatefulFunction(f)(jnp.float32(3.0))
         self.assertEqual((float(a), float(b)), (3.0, 6.0))
 
+    def test_a_body_over_a_written_constant_is_not_reused_by_another_function(self):
+        # JAX caches a body by function object and avals, for every later trace: a concrete
+        # value written to a State and read there must not come back in another function.
+        s = State(jnp.zeros(3), name='nw_const')
+        bodies = {'scan': lambda xs: lax.scan(lambda c, x: (c + s.value * x, None),
+                                              jnp.zeros(3), xs)[0],
+                  'jit': jax.jit(lambda xs: s.value * xs.sum())}
+        for name, k in itertools.product(bodies, (1.0, 2.0, 3.0)):
+            with self.subTest(body=name, value=k):
+                const = jnp.full(3, k)   # made outside the trace: concrete in it
+
+                def f(xs, const=const, use=bodies[name]):
+                    s.value = const
+                    return use(xs)
+                np.testing.assert_allclose(StatefulFunction(f)(jnp.ones(4)), [4.0 * k] * 3)
+                np.testing.assert_allclose(s.value, const)
+
 
 _DIFF_TRANSFORMS = {
     'grad': lambda f, x: jax.grad(lambda y: f(y).sum())(x),
