@@ -2292,9 +2292,10 @@ _CANNOT = {
                "function, where JAX {jax} would drop the written value's derivative, or refuses "
                'it (JAX 0.7 and newer keep it).  Carry its value through the loop (lax.scan(body, '
                '(c, h.value), xs), body returning it) or return it from the jit, then assign it',
-    'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds) under '
-             'reverse-mode differentiation or jax.linearize, which JAX cannot differentiate: loop '
-             'with lax.scan or a fori_loop with static bounds',
+    'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds), or read '
+             'there after a write in the differentiated function, under reverse-mode '
+             'differentiation or jax.linearize, which JAX cannot differentiate: loop with '
+             'lax.scan or a fori_loop with static bounds',
     'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
                  'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
                  'differentiated function, or carry its value through the body and assign it after',

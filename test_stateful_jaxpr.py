@@ -2957,6 +2957,30 @@ class BackpropThroughTimeTest(unittest.TestCase):
             return
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
+    def test_a_state_written_under_grad_and_read_in_a_while_loop(self):
+        # Reverse mode through a while loop reading a State written in the differentiated
+        # function: plain JAX's value where JAX can, else a refusal naming the State and the read.
+        h = State(jnp.zeros(3), name='bptt_while_read')
+
+        def loss(y, depends):
+            h.value = y[:3] * 0.0 + 2.0 if depends else jnp.full(3, 2.0)
+            body = lambda c: (c[0] + h.value, c[1] + 1)   # noqa: E731
+            return lax.while_loop(lambda c: c[1] < 4, body, (jnp.zeros(3), 0))[0].sum()
+        for depends in (False, True):   # plain JAX refuses the second
+            with self.subTest(depends=depends):
+                h.value = jnp.zeros(3)
+                try:
+                    got = StatefulFunction(lambda y: jax.grad(loss)(y, depends))(jnp.ones(4))
+                except TraceContextError as err:
+                    self.assertIn('bptt_while_read', str(err))
+                    if _JAX_VERSION >= (0, 6):
+                        self.assertIn('read there after a write', str(err))
+                    np.testing.assert_array_equal(h.value, jnp.zeros(3))
+                    continue
+                self.assertFalse(depends)
+                np.testing.assert_array_equal(got, jnp.zeros(4))
+                np.testing.assert_array_equal(h.value, jnp.full(3, 2.0))
+
     def test_a_while_loop_under_jvp_is_not_refused_for_another_states_reverse_mode_write(self):
         # A State written in a while loop under jax.jvp, another in a jit body under jax.vjp:
         # only a State the loop writes can be the culprit, and that one is not linearized.
