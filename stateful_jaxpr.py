@@ -307,10 +307,11 @@ def _axis_env(axis_env):
     return _extend_axis_env(list(axis_env)) if axis_env else contextlib.nullcontext()
 
 
-def _fresh_epoch():
+def _fresh_epoch(shared: bool = False):
     """A context under which JAX's caches of traced bodies and jitted functions miss: they key
-    on the axis environment (all releases), so a unique size-1 axis no jaxpr uses isolates."""
-    return _axis_env([(f'stateful_jaxpr.epoch{next(_EPOCH_AXES)}', 1)])
+    on the axis environment (all releases), so a unique size-1 axis no jaxpr uses isolates;
+    ``shared``: one fixed axis, whose caches every run binding it shares."""
+    return _axis_env([(f'stateful_jaxpr.epoch{"" if shared else next(_EPOCH_AXES)}', 1)])
 
 
 def _body_binding(eqn) -> tuple:
@@ -619,6 +620,7 @@ class _Context(threading.local):
         self.catchers: list = []       # active catch_new_states collectors
         self.check_tree = False        # inside check_state_value_tree(True)
         self.ntraces: int = 0          # user-function traces run by this thread
+        self.shared_epoch = False      # inside a run binding the shared epoch
 
 
 _ctx = _Context()
@@ -2032,7 +2034,8 @@ def _note_miss(sf, key, stale, entry) -> None:
 # State read by a plain JAX trace (``_BAKED_STATES``) may sit in any cached jaxpr.  An *isolated*
 # trace makes those caches miss (``_fresh_epoch``) but also makes jax.numpy's jitted helpers
 # retrace, so a trace is isolated only once known to need it (``_Retracer``), and renews its epoch
-# when a write follows a nested read of the same State.  Last, a trace's inputs and outputs in
+# when a write follows a nested read of the same State.  A run redone only because its own first
+# run may have cached a body takes the *shared* epoch, whose jax.numpy helpers stay warm.  Last, a trace's inputs and outputs in
 # words (labelled jaxprs).
 # =============================================================================
 
@@ -2092,10 +2095,10 @@ class _TraceFrame(StateTraceStack):
     jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``).  One written inside
     a nested transformation gets Refs there and then, and joins ``pending``: the trace is redone."""
 
-    def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set,
-                 isolated: bool):
+    def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set, epoch: str):
         """A frame at the current JAX trace; ``lift_aval(state, aval)`` gives a State's input
-        aval; an ``isolated`` frame binds a fresh epoch until its exit."""
+        aval; ``epoch`` ('fresh', 'shared' or '') is bound until its exit, a fresh one for a
+        shared one inside a run under it."""
         super().__init__(name=name)
         self._overlays = True
         self._builder = _top_trace()            # the trace new inputs go to
@@ -2107,8 +2110,12 @@ class _TraceFrame(StateTraceStack):
         self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
         self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
-        self.isolated = False
-        if isolated:
+        self.isolated = False                   # under a fresh epoch
+        if epoch == 'shared' and not _ctx.shared_epoch:
+            self._epoch.enter_context(_fresh_epoch(shared=True))
+            self._epoch.callback(setattr, _ctx, 'shared_epoch', False)
+            _ctx.shared_epoch = True
+        elif epoch:
             self._renew_epoch()
 
     def _lift(self, state, current):
@@ -2580,9 +2587,10 @@ class _Retracer:
     wrote a State inside a nested transformation that it       lifts it as Refs from its first
     had not lifted as Refs                                     touch (so does every later trace;
                                                                also after JAX refusing a write,
-                                                               told if it recurs), isolated if
-                                                               written in a body JAX may have cached
-                                                               with the old Refs
+                                                               told if it recurs), under the
+                                                               shared epoch if written in a body
+                                                               JAX may have cached with the old
+                                                               Refs (isolated if it was isolated)
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
@@ -2599,14 +2607,14 @@ class _Retracer:
         self.isolate = self.in_body = False   # in_body: this run wrote one inside a body
 
     def next_run(self, pending: set, isolated: bool, err, consts):
-        """After a run: learns from it; None if it is final, else whether the next is isolated."""
+        """After a run: learns from it; None if it is final, else the next one's epoch."""
         self.ref_states.update(pending)
         if not isolated and (isinstance(err, jax.errors.UnexpectedTracerError) or any(
                 isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
             self.isolate = True
-            return True
+            return 'fresh'
         if pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
-            return self.isolate or self.in_body
+            return 'fresh' if self.isolate else 'shared' if self.in_body else ''
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -2618,13 +2626,14 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     (StatefulMapping's per-lane shapes)."""
     retracer = _Retracer() if retracer is None else retracer
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
-    isolated, first = retracer.isolate, None
+    epoch, first = 'fresh' if retracer.isolate else '', None
     while True:
-        pending, frames, isolated = set(), [], isolated or len(_BAKED_STATES) > 0
+        pending, frames = set(), []
+        epoch = 'fresh' if _BAKED_STATES else epoch
         retracer.in_body = False
 
         def flat_fun(*flat):
-            frame = _TraceFrame(name, retracer, lift_aval, pending, isolated)
+            frame = _TraceFrame(name, retracer, lift_aval, pending, epoch)
             frames.append(frame)
             with frame:
                 args, kwargs = rebuild(list(flat))
@@ -2637,7 +2646,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 err = None
             except _Redo:
                 retracer.ref_states.update(pending)
-                isolated = isolated or retracer.isolate
+                epoch = 'fresh' if retracer.isolate else epoch
                 continue
             except Exception as caught:
                 # JAX refusing the Refs a run improvised: the run is redone, and should the
@@ -2645,8 +2654,8 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 err, consts, failed = caught, (), (caught, frames[-1].cells if frames else ())
                 if _refusal(err):
                     failed = first = first or failed
-            isolated = retracer.next_run(pending, isolated, err, consts)
-            if isolated is not None:
+            epoch = retracer.next_run(pending, epoch == 'fresh', err, consts)
+            if epoch is not None:
                 continue
             if err is not None:
                 _explain_ref_refusal(*failed)
