@@ -2799,6 +2799,35 @@ class BackpropThroughTimeTest(unittest.TestCase):
                 self.assertEqual(s.value, 2.0)
                 self.assertFalse(_tracer_in(s))
 
+    def test_a_state_written_in_a_body_and_read_in_a_cond_in_a_jvp_under_grad(self):
+        # A State written inside any nested transformation is held as Refs, and a lax.cond
+        # reading a Ref cannot be partially evaluated (before JAX 0.7) or transposed (0.7) by
+        # JAX: refused there, naming it; from 0.8 plain JAX's values.
+        def run(s, p):
+            def step(i, c):
+                s.value = s.value * 0.9 + c
+                return c + 0.1
+            lax.fori_loop(0, 2, step, jnp.float32(0.2))
+            inner = lambda q: jnp.sin(q * lax.cond(p > 0, lambda: s.value, lambda: p))  # noqa
+            return jax.grad(lambda x: jax.jvp(inner, (x,), (jnp.cos(x),))[1])(p)
+
+        def plain(v, p):   # the State threaded by hand
+            v = lax.fori_loop(0, 2, lambda i, c: (c[0] * 0.9 + c[1], c[1] + 0.1),
+                              (v, jnp.float32(0.2)))[0]
+            inner = lambda q: jnp.sin(q * lax.cond(p > 0, lambda: v, lambda: p))  # noqa
+            return jax.grad(lambda x: jax.jvp(inner, (x,), (jnp.cos(x),))[1])(p), v
+        s = State(jnp.float32(0.3), name='cond_jvp_read')
+        sf = StatefulFunction(lambda p: run(s, p))
+        if _JAX_VERSION < (0, 8):
+            with self.assertRaisesRegex(TraceContextError, "'cond_jvp_read'"):
+                sf(0.7)
+            self.assertEqual(float(s.value), np.float32(0.3))
+            return
+        want, final = plain(jnp.float32(0.3), 0.7)
+        np.testing.assert_allclose(sf(0.7), want, rtol=1e-6)
+        np.testing.assert_allclose(s.value, final, rtol=1e-6)
+        self.assertFalse(_tracer_in(s))
+
     def test_before_jax_0_7_only_the_culprit_is_named_with_the_rewrite(self):
         if _JAX_VERSION >= (0, 7):
             self.skipTest('JAX 0.7 and newer differentiate through the write')
@@ -6121,6 +6150,11 @@ def _refused_differentiations(prog, eager=False) -> set:
                 or d[1] in _REVERSE and {'cond', 'diff'} <= b}
         names |= {f"'s{n[2]}'" for n, frames in found if n[0] == 'wseq'
                   for d, _ in frames if (id(d), n[2]) in used}
+        # So is the Ref of a State written inside any nested transformation, read in such a cond.
+        nested = {n[2] for odd in (0, 1) for n, inside in _nodes(prog['body'], odd)
+                  if n[0] == 'wseq' and inside} | {n[2] for n, fr in found if n[0] == 'wseq' and fr}
+        names |= {f"'s{n[1]}'" for n, frames in found if n[0] == 'read' and n[1] in nested
+                  and any(d[1] in _REVERSE and {'cond', 'diff'} <= b for d, b in frames)}
     # JAX 0.4.38 refuses a Ref inside a jit under differentiation.
     if v < (0, 5) and any(
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
