@@ -2035,8 +2035,8 @@ def _note_miss(sf, key, stale, entry) -> None:
 # trace makes those caches miss (``_fresh_epoch``) but also makes jax.numpy's jitted helpers
 # retrace, so a trace is isolated only once known to need it (``_Retracer``), and renews its epoch
 # when a write follows a nested read of the same State.  A run redone only because its own first
-# run may have cached a body takes the *shared* epoch, whose jax.numpy helpers stay warm.  Last, a trace's inputs and outputs in
-# words (labelled jaxprs).
+# run may have cached a body takes the *shared* epoch, whose jax.numpy helpers stay warm.  Last,
+# a trace's inputs and outputs in words (labelled jaxprs).
 # =============================================================================
 
 class _Traced:
