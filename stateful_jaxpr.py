@@ -3659,8 +3659,8 @@ def _normalize_state_axes(spec, what: str) -> tuple:
     return tuple((int(axis), to_predicate(filt)) for axis, filt in items)
 
 
-def _axis_for(state, axes: tuple):
-    return next((axis for axis, predicate in axes if predicate((), state)), None)
+def _axis_for(state, axes: tuple, default=None):
+    return next((axis for axis, predicate in axes if predicate((), state)), default)
 
 
 def _lane_aval(axis: int, aval, error: Callable):
@@ -3839,11 +3839,8 @@ class StatefulMapping(StatefulFunction):
         """The axis each written state but a RandomState leaves along, by state index: as
         ``state_out_axes`` says, else as it came in; an unbatched one written with a value
         varying across lanes (per vmap) leaves on axis 0, as the policy allows."""
-        out_axes = {}
-        for i in traced.returned:
-            if i not in rng_index:      # a RandomState leaves with the advanced key
-                axis = _axis_for(traced.states[i], self._state_out)
-                out_axes[i] = state_axes[i] if axis is None else axis
+        out_axes = {i: _axis_for(traced.states[i], self._state_out, state_axes[i])
+                    for i in traced.returned if i not in rng_index}
         unbatched = [r for r, i in enumerate(traced.returned) if out_axes.get(i, 0) is None]
         closed, first = traced.closed_jaxpr, traced.n_out
         at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
