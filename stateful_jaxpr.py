@@ -3738,12 +3738,11 @@ class StatefulMapping(StatefulFunction):
     (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a warning (``'warn'``),
     or not at all (``'raise'``: :class:`BatchAxisError`).
 
-    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over axis 0);
-    ``axis_size`` is the batch size where nothing is batched; ``axis_name`` names the axis
-    for collectives; ``mapping_fn`` is ``jax.vmap``, ``jax.pmap`` or a shard_map-based
-    mapper like them.  The rest is :class:`StatefulFunction`'s; its accessors describe the
-    whole mapped call, states ordered as in brainstate (batched-in by axis, then by the axis
-    they leave with, then RandomStates).
+    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over axis 0); ``axis_size``
+    is the batch size where nothing is batched; ``axis_name`` names the axis for collectives;
+    ``mapping_fn`` is ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
+    :class:`StatefulFunction`'s; its accessors describe the whole mapped call, states ordered as in
+    brainstate (batched-in by axis, then by the axis they leave with, then RandomStates).
 
     Example
     -------
