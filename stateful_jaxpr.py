@@ -3786,8 +3786,7 @@ class StatefulMapping(StatefulFunction):
         self._state_out = _normalize_state_axes(state_out_axes, 'state_out_axes')
         self.unexpected_out_state_mapping = unexpected_out_state_mapping
         self.axis_size, self.axis_name, self.mapping_fn = axis_size, axis_name, mapping_fn
-        # pmap compiles by itself, and jit-of-pmap warns: call it directly.
-        self._compiled_dispatch = mapping_fn is not jax.pmap
+        self._compiled_dispatch = mapping_fn is not jax.pmap   # pmap compiles; jit-of-pmap warns
 
     def _build_entry(self, key, leaves, split) -> _Entry:
         """Traces one lane, settles each state's axes and maps the lane with ``mapping_fn``."""
