@@ -120,8 +120,7 @@ _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None)) 
 # JAX leaves its own frames out of a user's traceback (jax_traceback_filtering) at its API
 # boundaries: this file's frames too, at the module's boundaries (all releases).
 _api_boundary = _probe('jax._src.traceback_util:api_boundary') or (lambda fun: fun)
-if _probe('jax._src.traceback_util:register_exclusion') is not None:
-    _probe('jax._src.traceback_util:register_exclusion')(__file__)
+(_probe('jax._src.traceback_util:register_exclusion') or (lambda path: None))(__file__)
 # A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
 # for good; clearing the function's C++ cache lets it back, its traces and executables kept.
 _forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
@@ -208,16 +207,10 @@ def _drops_jvp_refs(jaxpr) -> bool:
 
 
 # The current trace, and the traces it is nested in (all releases: one object per trace).
-try:   # JAX 0.10 ..: trace_ctx.trace is a property over this config value; every warm call asks
-    _trace_ref = _src_core.trace_state_strong_ref
-
-    def _current_trace():
-        return _trace_ref.value
-except AttributeError:   # JAX .. 0.9
-    def _current_trace():
-        return _src_core.trace_ctx.trace
-
-
+# From JAX 0.10 trace_ctx.trace is a property over this config value; every warm call asks.
+_trace_ref = _probe('jax._src.core:trace_state_strong_ref')   # 0.10 ..
+_current_trace = (functools.partial(getattr, _trace_ref, 'value') if _trace_ref is not None
+                  else functools.partial(getattr, _src_core.trace_ctx, 'trace'))   # .. 0.9
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
 _DIFF_TRACES = (_JVPTrace, _LinearizeTrace)  # jax.jvp / jax.grad's traces (all releases)
