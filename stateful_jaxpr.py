@@ -353,13 +353,12 @@ def _write_hazard(eqn):
     one (JAX reruns it, writes included, 0.8 ..), else None."""
     if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
         return 'checkpoint'   # (the param: all releases)
-    if eqn.primitive.name == 'while':   # all releases
-        written = _written_refs(eqn.effects, eqn.invars)
-        if any(isinstance(v, Var) and v in written
-               for v in eqn.invars[:eqn.params['cond_nconsts']]):
-            return 'condition'
-        return 'while' if written else None
-    return None
+    if eqn.primitive.name != 'while':   # all releases
+        return None
+    written = _written_refs(eqn.effects, eqn.invars)
+    cond_consts = eqn.invars[:eqn.params['cond_nconsts']]
+    return ('condition' if any(isinstance(v, Var) and v in written for v in cond_consts)
+            else 'while' if written else None)
 
 
 # How JAX refuses a Ref program, by its error texts (all releases unless marked): 'effects' (vmap
