@@ -136,10 +136,10 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
-def _nested_jaxprs(params) -> list:
-    """The jaxprs among the values of an equation's ``params``."""
+def _nested_jaxprs(params, closed: bool = False) -> list:
+    """The jaxprs among the values of an equation's ``params`` (``closed``: left closed)."""
     items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
-    return [i.jaxpr if isinstance(i, ClosedJaxpr) else i for i in items
+    return [i.jaxpr if isinstance(i, ClosedJaxpr) and not closed else i for i in items
             if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
@@ -153,9 +153,8 @@ def _all_eqns(jaxpr):
 
 def _nested_consts(jaxpr) -> list:
     """The constants of the closed jaxprs nested, at any depth, in ``jaxpr``'s equations."""
-    return [c for e in _all_eqns(jaxpr) for v in e.params.values()
-            for i in (v if isinstance(v, (tuple, list)) else (v,))
-            if isinstance(i, (ClosedJaxpr, Jaxpr)) for c in getattr(i, 'consts', ())]
+    return [c for e in _all_eqns(jaxpr) for i in _nested_jaxprs(e.params, closed=True)
+            for c in getattr(i, 'consts', ())]
 
 
 def _map_eqns(jaxpr, fun):
