@@ -332,9 +332,8 @@ def _call_body(eqn) -> tuple:
 def _folds(eqn) -> bool:
     """Whether an equation of no body, no effects, may be evaluated at fold time: randomness,
     callbacks, placement, axis queries and linearize's deferred tangents may not (all releases)."""
-    return not any(part in eqn.primitive.name for part in (
-        'random_', 'rng_', 'threefry', 'callback', 'debug_', 'device_put', 'axis_index',
-        'custom_lin'))
+    return not any(part in eqn.primitive.name for part in ('random_', 'rng_', 'threefry',
+                   'callback', 'debug_', 'device_put', 'axis_index', 'custom_lin'))
 
 
 def _written_refs(effects, inputs=None) -> set:
@@ -381,8 +380,7 @@ _REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effe
 def _refusal(err: BaseException):
     if isinstance(err, NotImplementedError) and not str(err):
         return 'effects'
-    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)),
-                None)
+    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)), None)
 
 
 def _unbound_axis(err: BaseException) -> bool:
@@ -1785,8 +1783,7 @@ def _call_key(sf, args, kwargs):
     dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
     static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
-    static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v))
-                       for i, v in static_args)
+    static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v)) for i, v in static_args)
     static_kw_key = tuple(sorted((k, _hash_static(sf, f'keyword argument {k!r}', v))
                                  for k, v in static_kwargs.items()))
     leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
