@@ -561,10 +561,9 @@ def _stale_sig(value, sig, weak_type: bool = False):
         got = _value_sig(value)
     except TypeError:
         return 'not a pytree of arrays'
-    if got == sig or (not weak_type and got[0] == sig[0] and all(
-            a[:2] == b[:2] for a, b in zip(got[1], sig[1]))):
-        return None
-    return got
+    same = got == sig or (not weak_type and got[0] == sig[0]
+                          and all(a[:2] == b[:2] for a, b in zip(got[1], sig[1])))
+    return None if same else got
 
 
 def _contains_tracer(tree) -> bool:
@@ -632,8 +631,7 @@ def _slot(state, slot: str):
 
 
 def _set_slot(state, slot: str, value) -> None:
-    frame = _innermost_overlay(_ctx.frames)
-    if frame is not None:
+    if (frame := _innermost_overlay(_ctx.frames)) is not None:
         frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack._commit
         return
     _check_tracers_may_enter(state, value, (), slot)
