@@ -576,7 +576,6 @@ _layout_epoch = 0
 
 
 def _multi_device(leaf):
-    """``leaf``'s sharding if it spans several devices, else ``None``."""
     sharding = None if isinstance(leaf, Tracer) else getattr(leaf, 'sharding', None)
     return sharding if sharding is not None and len(sharding.device_set) > 1 else None
 
@@ -617,7 +616,6 @@ _Broken = collections.namedtuple('_Broken', 'error message shown')   # a State's
 
 
 def _innermost_overlay(frames):
-    """The innermost stack with an overlay (see StateTraceStack), or None."""
     return next((frame for frame in reversed(frames) if frame._overlays), None)
 
 
@@ -1761,7 +1759,6 @@ def _static_positions(sf, nargs: int) -> tuple:
 
 
 def _hash_static(sf, where: str, value):
-    """The static ``value`` as part of a cache key: its ``make_hashable`` form."""
     _reject_states(value, f'{_who(sf)}: static {where}')
     h = make_hashable(value)
     try:
@@ -1933,7 +1930,6 @@ def explain_cache_misses(enabled: bool = True) -> bool:
 
 
 def _explain_flag(value):
-    """A constructor's ``explain_cache_misses`` argument, checked."""
     if value is not None and not isinstance(value, (bool, np.bool_)):
         raise TypeError(f'explain_cache_misses must be True, False or None (None follows '
                         f'stateful_jaxpr.explain_cache_misses()), got {value!r}')
