@@ -749,8 +749,7 @@ def _store(state, value) -> None:
     state._value, state._broken = value, None
 
 
-# States read under a plain JAX trace (outside stateful traces) while alive.
-_BAKED_STATES: 'weakref.WeakSet' = weakref.WeakSet()
+_BAKED_STATES = weakref.WeakSet()   # States read under a plain JAX trace (outside stateful traces)
 
 
 def _baked(state):
