@@ -591,8 +591,7 @@ def _multi_device(leaf):
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
-_frames_open = 0
-_frames_lock = threading.Lock()
+_frames_open, _frames_lock = 0, threading.Lock()
 
 
 def _open_frames(delta: int) -> None:
@@ -1651,8 +1650,7 @@ class BoundedCache:
     def __init__(self, maxsize: int = 128):
         if not _is_int(maxsize) or maxsize < 1:
             raise ValueError(f'BoundedCache(maxsize) needs an int >= 1, got {maxsize!r}')
-        self.maxsize = int(maxsize)
-        self._lock = threading.RLock()
+        self.maxsize, self._lock = int(maxsize), threading.RLock()
         self.clear()
 
     def _record(self, hit: bool) -> None:
@@ -1818,8 +1816,7 @@ def _rebuilder(split):
     """``rebuild(flat) -> (args, kwargs)`` putting static values back in place."""
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
-    statics = dict(static_args)
-    nargs = len(dyn_args) + len(statics)
+    statics, nargs = dict(static_args), len(dyn_args) + len(static_args)
 
     def rebuild(flat):
         dyn, kw = jax.tree_util.tree_unflatten(tree, flat)
