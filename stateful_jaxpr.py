@@ -2766,7 +2766,7 @@ class _Plan:
     """Which states a compiled call reads, writes and donates, and its dispatchers; shared by
     the entries that agree, and freed with the last of them."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
-                 'locks', 'dispatchers', 'warm_paths', 'layouts', '__weakref__')
+                 'locks', 'dispatchers', 'layouts', '__weakref__')
 
     def __init__(self, states, write_index, donate, written):
         self.token, self.states, self.write_index = next(_plan_tokens), states, write_index
@@ -2775,8 +2775,8 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
-        # By (token, nargs, donating): jax.jit, _warm_path; by multi-device layout: token.
-        self.dispatchers, self.warm_paths, self.layouts = {}, {}, {}
+        # By (token, nargs, donating): jax.jit; by multi-device layout: token.
+        self.dispatchers, self.layouts = {}, {}
 
 
 class _Entry:
@@ -2825,38 +2825,6 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
         for lock in locks:
             lock.release()
     return out, values
-
-
-def _warm_path(plan, dispatch):
-    """``warm(who, args, kwargs)``: ``_locked_call`` for ``plan``'s warm calls, strict, without
-    its general steps."""
-    first = plan.write_states[0]._value if plan.write_states else None
-    leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
-    states, all_locks, writes = plan.states, plan.locks, plan.write_states
-
-    def warm(who, args, kwargs):
-        """One call: every lock or none (then the long way); values unlike the States' own at
-        the first call (tracers) take ``_write_back``."""
-        strict, locks = True, all_locks   # (what _running reads)
-        for lock in locks:
-            if not lock.acquire(False):   # one is busy: the long way
-                for taken in locks[:locks.index(lock)]:
-                    taken.release()
-                locks = ()
-                return _locked_call(who, plan, dispatch, args, kwargs, True)[0]
-        try:
-            values = map(_real_value, states)   # (jax.jit's fast path takes no **{})
-            out, new = dispatch(*values, *args, **kwargs) if kwargs else dispatch(*values, *args)
-            if writes and type(new[0]) is leaf_type and not _under_jax_trace():
-                for state, value in zip(writes, new):
-                    state._value = value
-            elif writes or _under_jax_trace():
-                _write_back(who, plan, new)
-        finally:
-            for lock in locks:
-                lock.release()
-        return out
-    return _door(warm)
 
 
 def _kept_layout(state, new):
@@ -2930,19 +2898,25 @@ class _EagerCall(StateTraceStack):
 
 
 # The warm path: the last slow call's plan and dispatcher, for as long as they apply (slots:
-# every warm call reads them).
+# every warm call reads them).  ``leaf_type``: the type of the first written State's value.
 class _Fast:
-    __slots__ = ('plan', 'warm', 'dispatch', 'nargs', 'epoch', 'rules')
+    __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
+                 'leaf_type')
 
-    def __init__(self, *fields):
-        for name, value in zip(self.__slots__, fields):
-            setattr(self, name, value)
+    def __init__(self, plan, dispatch, nargs, epoch, rules):
+        self.plan, self.dispatch, self.nargs, self.epoch, self.rules = (
+            plan, dispatch, nargs, epoch, rules)
+        self.states, self.locks, self.writes = plan.states, plan.locks, plan.write_states
+        first = self.writes[0]._value if self.writes else None
+        self.leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
 
 
+@_door
 def _call(sf, *args, **kwargs):
-    """``__call__``: the warm path, through the door with its executable ready, where it still
-    applies, else the slow path; a call in a trace joins it, one in recording stacks only is
-    recorded there."""
+    """``__call__``.  The warm path, where it still applies: the door inline (every lock or
+    none, else the long way), strict, and values unlike the States' own at the first call
+    (tracers) through ``_write_back``; else the slow path.  A call in a trace joins it, one in
+    recording stacks only is recorded there."""
     if _frames_open and _ctx.frames:
         overlay = _innermost_overlay(_ctx.frames)
         if type(overlay) is _EagerCall:
@@ -2952,10 +2926,31 @@ def _call(sf, *args, **kwargs):
     if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
             fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
+    who, strict, locks, dispatch = sf, True, fast.locks, fast.dispatch   # (what _running reads)
     try:
-        out = fast.warm(sf, args, kwargs)
+        for lock in locks:
+            if not lock.acquire(False):   # one is busy: the long way
+                for taken in locks[:locks.index(lock)]:
+                    taken.release()
+                locks = ()
+                out = _locked_call(sf, fast.plan, dispatch, args, kwargs, True)[0]
+                break
+        else:
+            try:
+                values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
+                out, new = dispatch(*values, *args, **kwargs) if kwargs else dispatch(
+                    *values, *args)
+                writes = fast.writes
+                if writes and type(new[0]) is fast.leaf_type and not _under_jax_trace():
+                    for state, value in zip(writes, new):
+                        state._value = value
+                elif writes or _under_jax_trace():
+                    _write_back(sf, fast.plan, new)
+            finally:
+                for lock in locks:
+                    lock.release()
     except _Unprepared:   # a new signature: traced and compiled with no lock held
-        _forget_failed_calls(fast.dispatch)
+        _forget_failed_calls(dispatch)
         return sf._call_slow(args, kwargs, fast.plan)
     except (TypeError, ValueError, OverflowError):
         # An argument jax.jit refuses gets the slow path's clearer error here,
@@ -3230,11 +3225,8 @@ class StatefulFunction:
         self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            key = (at[1], len(args), bool(plan.donated))
-            if key not in plan.warm_paths:
-                plan.warm_paths[key] = _warm_path(plan, self._dispatcher(*key))
-            self._fast = _Fast(plan, plan.warm_paths[key], self._dispatcher(*key), len(args), at[0],
-                               entry.traced.rules)
+            self._fast = _Fast(plan, self._dispatcher(at[1], len(args), bool(plan.donated)),
+                               len(args), at[0], entry.traced.rules)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
