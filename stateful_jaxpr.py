@@ -2560,8 +2560,12 @@ class _Retracer:
     ========================================================  ===================================
     a run of the body ...                                       the next run
     ========================================================  ===================================
-    met a tracer of a finished trace in a body JAX cached      is *isolated*: under a fresh epoch
-    (UnexpectedTracerError, or tracer constants)               axis (so is every later trace)
+    read a State's concrete value in a body JAX may cache      stops there (``_Redo``) and is
+    (or failed a write into Refs it improvised)                redone, *isolated* in the first case:
+                                                               under a fresh epoch axis (so is every
+                                                               later trace)
+    met a tracer of a finished trace in a body JAX cached      is isolated
+    (UnexpectedTracerError, or tracer constants)
     wrote a State inside a nested transformation that it       lifts it as Refs from its first
     had not lifted as Refs                                     touch (so does every later trace;
                                                                also after JAX refusing a write,
@@ -2584,15 +2588,21 @@ class _Retracer:
         self.ref_states = weakref.WeakSet()   # States written inside nested transformations
         self.isolate = self.in_body = False   # in_body: this run wrote one inside a body
 
-    def next_run(self, pending: set, isolated: bool, err, consts):
-        """After a run: learns from it; None if it is final, else the next one's epoch."""
+    def next_run(self, epoch=None, pending=(), err=None, consts=()):
+        """The next run's epoch ('fresh', 'shared' or ''), after one under ``epoch`` (None: the
+        first run is next); None where that run is final."""
         self.ref_states.update(pending)
-        if not isolated and (isinstance(err, jax.errors.UnexpectedTracerError) or any(
+        in_body, self.in_body = self.in_body, False
+        if epoch is None or isinstance(err, _Redo):
+            epoch = 'fresh' if self.isolate else epoch or ''
+        elif epoch != 'fresh' and (isinstance(err, jax.errors.UnexpectedTracerError) or any(
                 isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
-            self.isolate = True
-            return 'fresh'
-        if pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
-            return 'fresh' if self.isolate else 'shared' if self.in_body else ''
+            self.isolate, epoch = True, 'fresh'
+        elif pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
+            epoch = 'fresh' if self.isolate else 'shared' if in_body else ''
+        else:
+            return None
+        return 'fresh' if _BAKED_STATES else epoch
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
@@ -2604,11 +2614,9 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     (StatefulMapping's per-lane shapes)."""
     retracer = _Retracer() if retracer is None else retracer
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
-    epoch, first = 'fresh' if retracer.isolate else '', None
-    while True:
+    epoch, refused = retracer.next_run(), None
+    while epoch is not None:
         pending, frames = set(), []
-        epoch = 'fresh' if _BAKED_STATES else epoch
-        retracer.in_body = False
 
         def flat_fun(*flat):
             frame = _TraceFrame(name, retracer, lift_aval, pending, epoch)
@@ -2622,28 +2630,21 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             try:
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
                 err = None
-            except _Redo:
-                retracer.ref_states.update(pending)
-                epoch = 'fresh' if retracer.isolate else epoch
-                continue
-            except Exception as caught:
-                # JAX refusing the Refs a run improvised: the run is redone, and should the
-                # next be refused too, the first refusal is told (where the write happened).
-                err, consts, failed = caught, (), (caught, frames[-1].cells if frames else ())
-                if _refusal(err):
-                    failed = first = first or failed
-            epoch = retracer.next_run(pending, epoch == 'fresh', err, consts)
-            if epoch is not None:
-                continue
-            if err is not None:
+            except (Exception, _Redo) as caught:
+                err, consts = caught, ()
+            # JAX refusing the Refs a run improvised: the run is redone, and should the next
+            # be refused too, the first refusal is told (where the write happened).
+            failed = (err, frames[-1].cells if frames else ())
+            if _refusal(err):
+                failed = refused = refused or failed
+            epoch = retracer.next_run(epoch, pending, err, consts)
+            if epoch is None and err is not None:
                 _explain_ref_refusal(*failed)
                 raise failed[0]
-            frame, closed = frames[-1], _rebuild(jaxpr, consts)
-            del jaxpr, consts
-            if frame.cells:   # (collectives in the jaxpr need the axis names still bound)
-                closed = _discharge_cells(closed, frame.cells)
-                frame.cells = None   # (the Ref jaxpr's tracers go before the collector resumes)
-        return frame.traced(closed, out_avals)
+            if epoch is None and frames[-1].cells:   # (collectives need the axes still bound)
+                jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), frames[-1].cells), None
+                frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
+    return frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
 
 
 def _abstracted_tracer(abstracted_axes, split):
