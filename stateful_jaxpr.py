@@ -2424,11 +2424,10 @@ class _RefCell:
             for ref, leaf in zip(self.refs, leaves):
                 # The primal under a differentiation; where JAX cannot tell (.. 0.5, inside a
                 # body) what it takes: the value, or else its primal.
-                first, second = (jax.lax.stop_gradient(leaf), leaf)[::-1 if not primal else 1]
                 try:
-                    _ref_set(ref, (), first)
+                    _ref_set(ref, (), jax.lax.stop_gradient(leaf) if primal else leaf)
                 except Exception:
-                    _ref_set(ref, (), second)
+                    _ref_set(ref, (), leaf if primal else jax.lax.stop_gradient(leaf))
         except Exception as err:
             if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
                 raise _Redo from err
