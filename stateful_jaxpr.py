@@ -2083,6 +2083,8 @@ class _TraceFrame(StateTraceStack):
         self._jax_trace = _current_trace()      # a nested transformation's differs
         self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
+        self._diffs: dict = {}                  # id -> a differentiation a State was written in
+        self._diff_written: dict = {}           # id -> a State written so (see peel)
         self._inputs: dict = {}                 # id(input tracer) -> its State
         self.cells: list = []                   # the _RefCells, for the discharge
         self.sigs: dict = {}                    # id(state) -> its traced signature
@@ -2137,7 +2139,7 @@ class _TraceFrame(StateTraceStack):
                         'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values = [self._values[id(self.states[i])] for i in returned]
-        values = [v.read() if type(v) is _RefCell else v for v in values]
+        values = [v.read() if type(v) is _RefCell else self.peel(v) for v in values]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
         part = dict(zip(returned, values))
         part = tuple(part.get(i) for i in range(len(self.states)))
@@ -2160,6 +2162,17 @@ class _TraceFrame(StateTraceStack):
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
                        rules=_has_custom_rules(closed.jaxpr), **self.result)
 
+    def peel(self, value, alive=frozenset()):
+        """``value`` with each tracer of a differentiation a State was written in directly that
+        has ended (not in ``alive``, ids) replaced by its primal: the State is a local variable
+        of the differentiated function, which afterwards holds the primal value."""
+        def primal(x):
+            while (trace := getattr(x, '_trace', None)) is not None and (
+                    id(trace) in self._diffs and id(trace) not in alive):
+                x = _primal(x, trace)
+            return x
+        return jax.tree_util.tree_map(primal, value)
+
     def _renew_epoch(self) -> None:
         """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
         self._epoch.close()
@@ -2167,6 +2180,8 @@ class _TraceFrame(StateTraceStack):
         self.isolated = True
 
     def __exit__(self, *exc):
+        if exc[1] is not None and _refusal(exc[1]):   # JAX refusing what such a local does:
+            self._pending.update(self._diff_written.values())   # as Refs, the refusal names it
         try:
             return super().__exit__(*exc)
         finally:
@@ -2203,33 +2218,52 @@ def _touch_all(state, frames, write: bool):
 
 
 def _view(state, entry, frame):
-    """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``."""
+    """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``; one
+    written directly in differentiations whose end the traces here cannot tell (.. 0.5 in a
+    body, a custom rule JAX traces apart) is read from Refs instead: the run is redone."""
     if type(entry) is _RefCell:
         return entry.read()
-    if frame is not None and frame._jax_trace is not None and (
-            _current_trace() is not frame._jax_trace):
-        frame._nested_reads.add(id(state))   # a nested transformation closes over it
-        if not all(isinstance(x, Tracer) for x in _leaves(entry)):
-            # JAX may cache that value with the body, for any later trace: a run in JAX's own
-            # context stops before it does, and is redone under a fresh epoch.
-            frame._retracer.isolate = True
-            if not frame.isolated and _in_body(frame._jax_trace):
-                raise _Redo
+    if frame is None or frame._jax_trace is None or (
+            _current_trace() is frame._jax_trace and id(state) not in frame._diff_written):
+        return entry
+    path, whole = _trace_path(frame._jax_trace)
+    if id(state) in frame._diff_written:
+        if whole is not True:
+            frame._retracer.ref_states.add(state)
+            raise _Redo
+        entry = frame.peel(entry, set(map(id, path)))
+    if _in_body(path, whole):
+        frame._nested_reads.add(id(state))   # a body JAX may cache closes over it
+    if path and not all(isinstance(x, Tracer) for x in _leaves(entry)):
+        # JAX may cache that value with the body, for any later trace: a run in JAX's own
+        # context stops before it does, and is redone under a fresh epoch.
+        frame._retracer.isolate = True
+        if not frame.isolated and _in_body(path, whole):
+            raise _Redo
     return entry
 
 
-def _in_body(home) -> bool:
-    """Whether the current trace builds a body (of a loop, cond or jit) JAX may cache."""
-    path, whole = _trace_path(home)
+def _in_body(path, whole) -> bool:
+    """Whether the traces ``path`` (from ``_trace_path``) build a body (of a loop, cond or jit)
+    JAX may cache."""
     return not whole or any(type(t) is _JaxprTrace for t in path)
 
 
 def _traced_write(state, value, frames, written: bool):
     """Writes ``value`` into the innermost overlay's view of ``state`` (its Refs where held so),
-    else into the State; a first write inside a nested transformation gives it Refs."""
+    else into the State; a first write inside a nested transformation other than
+    differentiations alone (in which the State is a local variable) gives it Refs."""
     entry, target = _touch_all(state, frames, write=written)
+    local = False   # written directly in differentiations (see _TraceFrame.peel)
     if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
-        if _current_trace() is not target._jax_trace:
+        path, whole = ((), True) if _current_trace() is target._jax_trace else _trace_path(
+            target._jax_trace)
+        if whole is True and all(isinstance(t, _DIFF_TRACES) for t in path):
+            if path:
+                local = True
+                target._diffs.update((id(t), t) for t in path)
+                target._diff_written[id(state)] = state
+        else:
             if not _HAS_REFS:
                 raise TraceContextError(
                     f'{state._describe()} is written inside a nested JAX transformation; '
@@ -2241,9 +2275,9 @@ def _traced_write(state, value, frames, written: bool):
             entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = entry
             target._pending.add(state)
-            if _in_body(target._jax_trace):
+            if _in_body(path, whole):
                 target._retracer.in_body = True
-        elif id(state) in target._nested_reads:
+        if type(entry) is not _RefCell and id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
             target._renew_epoch()
             target._nested_reads.clear()
@@ -2251,7 +2285,7 @@ def _traced_write(state, value, frames, written: bool):
         entry.write(value)
         return
     allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
-    _check_tracers_may_enter(state, value, allowed)
+    _check_tracers_may_enter(state, target.peel(value) if local else value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
         _store(state, value)
     else:
@@ -2565,21 +2599,21 @@ class _Retracer:
                                                                later trace)
     met a tracer of a finished trace in a body JAX cached      is isolated
     (UnexpectedTracerError, or tracer constants)
-    wrote a State inside a nested transformation that it       lifts it as Refs from its first
-    had not lifted as Refs                                     touch (so does every later trace;
-                                                               also after JAX refusing a write,
-                                                               told if it recurs), under the
-                                                               shared epoch if written in a body
-                                                               JAX may have cached with the old
+    wrote a State inside a nested transformation (but          lifts it as Refs from its first
+    directly in differentiations, where it is a local          touch (so does every later trace;
+    variable) that it had not lifted as Refs; or JAX           also after JAX refusing a write,
+    refused what such a local variable did, or read one        told if it recurs), under the
+    where the traces cannot tell which differentiations        shared epoch if written in a body
+    ended (the read stops the run)                             JAX may have cached with the old
                                                                Refs (isolated if it was isolated)
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
-    So a first trace runs the body once, twice when it writes States inside nested
-    transformations, three times only when a body JAX cached from an earlier trace (of another
-    function sharing it) is in the way; a later signature runs it once unless it writes a State
-    no earlier trace did.  A run is also isolated while a State read by a plain JAX trace is alive
-    (``_BAKED_STATES``): any cached jaxpr may hold it.
+    So a first trace runs the body once, twice when it writes States inside loop, cond or jit
+    bodies or under jax.vmap (or under jax.grad before JAX 0.7), three times only when a body JAX
+    cached from an earlier trace (of another function sharing it) is in the way; a later signature
+    runs it once unless it writes such a State no earlier trace did.  A run is also isolated while
+    a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('ref_states', 'isolate', 'in_body')
 
@@ -2632,10 +2666,10 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
             # JAX refusing the Refs a run improvised: the run is redone, and should the next
-            # be refused too, the first refusal is told (where the write happened).
+            # be refused too, the first refusal of Refs is told (where the write happened).
             failed = (err, frames[-1].cells if frames else ())
             if _refusal(err):
-                failed = refused = refused or failed
+                failed = refused = refused if refused and refused[1] else failed
             epoch = retracer.next_run(epoch, pending, err, consts)
             if epoch is None and err is not None:
                 _explain_ref_refusal(*failed)

@@ -3386,7 +3386,8 @@ class CustomRuleTest(unittest.TestCase):
 
 class RunCountTest(unittest.TestCase):
     """The body runs once on a first trace, twice when it writes a State inside a nested
-    transformation, once per later signature (see the retracer's table)."""
+    transformation other than differentiations alone, once per later signature (see the
+    retracer's table)."""
 
     def test_runs(self):
         h, w = State(jnp.zeros(3), name='rc_h'), State(jnp.ones(3), name='rc_w')
@@ -3412,6 +3413,40 @@ class RunCountTest(unittest.TestCase):
                 sf(jnp.float32(1.0))
                 self.assertEqual(runs[0], first + 1)      # a later signature: once
         self.assertIn('the next run', sj._Retracer.__doc__)
+
+    def test_a_state_written_directly_in_a_differentiation_runs_the_body_once(self):
+        # There the State is a local variable of the differentiated function, held without Refs
+        # (jax.grad from JAX 0.7, which linearizes directly; jax.jvp on every release), and
+        # afterwards it holds the primal: the hand-threaded program's values, gradient and aux.
+        p, stat = State(jnp.float32(3.0), name='rc_p'), State(jnp.float32(0.25), name='rc_stat')
+        runs = [0]
+
+        def step(x):
+            runs[0] += 1
+
+            def loss(q):
+                p.value = q
+                stat.value = 0.5 * stat.value + p.value * x
+                return (p.value * stat.value) ** 2
+            value, g = jax.value_and_grad(loss)(p.value)
+            y, t = jax.jvp(loss, (p.value,), (jnp.float32(1.0),))
+            p.value = p.value - 0.1 * g
+            return value, g, y, t, stat.value
+
+        def by_hand(x, p, stat):
+            def loss(q, stat):
+                stat = 0.5 * stat + q * x
+                return (q * stat) ** 2, stat
+            (value, stat), g = jax.value_and_grad(loss, has_aux=True)(p, stat)
+            (y, stat), (t, _) = jax.jvp(lambda q: loss(q, stat), (p,), (jnp.float32(1.0),))
+            return (value, g, y, t, stat), p - 0.1 * g, stat
+        want, want_p, want_stat = by_hand(2.0, jnp.float32(3.0), jnp.float32(0.25))
+        got = StatefulFunction(step)(2.0)
+        self.assertEqual(runs[0], 1 if _JAX_VERSION >= (0, 7) else 2)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(p.value, want_p, rtol=1e-6)
+        np.testing.assert_allclose(stat.value, want_stat, rtol=1e-6)
 
     def test_a_custom_rule_in_the_body_runs_once_on_a_first_call(self):
         s, runs = State(jnp.float32(2.0), name='rc_rule'), [0]
