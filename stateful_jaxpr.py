@@ -591,13 +591,8 @@ def _multi_device(leaf):
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
-_frames_open, _frames_lock = 0, threading.Lock()
-
-
-def _open_frames(delta: int) -> None:
-    global _frames_open
-    with _frames_lock:
-        _frames_open += delta
+# One item per open stack: list.append and list.pop are atomic, so it needs no lock.
+_frames_open = []
 
 
 class _Context(threading.local):
@@ -1211,7 +1206,7 @@ class StateTraceStack:
         self._touch(state, state._value, True)
 
     def __enter__(self):
-        _open_frames(+1)
+        _frames_open.append(None)
         _ctx.frames.append(self)
         return self
 
@@ -1219,7 +1214,7 @@ class StateTraceStack:
         """Leaves the stack (LIFO); without an error, hands on the side slots written inside."""
         frames = _ctx.frames
         if self in frames:
-            _open_frames(-1)
+            _frames_open.pop()
         if not frames or frames[-1] is not self:
             if self in frames:
                 frames.remove(self)
