@@ -638,26 +638,24 @@ def _slot_property(slot: str, doc: str, settable: bool = True) -> property:
 def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None:
     """Refuses a tracer that would outlive its trace in ``state``'s value or side ``slot``: one
     from neither the trace that made ``state`` nor ``traces`` (the stateful ones around)."""
-    for leaf in _leaves(value):
-        if not isinstance(leaf, Tracer) or (
-                (trace := _tracer_trace(leaf)) is state._creation_trace or trace in traces):
-            continue
-        if slot != '_value':
-            fix = ('call restore_key() before the traced function returns, or backup_key() '
-                   'outside it' if slot == '_backup' else 'give it a concrete value')
-            problem = f'would keep a tracer in its {slot[1:]} after the trace that made it; {fix}'
-        elif traces:
-            problem = ('was assigned a traced value in a JAX transformation (lax.scan, lax.cond, '
-                       'an inner jax.jit, jax.grad ...) nested in the stateful function that '
-                       'created it: no enclosing trace can thread it out.  Create the State '
-                       'outside the function, or return the value from the transformation and '
-                       'assign it outside')
-        else:
-            problem = ('was assigned a JAX tracer outside any stateful trace (e.g. in a plain '
-                       'jax.jit, jax.grad or jax.vmap), which it would outlive.  Wrap the outer '
-                       'function in StatefulFunction (or StatefulMapping) to thread State updates, '
-                       'or thread the values explicitly with StatefulFunction.jaxpr_call()')
-        raise TraceContextError(f'{state._describe()} {problem}')
+    if all(not isinstance(leaf, Tracer) or (trace := _tracer_trace(leaf)) is state._creation_trace
+           or trace in traces for leaf in _leaves(value)):
+        return
+    if slot != '_value':
+        fix = ('call restore_key() before the traced function returns, or backup_key() '
+               'outside it' if slot == '_backup' else 'give it a concrete value')
+        problem = f'would keep a tracer in its {slot[1:]} after the trace that made it; {fix}'
+    elif traces:
+        problem = ('was assigned a traced value in a JAX transformation (lax.scan, lax.cond, an '
+                   'inner jax.jit, jax.grad ...) nested in the stateful function that created it: '
+                   'no enclosing trace can thread it out.  Create the State outside the function, '
+                   'or return the value from the transformation and assign it outside')
+    else:
+        problem = ('was assigned a JAX tracer outside any stateful trace (e.g. in a plain '
+                   'jax.jit, jax.grad or jax.vmap), which it would outlive.  Wrap the outer '
+                   'function in StatefulFunction (or StatefulMapping) to thread State updates, '
+                   'or thread the values explicitly with StatefulFunction.jaxpr_call()')
+    raise TraceContextError(f'{state._describe()} {problem}')
 
 
 # -- The door: every read-modify-write of State values outside a trace -----------------------
