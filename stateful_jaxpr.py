@@ -615,11 +615,8 @@ def _innermost_overlay(frames):
 
 def _slot(state, slot: str):
     """A side slot of ``state`` as the innermost stack that wrote it sees it."""
-    for frame in reversed(_ctx.frames):
-        entry = frame._side.get((id(state), slot))
-        if entry is not None:
-            return entry[2]
-    return getattr(state, slot)
+    entries = (frame._side.get((id(state), slot)) for frame in reversed(_ctx.frames))
+    return next((entry[2] for entry in entries if entry is not None), getattr(state, slot))
 
 
 def _set_slot(state, slot: str, value) -> None:
