@@ -1924,12 +1924,10 @@ def _explain_flag(value):
 
 def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
-    found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
-    for label in dict.fromkeys(list(olds) + list(news)):
-        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
-        if a != b:
-            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
+    olds, news = dict(_static_items(old)), dict(_static_items(new))
+    shown = lambda d, k: repr(d[k]) if k in d else '(not passed)'   # noqa: E731
+    found = [('static argument', f'{k}: {shown(olds, k)} -> {shown(news, k)}')
+             for k in {**olds, **news} if olds.get(k, _MISSING) != news.get(k, _MISSING)]
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
         here, labels = labels[:len(sigs_b)], labels[len(sigs_b):]
