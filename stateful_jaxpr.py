@@ -231,8 +231,7 @@ def _trace_path(home) -> tuple:
     path, trace = [], _src_core.trace_ctx.trace
     while trace is not home and not isinstance(trace, _src_core.EvalTrace):
         path.append(trace)
-        trace = _parent(trace)
-        if trace is None:
+        if (trace := _parent(trace)) is None:
             return path, None if hasattr(path[-1], 'parent_trace') else False
     return path, True
 
@@ -781,8 +780,7 @@ class State:
     @property
     def value(self):
         """The current value; reads and writes are recorded while tracing."""
-        frames = _ctx.frames
-        if frames:
+        if frames := _ctx.frames:
             return _traced_read(self, frames)
         if self._broken is not None:
             self._raise_broken()
@@ -799,18 +797,16 @@ class State:
     def _assign(self, v, written: bool) -> None:
         """Checks ``v`` and hands it to the innermost stateful trace, else to the State."""
         self._check_value(v)
-        frames = _ctx.frames
         if _ctx.check_tree:
-            frame = _innermost_overlay(frames)
+            frame = _innermost_overlay(_ctx.frames)
             cur = self._value if frame is None else frame._values.get(id(self), self._value)
             old = cur.treedef if type(cur) is _RefCell else jax.tree_util.tree_structure(cur)
-            new = jax.tree_util.tree_structure(v)
-            if old != new:
+            if old != (new := jax.tree_util.tree_structure(v)):
                 raise ValueError(
                     f'the pytree structure of {self._describe()} would change from {old} to '
                     f'{new} inside check_state_value_tree(); assign a value with the same '
                     'structure or leave the check_state_value_tree() block')
-        if frames:
+        if frames := _ctx.frames:
             _traced_write(self, v, frames, written=written)
         else:
             _check_tracers_may_enter(self, v, ())
@@ -1039,8 +1035,7 @@ def _is_key(x) -> bool:
 def _make_key(seed_or_key, owner: str):
     """The key a RandomState holds for a seed (int, integer array or None: a random one); any
     other ``seed_or_key`` as given, for RandomState._check_value.  ``owner`` names it in errors."""
-    if seed_or_key is None:
-        seed_or_key = _pyrandom.randrange(2 ** 31)
+    seed_or_key = _pyrandom.randrange(2 ** 31) if seed_or_key is None else seed_or_key
     if _is_int(seed_or_key):
         if not -2 ** 63 <= seed_or_key < 2 ** 63:
             raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
@@ -1124,8 +1119,7 @@ class RandomState(State):
     @_atomic
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
-        backup = _slot(self, '_backup')
-        if backup is None:
+        if (backup := _slot(self, '_backup')) is None:
             raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                              'call backup_key() first')
         self.value = backup
@@ -1180,8 +1174,7 @@ class StateTraceStack:
             self._values[id(state)] = self._lift(state, state._value)
 
     def _touch(self, state, current, write: bool):
-        index = self._index.get(id(state))
-        if index is None:
+        if (index := self._index.get(id(state))) is None:
             self._index[id(state)] = len(self.states)
             self.states.append(state)
             self.been_writen.append(write)
@@ -1751,10 +1744,9 @@ def _hash_static(sf, where: str, value):
     try:
         hash(h)
     except TypeError:
-        raise TypeError(
-            f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
-            'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic') from None
+        raise TypeError(f'{_who(sf)}: static {where} of type {type(value).__name__} is not '
+                        'hashable; static arguments are cache keys. Pass a hashable value (e.g. a '
+                        'tuple) or make the argument dynamic') from None
     return h
 
 
