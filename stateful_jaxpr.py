@@ -3534,22 +3534,6 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 
 
-def _grad_targets(grad_states, argnums):
-    """``grad``'s States (flat, their tree, each once) and ``argnums`` as a sequence or None."""
-    pairs, tree = jax.tree_util.tree_flatten_with_path(
-        grad_states, is_leaf=lambda x: isinstance(x, State))
-    for path, x in pairs:
-        if not isinstance(x, State):
-            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
-                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
-    states = [leaf for _, leaf in pairs]
-    uniq = list(dict.fromkeys(states))
-    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
-    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
-        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
-    return states, tree, uniq, nums
-
-
 def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool) -> None:
     """Refuses a grad State ``inner`` never touches, or one holding non-float values."""
     missing = [s._describe() for s in uniq if s not in touched and check_states]
@@ -3587,7 +3571,18 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     if fun is None:
         return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
                               return_value, check_states=check_states)
-    inner, (states, tree, uniq, nums) = StatefulFunction(fun), _grad_targets(grad_states, argnums)
+    inner = StatefulFunction(fun)
+    pairs, tree = jax.tree_util.tree_flatten_with_path(
+        grad_states, is_leaf=lambda x: isinstance(x, State))
+    for path, x in pairs:
+        if not isinstance(x, State):
+            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
+                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
+    states = [leaf for _, leaf in pairs]   # in ``tree``'s order; ``uniq``: each once
+    uniq = list(dict.fromkeys(states))
+    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
+    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
+        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
 
     def run(*args, **kwargs):
         """A call: ``jax.grad`` of ``inner``'s pure form; the States it writes are then set."""
@@ -3698,7 +3693,6 @@ def _lane_args(sf, leaves, split):
 
 
 def _check_sizes(sf, sizes) -> None:
-    """``sizes``, ``[(where, size), ...]``, must name one batch size."""
     if len({s for _, s in sizes}) > 1:
         listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
         raise BatchAxisError(f'{_who(sf)}: Inconsistent batch sizes:\n{listing}\nall mapped '
@@ -3891,12 +3885,11 @@ class StatefulMapping(StatefulFunction):
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
 
-def _key_data(tree, impls=None):
+def _key_data(tree, impls=()):
     """Typed keys as key data (jax.export up to 0.5 takes no keys); with ``impls``, the reverse."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if impls is None:
-        leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
-    for i, impl in impls or ():
+    leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
+    for i, impl in impls:
         leaves[i] = jax.random.wrap_key_data(leaves[i], impl=impl)
     return treedef.unflatten(leaves)
 
@@ -3927,8 +3920,7 @@ def _pytree_slots(exported) -> list:
 
 
 def _unregistered(err, where: str, slots):
-    """For ``err``, jax.export refusing a pytree type it has no registration for, a ValueError
-    naming the ``slots`` ((label, type names), ...) holding it, and the fix; else None."""
+    """jax.export's refusal ``err`` of an unregistered pytree type, naming its slots; else None."""
     found = _unregistered_type(err)
     held = found and ', '.join(dict.fromkeys(k for k, ts in slots if found[1] in map(str, ts)))
     return found and ValueError(
@@ -3963,10 +3955,9 @@ class Exported:
             data = bytes(self.exported.serialize(vjp_order=vjp_order))
         except ValueError as err:
             where = f"Exported.serialize of {self.manifest['function']!r}"
-            better = _unregistered(err, where, slots)
-            if better is None:
-                raise
-            raise better from err
+            if better := _unregistered(err, where, slots):
+                raise better from err
+            raise
         names, registry = {}, _probe(_EXPORT_REGISTRY) or {}   # a loading process lacking a
         for label, types in slots:                              # type hears which slot holds it
             names.setdefault(label, set()).update(registry[t][0] for t in types if t in registry)
