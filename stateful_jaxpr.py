@@ -231,8 +231,7 @@ def _trace_path(home) -> tuple:
     path, trace = [], _src_core.trace_ctx.trace
     while trace is not home and not isinstance(trace, _src_core.EvalTrace):
         path.append(trace)
-        trace = _parent(trace)
-        if trace is None:
+        if (trace := _parent(trace)) is None:
             return path, None if hasattr(path[-1], 'parent_trace') else False
     return path, True
 
@@ -591,13 +590,8 @@ def _multi_device(leaf):
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
-_frames_open, _frames_lock = 0, threading.Lock()
-
-
-def _open_frames(delta: int) -> None:
-    global _frames_open
-    with _frames_lock:
-        _frames_open += delta
+# One item per open stack: list.append and list.pop are atomic, so it needs no lock.
+_frames_open = []
 
 
 class _Context(threading.local):
@@ -620,11 +614,8 @@ def _innermost_overlay(frames):
 
 def _slot(state, slot: str):
     """A side slot of ``state`` as the innermost stack that wrote it sees it."""
-    for frame in reversed(_ctx.frames):
-        entry = frame._side.get((id(state), slot))
-        if entry is not None:
-            return entry[2]
-    return getattr(state, slot)
+    entries = (frame._side.get((id(state), slot)) for frame in reversed(_ctx.frames))
+    return next((entry[2] for entry in entries if entry is not None), getattr(state, slot))
 
 
 def _set_slot(state, slot: str, value) -> None:
@@ -643,26 +634,24 @@ def _slot_property(slot: str, doc: str, settable: bool = True) -> property:
 def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None:
     """Refuses a tracer that would outlive its trace in ``state``'s value or side ``slot``: one
     from neither the trace that made ``state`` nor ``traces`` (the stateful ones around)."""
-    for leaf in _leaves(value):
-        if not isinstance(leaf, Tracer) or (
-                (trace := _tracer_trace(leaf)) is state._creation_trace or trace in traces):
-            continue
-        if slot != '_value':
-            fix = ('call restore_key() before the traced function returns, or backup_key() '
-                   'outside it' if slot == '_backup' else 'give it a concrete value')
-            problem = f'would keep a tracer in its {slot[1:]} after the trace that made it; {fix}'
-        elif traces:
-            problem = ('was assigned a traced value in a JAX transformation (lax.scan, lax.cond, '
-                       'an inner jax.jit, jax.grad ...) nested in the stateful function that '
-                       'created it: no enclosing trace can thread it out.  Create the State '
-                       'outside the function, or return the value from the transformation and '
-                       'assign it outside')
-        else:
-            problem = ('was assigned a JAX tracer outside any stateful trace (e.g. in a plain '
-                       'jax.jit, jax.grad or jax.vmap), which it would outlive.  Wrap the outer '
-                       'function in StatefulFunction (or StatefulMapping) to thread State updates, '
-                       'or thread the values explicitly with StatefulFunction.jaxpr_call()')
-        raise TraceContextError(f'{state._describe()} {problem}')
+    if all(not isinstance(leaf, Tracer) or (trace := _tracer_trace(leaf)) is state._creation_trace
+           or trace in traces for leaf in _leaves(value)):
+        return
+    if slot != '_value':
+        fix = ('call restore_key() before the traced function returns, or backup_key() '
+               'outside it' if slot == '_backup' else 'give it a concrete value')
+        problem = f'would keep a tracer in its {slot[1:]} after the trace that made it; {fix}'
+    elif traces:
+        problem = ('was assigned a traced value in a JAX transformation (lax.scan, lax.cond, an '
+                   'inner jax.jit, jax.grad ...) nested in the stateful function that created it: '
+                   'no enclosing trace can thread it out.  Create the State outside the function, '
+                   'or return the value from the transformation and assign it outside')
+    else:
+        problem = ('was assigned a JAX tracer outside any stateful trace (e.g. in a plain '
+                   'jax.jit, jax.grad or jax.vmap), which it would outlive.  Wrap the outer '
+                   'function in StatefulFunction (or StatefulMapping) to thread State updates, '
+                   'or thread the values explicitly with StatefulFunction.jaxpr_call()')
+    raise TraceContextError(f'{state._describe()} {problem}')
 
 
 # -- The door: every read-modify-write of State values outside a trace -----------------------
@@ -791,8 +780,7 @@ class State:
     @property
     def value(self):
         """The current value; reads and writes are recorded while tracing."""
-        frames = _ctx.frames
-        if frames:
+        if frames := _ctx.frames:
             return _traced_read(self, frames)
         if self._broken is not None:
             self._raise_broken()
@@ -809,18 +797,16 @@ class State:
     def _assign(self, v, written: bool) -> None:
         """Checks ``v`` and hands it to the innermost stateful trace, else to the State."""
         self._check_value(v)
-        frames = _ctx.frames
         if _ctx.check_tree:
-            frame = _innermost_overlay(frames)
+            frame = _innermost_overlay(_ctx.frames)
             cur = self._value if frame is None else frame._values.get(id(self), self._value)
             old = cur.treedef if type(cur) is _RefCell else jax.tree_util.tree_structure(cur)
-            new = jax.tree_util.tree_structure(v)
-            if old != new:
+            if old != (new := jax.tree_util.tree_structure(v)):
                 raise ValueError(
                     f'the pytree structure of {self._describe()} would change from {old} to '
                     f'{new} inside check_state_value_tree(); assign a value with the same '
                     'structure or leave the check_state_value_tree() block')
-        if frames:
+        if frames := _ctx.frames:
             _traced_write(self, v, frames, written=written)
         else:
             _check_tracers_may_enter(self, v, ())
@@ -1049,8 +1035,7 @@ def _is_key(x) -> bool:
 def _make_key(seed_or_key, owner: str):
     """The key a RandomState holds for a seed (int, integer array or None: a random one); any
     other ``seed_or_key`` as given, for RandomState._check_value.  ``owner`` names it in errors."""
-    if seed_or_key is None:
-        seed_or_key = _pyrandom.randrange(2 ** 31)
+    seed_or_key = _pyrandom.randrange(2 ** 31) if seed_or_key is None else seed_or_key
     if _is_int(seed_or_key):
         if not -2 ** 63 <= seed_or_key < 2 ** 63:
             raise OverflowError(f'{owner}: the seed {seed_or_key} does not fit in 64 bits; '
@@ -1134,8 +1119,7 @@ class RandomState(State):
     @_atomic
     def restore_key(self) -> None:
         """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
-        backup = _slot(self, '_backup')
-        if backup is None:
+        if (backup := _slot(self, '_backup')) is None:
             raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                              'call backup_key() first')
         self.value = backup
@@ -1190,8 +1174,7 @@ class StateTraceStack:
             self._values[id(state)] = self._lift(state, state._value)
 
     def _touch(self, state, current, write: bool):
-        index = self._index.get(id(state))
-        if index is None:
+        if (index := self._index.get(id(state))) is None:
             self._index[id(state)] = len(self.states)
             self.states.append(state)
             self.been_writen.append(write)
@@ -1211,7 +1194,7 @@ class StateTraceStack:
         self._touch(state, state._value, True)
 
     def __enter__(self):
-        _open_frames(+1)
+        _frames_open.append(None)
         _ctx.frames.append(self)
         return self
 
@@ -1219,7 +1202,7 @@ class StateTraceStack:
         """Leaves the stack (LIFO); without an error, hands on the side slots written inside."""
         frames = _ctx.frames
         if self in frames:
-            _open_frames(-1)
+            _frames_open.pop()
         if not frames or frames[-1] is not self:
             if self in frames:
                 frames.remove(self)
@@ -1761,10 +1744,9 @@ def _hash_static(sf, where: str, value):
     try:
         hash(h)
     except TypeError:
-        raise TypeError(
-            f'{_who(sf)}: static {where} of type {type(value).__name__} is not hashable; '
-            'static arguments are cache keys. Pass a hashable value (e.g. a tuple) or make '
-            'the argument dynamic') from None
+        raise TypeError(f'{_who(sf)}: static {where} of type {type(value).__name__} is not '
+                        'hashable; static arguments are cache keys. Pass a hashable value (e.g. a '
+                        'tuple) or make the argument dynamic') from None
     return h
 
 
@@ -1934,12 +1916,10 @@ def _explain_flag(value):
 
 def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
-    found, olds, news = [], dict(_static_items(old)), dict(_static_items(new))
-    for label in dict.fromkeys(list(olds) + list(news)):
-        a, b = olds.get(label, _MISSING), news.get(label, _MISSING)
-        if a != b:
-            shown = ['(not passed)' if v is _MISSING else repr(v) for v in (a, b)]
-            found.append(('static argument', f'{label}: {shown[0]} -> {shown[1]}'))
+    olds, news = dict(_static_items(old)), dict(_static_items(new))
+    shown = lambda d, k: repr(d[k]) if k in d else '(not passed)'   # noqa: E731
+    found = [('static argument', f'{k}: {shown(olds, k)} -> {shown(news, k)}')
+             for k in {**olds, **news} if olds.get(k, _MISSING) != news.get(k, _MISSING)]
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
         here, labels = labels[:len(sigs_b)], labels[len(sigs_b):]
@@ -3560,22 +3540,6 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # =============================================================================
 
 
-def _grad_targets(grad_states, argnums):
-    """``grad``'s States (flat, their tree, each once) and ``argnums`` as a sequence or None."""
-    pairs, tree = jax.tree_util.tree_flatten_with_path(
-        grad_states, is_leaf=lambda x: isinstance(x, State))
-    for path, x in pairs:
-        if not isinstance(x, State):
-            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
-                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
-    states = [leaf for _, leaf in pairs]
-    uniq = list(dict.fromkeys(states))
-    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
-    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
-        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
-    return states, tree, uniq, nums
-
-
 def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool) -> None:
     """Refuses a grad State ``inner`` never touches, or one holding non-float values."""
     missing = [s._describe() for s in uniq if s not in touched and check_states]
@@ -3613,7 +3577,18 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     if fun is None:
         return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
                               return_value, check_states=check_states)
-    inner, (states, tree, uniq, nums) = StatefulFunction(fun), _grad_targets(grad_states, argnums)
+    inner = StatefulFunction(fun)
+    pairs, tree = jax.tree_util.tree_flatten_with_path(
+        grad_states, is_leaf=lambda x: isinstance(x, State))
+    for path, x in pairs:
+        if not isinstance(x, State):
+            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
+                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
+    states = [leaf for _, leaf in pairs]   # in ``tree``'s order; ``uniq``: each once
+    uniq = list(dict.fromkeys(states))
+    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
+    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
+        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
 
     def run(*args, **kwargs):
         """A call: ``jax.grad`` of ``inner``'s pure form; the States it writes are then set."""
@@ -3724,7 +3699,6 @@ def _lane_args(sf, leaves, split):
 
 
 def _check_sizes(sf, sizes) -> None:
-    """``sizes``, ``[(where, size), ...]``, must name one batch size."""
     if len({s for _, s in sizes}) > 1:
         listing = '\n'.join(f'  - {where}: {size}' for where, size in sizes)
         raise BatchAxisError(f'{_who(sf)}: Inconsistent batch sizes:\n{listing}\nall mapped '
@@ -3917,12 +3891,11 @@ class StatefulMapping(StatefulFunction):
 _EXPORT_MAGIC = b'stateful_jaxpr.export 2\n'   # the number is the container's format
 
 
-def _key_data(tree, impls=None):
+def _key_data(tree, impls=()):
     """Typed keys as key data (jax.export up to 0.5 takes no keys); with ``impls``, the reverse."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if impls is None:
-        leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
-    for i, impl in impls or ():
+    leaves = [jax.random.key_data(x) if _is_typed_key(x) else x for x in leaves]
+    for i, impl in impls:
         leaves[i] = jax.random.wrap_key_data(leaves[i], impl=impl)
     return treedef.unflatten(leaves)
 
@@ -3953,8 +3926,7 @@ def _pytree_slots(exported) -> list:
 
 
 def _unregistered(err, where: str, slots):
-    """For ``err``, jax.export refusing a pytree type it has no registration for, a ValueError
-    naming the ``slots`` ((label, type names), ...) holding it, and the fix; else None."""
+    """jax.export's refusal ``err`` of an unregistered pytree type, naming its slots; else None."""
     found = _unregistered_type(err)
     held = found and ', '.join(dict.fromkeys(k for k, ts in slots if found[1] in map(str, ts)))
     return found and ValueError(
@@ -3989,10 +3961,9 @@ class Exported:
             data = bytes(self.exported.serialize(vjp_order=vjp_order))
         except ValueError as err:
             where = f"Exported.serialize of {self.manifest['function']!r}"
-            better = _unregistered(err, where, slots)
-            if better is None:
-                raise
-            raise better from err
+            if better := _unregistered(err, where, slots):
+                raise better from err
+            raise
         names, registry = {}, _probe(_EXPORT_REGISTRY) or {}   # a loading process lacking a
         for label, types in slots:                              # type hears which slot holds it
             names.setdefault(label, set()).update(registry[t][0] for t in types if t in registry)
