@@ -2119,7 +2119,8 @@ class _TraceFrame(StateTraceStack):
                         'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values = [self._values[id(self.states[i])] for i in returned]
-        values = [v.read() if type(v) is _RefCell else self.peel(v) for v in values]
+        values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
+                  for v in values]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
         part = dict(zip(returned, values))
         part = tuple(part.get(i) for i in range(len(self.states)))

@@ -2769,8 +2769,9 @@ class BackpropThroughTimeTest(unittest.TestCase):
 
     def test_a_write_whose_state_a_body_reads_under_a_jacobian_or_in_a_nested_cond(self):
         # Refused, naming the State: before JAX 0.6 (JAX cannot tell if the read still runs);
-        # on 0.7, where JAX cannot batch (jax.jacfwd / jax.jacrev) or transpose (a lax.cond in
-        # a jvp under jax.grad) the State's Ref; under jax.jacfwd from 0.8 (it batches the write).
+        # under jax.jacfwd from 0.7 (JAX cannot batch the State's Ref on 0.7, and batches the
+        # write from 0.8).  Under jax.jacrev and jax.grad from 0.7 the State, written directly in
+        # the differentiated function, is a local variable there: plain JAX's values.
         v = _JAX_VERSION[:2]
 
         def looped(s, p):
@@ -2782,9 +2783,9 @@ class BackpropThroughTimeTest(unittest.TestCase):
             read = lambda: lax.cond(True, lambda: p, lambda: s.value)
             return jax.jvp(lambda q: q * read(), (p,), (1.0,))[1]
 
-        for transform, body, refused in ((jax.jacrev, looped, v < (0, 6) or v == (0, 7)),
+        for transform, body, refused in ((jax.jacrev, looped, v < (0, 6)),
                                          (jax.jacfwd, looped, v < (0, 6) or v >= (0, 7)),
-                                         (jax.grad, cond_in_jvp, v < (0, 6) or v == (0, 7))):
+                                         (jax.grad, cond_in_jvp, v < (0, 6))):
             with self.subTest(transform=transform.__name__, body=body.__name__):
                 s = sj.State(jnp.ones(()), name='jac_read')
                 sf = StatefulFunction(lambda x: transform(lambda p: body(s, p))(x))
@@ -3447,6 +3448,36 @@ class RunCountTest(unittest.TestCase):
             np.testing.assert_allclose(a, b, rtol=1e-6)
         np.testing.assert_allclose(p.value, want_p, rtol=1e-6)
         np.testing.assert_allclose(stat.value, want_stat, rtol=1e-6)
+
+    def test_a_state_written_in_a_jvp_and_read_in_a_loop_there_and_after(self):
+        # A local variable of the jvp read in a scan body inside it and after it: the
+        # derivative and values of the hand-threaded program (JAX 0.4.38 and 0.5, whose body
+        # traces cannot tell which differentiations ended, refuse it naming the State).
+        s = State(jnp.ones(3), name='rc_jvp_loop')
+
+        def run(q):
+            def inner(q):
+                s.value = jnp.sin(q) * s.value
+                return lax.scan(lambda c, _: (c * s.value, None), q, None, length=3)[0].sum()
+            y, t = jax.jvp(inner, (q,), (jnp.ones(3),))
+            return y, t, lax.scan(lambda c, _: (c + s.value, None), q, None, length=2)[0]
+
+        def by_hand(q, s):
+            def inner(q):
+                h = jnp.sin(q) * s
+                return lax.scan(lambda c, _: (c * h, None), q, None, length=3)[0].sum(), h
+            (y, h), (t, _) = jax.jvp(inner, (q,), (jnp.ones(3),))
+            return (y, t, lax.scan(lambda c, _: (c + h, None), q, None, length=2)[0]), h
+        q = jnp.array([0.3, 0.5, 0.7])
+        want, want_s = by_hand(q, jnp.ones(3))
+        if _JAX_VERSION < (0, 6):
+            with self.assertRaisesRegex(TraceContextError, 'rc_jvp_loop.*cannot tell'):
+                StatefulFunction(run)(q)
+            np.testing.assert_array_equal(s.value, jnp.ones(3))
+            return
+        for a, b in zip(StatefulFunction(run)(q), want):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(s.value, want_s, rtol=1e-6)
 
     def test_a_custom_rule_in_the_body_runs_once_on_a_first_call(self):
         s, runs = State(jnp.float32(2.0), name='rc_rule'), [0]
