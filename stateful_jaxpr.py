@@ -2148,9 +2148,9 @@ class _TraceFrame(StateTraceStack):
         has ended (not in ``alive``, ids) replaced by its primal: the State is a local variable
         of the differentiated function, which afterwards holds the primal value."""
         def primal(x):
-            while (trace := getattr(x, '_trace', None)) is not None and (
-                    id(trace) in self._diffs and id(trace) not in alive):
-                x = _primal(x, trace)
+            while isinstance(x, Tracer) and id(t := _tracer_trace(x)) in self._diffs and (
+                    id(t) not in alive):
+                x = _primal(x, t)
             return x
         return jax.tree_util.tree_map(primal, value)
 
