@@ -2964,6 +2964,7 @@ def _call(sf, *args, **kwargs):
             finally:
                 for lock in locks:
                     lock.release()
+                locks = ()   # (held no more, for a slow call made from here)
     except _Unprepared:   # a new signature: traced and compiled with no lock held
         _forget_failed_calls(dispatch)
         return sf._call_slow(args, kwargs, fast.plan)

@@ -8246,6 +8246,37 @@ class ThreadSafetyTest(unittest.TestCase):
                          stats)
 
     # -- 8 threads x 200 calls over shared functions and mappings ----------------
+    def test_a_warm_call_at_a_new_shape_while_another_thread_holds_its_state(self):
+        # The warm path, meeting a new signature, lets go of the locks and takes the slow path,
+        # which may find the State held by another thread's call: it waits for it, never
+        # mistaking the locks it let go of for a running call of its own.
+        s, done = sj.State(jnp.zeros(()), name='warm_new_shape'), threading.Event()
+
+        def slow(x):
+            time.sleep(0.002)
+            return x
+
+        def holder(x):
+            s.value = s.value + jax.pure_callback(slow, jax.ShapeDtypeStruct((), jnp.float32), x)
+            return s.value
+        hold, grow = sj.StatefulFunction(holder), sj.StatefulFunction(
+            lambda x: setattr(s, 'value', s.value + x.sum()))
+        grow(jnp.ones(1))
+        hold(jnp.float32(0.0))
+
+        def worker(t):
+            if t == 0:
+                while not done.is_set():
+                    hold(jnp.float32(0.0))
+                return
+            try:
+                for n in range(2, 12):   # a new shape each time: the warm path misses
+                    grow(jnp.ones(n))
+            finally:
+                done.set()
+        self.assertNoThreadErrors(_run_threads([worker] * 2))
+        self.assertEqual(float(s.value), float(sum(range(1, 12))))
+
     def test_many_threads_many_calls_shared_functions_own_states(self):
         n_threads, n_calls = _N_THREADS, 200
         lens = (1, 2, 3)              # feature lengths: first calls interleave with hits
