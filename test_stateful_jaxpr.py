@@ -6221,6 +6221,12 @@ def _refused_differentiations(prog, eager=False) -> set:
                   if n[0] == 'wseq' and inside} | {n[2] for n, fr in found if n[0] == 'wseq' and fr}
         names |= {f"'s{n[1]}'" for n, frames in found if n[0] == 'read' and n[1] in nested
                   and any(d[1] in _REVERSE and {'cond', 'diff'} <= b for d, b in frames)}
+        # A body under jax.jacfwd / jax.jacrev reading such a Ref: JAX batches the primal
+        # output ("got axis spec None but output was batched"), refusing a State written there.
+        batched = {id(d) for n, frames in found if n[0] == 'read' and n[1] in nested
+                   for d, b in frames if d[1] in ('jacfwd', 'jacrev') and b & _BODIES}
+        names |= {f"'s{n[2]}'" for n, frames in found if n[0] == 'wseq'
+                  for d, _ in frames if id(d) in batched}
     # JAX 0.4.38 refuses a Ref inside a jit under differentiation.
     if v < (0, 5) and any(
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
