@@ -2927,11 +2927,34 @@ class _Fast:
 
 
 @_door
+def _warm_call(who, fast, args, kwargs):
+    """The warm path's door: ``fast``'s every lock or none (then the long way), strict; values
+    unlike the States' own at the first call (tracers) go through ``_write_back``."""
+    strict, locks, dispatch = True, fast.locks, fast.dispatch   # (what _running reads)
+    for lock in locks:
+        if not lock.acquire(False):   # one is busy: the long way
+            for taken in locks[:locks.index(lock)]:
+                taken.release()
+            locks = ()
+            return _locked_call(who, fast.plan, dispatch, args, kwargs, True)[0]
+    try:
+        values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
+        out, new = dispatch(*values, *args, **kwargs) if kwargs else dispatch(*values, *args)
+        writes = fast.writes
+        if writes and type(new[0]) is fast.leaf_type and not _under_jax_trace():
+            for state, value in zip(writes, new):
+                state._value = value
+        elif writes or _under_jax_trace():
+            _write_back(who, fast.plan, new)
+    finally:
+        for lock in locks:
+            lock.release()
+    return out
+
+
 def _call(sf, *args, **kwargs):
-    """``__call__``.  The warm path, where it still applies: the door inline (every lock or
-    none, else the long way), strict, and values unlike the States' own at the first call
-    (tracers) through ``_write_back``; else the slow path.  A call in a trace joins it, one in
-    recording stacks only is recorded there."""
+    """``__call__``: the warm path where it still applies, its executable ready, else the slow
+    path; a call in a trace joins it, one in recording stacks only is recorded there."""
     if _frames_open and _ctx.frames:
         overlay = _innermost_overlay(_ctx.frames)
         if type(overlay) is _EagerCall:
@@ -2941,32 +2964,10 @@ def _call(sf, *args, **kwargs):
     if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
             fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
-    who, strict, locks, dispatch = sf, True, fast.locks, fast.dispatch   # (what _running reads)
     try:
-        for lock in locks:
-            if not lock.acquire(False):   # one is busy: the long way
-                for taken in locks[:locks.index(lock)]:
-                    taken.release()
-                locks = ()
-                out = _locked_call(sf, fast.plan, dispatch, args, kwargs, True)[0]
-                break
-        else:
-            try:
-                values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
-                out, new = dispatch(*values, *args, **kwargs) if kwargs else dispatch(
-                    *values, *args)
-                writes = fast.writes
-                if writes and type(new[0]) is fast.leaf_type and not _under_jax_trace():
-                    for state, value in zip(writes, new):
-                        state._value = value
-                elif writes or _under_jax_trace():
-                    _write_back(sf, fast.plan, new)
-            finally:
-                for lock in locks:
-                    lock.release()
-                locks = ()   # (held no more, for a slow call made from here)
+        out = _warm_call(sf, fast, args, kwargs)
     except _Unprepared:   # a new signature: traced and compiled with no lock held
-        _forget_failed_calls(dispatch)
+        _forget_failed_calls(fast.dispatch)
         return sf._call_slow(args, kwargs, fast.plan)
     except (TypeError, ValueError, OverflowError):
         # An argument jax.jit refuses gets the slow path's clearer error here,

@@ -9010,6 +9010,28 @@ class CallAtomicityTest(unittest.TestCase):
         if not _call_after_lower_compiles_again():     # (0.4.38 compiles the call once more)
             self.assertEqual(len(compiles), 1)
 
+    def test_compiling_for_a_new_shape_on_the_warm_path_holds_no_lock(self):
+        shared = State(jnp.ones(()), name='shared_scale')
+        bumper = StatefulFunction(lambda: setattr(shared, 'value', shared.value + 1.0))
+        bumper()
+        main, finished, armed = threading.current_thread(), [], [False]
+
+        def on_compile():   # another call on `shared` runs while anything compiles
+            if armed[0] and threading.current_thread() is main:
+                finished.append(_finishes_in_another_thread(bumper))
+
+        def f(x):
+            shared.value = shared.value * x.sum()
+            return x
+        sf, new_shape = StatefulFunction(f), jnp.ones(2)
+        sf(jnp.full(1, 2.0)), sf(jnp.ones(1))   # the warm path, then a new shape on it
+        armed[0] = True
+        with _on_backend_compile(on_compile):
+            sf(new_shape)
+        self.assertTrue(finished)
+        self.assertTrue(all(finished), finished)
+        self.assertEqual(float(shared.value), 2 * (4.0 + len(finished)))   # 2 * 2 * 1, bumped
+
     # -- every other door ------------------------------------------------------------
     def test_an_assignment_waits_for_the_call_that_read_the_state(self):
         s = State(jnp.zeros(()), name='reset_target')
