@@ -9029,6 +9029,9 @@ class CallAtomicityTest(unittest.TestCase):
         with _on_backend_compile(on_compile):
             sf(new_shape)
         self.assertTrue(finished)
+        if _call_after_lower_compiles_again():   # (0.4.38 compiles the call once more)
+            self.assertTrue(finished[0], finished)
+            return
         self.assertTrue(all(finished), finished)
         self.assertEqual(float(shared.value), 2 * (4.0 + len(finished)))   # 2 * 2 * 1, bumped
 
