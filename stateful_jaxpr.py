@@ -97,7 +97,6 @@ _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
 _JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
-_JVPTrace = _probe('jax._src.interpreters.ad:JVPTrace')        # all releases
 _LinearizeTrace = _probe('jax._src.interpreters.ad:LinearizeTrace')   # 0.4.38 ..
 _NEW_ARG_TAKES_SOURCE_INFO = _takes(_JaxprTrace.new_arg, 'source_info')   # 0.6.1 ..
 # ``arg_names=None`` keeps state inputs clear of jax_enable_checks' arity check (0.7 ..).
@@ -177,20 +176,14 @@ _kept_p.def_effectful_abstract_eval(lambda *_, eqn: ([v.aval for v in eqn.outvar
 _CUSTOM_CALLS = frozenset({'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr'})
 
 
-class _Undischargeable(Exception):
-    """JAX cannot thread state out of some transformation (its discharge's NotImplementedError)."""
-
-
 def _discharge(closed):
-    """``closed`` made pure, Ref inputs as values and finals as extra outputs, custom rules kept."""
+    """``closed`` made pure, Ref inputs as values and finals as extra outputs, custom rules kept;
+    a NotImplementedError where JAX cannot thread state out of some transformation."""
     closed = _map_eqns(closed, lambda e: e.replace(primitive=_kept_p, params={'eqn': e}) if (
         e.primitive.name in _CUSTOM_CALLS
         and not any(isinstance(f, _RefEffect) for f in e.effects)) else e)
-    try:
-        pure = (_discharge_state(closed) if _DISCHARGE_TAKES_CLOSED
-                else _rebuild(*_discharge_state(closed.jaxpr, closed.consts)))
-    except NotImplementedError as err:
-        raise _Undischargeable(str(err)) from err
+    pure = (_discharge_state(closed) if _DISCHARGE_TAKES_CLOSED
+            else _rebuild(*_discharge_state(closed.jaxpr, closed.consts)))
     return _map_eqns(pure, lambda e: e.params['eqn'].replace(invars=e.invars, outvars=e.outvars)
                      if e.primitive is _kept_p else e)
 
@@ -212,8 +205,7 @@ _current_trace = (functools.partial(getattr, _trace_ref, 'value') if _trace_ref 
                   else functools.partial(getattr, _src_core.trace_ctx, 'trace'))   # .. 0.9
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
-_DIFF_TRACES = (_JVPTrace, _LinearizeTrace)  # jax.jvp / jax.grad's traces (all releases)
-_top_trace = _current_trace   # the trace new jaxpr inputs go to (find_top_trace(()), all releases)
+_DIFF_TRACES = (_probe('jax._src.interpreters.ad:JVPTrace'), _LinearizeTrace)   # jvp, grad
 
 
 def _under_jax_trace() -> bool:
@@ -2059,7 +2051,7 @@ class _TraceFrame(StateTraceStack):
         shared one inside a run under it."""
         super().__init__(name=name)
         self._overlays = True
-        self._builder = _top_trace()            # the trace new inputs go to
+        self._builder = _current_trace()        # the trace new inputs go to
         self._jax_trace = _current_trace()      # a nested transformation's differs
         self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
@@ -2548,7 +2540,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
     try:
         pure = _discharge(closed)
-    except _Undischargeable as err:
+    except NotImplementedError as err:
         raise TraceContextError(
             f'{described} is written inside a nested transformation that JAX {jax.__version__} '
             f'cannot thread state out of ({err}): return the value and assign it outside') from err
