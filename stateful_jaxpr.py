@@ -135,11 +135,10 @@ def _rebuild(jaxpr, consts, like=None, **fields):
     return jaxpr.with_consts(list(consts)) if _CONSTS_ON_JAXPR else ClosedJaxpr(jaxpr, list(consts))
 
 
-def _nested_jaxprs(params, closed: bool = False) -> list:
-    """The jaxprs among the values of an equation's ``params`` (``closed``: left closed)."""
+def _nested_jaxprs(params) -> list:
+    """The jaxprs (open or closed) among the values of an equation's ``params``."""
     items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
-    return [i.jaxpr if isinstance(i, ClosedJaxpr) and not closed else i for i in items
-            if isinstance(i, (ClosedJaxpr, Jaxpr))]
+    return [i for i in items if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
 def _all_eqns(jaxpr):
@@ -152,13 +151,12 @@ def _all_eqns(jaxpr):
 
 def _nested_consts(jaxpr) -> list:
     """The constants of the closed jaxprs nested, at any depth, in ``jaxpr``'s equations."""
-    return [c for e in _all_eqns(jaxpr) for i in _nested_jaxprs(e.params, closed=True)
+    return [c for e in _all_eqns(jaxpr) for i in _nested_jaxprs(e.params)
             for c in getattr(i, 'consts', ())]
 
 
 def _map_eqns(jaxpr, fun):
-    """``jaxpr`` (open or closed) with each equation ``e`` replaced by ``fun(e)``, and where
-    ``fun`` keeps it, by ``e`` with ``fun`` mapped over its nested jaxprs."""
+    """``jaxpr`` (open or closed) with ``fun`` mapped over its equations, nested ones included."""
     inner = getattr(jaxpr, 'jaxpr', jaxpr)
     nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
                       _map_eqns(v, fun) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
@@ -193,8 +191,7 @@ def _has_custom_rules(jaxpr) -> bool:
 
 
 def _drops_jvp_refs(jaxpr) -> bool:
-    """Whether JAX's JVP of a body writing a Ref made outside it made the tangent's Ref, which
-    it then drops (.. 0.6, without differentiable Refs)."""
+    """Whether JAX's JVP drops the tangent Ref it made for a body writing an outer Ref (.. 0.6)."""
     return not _new_ref and any(e.primitive.name == 'mutable_array' for e in _all_eqns(jaxpr))
 
 
@@ -239,7 +236,7 @@ def _body_of(trace) -> str:
 
 def _tells(path, trace) -> bool:
     """Whether the traces ``path`` (innermost first, maybe cut short) tell if they are inside
-    ``trace``: it is in them, or a parent of it is (then they are outside it)."""
+    ``trace``: it is among them, or a parent of it is (then they are outside it)."""
     parent = _parent(trace)
     while parent is not None and parent not in path:
         parent = _parent(parent)
@@ -488,7 +485,6 @@ class BatchAxisError(ValueError):
     """
 
 
-_JAX_DIR = os.path.dirname(jax.__file__)
 _USER_CODE = set()   # code objects of this file that are user code (the demo adds its own)
 
 
@@ -497,7 +493,7 @@ def _outside(skip_jax: bool):
     frame, level = sys._getframe(2), 2
     while frame is not None and frame.f_code not in _USER_CODE and (
             frame.f_code.co_filename == __file__
-            or skip_jax and frame.f_code.co_filename.startswith(_JAX_DIR)):
+            or skip_jax and frame.f_code.co_filename.startswith(os.path.dirname(jax.__file__))):
         frame, level = frame.f_back, level + 1
     return frame, level
 
