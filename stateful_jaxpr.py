@@ -399,8 +399,7 @@ def _bind(eqn, values):
 def _laid_out(value, sharding):
     """``value`` (traced) given ``sharding``: ``reshard`` on a mesh of explicit axes (0.5 ..),
     which refuses a mere constraint, else ``with_sharding_constraint``."""
-    explicit = _reshard is not None and _AXIS_EXPLICIT in getattr(
-        getattr(sharding, 'mesh', None), 'axis_types', ())
+    explicit = _AXIS_EXPLICIT in getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
     return (_reshard if explicit else jax.lax.with_sharding_constraint)(value, sharding)
 
 
