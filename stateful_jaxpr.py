@@ -620,7 +620,7 @@ def _slot(state, slot: str):
 
 def _set_slot(state, slot: str, value) -> None:
     if (frame := _innermost_overlay(_ctx.frames)) is not None:
-        frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack.__exit__
+        frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack._commit
         return
     _check_tracers_may_enter(state, value, (), slot)
     setattr(state, slot, value)
@@ -686,8 +686,9 @@ def _running(depth: int) -> list:
 
 
 def _hold(who, states, locks, writes) -> tuple:
-    """Takes ``locks`` (of ``states`` sorted by id) all or none, waiting with none held; returns
-    those taken, skipping those this thread holds (a callback may read, not change, ``writes``)."""
+    """Takes ``locks`` (those of ``states`` sorted by id) all or none for the door calling it,
+    waiting with none held; returns those taken.  One this thread holds is skipped: a callback
+    may read what its call holds, but not change ``writes``."""
     mine = None
     while True:
         for k, lock in enumerate(locks):
@@ -1066,8 +1067,8 @@ class RandomState(State):
     def _check_value(self, v):
         super()._check_value(v)
         shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-        if not _is_typed_key(v) and not (getattr(v, 'dtype', None) == np.uint32
-                                         and np.shape(v)[-len(shape):] == shape):
+        raw_key = getattr(v, 'dtype', None) == np.uint32 and np.shape(v)[-len(shape):] == shape
+        if not (_is_typed_key(v) or raw_key):
             raw = ', '.join(map(str, shape))
             shown = f' {getattr(v, "dtype", "")}{list(np.shape(v))}' if hasattr(v, 'shape') else ''
             raise ValueError(
@@ -1204,16 +1205,20 @@ class StateTraceStack:
                                'stacks in the reverse order they were entered (nested `with`)')
         frames.pop()
         try:
-            if exc_type is None:   # (tracers in side slots of States made inside are dropped)
-                traces = tuple(f._jax_trace for f in frames)
-                entries = [e for e in self._side.values()
-                           if not (e[0]._owner is self and _contains_tracer(e[2]))]
-                for state, slot, value in entries:
-                    _check_tracers_may_enter(state, value, traces, slot)
-                for entry in entries:
-                    _set_slot(*entry)
+            if exc_type is None:
+                self._commit()
         finally:
             self._close()
+
+    def _commit(self):
+        """Hands the side slots written inside on (tracers of States made inside are dropped)."""
+        traces = tuple(f._jax_trace for f in _ctx.frames)
+        entries = [e for e in self._side.values()
+                   if not (e[0]._owner is self and _contains_tracer(e[2]))]
+        for state, slot, value in entries:
+            _check_tracers_may_enter(state, value, traces, slot)
+        for entry in entries:
+            _set_slot(*entry)
 
     def _close(self):
         """Ends an overlay; States made inside that kept a tracer keep only its shape."""
