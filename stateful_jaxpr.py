@@ -1012,13 +1012,6 @@ def _is_typed_key(x) -> bool:
     return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _is_key(x) -> bool:
-    """A typed key, or a raw key of the default PRNG implementation (``PRNGKey``'s)."""
-    shape = _raw_key_shape(jax.config.jax_default_prng_impl)
-    return _is_typed_key(x) or (getattr(x, 'dtype', None) == np.uint32
-                                and np.shape(x)[-len(shape):] == shape)
-
-
 def _make_key(seed_or_key, owner: str):
     """The key a RandomState holds for a seed (int, integer array or None: a random one); any
     other ``seed_or_key`` as given, for RandomState._check_value.  ``owner`` names it in errors."""
@@ -1060,8 +1053,10 @@ class RandomState(State):
 
     def _check_value(self, v):
         super()._check_value(v)
-        if not _is_key(v):
-            raw = ', '.join(map(str, _raw_key_shape(jax.config.jax_default_prng_impl)))
+        shape = _raw_key_shape(jax.config.jax_default_prng_impl)
+        raw_key = getattr(v, 'dtype', None) == np.uint32 and np.shape(v)[-len(shape):] == shape
+        if not (_is_typed_key(v) or raw_key):
+            raw = ', '.join(map(str, shape))
             shown = f' {getattr(v, "dtype", "")}{list(np.shape(v))}' if hasattr(v, 'shape') else ''
             raise ValueError(
                 f'{self._describe()} holds a PRNG key (raw uint32[..., {raw}] or typed), got '
