@@ -1983,14 +1983,12 @@ def _note_miss(sf, key, stale, entry) -> None:
 # writes, so no tracer enters a State and a failed trace has nothing to restore.  A first touch adds
 # a jaxpr input on the trace captured at the start, so a first read deep inside ``lax.scan``,
 # ``grad`` or an inner ``jit`` is an input, not a constant.  A State *written* inside such a nested
-# transformation is lifted as Refs (``_RefCell``), which JAX's discharge threads out (as a scan
-# carry, a cond output...); inside a differentiation the State is a local variable of the
-# differentiated program, through loop bodies too (backpropagation through time).
+# transformation is lifted as Refs (``_RefCell``), which JAX's discharge threads out; inside a
+# differentiation the State is a local variable of the differentiated program, loop bodies too.
 #
-# JAX caches the traces of control-flow bodies and jitted functions: a cached body that read a
-# State could come back holding a finished trace's tracer, or a value from before a write.  An
-# *isolated* trace makes those caches miss (``_fresh_epoch``) but also makes jax.numpy's jitted
-# helpers retrace, so a trace is isolated only once known to need it (``_Retracer``).
+# JAX caches control-flow bodies and jitted functions, which may hold a finished trace's tracer
+# or a State's value from before a write.  An *isolated* trace makes those caches miss (and
+# jax.numpy's jitted helpers retrace: ``_fresh_epoch``); ``_Retracer`` isolates only where needed.
 # =============================================================================
 
 class _Traced:
@@ -2265,8 +2263,8 @@ def _traced_write(state, value, frames, written: bool):
 _STALE = object()   # a level a nested differentiation wrote where its primal cannot reach
 
 
-# What a State cannot do, and the way out, by kind (JAX's refusals of a write are recognised by
-# ``_refusal``; 'apart': a read); ``{jax}`` is JAX's release, ``{err}`` its error.
+# What a State cannot do, and the way out, by kind (``_refusal`` recognises JAX's refusals);
+# ``{jax}`` is JAX's release, ``{err}`` its error.
 _CANNOT = {
     'effects': 'is written inside a nested transformation that JAX {jax} cannot carry it through: '
                '"{err}" (e.g. a lax.cond under jax.vmap or reverse-mode differentiation).  Return '
@@ -2476,7 +2474,7 @@ def _forward_unchanged(jaxpr):
     for eqn in inner.eqns:
         eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
                           params={k: nest(v) for k, v in eqn.params.items()})
-        bodies, operands, carry = _body_binding(eqn)   # (no bodies: no ``at``)
+        bodies, operands, carry = _body_binding(eqn)
         for out, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies)):
             if len(set(at)) == 1 and at[0] is not None:
                 sub[out] = operands[at[0]]
@@ -2623,13 +2621,13 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             if _refusal(err):
                 failed = refused = refused if refused and refused[1] else failed
             epoch = retracer.next_run(epoch, pending, err, consts)
-            if epoch is None and err is not None:   # JAX refusing writes names their States:
-                err, cells = failed   # those written in a loop, cond or jit body, else nested ones
+            if epoch is None and err is not None:
+                err, cells = failed
                 kind = None if isinstance(err, TraceContextError) else _refusal(err)
-                if kind is not None and cells:
+                if kind is not None and cells:   # name those written in a body, else nested
                     culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested]
-                    raise _cannot(kind, ', '.join(sorted(c.state._describe()
-                                                         for c in culprits or cells)), err) from err
+                    named = sorted(c.state._describe() for c in culprits or cells)
+                    raise _cannot(kind, ', '.join(named), err) from err
                 raise err
             if epoch is None and frames[-1].cells:   # (collectives need the axes still bound)
                 jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), frames[-1].cells), None
