@@ -1965,18 +1965,12 @@ def _note_miss(sf, key, stale, entry) -> None:
 # writes, so no tracer enters a State and a failed trace has nothing to restore.  A first touch adds
 # a jaxpr input on the trace captured at the start, so a first read deep inside ``lax.scan``,
 # ``grad`` or an inner ``jit`` is an input, not a constant.  A State *written* inside such a nested
-# transformation is lifted as Refs (``_RefCell``), and JAX's discharge threads the write out (as a
-# scan carry, a cond output...); inside a differentiation the State acts as a local variable of
-# the differentiated program, through loop bodies too (backpropagation through time).
+# transformation is lifted as Refs (``_RefCell``), which JAX's discharge threads out; inside a
+# differentiation the State is a local variable of the differentiated program, loop bodies too.
 #
-# JAX caches the traces of control-flow bodies and jitted functions: a cached body that read a
-# State could come back holding a finished trace's tracer, or a value from before a write, and a
-# State read by a plain JAX trace (``_BAKED_STATES``) may sit in any cached jaxpr.  An *isolated*
-# trace makes those caches miss (``_fresh_epoch``) but also makes jax.numpy's jitted helpers
-# retrace, so a trace is isolated only once known to need it (``_Retracer``), and renews its epoch
-# when a write follows a nested read of the same State.  A run redone only because its own first
-# run may have cached a body takes the *shared* epoch, whose jax.numpy helpers stay warm.  Last,
-# a trace's inputs and outputs in words (labelled jaxprs).
+# JAX caches control-flow bodies and jitted functions, which may hold a finished trace's tracer
+# or a State's value from before a write.  An *isolated* trace makes those caches miss (and
+# jax.numpy's jitted helpers retrace: ``_fresh_epoch``); ``_Retracer`` isolates only where needed.
 # =============================================================================
 
 class _Traced:
@@ -2005,23 +1999,19 @@ class _Traced:
 
 
 class _GcPause:
-    """What _gc_paused shares: active pauses, the collector's first threshold before them."""
-    count, first, lock = 0, None, threading.Lock()
-    PAUSED = 2 ** 30   # a first threshold no allocation count reaches
-
-
-@contextlib.contextmanager
-def _gc_paused():
     """Pauses automatic collections while tracing (rescanning a trace's objects slows thousands of
     States); traces share one pause, its threshold put back unless another thread changed it."""
-    with _GcPause.lock:
-        if _GcPause.count == 0:
-            _GcPause.first, *later = gc.get_threshold()
-            gc.set_threshold(_GcPause.PAUSED, *later)
-        _GcPause.count += 1
-    try:
-        yield
-    finally:
+    count, first, lock = 0, None, threading.Lock()   # active pauses, the threshold before them
+    PAUSED = 2 ** 30   # a first threshold no allocation count reaches
+
+    def __enter__(self):
+        with _GcPause.lock:
+            if _GcPause.count == 0:
+                _GcPause.first, *later = gc.get_threshold()
+                gc.set_threshold(_GcPause.PAUSED, *later)
+            _GcPause.count += 1
+
+    def __exit__(self, *exc):
         with _GcPause.lock:
             _GcPause.count -= 1
             first, *later = gc.get_threshold()
@@ -2036,9 +2026,7 @@ class _TraceFrame(StateTraceStack):
     a nested transformation gets Refs there and then, and joins ``pending``: the trace is redone."""
 
     def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set, epoch: str):
-        """A frame at the current JAX trace; ``lift_aval(state, aval)`` gives a State's input
-        aval; ``epoch`` ('fresh', 'shared' or '') is bound until its exit, a fresh one for a
-        shared one inside a run under it."""
+        """``epoch`` ('fresh', 'shared' or '') is bound until exit (fresh for a nested shared)."""
         super().__init__(name=name)
         self._overlays = True
         self._builder = _current_trace()        # the trace new inputs go to
@@ -2117,8 +2105,8 @@ class _TraceFrame(StateTraceStack):
         leaked = {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
                   if isinstance(c, Tracer)}
         if leaked:
-            raise _read_apart(', '.join(sorted(s._describe() for s in leaked if s))
-                              or 'a traced value')
+            raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked if s))
+                          or 'a traced value')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
@@ -2207,8 +2195,7 @@ def _view(state, entry, frame):
 
 
 def _in_body(path, whole) -> bool:
-    """Whether the traces ``path`` (from ``_trace_path``) build a body (of a loop, cond or jit)
-    JAX may cache."""
+    """Whether the traces ``path`` (from ``_trace_path``) build a body JAX may cache."""
     return not whole or any(type(t) is _JaxprTrace for t in path)
 
 
@@ -2219,8 +2206,7 @@ def _traced_write(state, value, frames, written: bool):
     entry, target = _touch_all(state, frames, write=written)
     local = False   # written directly in differentiations (see _TraceFrame.peel)
     if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
-        path, whole = ((), True) if _current_trace() is target._jax_trace else _trace_path(
-            target._jax_trace)
+        path, whole = _trace_path(target._jax_trace)
         if whole is True and all(isinstance(t, _DIFF_TRACES) for t in path):
             if path:
                 local = True
@@ -2259,8 +2245,8 @@ def _traced_write(state, value, frames, written: bool):
 _STALE = object()   # a level a nested differentiation wrote where its primal cannot reach
 
 
-# What a refused write of a State cannot do, and the way out, by kind (JAX's refusals are
-# recognised by ``_refusal``); ``{jax}`` is JAX's release, ``{err}`` its error.
+# What a State cannot do, and the way out, by kind (``_refusal`` recognises JAX's refusals);
+# ``{jax}`` is JAX's release, ``{err}`` its error.
 _CANNOT = {
     'effects': 'is written inside a nested transformation that JAX {jax} cannot carry it through: '
                '"{err}" (e.g. a lax.cond under jax.vmap or reverse-mode differentiation).  Return '
@@ -2291,21 +2277,16 @@ _CANNOT = {
             '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot differentiate a '
             'write.  Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), '
             'or return the value from the cond and assign it outside',
+    'apart': 'is read by a custom_vjp / custom_jvp rule that JAX traces apart from the program '
+             '(one applied in a loop, cond or jit body, or a nested StatefulFunction, under a '
+             'differentiation), leaving the value behind.  Read it outside the custom function '
+             'and pass it in as an argument (for a custom_vjp backward rule: a residual of its '
+             'forward rule)',
 }
 
 
-def _read_apart(described: str) -> TraceContextError:
-    """The error for a read of the States ``described`` in a function JAX traces apart."""
-    return TraceContextError(
-        f'{described} is read by a custom_vjp / custom_jvp rule that JAX traces apart from the '
-        'program (one applied in a loop, cond or jit body, or a nested StatefulFunction, under a '
-        'differentiation), leaving the value behind.  Read it outside the custom function and '
-        'pass it in as an argument (for a custom_vjp backward rule: a residual of its forward '
-        'rule)')
-
-
 def _cannot(kind: str, described: str, err=None) -> TraceContextError:
-    """The error for a write of the States ``described`` refused as ``kind`` (see _CANNOT)."""
+    """The error for the States ``described`` doing what ``kind`` names (see _CANNOT)."""
     return TraceContextError(f'{described} ' + _CANNOT[kind].format(jax=jax.__version__, err=err))
 
 
@@ -2340,7 +2321,7 @@ class _RefCell:
             return None, None
         if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
             if whole is None:
-                raise _read_apart(self.state._describe())
+                raise _cannot('apart', self.state._describe())
             raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
                 f'{self.state._describe()} was written inside a differentiated function and is '
                 'used inside a jit or loop body nested in some transformation, where JAX '
@@ -2399,15 +2380,13 @@ class _RefCell:
         leaves, trace = self._leaves_for(value), _current_trace()
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (type(trace) is _JaxprTrace and trace is not self.home)
-        path = _trace_path(self.home)[0]
-        self.linearized = self.linearized or _JaxprTrace in map(type, path) and (
-            _LinearizeTrace in map(type, path))
+        kinds = set(map(type, _trace_path(self.home)[0]))
+        self.linearized = self.linearized or {_JaxprTrace, _LinearizeTrace} <= kinds
         if _drops_ref_tangents(self.home):
             raise _cannot('tangent', self.state._describe())
         level, at = self._level()
         if at is not None:   # (a differentiated value already)
-            raise _cannot('checkpoint' if _body_of(at) == 'checkpoint' else 'cond',
-                          self.state._describe())
+            raise _cannot(_body_of(at), self.state._describe())   # 'checkpoint' or 'cond'
         if level is not None and not level[3]:
             if trace is not level[0]:   # a body in a differentiation that gave it a tangent
                 raise _cannot('tangent', self.state._describe())
@@ -2458,15 +2437,6 @@ class _RefCell:
                 for x, g, a in zip(leaves, got, self.avals)]
 
 
-def _explain_ref_refusal(err: BaseException, cells) -> None:
-    """Raises a TraceContextError naming the States of ``cells`` that cause ``err``, if it is
-    JAX refusing their writes (those written in a loop, cond or jit body, else nested ones)."""
-    kind = None if isinstance(err, TraceContextError) else _refusal(err)
-    if kind is not None and cells:
-        culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested] or cells
-        raise _cannot(kind, ', '.join(sorted(c.state._describe() for c in culprits)), err) from err
-
-
 def _returned_inputs(body, carry) -> list:
     """Per output of ``body``, the input it returns unchanged, else None; a
     loop body's output k counts only as its own carry, input ``carry + k``."""
@@ -2487,10 +2457,9 @@ def _forward_unchanged(jaxpr):
         eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
                           params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
-        if bodies:
-            for out, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies)):
-                if at[0] is not None and len(set(at)) == 1:
-                    sub[out] = operands[at[0]]
+        for out, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies)):
+            if len(set(at)) == 1 and at[0] is not None:
+                sub[out] = operands[at[0]]
         eqns.append(eqn)
     return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
                     outvars=[fwd(v) for v in inner.outvars])
@@ -2622,7 +2591,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 return frame.finish(fun(*args, **kwargs), return_only_write)
 
         _ctx.ntraces += 1
-        with _axis_env(axis_env), _gc_paused():
+        with _axis_env(axis_env), _GcPause():
             try:
                 jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
                 err = None
@@ -2635,8 +2604,13 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 failed = refused = refused if refused and refused[1] else failed
             epoch = retracer.next_run(epoch, pending, err, consts)
             if epoch is None and err is not None:
-                _explain_ref_refusal(*failed)
-                raise failed[0]
+                err, cells = failed
+                kind = None if isinstance(err, TraceContextError) else _refusal(err)
+                if kind is not None and cells:   # name those written in a body, else nested
+                    culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested]
+                    named = sorted(c.state._describe() for c in culprits or cells)
+                    raise _cannot(kind, ', '.join(named), err) from err
+                raise err
             if epoch is None and frames[-1].cells:   # (collectives need the axes still bound)
                 jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), frames[-1].cells), None
                 frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
@@ -2682,17 +2656,6 @@ def _dynamic_shapes_problem(config):
 
 
 # -- A trace's inputs and outputs in words ---------------------------------------
-def _state_labels(states) -> list:
-    """Name, else ``RandomState@model.py:12`` (stable across runs); repeats get ``#2`` ..."""
-    labels, seen = [], {}
-    for s in states:
-        base = s._name or type(s).__name__ + (
-            f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
-        seen[base] = n = seen.get(base, 0) + 1
-        labels.append(base if n == 1 else f'{base}#{n}')
-    return labels
-
-
 def _state_roles(traced) -> list:
     """``'read'``, ``'written'`` or ``'read and written'`` (its incoming value used) per state."""
     jaxpr = traced.closed_jaxpr.jaxpr
@@ -2707,7 +2670,12 @@ def _state_roles(traced) -> list:
 def _pretty(traced: _Traced, key) -> str:
     """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
     jaxpr, text, keystr = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr), jax.tree_util.keystr
-    labels, roles, args = _state_labels(traced.states), _state_roles(traced), _arg_labels(key)
+    roles, args, labels, seen = _state_roles(traced), _arg_labels(key), [], {}
+    for s in traced.states:   # name, else ``RandomState@model.py:12``; repeats get ``#2`` ...
+        base = s._name or type(s).__name__ + (
+            f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
+        seen[base] = n = seen.get(base, 0) + 1
+        labels.append(base if n == 1 else f'{base}#{n}')
     state_of, in_roles = [], []
     for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
         for path in _leaf_paths(sig[0]):
