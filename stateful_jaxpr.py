@@ -3095,9 +3095,8 @@ class StatefulFunction:
 
     def _cached(self, key, read, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
-        one keeping a custom rule serves no JAX transformation but our own dispatcher's jit
-        (``plan``), lest its rule's lazily traced jaxprs (closing over what the first one saw,
-        States too) serve another."""
+        one keeping a custom rule serves only our dispatcher's jit (``plan``): its rule's lazily
+        traced jaxprs close over what the first trace saw, States too."""
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan) or (
                 entry.traced.rules and plan is None and _under_jax_trace()):
@@ -3167,9 +3166,8 @@ class StatefulFunction:
         jitted = plan.dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
-            first = len(plan.states)          # where *args start
             jitted = jax.jit(functools.partial(self._dispatch_body, token),
-                             static_argnums=tuple(i + first for i in statics),
+                             static_argnums=tuple(i + len(plan.states) for i in statics),
                              static_argnames=self.static_argnames or None,
                              donate_argnums=plan.donated if donating else ())
             if donating:
