@@ -2844,15 +2844,12 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
 
 def _kept_layout(state, new):
     """``new`` laid out like ``state``'s multi-device value, lest XLA gather it onto one."""
-    old, tree = jax.tree_util.tree_flatten(state._value)
-    leaves, new_tree = jax.tree_util.tree_flatten(new)
-    if new_tree != tree:
-        return new
-    for k, (o, n) in enumerate(zip(old, leaves)):
-        sharding = _multi_device(o)
-        if sharding is not None and np.shape(o) == np.shape(n):
-            leaves[k] = _laid_out(n, sharding)
-    return jax.tree_util.tree_unflatten(tree, leaves)
+    def keep(old, value):
+        sharding = _multi_device(old)
+        same = sharding is not None and np.shape(old) == np.shape(value)
+        return _laid_out(value, sharding) if same else value
+    same_tree = jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state._value)
+    return jax.tree_util.tree_map(keep, state._value, new) if same_tree else new
 
 
 def _layout_token(sf, plan) -> int:
