@@ -2762,7 +2762,6 @@ def _pretty(traced: _Traced, key) -> str:
 # (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
 # writing states through ``value``.  The first two go through the door (section 3), their
 # executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
-# ``make_jaxpr`` is ``jax.make_jaxpr`` over a StatefulFunction.
 # =============================================================================
 
 class _Unprepared(BaseException):
