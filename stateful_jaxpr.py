@@ -2712,7 +2712,6 @@ def _pretty(traced: _Traced, key) -> str:
 # (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
 # writing states through ``value``.  The first two go through the door (section 3), their
 # executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
-# ``make_jaxpr`` is ``jax.make_jaxpr`` over a StatefulFunction.
 # =============================================================================
 
 class _Unprepared(BaseException):
@@ -2794,15 +2793,12 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
 
 def _kept_layout(state, new):
     """``new`` laid out like ``state``'s multi-device value, lest XLA gather it onto one."""
-    old, tree = jax.tree_util.tree_flatten(state._value)
-    leaves, new_tree = jax.tree_util.tree_flatten(new)
-    if new_tree != tree:
-        return new
-    for k, (o, n) in enumerate(zip(old, leaves)):
-        sharding = _multi_device(o)
-        if sharding is not None and np.shape(o) == np.shape(n):
-            leaves[k] = _laid_out(n, sharding)
-    return jax.tree_util.tree_unflatten(tree, leaves)
+    def keep(old, value):
+        sharding = _multi_device(old)
+        same = sharding is not None and np.shape(old) == np.shape(value)
+        return _laid_out(value, sharding) if same else value
+    same_tree = jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state._value)
+    return jax.tree_util.tree_map(keep, state._value, new) if same_tree else new
 
 
 def _layout_token(sf, plan) -> int:
@@ -2819,21 +2815,21 @@ def _layout_token(sf, plan) -> int:
 def _donating(sf, jitted, plan):
     """The donating ``jitted`` (and its ``lower``), refusing an array two states share: JAX may
     crash on it."""
-    def split(flat):   # the States' values (then the arguments) in the dispatcher's order
-        values, owner = flat[:len(plan.states)], {}
+    def checked(flat):   # (the donated States first: an array one of them shares is named)
+        owner = {}
         for i in plan.donated + plan.kept:
-            for leaf in _leaves(values[i]):
+            for leaf in _leaves(flat[i]):
                 j = owner.setdefault(id(leaf), i)
                 if j != i and j in plan.donated:
                     raise ValueError(
                         f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
                         f'and {plan.states[i]._describe()} both hold; give one of them a copy '
                         '(jnp.copy) or leave it out of donate_states')
-        return [*(values[i] for i in plan.donated + plan.kept), *flat[len(values):]]
+        return flat
 
     def call(*flat, **kwargs):
         try:
-            return jitted(*split(flat), **kwargs)
+            return jitted(*checked(flat), **kwargs)
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
@@ -2842,18 +2838,9 @@ def _donating(sf, jitted, plan):
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
             raise
-    call.lower = lambda *flat, **kwargs: jitted.lower(*split(flat), **kwargs)
+    call.lower = lambda *flat, **kwargs: jitted.lower(*checked(flat), **kwargs)
     call._clear_cache = lambda: _forget_failed_calls(jitted)
     return call
-
-
-def _dispatch_flat(sf, token, donating, *flat, **kwargs):
-    """A dispatcher's body: the States' values first, one argument each (then jax.jit's fast
-    path flattens no list), a donating one's in ``plan.donated + plan.kept`` order."""
-    plan = sf._plans_by_token[abs(token)]
-    n = len(plan.states)
-    given = dict(zip(plan.donated + plan.kept if donating else range(n), flat[:n]))
-    return sf._dispatch_body(token, [given[i] for i in range(n)], *flat[n:], **kwargs)
 
 
 class _EagerCall(StateTraceStack):
@@ -2929,6 +2916,23 @@ def _call(sf, *args, **kwargs):
         raise
     next(sf._cache._hits)
     return out
+
+
+def _accessors(name, context, part, doc):
+    """brainstate's accessors ``name`` and ``name_by_cache``: ``part`` of the view of the entry
+    for a call's arguments or under a cache key (``context`` names it in a miss's error)."""
+    def by_cache(self, cache_key):
+        return part(self._view_by_key(cache_key, context))
+
+    def get(self, *args, compile_if_miss: bool = True, **kwargs):
+        if compile_if_miss:
+            return part(self._view(self._lookup(args, kwargs)[1]))
+        return by_cache(self, self._cache_key(args, kwargs)[0])
+    get.__doc__, by_cache.__doc__ = doc, f':meth:`{name}` for a cache key.'
+    for f, suffix in ((get, ''), (by_cache, '_by_cache')):
+        f.__name__ = name + suffix
+        f.__qualname__ = f'StatefulFunction.{name}{suffix}'
+    return get, by_cache
 
 
 class StatefulFunction:
@@ -3037,9 +3041,8 @@ class StatefulFunction:
 
     def _cached(self, key, read, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
-        one keeping a custom rule serves no JAX transformation but our own dispatcher's jit
-        (``plan``), lest its rule's lazily traced jaxprs (closing over what the first one saw,
-        States too) serve another."""
+        one keeping a custom rule serves only our dispatcher's jit (``plan``): its rule's lazily
+        traced jaxprs close over what the first trace saw, States too."""
         entry = self._cache._peek(key)
         if entry is None or (plan is not None and entry.plan is not plan) or (
                 entry.traced.rules and plan is None and _under_jax_trace()):
@@ -3109,23 +3112,24 @@ class StatefulFunction:
         jitted = plan.dispatchers.get((token, nargs, donating))
         if jitted is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
-            first = len(plan.states)          # where *args start
-            jitted = jax.jit(functools.partial(_dispatch_flat, self, token, donating),
-                             static_argnums=tuple(i + first for i in statics),
+            jitted = jax.jit(functools.partial(self._dispatch_body, token),
+                             static_argnums=tuple(i + len(plan.states) for i in statics),
                              static_argnames=self.static_argnames or None,
-                             donate_argnums=tuple(range(len(plan.donated))) if donating else ())
+                             donate_argnums=plan.donated if donating else ())
             if donating:
                 jitted = _donating(self, jitted, plan)
             plan.dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
-    def _dispatch_body(self, token, state_values, *args, **kwargs):
+    def _dispatch_body(self, token, *flat, **kwargs):
         """Traced by jax.jit on a dispatcher miss, which under a strict door (the warm path's) it
-        aborts; a negative token (jaxpr_call) keeps no layout."""
+        aborts; takes the States' values first, one argument each (then jax.jit's fast path
+        flattens no list); a negative token (jaxpr_call) keeps no layout."""
         running = _running(1)
         if token > 0 and running and running[0][0] is self and running[0][2]:
             raise _Unprepared
         plan = self._plans_by_token[abs(token)]
+        state_values, args = flat[:len(plan.states)], flat[len(plan.states):]
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
@@ -3268,69 +3272,28 @@ class StatefulFunction:
     def _view_by_key(self, cache_key, context: str) -> _Traced:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
 
-    def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        if compile_if_miss:
-            return self._view(self._lookup(args, kwargs)[1])
-        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
-
-    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The ClosedJaxpr for these arguments."""
-        return self._view_of(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
-
-    def get_jaxpr_by_cache(self, cache_key):
-        """:meth:`get_jaxpr` for a cache key."""
-        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
-
-    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
-        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes``
-        has one entry per state (``get_states()`` order), ``None`` where not returned."""
-        return self._view_of(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
-
-    def get_out_shapes_by_cache(self, cache_key):
-        """:meth:`get_out_shapes` for a cache key."""
-        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
-
-    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both."""
-        return self._view_of(args, kwargs, compile_if_miss, 'Output tree').full_tree
-
-    def get_out_treedef_by_cache(self, cache_key):
-        """:meth:`get_out_treedef` for a cache key."""
-        return self._view_by_key(cache_key, 'Output tree').full_tree
-
-    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The :class:`StateTraceStack` recorded while tracing."""
-        return self._view_of(args, kwargs, compile_if_miss, 'State trace').trace_stack
-
-    def get_state_trace_by_cache(self, cache_key):
-        """:meth:`get_state_trace` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').trace_stack
-
-    def get_states(self, *args, compile_if_miss: bool = True, **kwargs):
-        """Every touched State, in jaxpr-input order."""
-        return self._view_of(args, kwargs, compile_if_miss, 'State trace').states
-
-    def get_states_by_cache(self, cache_key):
-        """:meth:`get_states` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').states
-
-    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The touched States that are only read."""
-        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                    **kwargs).get_read_states()
-
-    def get_read_states_by_cache(self, cache_key):
-        """:meth:`get_read_states` for a cache key."""
-        return self.get_state_trace_by_cache(cache_key).get_read_states()
-
-    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs):
-        """The touched States that are written."""
-        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
-                                    **kwargs).get_write_states()
-
-    def get_write_states_by_cache(self, cache_key):
-        """:meth:`get_write_states` for a cache key."""
-        return self.get_state_trace_by_cache(cache_key).get_write_states()
+    get_jaxpr, get_jaxpr_by_cache = _accessors(
+        'get_jaxpr', 'JAX expression', lambda view: view.closed_jaxpr,
+        'The ClosedJaxpr for these arguments.')
+    get_out_shapes, get_out_shapes_by_cache = _accessors(
+        'get_out_shapes', 'Output shapes', lambda view: view.out_shapes(),
+        '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
+        'has one entry per state (``get_states()`` order), ``None`` where not returned.')
+    get_out_treedef, get_out_treedef_by_cache = _accessors(
+        'get_out_treedef', 'Output tree', lambda view: view.full_tree,
+        'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.')
+    get_state_trace, get_state_trace_by_cache = _accessors(
+        'get_state_trace', 'State trace', lambda view: view.trace_stack,
+        'The :class:`StateTraceStack` recorded while tracing.')
+    get_states, get_states_by_cache = _accessors(
+        'get_states', 'State trace', lambda view: view.states,
+        'Every touched State, in jaxpr-input order.')
+    get_read_states, get_read_states_by_cache = _accessors(
+        'get_read_states', 'State trace', lambda view: view.trace_stack.get_read_states(),
+        'The touched States that are only read.')
+    get_write_states, get_write_states_by_cache = _accessors(
+        'get_write_states', 'State trace', lambda view: view.trace_stack.get_write_states(),
+        'The touched States that are written.')
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
