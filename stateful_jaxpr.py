@@ -3785,9 +3785,8 @@ class StatefulMapping(StatefulFunction):
                              'state_in_axes), so the batch size is unknown; pass axis_size=n')
         n, states, run = found[0][1], traced.states, traced.runner()
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
-        in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
-            axis is not None for axis, sig in zip(in_state_axes, traced.state_sigs) for _ in sig[1]]
+            axis is not None for axis, sig in zip(state_axes, traced.state_sigs) for _ in sig[1]]
         out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
@@ -3795,7 +3794,7 @@ class StatefulMapping(StatefulFunction):
             out, returned = run(lane_args, lane_states)
             return out, [returned[r] for r in write_axes]
 
-        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), in_state_axes),
+        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), state_axes),
                                  out_axes=(self.out_axes, list(write_axes.values())),
                                  axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
 
@@ -3844,7 +3843,7 @@ class StatefulMapping(StatefulFunction):
         return out_axes
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Per-lane trace, each state's axis (None for RandomStates), ``sizes`` with states'."""
+        """Per-lane trace, each state's axis (0 for RandomStates), ``sizes`` with states'."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
@@ -3855,9 +3854,9 @@ class StatefulMapping(StatefulFunction):
                     raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
                                          'stack of keys; a mapping splits every RandomState '
                                          'per lane itself: give it a single key instead')
-                axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
+                axis = 0 if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
-            if axis is None:
+            if axis is None or isinstance(state, RandomState):   # keys are split per lane later
                 return aval
             a, lane = _lane_aval(axis, aval, lambda: BatchAxisError(
                 f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
