@@ -3698,9 +3698,8 @@ class StatefulMapping(StatefulFunction):
                              'state_in_axes), so the batch size is unknown; pass axis_size=n')
         n, states, run = found[0][1], traced.states, traced.runner()
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
-        in_state_axes = [0 if i in rng_index else state_axes[i] for i in range(len(states))]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
-            axis is not None for axis, sig in zip(in_state_axes, traced.state_sigs) for _ in sig[1]]
+            axis is not None for axis, sig in zip(state_axes, traced.state_sigs) for _ in sig[1]]
         out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
@@ -3708,7 +3707,7 @@ class StatefulMapping(StatefulFunction):
             out, returned = run(lane_args, lane_states)
             return out, [returned[r] for r in write_axes]
 
-        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), in_state_axes),
+        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), state_axes),
                                  out_axes=(self.out_axes, list(write_axes.values())),
                                  axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
 
@@ -3729,38 +3728,35 @@ class StatefulMapping(StatefulFunction):
 
     def _out_axes(self, traced, state_axes, rng_index, in_batched, n: int) -> dict:
         """The axis each written state but a RandomState leaves along, by state index: as
-        ``state_out_axes`` says, else as it came in; an unbatched one written with a value
-        varying across lanes (per vmap) leaves on axis 0, as the policy allows."""
+        ``state_out_axes`` says, else as it came in, else 0 if written varying across lanes."""
         out_axes = {i: _axis_for(traced.states[i], self._state_out, state_axes[i])
                     for i in traced.returned if i not in rng_index}
-        unbatched = [r for r, i in enumerate(traced.returned) if out_axes.get(i, 0) is None]
         closed, first = traced.closed_jaxpr, traced.n_out
         at = traced.state_tree.unflatten(range(first, first + traced.state_tree.num_leaves))
-        leaves = [_leaves(at[r]) for r in unbatched]
-        picked, run = [j for js in leaves for j in js], _jaxpr_as_fun(closed)
+        picked = [(i, j) for r, i in enumerate(traced.returned) if out_axes.get(i, 0) is None
+                  for j in _leaves(at[r])]   # (state index, jaxpr output) of unbatched ones
         if not picked:
             return out_axes
         avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
                              weak_type=v.aval.weak_type)
                  for v, b in zip(closed.jaxpr.invars, in_batched)]
+        run = _jaxpr_as_fun(closed)
         with _axis_env(self.axis_env):
-            flags = iter(_batched_flags(lambda *xs: [run(*xs)[j] for j in picked], avals,
-                                        [0 if b else None for b in in_batched],
-                                        self.axis_name, n) or [False] * len(picked))
-        for r in [r for r, js in zip(unbatched, leaves) if any([next(flags) for _ in js])]:
-            state = traced.states[traced.returned[r]]
-            message = (f'{_who(self)}: {state._describe()} came in unbatched but is written '
-                       'with a batched value, so it leaves batched along axis 0. Declare it '
-                       'with state_in_axes (batched in) or state_out_axes (batched out)')
+            flags = _batched_flags(lambda *xs: [run(*xs)[j] for _, j in picked], avals,
+                                   [0 if b else None for b in in_batched], self.axis_name, n)
+        for i in dict.fromkeys(i for (i, _), batched in zip(picked, flags) if batched):
+            message = (f'{_who(self)}: {traced.states[i]._describe()} came in unbatched but is '
+                       'written with a batched value, so it leaves batched along axis 0. Declare '
+                       'it with state_in_axes (batched in) or state_out_axes (batched out)')
             if self.unexpected_out_state_mapping == 'raise':
                 raise BatchAxisError(message + ", or set unexpected_out_state_mapping='auto'")
             if self.unexpected_out_state_mapping == 'warn':
                 warnings.warn(message, UserWarning, stacklevel=_outside(skip_jax=True)[1])
-            out_axes[traced.returned[r]] = 0
+            out_axes[i] = 0
         return out_axes
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Per-lane trace, each state's axis (None for RandomStates), ``sizes`` with states'."""
+        """Per-lane trace, each state's axis (0 for RandomStates), ``sizes`` with states'."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
@@ -3771,9 +3767,9 @@ class StatefulMapping(StatefulFunction):
                     raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
                                          'stack of keys; a mapping splits every RandomState '
                                          'per lane itself: give it a single key instead')
-                axis = None if isinstance(state, RandomState) else _axis_for(state, self._state_in)
+                axis = 0 if isinstance(state, RandomState) else _axis_for(state, self._state_in)
                 state_axes[id(state)] = axis
-            if axis is None:
+            if axis is None or isinstance(state, RandomState):   # keys are split per lane later
                 return aval
             a, lane = _lane_aval(axis, aval, lambda: BatchAxisError(
                 f'state_in_axes maps {state._describe()} along axis {axis}, but its value '
@@ -4072,9 +4068,8 @@ def _size(atoms) -> int:
 
 
 def _fold(jaxpr, consts, in_values=()):
-    """``(folded jaxpr, each output's known value or _MISSING)``; ``consts`` None: a bare Jaxpr.
-    ``in_values``: the inputs' values (_MISSING where unknown), for a call body.  Known values
-    are inlined as literals (scalars; any in a bare Jaxpr) or consts."""
+    """``(folded jaxpr, each output's known value or _MISSING)``, known values inlined as literals
+    (scalars; all in a bare Jaxpr: ``consts`` None) or consts; ``in_values``: a call body's."""
     known = dict(zip(jaxpr.invars, in_values))     # Var -> value known at fold time
     const_values = dict(zip(jaxpr.constvars, consts or ()))   # new consts join at the end
     invars = set(jaxpr.invars)
