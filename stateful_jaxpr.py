@@ -2918,23 +2918,6 @@ def _call(sf, *args, **kwargs):
     return out
 
 
-def _accessors(name, context, part, doc):
-    """brainstate's accessors ``name`` and ``name_by_cache``: ``part`` of the view of the entry
-    for a call's arguments or under a cache key (``context`` names it in a miss's error)."""
-    def by_cache(self, cache_key):
-        return part(self._view_by_key(cache_key, context))
-
-    def get(self, *args, compile_if_miss: bool = True, **kwargs):
-        if compile_if_miss:
-            return part(self._view(self._lookup(args, kwargs)[1]))
-        return by_cache(self, self._cache_key(args, kwargs)[0])
-    get.__doc__, by_cache.__doc__ = doc, f':meth:`{name}` for a cache key.'
-    for f, suffix in ((get, ''), (by_cache, '_by_cache')):
-        f.__name__ = name + suffix
-        f.__qualname__ = f'StatefulFunction.{name}{suffix}'
-    return get, by_cache
-
-
 class StatefulFunction:
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
@@ -3272,28 +3255,69 @@ class StatefulFunction:
     def _view_by_key(self, cache_key, context: str) -> _Traced:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
 
-    get_jaxpr, get_jaxpr_by_cache = _accessors(
-        'get_jaxpr', 'JAX expression', lambda view: view.closed_jaxpr,
-        'The ClosedJaxpr for these arguments.')
-    get_out_shapes, get_out_shapes_by_cache = _accessors(
-        'get_out_shapes', 'Output shapes', lambda view: view.out_shapes(),
-        '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
-        'has one entry per state (``get_states()`` order), ``None`` where not returned.')
-    get_out_treedef, get_out_treedef_by_cache = _accessors(
-        'get_out_treedef', 'Output tree', lambda view: view.full_tree,
-        'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.')
-    get_state_trace, get_state_trace_by_cache = _accessors(
-        'get_state_trace', 'State trace', lambda view: view.trace_stack,
-        'The :class:`StateTraceStack` recorded while tracing.')
-    get_states, get_states_by_cache = _accessors(
-        'get_states', 'State trace', lambda view: view.states,
-        'Every touched State, in jaxpr-input order.')
-    get_read_states, get_read_states_by_cache = _accessors(
-        'get_read_states', 'State trace', lambda view: view.trace_stack.get_read_states(),
-        'The touched States that are only read.')
-    get_write_states, get_write_states_by_cache = _accessors(
-        'get_write_states', 'State trace', lambda view: view.trace_stack.get_write_states(),
-        'The touched States that are written.')
+    def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
+        if compile_if_miss:
+            return self._view(self._lookup(args, kwargs)[1])
+        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
+
+    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The ClosedJaxpr for these arguments."""
+        return self._view_of(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
+
+    def get_jaxpr_by_cache(self, cache_key):
+        """:meth:`get_jaxpr` for a cache key."""
+        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
+
+    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
+        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes``
+        has one entry per state (``get_states()`` order), ``None`` where not returned."""
+        return self._view_of(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
+
+    def get_out_shapes_by_cache(self, cache_key):
+        """:meth:`get_out_shapes` for a cache key."""
+        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
+
+    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both."""
+        return self._view_of(args, kwargs, compile_if_miss, 'Output tree').full_tree
+
+    def get_out_treedef_by_cache(self, cache_key):
+        """:meth:`get_out_treedef` for a cache key."""
+        return self._view_by_key(cache_key, 'Output tree').full_tree
+
+    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The :class:`StateTraceStack` recorded while tracing."""
+        return self._view_of(args, kwargs, compile_if_miss, 'State trace').trace_stack
+
+    def get_state_trace_by_cache(self, cache_key):
+        """:meth:`get_state_trace` for a cache key."""
+        return self._view_by_key(cache_key, 'State trace').trace_stack
+
+    def get_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """Every touched State, in jaxpr-input order."""
+        return self._view_of(args, kwargs, compile_if_miss, 'State trace').states
+
+    def get_states_by_cache(self, cache_key):
+        """:meth:`get_states` for a cache key."""
+        return self._view_by_key(cache_key, 'State trace').states
+
+    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The touched States that are only read."""
+        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                    **kwargs).get_read_states()
+
+    def get_read_states_by_cache(self, cache_key):
+        """:meth:`get_read_states` for a cache key."""
+        return self.get_state_trace_by_cache(cache_key).get_read_states()
+
+    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The touched States that are written."""
+        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                    **kwargs).get_write_states()
+
+    def get_write_states_by_cache(self, cache_key):
+        """:meth:`get_write_states` for a cache key."""
+        return self.get_state_trace_by_cache(cache_key).get_write_states()
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""

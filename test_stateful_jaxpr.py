@@ -591,6 +591,14 @@ class CompatTest(unittest.TestCase):
         out, = sj._jaxpr_as_fun(closed)(2.0, 5.0)
         self.assertEqual(float(out), 11.0)
 
+    def test_accessors_are_written_out(self):
+        # A reader greps for an accessor's definition: none is generated from a table.
+        source = inspect.getsource(sj.StatefulFunction)
+        names = [n for n in dir(sj.StatefulFunction) if n.startswith('get_')]
+        self.assertGreaterEqual(len(names), 16)
+        for name in names:
+            self.assertIn(f'    def {name}(', source)
+
     def test_internals_only_in_compat_section(self):
         with open(sj.__file__) as fh:
             source = fh.read()
