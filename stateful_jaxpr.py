@@ -3492,6 +3492,21 @@ def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool
                 if missing else 'holds non-float values; pass allow_int=True for float0 gradients'))
 
 
+def _grad_targets(grad_states, argnums) -> tuple:
+    """``(states, tree, argnums)``: the States in ``grad_states``'s order and its structure,
+    and the argument numbers as a tuple (None: no argument gradients)."""
+    pairs, tree = jax.tree_util.tree_flatten_with_path(
+        grad_states, is_leaf=lambda x: isinstance(x, State))
+    for path, x in pairs:
+        if not isinstance(x, State):
+            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
+                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
+    nums = (0,) if argnums is None and not pairs else (argnums,) if _is_int(argnums) else argnums
+    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
+        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
+    return [leaf for _, leaf in pairs], tree, nums
+
+
 def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphic: bool = False,
          allow_int: bool = False, has_aux: bool | None = None, return_value: bool = False, *,
          check_states: bool = True) -> StatefulFunction:
@@ -3517,18 +3532,8 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     if fun is None:
         return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
                               return_value, check_states=check_states)
-    inner = StatefulFunction(fun)
-    pairs, tree = jax.tree_util.tree_flatten_with_path(
-        grad_states, is_leaf=lambda x: isinstance(x, State))
-    for path, x in pairs:
-        if not isinstance(x, State):
-            raise TypeError(f'grad(grad_states=...) takes States, but grad_states'
-                            f'{jax.tree_util.keystr(path)} is {x!r}; pass the State itself')
-    states = [leaf for _, leaf in pairs]   # in ``tree``'s order; ``uniq``: each once
-    uniq = list(dict.fromkeys(states))
-    nums = (0,) if argnums is None and not uniq else (argnums,) if _is_int(argnums) else argnums
-    if not (nums is None or isinstance(nums, (tuple, list)) and all(map(_is_int, nums))):
-        raise TypeError(f'grad(argnums=...) takes an int or a sequence of ints, got {argnums!r}')
+    inner, (states, tree, nums) = StatefulFunction(fun), _grad_targets(grad_states, argnums)
+    uniq = list(dict.fromkeys(states))   # each State once
 
     def run(*args, **kwargs):
         """A call: ``jax.grad`` of ``inner``'s pure form; the States it writes are then set."""

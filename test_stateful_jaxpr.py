@@ -599,6 +599,15 @@ class CompatTest(unittest.TestCase):
         for name in names:
             self.assertIn(f'    def {name}(', source)
 
+    def test_no_function_is_over_sixty_lines(self):
+        # Each definition reads on one screen; a longer one is split where it has a seam.
+        import ast
+        with open(sj.__file__) as fh:
+            tree = ast.parse(fh.read())
+        long = [f'{n.name} ({n.end_lineno - n.lineno + 1} lines)' for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno >= 60]
+        self.assertEqual(long, [])
+
     def test_internals_only_in_compat_section(self):
         with open(sj.__file__) as fh:
             source = fh.read()
