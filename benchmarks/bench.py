@@ -48,6 +48,12 @@ Workloads and targets (ratio ours / plain JAX, unless a unit is given):
   call at N = 1, 10, 100, 1000 and in a tight loop at N = 1, 10: all <= 1.1.
 * explain -- the dispatch program at N=10 with ``explain_cache_misses`` off,
   on (extra column) and plain ``jax.jit``: on vs off <= 1.1.
+* threads -- blocked warm calls of the dispatch function (N = 10) from one
+  thread and from two at once, each thread with its own function and States,
+  vs the same with ``jax.jit`` of the pure function; rounds rotate the four
+  cases; time per call = round wall time / calls per thread, median over
+  rounds.  Calls that share no State must scale as plain JAX's do:
+  (ours two / ours one) / (JAX two / JAX one) <= 1.1.
 * trace -- first ``StatefulFunction(f).make_jaxpr(x)`` of a fresh function vs
   ``jax.make_jaxpr(pure)`` at N = 10, 100, 1000, 5000 (<= 1.2; and
   make_jaxpr(5000) / make_jaxpr(1000) <= 6), and the first call (trace +
@@ -127,6 +133,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import tracemalloc
 
@@ -711,6 +718,56 @@ class Bench:
                  {'explain on': res['explain on']}, f'{res["_calls"]:,} calls/side')
         self.target('warm call, explanations on vs off', res['explain on'] / res['ours'], 1.1)
 
+    # -- threads ----------------------------------------------------------------
+    def threads(self):
+        """Blocked warm calls from one thread and from two at once, each thread calling its own
+        function over its own N = 10 States, against plain ``jax.jit`` likewise; rounds rotate
+        the four cases, and a round's time per call is its wall time over the calls one thread
+        made.  Calls that share no State take no common lock, so going from one thread to two
+        should cost ours what it costs plain JAX: (ours 2 / ours 1) / (JAX 2 / JAX 1) <= 1.1."""
+        x, n, k = jnp.ones(16, F32), 10, 200 if self.quick else 1000
+        lanes = {'ours': [], 'jax': []}
+        for lane in range(2):
+            states = make_states(n)
+            sf = sj.StatefulFunction(stateful_step(states))
+            jitted = jax.jit(pure_step())
+            lanes['ours'].append(lambda sf=sf: sf(x))
+            lanes['jax'].append(Baseline(
+                jitted, check_same(f'threads, lane {lane}', states, sf, jitted, x), x))
+
+        def round_time(calls):
+            start = threading.Barrier(len(calls) + 1)
+
+            def lane(call):
+                start.wait()
+                for _ in range(k):
+                    _block(call())
+            workers = [threading.Thread(target=lane, args=(c,)) for c in calls]
+            for w in workers:
+                w.start()
+            start.wait()
+            t0 = time.perf_counter()
+            for w in workers:
+                w.join()
+            return (time.perf_counter() - t0) / k * 1e6
+        cases = [(side, m) for side in lanes for m in (1, 2)]
+        times = {case: [] for case in cases}
+        for side, m in cases:   # warm up
+            round_time(lanes[side][:m])
+        deadline = time.perf_counter() + 2 * self.budget
+        for r in itertools.count():
+            if r >= 5 and time.perf_counter() > deadline:
+                break
+            for side, m in cases[r % 4:] + cases[:r % 4]:
+                times[side, m].append(round_time(lanes[side][:m]))
+        med = _medians(times)
+        for m in (1, 2):
+            self.row(f'{"one thread" if m == 1 else "two threads at once"}, own States each',
+                     n, med['ours', m], med['jax', m],
+                     samples=f'{len(times["ours", m])} rounds of {k} calls/thread')
+        scaling = (med['ours', 2] / med['ours', 1]) / (med['jax', 2] / med['jax', 1])
+        self.target(f'threads N={n}: two threads vs one, ours vs plain JAX', scaling, 1.1)
+
     # -- trace ------------------------------------------------------------------
     def trace(self):
         """First trace / first compiled call, fresh function objects every time.
@@ -1101,7 +1158,7 @@ class Bench:
         return '\n'.join(out)
 
 
-SECTIONS = ('dispatch', 'explain', 'trace', 'vmap', 'big_arg', 'scan_write', 'nested_write',
+SECTIONS = ('dispatch', 'explain', 'threads', 'trace', 'vmap', 'big_arg', 'scan_write', 'nested_write',
             'training', 'memory')
 
 
