@@ -6233,9 +6233,11 @@ def _refused_differentiations(prog, eager=False) -> set:
                 or d[1] in _REVERSE and {'cond', 'diff'} <= b}
         names |= {f"'s{n[2]}'" for n, frames in found if n[0] == 'wseq'
                   for d, _ in frames if (id(d), n[2]) in used}
-        # So is the Ref of a State written inside any nested transformation, read in such a cond.
+        # So is the Ref of a State written (also conditionally) inside any nested
+        # transformation, read in such a cond.
         nested = {n[2] for odd in (0, 1) for n, inside in _nodes(prog['body'], odd)
-                  if n[0] == 'wseq' and inside} | {n[2] for n, fr in found if n[0] == 'wseq' and fr}
+                  if n[0] in ('wseq', 'cwseq') and inside} | {
+                      n[2] for n, fr in found if n[0] in ('wseq', 'cwseq') and fr}
         names |= {f"'s{n[1]}'" for n, frames in found if n[0] == 'read' and n[1] in nested
                   and any(d[1] in _REVERSE and {'cond', 'diff'} <= b for d, b in frames)}
         # A body under jax.jacfwd / jax.jacrev reading such a Ref: JAX batches the primal
@@ -6509,8 +6511,10 @@ class FuzzDifferentialTest(unittest.TestCase):
     # old shape (the write is refused and every State kept); 21326 maps a
     # function writing an unbatched State only in a lax.cond branch no lane
     # takes (it may leave stacked); 60619 (jax 0.5.3) reads a State first
-    # inside a lax.cond under jax.grad, where JAX refuses a Ref.
-    CAMPAIGN_SEEDS = (20124, 21326, 60619)
+    # inside a lax.cond under jax.grad, where JAX refuses a Ref; 321127 (jax 0.7.2)
+    # reads, in a fori_loop body under jax.jacfwd in a mapping, a State written
+    # conditionally in an inner jax.jit (a Ref JAX 0.7 batches: refused, named).
+    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127)
 
     def test_seeds_long_campaigns_found(self):
         for seed in self.CAMPAIGN_SEEDS:
