@@ -6511,10 +6511,10 @@ class FuzzDifferentialTest(unittest.TestCase):
     # old shape (the write is refused and every State kept); 21326 maps a
     # function writing an unbatched State only in a lax.cond branch no lane
     # takes (it may leave stacked); 60619 (jax 0.5.3) reads a State first
-    # inside a lax.cond under jax.grad, where JAX refuses a Ref; 321127 (jax 0.7.2)
-    # reads, in a fori_loop body under jax.jacfwd in a mapping, a State written
-    # conditionally in an inner jax.jit (a Ref JAX 0.7 batches: refused, named).
-    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127)
+    # inside a lax.cond under jax.grad, where JAX refuses a Ref; 321127 and 322882
+    # (jax 0.7.2) read, in a body under jax.jacfwd in a mapping, a State written
+    # conditionally in another body (a Ref JAX 0.7 batches: refused, named).
+    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127, 322882)
 
     def test_seeds_long_campaigns_found(self):
         for seed in self.CAMPAIGN_SEEDS:
