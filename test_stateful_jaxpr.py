@@ -6233,7 +6233,7 @@ def _refused_differentiations(prog, eager=False) -> set:
                 or d[1] in _REVERSE and {'cond', 'diff'} <= b}
         names |= {f"'s{n[2]}'" for n, frames in found if n[0] == 'wseq'
                   for d, _ in frames if (id(d), n[2]) in used}
-        # So is the Ref of a State written (also conditionally) inside any nested
+        # So is the Ref of a State written (also from a collective) inside any nested
         # transformation, read in such a cond.
         nested = {n[2] for odd in (0, 1) for n, inside in _nodes(prog['body'], odd)
                   if n[0] in ('wseq', 'cwseq') and inside} | {
@@ -6513,7 +6513,7 @@ class FuzzDifferentialTest(unittest.TestCase):
     # takes (it may leave stacked); 60619 (jax 0.5.3) reads a State first
     # inside a lax.cond under jax.grad, where JAX refuses a Ref; 321127 and 322882
     # (jax 0.7.2) read, in a body under jax.jacfwd in a mapping, a State written
-    # conditionally in another body (a Ref JAX 0.7 batches: refused, named).
+    # from a collective in another body (a Ref JAX 0.7 batches: refused, named).
     CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127, 322882)
 
     def test_seeds_long_campaigns_found(self):
