@@ -203,10 +203,11 @@ _current_trace = (functools.partial(getattr, _trace_ref, 'value') if _trace_ref 
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
 _DIFF_TRACES = (_probe('jax._src.interpreters.ad:JVPTrace'), _LinearizeTrace)   # jvp, grad
+_EvalTrace = _src_core.EvalTrace   # the trace outside every transformation
 
 
 def _under_jax_trace() -> bool:
-    return not isinstance(_current_trace(), _src_core.EvalTrace)
+    return not isinstance(_current_trace(), _EvalTrace)
 
 
 def _parent(trace):
@@ -218,7 +219,7 @@ def _trace_path(home) -> tuple:
     ``whole`` False on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..),
     None in a trace JAX made apart from the program (a custom rule's, traced when JAX needs it)."""
     path, trace = [], _src_core.trace_ctx.trace
-    while trace is not home and not isinstance(trace, _src_core.EvalTrace):
+    while trace is not home and not isinstance(trace, _EvalTrace):
         path.append(trace)
         if (trace := _parent(trace)) is None:
             return path, None if hasattr(path[-1], 'parent_trace') else False
@@ -2850,48 +2851,26 @@ class _EagerCall(StateTraceStack):
 
 
 # The warm path: the last slow call's plan and dispatcher, for as long as they apply (slots:
-# every warm call reads them).  ``leaf_type``: the type of the first written State's value.
+# every warm call reads them).  ``leaf_type``: the type of the first written State's value;
+# ``hits``: the cache's hit count.
 class _Fast:
     __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
-                 'leaf_type')
+                 'leaf_type', 'hits')
 
-    def __init__(self, plan, dispatch, nargs, epoch, rules):
-        self.plan, self.dispatch, self.nargs, self.epoch, self.rules = (
-            plan, dispatch, nargs, epoch, rules)
+    def __init__(self, plan, dispatch, nargs, epoch, rules, hits):
+        self.plan, self.dispatch, self.nargs, self.epoch, self.rules, self.hits = (
+            plan, dispatch, nargs, epoch, rules, hits)
         self.states, self.locks, self.writes = plan.states, plan.locks, plan.write_states
         first = self.writes[0]._value if self.writes else None
         self.leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
 
 
 @_door
-def _warm_call(who, fast, args, kwargs):
-    """The warm path's door: ``fast``'s every lock or none (then the long way), strict; values
-    unlike the States' own at the first call (tracers) go through ``_write_back``."""
-    strict, locks, dispatch = True, fast.locks, fast.dispatch   # (what _running reads)
-    for lock in locks:
-        if not lock.acquire(False):   # one is busy: the long way
-            for taken in locks[:locks.index(lock)]:
-                taken.release()
-            locks = ()
-            return _locked_call(who, fast.plan, dispatch, args, kwargs, True)[0]
-    try:
-        values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
-        out, new = dispatch(*values, *args, **kwargs) if kwargs else dispatch(*values, *args)
-        writes = fast.writes
-        if writes and type(new[0]) is fast.leaf_type and not _under_jax_trace():
-            for state, value in zip(writes, new):
-                state._value = value
-        elif writes or _under_jax_trace():
-            _write_back(who, fast.plan, new)
-    finally:
-        for lock in locks:
-            lock.release()
-    return out
-
-
 def _call(sf, *args, **kwargs):
     """``__call__``: the warm path where it still applies, its executable ready, else the slow
-    path; a call in a trace joins it, one in recording stacks only is recorded there."""
+    path; a call in a trace joins it, one in recording stacks only is recorded there.  The warm
+    path is a door: ``fast``'s every lock or none (then the long way), strict; values unlike the
+    States' own at the first call (tracers) go through ``_write_back``."""
     if _frames_open and _ctx.frames:
         overlay = _innermost_overlay(_ctx.frames)
         if type(overlay) is _EagerCall:
@@ -2901,8 +2880,30 @@ def _call(sf, *args, **kwargs):
     if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
             fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
+    who, strict, locks = sf, True, fast.locks   # (what _running reads)
     try:
-        out = _warm_call(sf, fast, args, kwargs)
+        for lock in locks:
+            if not lock.acquire(False):   # one is busy: the long way
+                for taken in locks[:locks.index(lock)]:
+                    taken.release()
+                locks = ()
+                out = _locked_call(sf, fast.plan, fast.dispatch, args, kwargs, True)[0]
+                next(fast.hits)
+                return out
+        try:
+            values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
+            out, new = (fast.dispatch(*values, *args, **kwargs) if kwargs
+                        else fast.dispatch(*values, *args))
+            writes, traced = fast.writes, not isinstance(_current_trace(), _EvalTrace)
+            if writes and type(new[0]) is fast.leaf_type and not traced:
+                for state, value in zip(writes, new):
+                    state._value = value
+            elif writes or traced:
+                _write_back(sf, fast.plan, new)
+        finally:
+            for lock in locks:
+                lock.release()
+            locks, strict = (), False   # (what the slow path's doors must not see)
     except _Unprepared:   # a new signature: traced and compiled with no lock held
         _forget_failed_calls(fast.dispatch)
         return sf._call_slow(args, kwargs, fast.plan)
@@ -2914,7 +2915,7 @@ def _call(sf, *args, **kwargs):
         if sf._statics_by_value:
             return sf._call_slow(args, kwargs)
         raise
-    next(sf._cache._hits)
+    next(fast.hits)
     return out
 
 
@@ -3180,7 +3181,7 @@ class StatefulFunction:
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
             self._fast = _Fast(plan, self._dispatcher(at[1], len(args), bool(plan.donated)),
-                               len(args), at[0], entry.traced.rules)
+                               len(args), at[0], entry.traced.rules, self._cache._hits)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 

@@ -355,7 +355,7 @@ def main(argv=None):
     print(f'{"workload":<34}' + ''.join(f'{s:>14}' for s in SIDES)
           + f'{"after/before":>14}{"after/jax":>11}')
     ratios = []
-    for n in (1, 10, 100):
+    for n in (1, 10, 100, 1000):
         print_row(f'warm call, blocked  N={n}', warm_row(mods, 'warm call', n, budget), ratios)
     for n in (1, 10):
         print_row(f'warm call, loop     N={n}',
