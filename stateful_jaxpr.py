@@ -571,10 +571,9 @@ def _multi_device(leaf):
 # 3. States and the state trace stack
 #
 # Outside a stateful trace ``State.value`` is a plain attribute; inside, reads and writes go to the
-# thread's innermost frame (a StateTraceStack or section 6's _TraceFrame), through forward hooks:
-# section 6's ``_traced_read`` / ``_traced_write``, which may hold a value as Refs (``_RefCell``).
-# Side slots (name, metadata, stack level, backup key) written inside an overlaying frame reach the
-# State only when it closes without error.
+# thread's innermost frame (a StateTraceStack or section 6's _TraceFrame) through section 6's
+# ``_traced_read`` / ``_traced_write``, which may hold a value as Refs (``_RefCell``).  Side slots
+# (name, metadata, stack level, backup key) written in an overlay reach the State on a clean exit.
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
@@ -864,9 +863,8 @@ class State:
         return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of this class holding ``value`` (default: the current one)
-        and this State's metadata updated by ``metadata``; a State ``value`` of
-        this class is returned, ``replace``-d with ``metadata`` if given."""
+        """A new State of this class holding ``value`` (default: the current one), its metadata
+        updated by ``metadata``; a State ``value`` of this class is returned, ``replace``-d so."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
@@ -924,8 +922,7 @@ def _new_state(cls, value, name, metadata) -> State:
 
 
 class TreefyState:
-    """A State's class, value and metadata as a pytree whose only child is
-    the value (what :meth:`State.to_state_ref` returns).
+    """A State's class, value and metadata (:meth:`State.to_state_ref`); the value is its leaf.
 
     Example
     -------
@@ -1037,8 +1034,7 @@ def _check_n(owner, method: str, n, fix: str) -> None:
 class RandomState(State):
     """A State holding a PRNG key, split and advanced as you draw.
 
-    ``seed_or_key`` is an int (held as the raw ``jax.random.PRNGKey(seed)``), a
-    raw or typed key (held as given), or ``None`` (a fresh random seed).
+    ``seed_or_key``: an int (held as ``PRNGKey(seed)``), a raw or typed key, or ``None`` (random).
 
     Example
     -------
@@ -1117,10 +1113,9 @@ class StateTraceStack:
     """Records which States a piece of code touches, in first-touch order.
 
     A context manager; stacks nest LIFO, per thread, and an enclosing stack also records what a
-    nested one does.  With ``new_arg``, ``new_arg(state)`` on a state's first touch gives what
-    the code inside sees for it, and the values assigned inside stay in the stack (an overlay)
-    instead of going into the States.  ``name`` labels errors.  Names, return types and the
-    spelling ``been_writen`` follow brainstate 0.2.1.
+    nested one does.  With ``new_arg``, ``new_arg(state)`` at a state's first touch gives what code
+    inside sees, and values assigned inside stay in the stack (an overlay), not in the States.
+    ``name`` labels errors; names, return types and ``been_writen`` follow brainstate 0.2.1.
 
     Example
     -------
