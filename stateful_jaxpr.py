@@ -1520,8 +1520,7 @@ class _StateCatcher(collections.abc.Sequence):
 
 @contextlib.contextmanager
 def catch_new_states(state_tag: str | None = None, state_to_exclude=None):
-    """Collects the States created inside the block, except those matching
-    the filter ``state_to_exclude``, and tags them with ``state_tag``.
+    """Collects the States created inside the block but ``state_to_exclude``, tagged ``state_tag``.
 
     Example
     -------
@@ -1858,17 +1857,15 @@ def _key_summary(key) -> str:
 
 
 # -- Why a function traced again -----------------------------------------------
-_logger = logging.getLogger(__name__)
 _EXPLAIN_ENV = 'STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES'
 _explain_default = [os.environ.get(_EXPLAIN_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')]
 
 
 def explain_cache_misses(enabled: bool = True) -> bool:
-    """Turns cache-miss explanations on or off for functions built without their own
-    ``explain_cache_misses=``, returning the previous setting (on at import with
-    ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).  When on, each retrace logs a warning on the
-    ``stateful_jaxpr`` logger: the nearest cached entry and what differs (arguments, static values,
-    States' shapes, States newly or no longer touched); ``get_miss_causes()`` counts causes always.
+    """Turns cache-miss explanations on or off where no ``explain_cache_misses=`` was given,
+    returning the previous setting (on at import with ``STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=1``).
+    When on, each retrace logs a warning on the ``stateful_jaxpr`` logger: the nearest cached
+    entry and what differs (arguments, static values, States' shapes, States (no longer) touched).
 
     Example
     -------
@@ -1945,11 +1942,11 @@ def _note_miss(sf, key, stale, entry) -> None:
         return
     lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
         '  - nothing the cache key or the States show (the entry was not cacheable)'
-    _logger.warning('%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-                    type(sf).__name__, sf.name, _key_summary(key),
-                    'none' if near is None else f'({_key_summary(near)})',
-                    ' (the same arguments; its States changed)' if stale is not None else '',
-                    lines)
+    logging.getLogger(__name__).warning(
+        '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
+        type(sf).__name__, sf.name, _key_summary(key),
+        'none' if near is None else f'({_key_summary(near)})',
+        ' (the same arguments; its States changed)' if stale is not None else '', lines)
 
 
 # =============================================================================
