@@ -1954,16 +1954,14 @@ def _note_miss(sf, key, stale, entry) -> None:
 #
 # ``_trace_stateful`` turns ``fun(*args, **kwargs)`` into a ClosedJaxpr: inputs the flat dynamic
 # arguments, then each touched State in first-touch order; outputs the flat results, then the
-# returned states.  It runs inside a ``_TraceFrame``, where a State's ``value`` sends reads and
-# writes, so no tracer enters a State and a failed trace has nothing to restore.  A first touch adds
-# a jaxpr input on the trace captured at the start, so a first read deep inside ``lax.scan``,
-# ``grad`` or an inner ``jit`` is an input, not a constant.  A State *written* inside such a nested
+# returned states.  Reads and writes go to a ``_TraceFrame``, so no tracer enters a State and a
+# failed trace has nothing to restore; a first touch, even deep inside ``lax.scan``, ``grad`` or
+# a ``jit``, adds an input on the outer trace, not a constant.  A State *written* in such a nested
 # transformation is lifted as Refs (``_RefCell``), which JAX's discharge threads out; inside a
-# differentiation the State is a local variable of the differentiated program, loop bodies too.
-#
-# JAX caches control-flow bodies and jitted functions, which may hold a finished trace's tracer
-# or a State's value from before a write.  An *isolated* trace makes those caches miss (and
-# jax.numpy's jitted helpers retrace: ``_fresh_epoch``); ``_Retracer`` isolates only where needed.
+# differentiation it is a local variable of the differentiated program, loop bodies too.
+# JAX caches bodies and jitted functions, which may hold a finished trace's tracer or a State's
+# stale value: an *isolated* trace (``_fresh_epoch``) makes them miss, only where ``_Retracer``
+# finds it needed.
 # =============================================================================
 
 class _Traced:
@@ -2022,8 +2020,7 @@ class _TraceFrame(StateTraceStack):
         """``epoch`` ('fresh', 'shared' or '') is bound until exit (fresh for a nested shared)."""
         super().__init__(name=name)
         self._overlays = True
-        self._builder = _current_trace()        # the trace new inputs go to
-        self._jax_trace = _current_trace()      # a nested transformation's differs
+        self._jax_trace = _current_trace()      # new inputs go here; a nested trace differs
         self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
         self._nested_reads = set()              # ids of states read in nested traces
         self._diffs: dict = {}                  # id -> a differentiation a State was written in
@@ -2057,12 +2054,12 @@ class _TraceFrame(StateTraceStack):
             avals = [self._lift_aval(state, a) for a in avals]
         if state in self._retracer.ref_states:
             return self.cell(state, treedef, avals)
-        leaves = [_new_arg(self._builder, a) for a in avals]
+        leaves = [_new_arg(self._jax_trace, a) for a in avals]
         self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see traced)
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
-        cell = _RefCell(state, [_new_arg(self._builder, _ref_type(a)) for a in avals],
+        cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
                         treedef, avals, self._jax_trace, improvised)
         self.cells.append(cell)
         return cell
@@ -2095,9 +2092,8 @@ class _TraceFrame(StateTraceStack):
     def traced(self, closed, out_avals) -> _Traced:
         """The trace's result; refused where a custom rule JAX traced apart from the program (a
         body's transpose) read a State, leaving its tracer in a nested jaxpr no call can run."""
-        leaked = {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
-                  if isinstance(c, Tracer)}
-        if leaked:
+        if leaked := {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
+                      if isinstance(c, Tracer)}:
             raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked if s))
                           or 'a traced value')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
@@ -2139,10 +2135,8 @@ class _TraceFrame(StateTraceStack):
 # -- Traced reads and writes --------------------------------------------------
 def _traced_read(state, frames):
     top = frames[-1]
-    if top._overlays:  # fast path: already lifted by the innermost frame
-        v = top._values.get(id(state), _MISSING)
-        if v is not _MISSING:
-            return _view(state, v, top)
+    if (v := top._values.get(id(state), _MISSING)) is not _MISSING:   # (a recorder holds none)
+        return _view(state, v, top)
     return _view(state, *_touch_all(state, frames, write=False))
 
 
@@ -2217,8 +2211,7 @@ def _traced_write(state, value, frames, written: bool):
             entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = entry
             target._pending.add(state)
-            if _in_body(path, whole):
-                target._retracer.in_body = True
+            target._retracer.in_body |= _in_body(path, whole)
         if type(entry) is not _RefCell and id(state) in target._nested_reads:
             # A body traced before this write closed over the old value: retrace it.
             target._renew_epoch()
@@ -2284,17 +2277,14 @@ def _cannot(kind: str, described: str, err=None) -> TraceContextError:
 
 
 class _RefCell:
-    """A State a trace lifted as Refs, one per leaf, because it is written inside a nested
-    transformation; reads and writes bind at the current JAX trace.
-
-    Inside differentiated functions the State is a local variable of the plain program.  Each
-    differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a *level*
-    ``[trace, content, written, content are Refs]``, outermost first: a value, which direct
-    writes there set, made Refs inside that differentiation once a body nested in it touches
-    the State (JAX differentiates through those, 0.7 ..; before, such a body may write only a
-    value without a tangent).  Reads and writes use the innermost level, with its tangents;
-    ``refs`` always get the primal.  When a differentiation ends, the primal of its level (its
-    tracers' ``primal``) becomes its parent's."""
+    """A State lifted as Refs, one per leaf, for a write inside a nested transformation; reads and
+    writes bind at the current JAX trace.  In differentiated functions it is a local variable:
+    each differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a *level*
+    ``[trace, content, written, content are Refs]``, outermost first, whose value (set by direct
+    writes) becomes Refs made inside that differentiation once a body nested in it touches the
+    State (JAX 0.7 .. differentiates through those; before, such a body may write only a value
+    without a tangent).  Reads and writes use the innermost level, with its tangents; ``refs``
+    always get the primal.  An ended differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
                  'linearized', 'improvised')
 
@@ -2431,17 +2421,17 @@ class _RefCell:
 
 
 def _returned_inputs(body, carry) -> list:
-    """Per output of ``body``, the input it returns unchanged, else None; a
-    loop body's output k counts only as its own carry, input ``carry + k``."""
+    """Per output of ``body``, the input it returns unchanged, else None; a loop body's output k
+    counts only as its own carry, input ``carry + k``."""
     at = {id(v): j for j, v in enumerate(body.invars)}
     return [j if j is not None and (carry is None or j == carry + k) else None
             for k, j in enumerate(at.get(id(v)) for v in body.outvars)]
 
 
 def _forward_unchanged(jaxpr):
-    """``jaxpr`` with uses of cond, loop and call outputs that the body returns
-    unchanged replaced by their operands, also nested: JAX's discharge threads
-    a Ref only read there through them, and vmap batches them per lane."""
+    """``jaxpr`` with uses of cond, loop and call outputs that the body returns unchanged replaced
+    by their operands, also nested: JAX's discharge threads a Ref only read there through them,
+    and vmap batches them per lane."""
     sub, eqns, inner = {}, [], getattr(jaxpr, 'jaxpr', jaxpr)
     fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v   # noqa: E731
     nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
@@ -2476,9 +2466,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
     looping = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
                             if 'while' in found))
-    culprits = [c.state._describe() for c, own in zip(cells, owned)
-                if c.linearized and own & looping]
-    if culprits:
+    if culprits := [c.state._describe() for c, own in zip(cells, owned)
+                    if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
@@ -2513,33 +2502,26 @@ class _Redo(BaseException):
 
 
 class _Retracer:
-    """Why one function's body runs again, and what each run teaches later ones.
+    """Why one function's body runs again, and what each run teaches later ones.  A run that
 
-    ========================================================  ===================================
-    a run of the body ...                                       the next run
-    ========================================================  ===================================
-    read a State's concrete value in a body JAX may cache      stops there (``_Redo``) and is
-    (or failed a write into Refs it improvised)                redone, *isolated* in the first case:
-                                                               under a fresh epoch axis (so is every
-                                                               later trace)
-    met a tracer of a finished trace in a body JAX cached      is isolated
-    (UnexpectedTracerError, or tracer constants)
-    wrote a State inside a nested transformation (but          lifts it as Refs from its first
-    directly in differentiations, where it is a local          touch (so does every later trace;
-    variable) that it had not lifted as Refs; or JAX           also after JAX refusing a write,
-    refused what such a local variable did, or read one        told if it recurs), under the
-    where the traces cannot tell which differentiations        shared epoch if written in a body
-    ended (the read stops the run)                             JAX may have cached with the old
-                                                               Refs (isolated if it was isolated)
-    raised anything else, or none of these happened           none: the error, or the result
-    ========================================================  ===================================
+    - read a State's concrete value in a body JAX may cache, or failed a write into Refs it
+      improvised, stops there (``_Redo``); the next run is *isolated* in the first case: under
+      a fresh epoch axis, as is every later trace;
+    - met a tracer of a finished trace in a body JAX cached (UnexpectedTracerError, or tracer
+      constants): the next run is isolated;
+    - wrote a State inside a nested transformation (but directly in differentiations, where it
+      is a local variable) without Refs, or where JAX refused what such a local did, or read one
+      where the traces cannot tell which differentiations ended (stopping there): the next run,
+      and every later one, lifts it as Refs from its first touch (a refusal that recurs is told),
+      under the shared epoch if written in a body JAX may have cached with the old Refs
+      (isolated if it was);
+    - raised anything else, or none of these: there is no next run, only the error or result.
 
     So a first trace runs the body once, twice when it writes States inside loop, cond or jit
-    bodies or under jax.vmap (or under jax.grad before JAX 0.7), three times only when a body JAX
-    cached from an earlier trace (of another function sharing it) is in the way; a later signature
-    runs it once unless it writes such a State no earlier trace did.  A run is also isolated while
-    a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
-    """
+    bodies or under jax.vmap (or jax.grad before JAX 0.7), three times only when a body JAX cached
+    from an earlier trace (of another function sharing it) is in the way; a later signature runs
+    it once unless it writes such a State no earlier trace did.  A run is also isolated while a
+    State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it."""
     __slots__ = ('ref_states', 'isolate', 'in_body')
 
     def __init__(self):
