@@ -1960,8 +1960,7 @@ def _note_miss(sf, key, stale, entry) -> None:
 # transformation is lifted as Refs (``_RefCell``), which JAX's discharge threads out; inside a
 # differentiation it is a local variable of the differentiated program, loop bodies too.
 # JAX caches bodies and jitted functions, which may hold a finished trace's tracer or a State's
-# stale value: an *isolated* trace (``_fresh_epoch``) makes them miss, only where ``_Retracer``
-# finds it needed.
+# stale value: where needed ``_Retracer`` *isolates* a trace (``_fresh_epoch``), so those miss.
 # =============================================================================
 
 class _Traced:
@@ -2012,9 +2011,8 @@ class _GcPause:
 
 # -- The trace frame ----------------------------------------------------------
 class _TraceFrame(StateTraceStack):
-    """One stateful trace's overlay, made inside the traced function: a State's first touch adds
-    jaxpr inputs for it (Refs in a _RefCell for the retracer's ``ref_states``).  One written inside
-    a nested transformation gets Refs there and then, and joins ``pending``: the trace is redone."""
+    """One stateful trace's overlay: a State's first touch adds jaxpr inputs (a _RefCell's Refs
+    for ``ref_states``); one written in a nested transformation gets Refs then, and ``pending``."""
 
     def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set, epoch: str):
         """``epoch`` ('fresh', 'shared' or '') is bound until exit (fresh for a nested shared)."""
@@ -2078,9 +2076,8 @@ class _TraceFrame(StateTraceStack):
                         f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
                         'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
-        values = [self._values[id(self.states[i])] for i in returned]
         values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
-                  for v in values]
+                  for v in (self._values[id(self.states[i])] for i in returned)]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
         part = dict(zip(returned, values))
         part = tuple(part.get(i) for i in range(len(self.states)))
@@ -2103,9 +2100,8 @@ class _TraceFrame(StateTraceStack):
                        rules=_has_custom_rules(closed.jaxpr), **self.result)
 
     def peel(self, value, alive=frozenset()):
-        """``value`` with each tracer of a differentiation a State was written in directly that
-        has ended (not in ``alive``, ids) replaced by its primal: the State is a local variable
-        of the differentiated function, which afterwards holds the primal value."""
+        """``value`` with tracers of ended differentiations (ids not in ``alive``) a State was
+        written in directly replaced by their primals, what that local variable then holds."""
         def primal(x):
             while isinstance(x, Tracer) and id(t := _tracer_trace(x)) in self._diffs and (
                     id(t) not in alive):
@@ -2156,9 +2152,8 @@ def _touch_all(state, frames, write: bool):
 
 
 def _view(state, entry, frame):
-    """What traced code sees when it reads ``entry``, ``frame``'s view of ``state``; one
-    written directly in differentiations whose end the traces here cannot tell (.. 0.5 in a
-    body, a custom rule JAX traces apart) is read from Refs instead: the run is redone."""
+    """What traced code reads for ``entry``, ``frame``'s view of ``state``; one written directly in
+    differentiations whose end is unknown here (.. 0.5 in a body, a custom rule): redone as Refs."""
     if type(entry) is _RefCell:
         return entry.read()
     if frame is None or frame._jax_trace is None or (
@@ -2187,9 +2182,8 @@ def _in_body(path, whole) -> bool:
 
 
 def _traced_write(state, value, frames, written: bool):
-    """Writes ``value`` into the innermost overlay's view of ``state`` (its Refs where held so),
-    else into the State; a first write inside a nested transformation other than
-    differentiations alone (in which the State is a local variable) gives it Refs."""
+    """Writes ``value`` into the innermost overlay's view of ``state`` (its Refs if held so), else
+    into the State; a first write inside nested transformations but differentiations gives Refs."""
     entry, target = _touch_all(state, frames, write=written)
     local = False   # written directly in differentiations (see _TraceFrame.peel)
     if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
@@ -2231,8 +2225,7 @@ def _traced_write(state, value, frames, written: bool):
 _STALE = object()   # a level a nested differentiation wrote where its primal cannot reach
 
 
-# What a State cannot do, and the way out, by kind (``_refusal`` recognises JAX's refusals);
-# ``{jax}`` is JAX's release, ``{err}`` its error.
+# What a State cannot do and the way out, by kind; ``{jax}``: JAX's release, ``{err}``: its error.
 _CANNOT = {
     'effects': 'is written inside a nested transformation that JAX {jax} cannot carry it through: '
                '"{err}" (e.g. a lax.cond under jax.vmap or reverse-mode differentiation).  Return '
@@ -2296,9 +2289,8 @@ class _RefCell:
         self.improvised = improvised          # made at a write, in a trace that is redone
 
     def _level(self):
-        """``(level, at)``: the innermost level around the current trace (None: none), after
-        ended ones fold into their parents and those of differentiations entered since are
-        added; ``at``: the body the level is read outside of (None: read here)."""
+        """``(level, at)``: the innermost level here (None: none), ended ones folded into their
+        parents, new differentiations' added; ``at``: the body it is read outside of, or None."""
         path, whole = _trace_path(self.home)
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
@@ -2429,9 +2421,8 @@ def _returned_inputs(body, carry) -> list:
 
 
 def _forward_unchanged(jaxpr):
-    """``jaxpr`` with uses of cond, loop and call outputs that the body returns unchanged replaced
-    by their operands, also nested: JAX's discharge threads a Ref only read there through them,
-    and vmap batches them per lane."""
+    """``jaxpr`` with uses of cond, loop and call outputs a body returns unchanged replaced by their
+    operands, nested too: JAX's discharge threads a Ref only read there through, vmap batches."""
     sub, eqns, inner = {}, [], getattr(jaxpr, 'jaxpr', jaxpr)
     fwd = lambda v: sub.get(v, v) if isinstance(v, Var) else v   # noqa: E731
     nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
@@ -2509,12 +2500,11 @@ class _Retracer:
       a fresh epoch axis, as is every later trace;
     - met a tracer of a finished trace in a body JAX cached (UnexpectedTracerError, or tracer
       constants): the next run is isolated;
-    - wrote a State inside a nested transformation (but directly in differentiations, where it
-      is a local variable) without Refs, or where JAX refused what such a local did, or read one
-      where the traces cannot tell which differentiations ended (stopping there): the next run,
-      and every later one, lifts it as Refs from its first touch (a refusal that recurs is told),
-      under the shared epoch if written in a body JAX may have cached with the old Refs
-      (isolated if it was);
+    - wrote a State inside a nested transformation without Refs (but directly in
+      differentiations, where it is a local variable), JAX refused what such a local did, or
+      read one where the traces cannot tell which differentiations ended (stopping there): every
+      later run lifts it as Refs from its first touch (a recurring refusal is told), under the
+      shared epoch if written in a body JAX may have cached with the old Refs (isolated if it was);
     - raised anything else, or none of these: there is no next run, only the error or result.
 
     So a first trace runs the body once, twice when it writes States inside loop, cond or jit
@@ -2549,9 +2539,8 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
                     lift_aval: Callable | None = None, trace_with: Callable | None = None,
                     retracer: _Retracer | None = None) -> _Traced:
-    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, running the body
-    again as ``retracer`` says; ``lift_aval(state, aval)`` may change a leaf's aval
-    (StatefulMapping's per-lane shapes)."""
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, rerun as ``retracer``
+    says; ``lift_aval(state, aval)`` may change a leaf's aval (StatefulMapping's lane shapes)."""
     retracer = _Retracer() if retracer is None else retracer
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
     epoch, refused = retracer.next_run(), None
@@ -2572,8 +2561,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 err = None
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
-            # JAX refusing the Refs a run improvised: the run is redone, and should the next
-            # be refused too, the first refusal of Refs is told (where the write happened).
+            # JAX refusing Refs redoes the run; refused again, the first such refusal is told.
             failed = (err, frames[-1].cells if frames else ())
             if _refusal(err):
                 failed = refused = refused if refused and refused[1] else failed
