@@ -2740,9 +2740,8 @@ def _write_back(who, plan, new) -> None:
 
 @_door
 def _locked_call(who, plan, dispatch, args, kwargs, strict):
-    """The door for a compiled call of ``who``: ``plan``'s States held while their values are
-    read, run by ``dispatch`` and written back; returns ``(out, the values read)``.  ``strict``:
-    a trace or compile under the locks aborts (see ``_dispatch_body``)."""
+    """The door for a compiled call: ``plan``'s States held while read, run by ``dispatch``,
+    written back; gives ``(out, values read)``.  ``strict``: see ``_dispatch_body``."""
     locks = _hold(who, plan.states, plan.locks, plan.write_states)
     try:
         values = list(map(_real_value, plan.states))
@@ -2776,8 +2775,7 @@ def _layout_token(sf, plan) -> int:
 
 
 def _donating(sf, jitted, plan):
-    """The donating ``jitted`` (and its ``lower``), refusing an array two states share: JAX may
-    crash on it."""
+    """The donating ``jitted``, refusing an array two States share (JAX may crash on it)."""
     def checked(flat):   # (the donated States first: an array one of them shares is named)
         owner = {}
         for i in plan.donated + plan.kept:
@@ -2976,9 +2974,8 @@ class StatefulFunction:
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()   # per key; weak: evicted keys go
         self._statics_by_value = False   # some static argument hashes only by value
-        # The plans the cached entries use, by their key and by dispatcher token.
-        self._plans = weakref.WeakValueDictionary()
-        self._plans_by_token = weakref.WeakValueDictionary()
+        self._plans = weakref.WeakValueDictionary()            # the entries' plans, by key
+        self._plans_by_token = weakref.WeakValueDictionary()   # and by dispatcher token
         self._fast = None                # a _Fast
         self._plan_switches = 0
 
@@ -3441,7 +3438,6 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 # The traced program takes every State as an input, so one written in a loop body is a carry
 # there and jax.grad backpropagates through all its steps on every release.
 # =============================================================================
-
 
 def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool) -> None:
     """Refuses a grad State ``inner`` never touches, or one holding non-float values."""
