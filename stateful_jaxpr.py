@@ -3612,19 +3612,17 @@ def _check_sizes(sf, sizes) -> None:
 class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
-    States matched by ``state_in_axes`` (``{axis: filter}``, or a bare filter for axis 0)
-    are split along that axis on the way in and stacked along it (or as ``state_out_axes``
-    says) on the way out; other states are broadcast.  Every touched :class:`RandomState`
-    gets one key per lane (as ``split_key(n)`` would), then holds the advanced key.  An
-    unbatched state written with a batched value leaves batched on axis 0: silently
-    (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a warning (``'warn'``),
-    or not at all (``'raise'``: :class:`BatchAxisError`).
-
-    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over axis 0); ``axis_size``
-    is the batch size where nothing is batched; ``axis_name`` names the axis for collectives;
-    ``mapping_fn`` is ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
-    :class:`StatefulFunction`'s; its accessors describe the whole mapped call, states ordered as in
-    brainstate (batched-in by axis, then by the axis they leave with, then RandomStates).
+    States matched by ``state_in_axes`` (``{axis: filter}`` or a filter, for axis 0) are split
+    along that axis on the way in and stacked along it (or ``state_out_axes``' axis) on the way
+    out; other states are broadcast.  Each :class:`RandomState` gives one key per lane (as
+    ``split_key(n)``), then holds the advanced key.  An unbatched state written with a batched
+    value leaves batched on axis 0 as ``unexpected_out_state_mapping`` says: silently (``'auto'``,
+    ``'ignore'``), with a warning (``'warn'``) or never (``'raise'``: :class:`BatchAxisError`).
+    ``axis_size`` is the batch size where nothing is batched, ``axis_name`` the axis's name for
+    collectives, ``mapping_fn`` ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper; the rest
+    is as in ``jax.vmap`` (keyword arguments map over axis 0) and :class:`StatefulFunction`, whose
+    accessors see the whole call, states in brainstate's order (batched-in by axis, then by the
+    axis they leave with, then RandomStates).
 
     Example
     -------
@@ -3837,9 +3835,9 @@ def _unregistered(err, where: str, slots):
 
 
 class Exported:
-    """What :func:`export` returns (called as it says) and :func:`deserialize` loads:
-    ``exported`` is jax.export's, ``manifest`` JSON naming the ``function``,
-    ``static_arguments`` and per State its ``name``, ``type``, ``role`` and ``created_at``.
+    """What :func:`export` returns and :func:`deserialize` loads: ``exported`` is jax.export's,
+    ``manifest`` JSON naming the ``function``, ``static_arguments`` and per State its ``name``,
+    ``type``, ``role`` and ``created_at``.
 
     Example
     -------
@@ -3851,8 +3849,7 @@ class Exported:
         self.exported, self.manifest = exported, manifest
 
     def serialize(self, vjp_order: int = 0) -> bytes:
-        """Bytes for :func:`deserialize`; ``vjp_order=n`` also stores ``n``
-        orders of derivatives (``jax.export``'s own argument)."""
+        """Bytes for :func:`deserialize`, also storing ``vjp_order`` orders of derivatives."""
         if not _is_int(vjp_order) or vjp_order < 0:
             raise (ValueError if _is_int(vjp_order) else TypeError)(
                 f'Exported.serialize(vjp_order=...) needs an int >= 0, got {vjp_order!r}')
@@ -3912,10 +3909,9 @@ class Exported:
 def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -> Exported:
     """Exports ``fun(*args, **kwargs)`` (a StatefulFunction, StatefulMapping or plain function)
     with ``jax.export``, its uniquely named States becoming named inputs and outputs; no State
-    changes.  The arguments fix the shapes (static ones the values); ``platforms``: a name or
-    names (default: the current backend).  Call the :class:`Exported` as ``ex(*dynamic_args,
-    states={name: value of each state read}, **kwargs)`` for ``(outputs, {written state: new
-    value})``.  Needs ``flatbuffers`` (and ``absl-py`` on JAX 0.4.x) besides JAX.
+    changes.  The arguments fix the shapes (static ones the values); ``platforms``: a name or names
+    (default: the current backend).  ``ex(*args, states={name: value of each state read})`` gives
+    ``(outputs, {written state: new value})``.  Needs ``flatbuffers`` (+ ``absl-py`` on JAX 0.4).
 
     Example
     -------
@@ -3972,8 +3968,8 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
 
 
 def deserialize(data) -> Exported:
-    """Loads bytes from :meth:`Exported.serialize` (no user code needed); bytes
-    that are damaged, cut short or of another kind are a ValueError.
+    """Loads :meth:`Exported.serialize`'s bytes (no user code needed); damaged, cut short or
+    foreign bytes are a ValueError.
 
     Example
     -------
@@ -4115,11 +4111,10 @@ def _evaluate(eqn, values):
 def constant_fold_jaxpr(jaxpr):
     """Evaluates every equation whose inputs are all known and inlines the results.
 
-    Accepts a ``Jaxpr`` or ``ClosedJaxpr`` and returns the same kind with the same
-    interface (invars, outvar avals, debug info), so it gives the same numbers.  Never
-    folded: equations without inputs, random-number, control-flow, callback and other
-    effectful primitives, and equations that would only materialise a large constant.
-    Bodies of nested ``pjit``/``closed_call`` are folded too.
+    Takes a ``Jaxpr`` or ``ClosedJaxpr``; returns the same kind with the same interface (invars,
+    outvar avals, debug info), so the same numbers.  Never folded: equations without inputs,
+    random-number, control-flow, callback and other effectful primitives, and ones that would
+    only materialise a large constant.  Nested ``pjit``/``closed_call`` bodies are folded too.
 
     Example
     -------
