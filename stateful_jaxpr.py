@@ -4005,9 +4005,6 @@ def deserialize(data) -> Exported:
 
 # =============================================================================
 # 11. Jaxpr passes: constant folding
-#
-# Equations computing from constants only (tables, masks, initial values) are
-# evaluated once, at fold time, leaving a smaller jaxpr with the same interface.
 # =============================================================================
 
 class IdentitySet(collections.abc.MutableSet):
