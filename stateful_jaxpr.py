@@ -2493,25 +2493,33 @@ class _Redo(BaseException):
 
 
 class _Retracer:
-    """Why one function's body runs again, and what each run teaches later ones.  A run that
+    """Why one function's body runs again, and what each run teaches later ones.
 
-    - read a State's concrete value in a body JAX may cache, or failed a write into Refs it
-      improvised, stops there (``_Redo``); the next run is *isolated* in the first case: under
-      a fresh epoch axis, as is every later trace;
-    - met a tracer of a finished trace in a body JAX cached (UnexpectedTracerError, or tracer
-      constants): the next run is isolated;
-    - wrote a State inside a nested transformation without Refs (but directly in
-      differentiations, where it is a local variable), JAX refused what such a local did, or
-      read one where the traces cannot tell which differentiations ended (stopping there): every
-      later run lifts it as Refs from its first touch (a recurring refusal is told), under the
-      shared epoch if written in a body JAX may have cached with the old Refs (isolated if it was);
-    - raised anything else, or none of these: there is no next run, only the error or result.
+    ========================================================  ===================================
+    a run of the body ...                                       the next run
+    ========================================================  ===================================
+    read a State's concrete value in a body JAX may cache      stops there (``_Redo``) and is
+    (or failed a write into Refs it improvised)                redone, *isolated* in the first case:
+                                                               under a fresh epoch axis (so is every
+                                                               later trace)
+    met a tracer of a finished trace in a body JAX cached      is isolated
+    (UnexpectedTracerError, or tracer constants)
+    wrote a State inside a nested transformation (but          lifts it as Refs from its first
+    directly in differentiations, where it is a local          touch (so does every later trace;
+    variable) that it had not lifted as Refs; or JAX           also after JAX refusing a write,
+    refused what such a local variable did, or read one        told if it recurs), under the
+    where the traces cannot tell which differentiations        shared epoch if written in a body
+    ended (the read stops the run)                             JAX may have cached with the old
+                                                               Refs (isolated if it was isolated)
+    raised anything else, or none of these happened           none: the error, or the result
+    ========================================================  ===================================
 
     So a first trace runs the body once, twice when it writes States inside loop, cond or jit
-    bodies or under jax.vmap (or jax.grad before JAX 0.7), three times only when a body JAX cached
-    from an earlier trace (of another function sharing it) is in the way; a later signature runs
-    it once unless it writes such a State no earlier trace did.  A run is also isolated while a
-    State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it."""
+    bodies or under jax.vmap (or under jax.grad before JAX 0.7), three times only when a body JAX
+    cached from an earlier trace (of another function sharing it) is in the way; a later signature
+    runs it once unless it writes such a State no earlier trace did.  A run is also isolated while
+    a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
+    """
     __slots__ = ('ref_states', 'isolate', 'in_body')
 
     def __init__(self):
