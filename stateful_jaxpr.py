@@ -863,8 +863,9 @@ class State:
         return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
-        """A new State of this class holding ``value`` (default: the current one), its metadata
-        updated by ``metadata``; a State ``value`` of this class is returned, ``replace``-d so."""
+        """A new State of this class holding ``value`` (default: the current one)
+        and this State's metadata updated by ``metadata``; a State ``value`` of
+        this class is returned, ``replace``-d with ``metadata`` if given."""
         if isinstance(value, State):
             if type(value) is not type(self):
                 raise ValueError(
@@ -2100,8 +2101,9 @@ class _TraceFrame(StateTraceStack):
                        rules=_has_custom_rules(closed.jaxpr), **self.result)
 
     def peel(self, value, alive=frozenset()):
-        """``value`` with tracers of ended differentiations (ids not in ``alive``) a State was
-        written in directly replaced by their primals, what that local variable then holds."""
+        """``value`` with each tracer of a differentiation a State was written in directly that
+        has ended (not in ``alive``, ids) replaced by its primal: the State is a local variable
+        of the differentiated function, which afterwards holds the primal value."""
         def primal(x):
             while isinstance(x, Tracer) and id(t := _tracer_trace(x)) in self._diffs and (
                     id(t) not in alive):
@@ -2182,8 +2184,9 @@ def _in_body(path, whole) -> bool:
 
 
 def _traced_write(state, value, frames, written: bool):
-    """Writes ``value`` into the innermost overlay's view of ``state`` (its Refs if held so), else
-    into the State; a first write inside nested transformations but differentiations gives Refs."""
+    """Writes ``value`` into the innermost overlay's view of ``state`` (its Refs where held so),
+    else into the State; a first write inside a nested transformation other than
+    differentiations alone (in which the State is a local variable) gives it Refs."""
     entry, target = _touch_all(state, frames, write=written)
     local = False   # written directly in differentiations (see _TraceFrame.peel)
     if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
@@ -3620,17 +3623,19 @@ def _check_sizes(sf, sizes) -> None:
 class StatefulMapping(StatefulFunction):
     """Maps a stateful function over a batch, like ``jax.vmap`` for States.
 
-    States matched by ``state_in_axes`` (``{axis: filter}`` or a filter, for axis 0) are split
-    along that axis on the way in and stacked along it (or ``state_out_axes``' axis) on the way
-    out; other states are broadcast.  Each :class:`RandomState` gives one key per lane (as
-    ``split_key(n)``), then holds the advanced key.  An unbatched state written with a batched
-    value leaves batched on axis 0 as ``unexpected_out_state_mapping`` says: silently (``'auto'``,
-    ``'ignore'``), with a warning (``'warn'``) or never (``'raise'``: :class:`BatchAxisError`).
-    ``axis_size`` is the batch size where nothing is batched, ``axis_name`` the axis's name for
-    collectives, ``mapping_fn`` ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper; the rest
-    is as in ``jax.vmap`` (keyword arguments map over axis 0) and :class:`StatefulFunction`, whose
-    accessors see the whole call, states in brainstate's order (batched-in by axis, then by the
-    axis they leave with, then RandomStates).
+    States matched by ``state_in_axes`` (``{axis: filter}``, or a bare filter for axis 0)
+    are split along that axis on the way in and stacked along it (or as ``state_out_axes``
+    says) on the way out; other states are broadcast.  Every touched :class:`RandomState`
+    gets one key per lane (as ``split_key(n)`` would), then holds the advanced key.  An
+    unbatched state written with a batched value leaves batched on axis 0: silently
+    (``unexpected_out_state_mapping='auto'``, ``'ignore'``), with a warning (``'warn'``),
+    or not at all (``'raise'``: :class:`BatchAxisError`).
+
+    ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over axis 0); ``axis_size``
+    is the batch size where nothing is batched; ``axis_name`` names the axis for collectives;
+    ``mapping_fn`` is ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
+    :class:`StatefulFunction`'s; its accessors describe the whole mapped call, states ordered as in
+    brainstate (batched-in by axis, then by the axis they leave with, then RandomStates).
 
     Example
     -------
