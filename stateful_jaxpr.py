@@ -79,7 +79,6 @@ def _probe(*paths):
     for module, _, attrs in (path.partition(':') for path in paths):
         with contextlib.suppress(ImportError, AttributeError):
             return functools.reduce(getattr, attrs.split('.'), importlib.import_module(module))
-    return None
 
 
 def _takes(fun, parameter: str) -> bool:
@@ -510,7 +509,6 @@ def _who(sf) -> str:
 
 
 def _is_int(x) -> bool:
-    """An integer that is not a bool (nor a tracer)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
@@ -523,7 +521,6 @@ def _format_site(site) -> str:
 
 
 def _aval_of(x):
-    """Abstract value of an array-like leaf (tracers keep their own aval)."""
     aval = getattr(x, 'aval', None)
     return _typeof(x) if aval is None else aval
 
