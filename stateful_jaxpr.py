@@ -185,6 +185,13 @@ def _discharge(closed):
                      if e.primitive is _kept_p else e)
 
 
+def _without_dead_code(jaxpr, keep: int):
+    """``jaxpr`` (open) with only its first ``keep`` outputs and the equations they need: JAX's
+    discharge leaves an iteration counter in every loop (all releases)."""
+    used = [True] * keep + [False] * (len(jaxpr.outvars) - keep)
+    return _pe.dce_jaxpr(jaxpr, used, instantiate=True)[0]
+
+
 def _has_custom_rules(jaxpr) -> bool:
     return any(e.primitive.name in _CUSTOM_CALLS for e in _all_eqns(jaxpr))
 
@@ -2279,7 +2286,7 @@ class _RefCell:
     without a tangent).  Reads and writes use the innermost level, with its tangents; ``refs``
     always get the primal.  An ended differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'linearized', 'improvised')
+                 'linearized', 'improvised', 'adopted')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
@@ -2287,6 +2294,7 @@ class _RefCell:
         self.nested = self.staged = False     # written inside a nested transformation, a body
         self.linearized = False               # written in a body under jax.linearize / grad
         self.improvised = improvised          # made at a write, in a trace that is redone
+        self.adopted = False                  # ``refs`` are a differentiation's primal Refs
 
     def _level(self):
         """``(level, at)``: the innermost level here (None: none), ended ones folded into their
@@ -2309,6 +2317,8 @@ class _RefCell:
                 primal = (jax.tree_util.tree_map(lambda x: _primal(x, trace), content)
                           if _parent(trace) is levels[-1][0] else _STALE)
                 levels[-1][1:] = primal, True, refs
+            elif written and refs and _parent(trace) is self.home:   # (see write)
+                self.refs, self.adopted = [_primal(x, trace) for x in content], True
         for trace in diffs[len(levels):]:
             levels.append([trace, self._get(levels[-1] if levels else None, trace), False, False])
         if not levels:
@@ -2372,7 +2382,11 @@ class _RefCell:
                 for ref, leaf in zip(level[1] if level[3] else (), leaves):
                     _ref_set(ref, (), leaf)
             primal = level is not None or self.improvised
-            for ref, leaf in zip(self.refs, leaves):
+            # A differentiation of the stateful trace itself whose level holds Refs carries the
+            # value in their primals, which ``refs`` take when it ends: no second loop carry.
+            adopts = level is not None and level[3] and len(self.levels) == 1 and (
+                _parent(level[0]) is self.home)
+            for ref, leaf in zip(() if adopts else self.refs, leaves):
                 # The primal under a differentiation; where JAX cannot tell (.. 0.5, inside a
                 # body) what it takes: the value, or else its primal.
                 try:
@@ -2462,7 +2476,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
-    lost = [c.state._describe() for c, own in zip(cells, owned) if not kept & own and c.staged]
+    lost = [c.state._describe() for c, own in zip(cells, owned)
+            if not kept & own and c.staged and not c.adopted]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
         raise TraceContextError(
             f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '
@@ -2477,14 +2492,14 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             f'{described} is written inside a nested transformation that JAX {jax.__version__} '
             f'cannot thread state out of ({err}): return the value and assign it outside') from err
     pure = _forward_unchanged(pure)
-    outvars = pure.jaxpr.outvars[:len(closed.jaxpr.outvars)]   # without the Refs' finals
-    for before, after in zip(closed.jaxpr.outvars, outvars):
+    jaxpr = _without_dead_code(pure.jaxpr, len(closed.jaxpr.outvars))   # the Refs' finals go
+    for before, after in zip(closed.jaxpr.outvars, jaxpr.outvars, strict=True):
         if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
                 f'a State among {described} changed shape inside a nested transformation '
                 f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by writing '
                 'a per-lane value inside jax.vmap; map the function with StatefulMapping instead')
-    return _rebuild(pure.jaxpr, pure.consts, like=closed.jaxpr, outvars=outvars)
+    return _rebuild(jaxpr, pure.consts, like=closed.jaxpr, outvars=jaxpr.outvars)
 
 
 # -- Tracing, and tracing again -----------------------------------------------

@@ -2905,6 +2905,59 @@ class BackpropThroughTimeTest(unittest.TestCase):
         self.assertGreater(float(jnp.abs(got[1]).sum()), 0.0)   # the surrogate's, not zero
         np.testing.assert_allclose(v.value, explicit(w0, xs)[1], rtol=1e-6)
 
+    def test_a_training_step_carries_what_the_explicit_program_carries(self):
+        """A BPTT training step (the weights assigned into their ParamState in the loss, the
+        membrane written in the scan body, SGD after) is the hand-threaded program: the same
+        numbers, and no scan of its jaxpr carries more than that program's."""
+        @jax.custom_vjp
+        def spike(v):
+            return (v > 1.0).astype(jnp.float32)
+        spike.defvjp(lambda v: (spike(v), v),
+                     lambda v, g: (g / (1 + 10 * jnp.abs(v - 1.0)) ** 2,))
+        w = sj.ParamState(jnp.linspace(0.2, 1.4, 6).reshape(2, 3), name='step_w')
+        v = sj.HiddenState(jnp.zeros(3), name='step_v')
+        xs = jnp.abs(jnp.sin(jnp.arange(16.0))).reshape(8, 2)
+
+        def step(xs):
+            def loss(wv):
+                w.value = wv
+                def body(count, x):
+                    u = 0.9 * v.value + x @ w.value
+                    s = spike(u)
+                    v.value = u - s
+                    return count + s, None
+                return ((lax.scan(body, jnp.zeros(3), xs)[0] - 2.0) ** 2).mean()
+            value, g = jax.value_and_grad(loss)(w.value)
+            w.value = w.value - 0.1 * g
+            return value
+
+        def explicit(wv, vv, xs):
+            def loss(wv, vv):
+                def body(carry, x):
+                    count, vv = carry
+                    u = 0.9 * vv + x @ wv
+                    s = spike(u)
+                    return (count + s, u - s), None
+                count, vv = lax.scan(body, (jnp.zeros(3), vv), xs)[0]
+                return ((count - 2.0) ** 2).mean(), vv
+            (value, vv), g = jax.value_and_grad(loss, has_aux=True)(wv, vv)
+            return value, wv - 0.1 * g, vv
+        sf = StatefulFunction(step)
+        if _JAX_VERSION < (0, 7):
+            with self.assertRaisesRegex(TraceContextError, '(?i)step_[vw].*(carry|local variable)'):
+                sf(xs)
+            return
+        def carries(closed):   # per scan (counted up to JAX 0.10, in 'ft_in' from 0.11)
+            return sorted(len(e.params['ft_in'].unpack()[1]) if 'ft_in' in e.params
+                          else e.params['num_carry'] for e in _eqns_within(closed.jaxpr)
+                          if e.primitive.name == 'scan')
+        self.assertEqual(carries(sf.get_jaxpr(xs)),
+                         carries(jax.make_jaxpr(explicit)(w.value, v.value, xs)))
+        want = jax.jit(explicit)(w.value, v.value, xs)
+        value = sf(xs)
+        for got, expected in zip((value, w.value, v.value), want, strict=True):
+            np.testing.assert_array_equal(got, expected)
+
     def test_through_a_nested_stateful_function_and_per_lane(self):
         if _JAX_VERSION < (0, 7):
             self.skipTest('needs JAX 0.7')
