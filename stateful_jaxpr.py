@@ -54,8 +54,8 @@ __all__ = [
     'RandomState', 'TreefyState', 'catch_new_states', 'check_state_value_tree', 'StateTraceStack',
     'to_predicate', 'OfType', 'WithTag', 'Any', 'All', 'Not', 'Everything', 'Nothing',
     'BoundedCache', 'make_hashable', 'hashabledict', 'StatefulFunction', 'make_jaxpr', 'grad',
-    'StatefulMapping', 'explain_cache_misses', 'export', 'deserialize', 'Exported',
-    'constant_fold_jaxpr', 'IdentitySet', 'TraceContextError', 'BatchAxisError',
+    'checkpoint', 'remat', 'StatefulMapping', 'explain_cache_misses', 'export', 'deserialize',
+    'Exported', 'constant_fold_jaxpr', 'IdentitySet', 'TraceContextError', 'BatchAxisError',
 ]
 
 
@@ -354,14 +354,16 @@ def _write_hazard(eqn):
             else 'while' if written else None)
 
 
-# How JAX refuses a Ref program, by its error texts (all releases unless marked): 'effects' (vmap
+# How JAX refuses a Ref program, by its error texts (all releases unless marked): 'checkpoint'
+# (a write in a differentiated jax.checkpoint, .. 0.6), 'effects' (vmap
 # of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under differentiation, 0.4.38,
 # also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..;
 # under jax.jacfwd, in a jit body on 0.7, anywhere on 0.8 .. as a vmap or swap shape error),
 # 'tangent' (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while'
 # (reverse mode through a while loop), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
 # (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
-_REFUSALS = {'effects': r'State effect not supported|Effects not supported.*Effect\('
+_REFUSALS = {'checkpoint': r'partial-eval of `checkpoint`',
+             'effects': r'State effect not supported|Effects not supported.*Effect\('
                         r'|does not have corresponding (jaxpr )?input'
                         r'|JaxprInputEffect.* is invalid',
              'batched': r'vmapped value on an unbatched|got axis spec None but output was '
@@ -513,6 +515,14 @@ def _user_site():
 def _who(sf) -> str:
     """``StatefulFunction('f')``: how errors name a function."""
     return f'{type(sf).__name__}({sf.name!r})'
+
+
+def _name_of(fun) -> str:
+    return getattr(fun, '__name__', type(fun).__name__)
+
+
+def _identity(x):
+    return x
 
 
 def _is_int(x) -> bool:
@@ -2257,8 +2267,9 @@ _CANNOT = {
               'JAX {jax} cannot batch (newer JAX can): take one output row at a time with jax.vjp, '
               'or carry its value through the body (a read: into a local before it)',
     'checkpoint': 'is written inside a differentiated jax.checkpoint function, which JAX runs '
-                  'again to rematerialize it, so the write would happen twice.  Write the State '
-                  'outside the checkpointed function (return the value from it, assign it after)',
+                  'again to rematerialize it, so the write would happen twice.  Checkpoint it '
+                  'with stateful_jaxpr.checkpoint, which writes its States outside the '
+                  'rematerialized part, or write the State outside the checkpointed function',
     'cond': 'is written inside a lax.cond / lax.switch branch under reverse-mode differentiation '
             '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot differentiate a '
             'write.  Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), '
@@ -2971,7 +2982,7 @@ class StatefulFunction:
             if not ok:
                 raise TypeError(f'{who}({what}=...) needs {want}, got {value!r}')
         self.axis_env, self.abstracted_axes = env or None, abstracted_axes
-        self.name = name if name is not None else getattr(fun, '__name__', type(fun).__name__)
+        self.name = name if name is not None else _name_of(fun)
         self.return_only_write = return_only_write
         self.donate_states, self.keep_sharding = donate_states, keep_sharding
         try:
@@ -3204,11 +3215,12 @@ class StatefulFunction:
                 lock.release()
         return out
 
-    def _call_in_trace(self, args, kwargs):
-        """A call inside an enclosing stateful trace, which threads states through ``value``."""
+    def _call_in_trace(self, args, kwargs, wrap=None):
+        """A call inside an enclosing stateful trace, which threads states through ``value``;
+        ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form."""
         ntraces = _ctx.ntraces
         _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
-        out, new = entry.apply([s.value for s in entry.plan.states], leaves)
+        out, new = (wrap or _identity)(entry.apply)([s.value for s in entry.plan.states], leaves)
         for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
             if written:   # (not the read ones return_only_write=False returns)
                 state.value = value
@@ -3455,11 +3467,12 @@ def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=No
 
 
 # =============================================================================
-# 8. grad
+# 8. grad and checkpoint
 #
 # ``jax.grad`` with respect to States (brainstate's ``transform.grad``), over StatefulFunction.
 # The traced program takes every State as an input, so one written in a loop body is a carry
-# there and jax.grad backpropagates through all its steps on every release.
+# there and jax.grad backpropagates through all its steps on every release.  ``checkpoint``
+# hands JAX's rematerialization the pure form, the States read before it and written after.
 # =============================================================================
 
 def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool) -> None:
@@ -3546,6 +3559,43 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         extra = (value,) * bool(return_value) + (aux,) * bool(has_aux)
         return (grads, *extra) if extra else grads
     return StatefulFunction(run, name=f'grad({inner.name})')
+
+
+def checkpoint(fun: Callable | None = None, *, prevent_cse: bool = True, policy=None,
+               static_argnums=()) -> Callable:
+    """``jax.checkpoint`` (``remat``) of a function that reads and writes States.
+
+    Differentiated, ``fun`` is rematerialized: JAX saves its inputs, the values of the States it
+    reads among them, and recomputes the rest, so a ``lax.scan`` body writing a hidden State
+    trains through time with the memory of the explicit-carry program under ``jax.checkpoint``;
+    a RandomState drawn inside advances once per call.  ``prevent_cse`` and ``policy`` are
+    ``jax.checkpoint``'s; ``static_argnums`` as for StatefulFunction.  Outside any JAX trace it
+    is ``fun``.  Without ``fun``, a decorator.
+
+    Example
+    -------
+    >>> h = State(jnp.zeros(2), name='h')
+    >>> @checkpoint
+    ... def cell(w, x):
+    ...     h.value = jnp.tanh(w * h.value + x)
+    ...     return h.value.sum()
+    >>> g = StatefulFunction(jax.grad(cell))(0.5, jnp.ones(2))   # as a scan body: JAX >= 0.7
+    """
+    if fun is None:
+        return functools.partial(checkpoint, prevent_cse=prevent_cse, policy=policy,
+                                 static_argnums=static_argnums)
+    inner = StatefulFunction(fun, static_argnums, name=f'checkpoint({_name_of(fun)})')
+    rematerialized = functools.partial(jax.checkpoint, prevent_cse=prevent_cse, policy=policy)
+
+    @functools.wraps(fun)
+    def remat(*args, **kwargs):
+        if not _under_jax_trace():
+            return fun(*args, **kwargs)
+        return inner._call_in_trace(args, kwargs, rematerialized)
+    return remat
+
+
+remat = checkpoint
 
 
 # =============================================================================

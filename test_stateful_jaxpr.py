@@ -10196,6 +10196,174 @@ class GradTest(_ErrorsCase):
             np.testing.assert_allclose(v.value, (0.9 ** np.arange(6)).sum() * wv, rtol=1e-5)
 
 
+
+def _gru_cell(ws, h, x):
+    """One step of a small GRU: ``ws`` three (inputs + hidden, hidden) weights."""
+    xh = jnp.concatenate([x, h])
+    z, r = jax.nn.sigmoid(xh @ ws[0]), jax.nn.sigmoid(xh @ ws[1])
+    return (1 - z) * jnp.tanh(jnp.concatenate([x, r * h]) @ ws[2]) + z * h
+
+
+class CheckpointTest(_ErrorsCase):
+    """``checkpoint`` / ``remat``: a function writing States, rematerialized when differentiated,
+    gives the explicit-carry program under ``jax.checkpoint``: values, derivatives, States."""
+
+    H, I = 4, 2
+
+    def _weights(self, name):
+        k = jax.random.split(jax.random.PRNGKey(3), 3)
+        return [sj.ParamState(0.5 * jax.random.normal(k[i], (self.I + self.H, self.H)),
+                              name=f'{name}{i}') for i in range(3)]
+
+    def _step(self, ws, h, body, how):
+        """A training step: ``how`` of a loss over a scan of ``body`` (assigning the weights
+        into their ParamStates, as jax.grad users do), then SGD; returns value and gradients."""
+        def loss(params, xs):
+            for w, p in zip(ws, params):
+                w.value = p
+            return lax.scan(lambda acc, x: (acc + body(x).sum(), None), 0.0, xs)[0]
+
+        def step(xs):
+            params = [w.value for w in ws]
+            if how == 'vjp':
+                value, pull = jax.vjp(lambda p: loss(p, xs), params)
+                g = pull(1.0)[0]
+            else:
+                value, g = jax.value_and_grad(loss)(params, xs)
+            for w, gw in zip(ws, g):
+                w.value = w.value - 0.1 * gw
+            return value, g
+        return step
+
+    def _explicit(self, ws, h0, xs, policy=None):
+        def loss(params):
+            @functools.partial(jax.checkpoint, policy=policy)
+            def body(carry, x):
+                acc, hv = carry
+                hv = _gru_cell(params, hv, x)
+                return (acc + hv.sum(), hv), None
+            (value, hv), _ = lax.scan(body, (0.0, h0), xs)
+            return value, hv
+        (value, hv), g = jax.value_and_grad(loss, has_aux=True)(ws)
+        return value, g, [w - 0.1 * gw for w, gw in zip(ws, g)], hv
+
+    def test_a_checkpointed_scan_body_gives_the_explicit_program(self):
+        xs = jnp.sin(jnp.arange(10.0)).reshape(5, self.I)
+        policies = {'no policy': None, 'dots saveable': jax.checkpoint_policies.dots_saveable}
+        for (label, policy), how, static in itertools.product(
+                policies.items(), ('value_and_grad', 'vjp'), (False, True)):
+            with self.subTest(policy=label, how=how, static=static):
+                ws, h = self._weights('ck_w'), sj.HiddenState(jnp.full(self.H, 0.1), name='ck_h')
+                w0, h0 = [w.value for w in ws], h.value
+
+                def cell(x, scale=1.0):   # ``scale`` static: Python control flow on it
+                    h.value = _gru_cell([w.value for w in ws], h.value, x * scale)
+                    return h.value if scale == 1.0 else None
+                if static:
+                    ck = sj.checkpoint(cell, static_argnums=1, policy=policy)
+                    body = lambda x: ck(x, 1.0)   # noqa: E731
+                else:
+                    body = sj.checkpoint(policy=policy)(cell)
+                sf = StatefulFunction(self._step(ws, h, body, how))
+                if _JAX_VERSION < (0, 7):   # JAX cannot differentiate a write in a body
+                    self.check(TraceContextError, lambda: sf(xs), [h, *ws],
+                               culprit=[("'ck_h'", "'ck_w0'")], fix=[('Carry', 'local variable')])
+                    continue
+                value, g = sf(xs)
+                want = self._explicit(w0, h0, xs, policy)
+                np.testing.assert_allclose(value, want[0], rtol=1e-5)
+                for got, expected in zip([*g, *(w.value for w in ws), h.value],
+                                         [*want[1], *want[2], want[3]], strict=True):
+                    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)
+                self.assertFalse(any(map(_tracer_in, [h, *ws])))
+
+    def test_rematerializes_a_long_bptt_step_in_half_the_memory(self):
+        """1,000 steps: the compiled step with a checkpointed body needs at most half the
+        temporary memory of the same step without (JAX saves only the body's inputs)."""
+        if _JAX_VERSION < (0, 7):
+            self.skipTest('JAX before 0.7 cannot differentiate a write in a scan body')
+        xs = jnp.ones((1000, self.I))
+
+        def temp_bytes(ck):
+            ws, h = self._weights('mem_w'), sj.HiddenState(jnp.zeros(self.H), name='mem_h')
+
+            def cell(x):
+                h.value = _gru_cell([w.value for w in ws], h.value, x)
+                return h.value
+            sf = StatefulFunction(self._step(ws, h, sj.checkpoint(cell) if ck else cell,
+                                             'value_and_grad'))
+            values = [s.value for s in sf.get_states(xs)]
+            compiled = jax.jit(lambda v, xs: sf.jaxpr_call(v, xs)).lower(values, xs).compile()
+            stats = compiled.memory_analysis()
+            if stats is None:
+                self.skipTest(f'JAX {jax.__version__} gives no memory analysis on '
+                              f'{jax.default_backend()}')
+            return stats.temp_size_in_bytes
+        plain, rematerialized = temp_bytes(False), temp_bytes(True)
+        self.assertLessEqual(rematerialized, plain / 2, (plain, rematerialized))
+
+    def test_a_random_state_drawn_inside_advances_once_per_call(self):
+        if _JAX_VERSION < (0, 7):
+            self.skipTest('JAX before 0.7 cannot differentiate a write in a scan body')
+        rng, h = sj.RandomState(7, name='ck_rng'), sj.HiddenState(jnp.zeros(3), name='ck_hn')
+
+        @sj.checkpoint
+        def cell(w, x):
+            h.value = jnp.tanh(w * h.value + x + jax.random.normal(rng.split_key(), (3,)))
+            return h.value.sum()
+
+        def loss(w, xs):
+            return lax.scan(lambda acc, x: (acc + cell(w, x), None), 0.0, xs)[0]
+
+        def explicit(w, xs, key):
+            @jax.checkpoint
+            def body(carry, x):
+                acc, hv, key = carry
+                key, sub = jax.random.split(key)
+                hv = jnp.tanh(w * hv + x + jax.random.normal(sub, (3,)))
+                return (acc + hv.sum(), hv, key), None
+            (acc, hv, key), _ = lax.scan(body, (0.0, jnp.zeros(3), key), xs)
+            return acc, (hv, key)
+        xs, key0 = jnp.ones((4, 3)), rng.value
+        got = StatefulFunction(jax.value_and_grad(loss))(0.5, xs)
+        (value, (hv, key)), g = jax.value_and_grad(explicit, has_aux=True)(0.5, xs, key0)
+        np.testing.assert_allclose(got[0], value, rtol=1e-6)
+        np.testing.assert_allclose(got[1], g, rtol=1e-5)
+        np.testing.assert_allclose(h.value, hv, rtol=1e-6)
+        np.testing.assert_array_equal(rng.value, key)   # four draws: advanced four times
+
+    def test_outside_differentiation_it_is_the_function(self):
+        s = State(jnp.float32(1.0), name='ck_plain')
+
+        def f(x):
+            s.value = s.value * x
+            return s.value + 1.0
+        ck = sj.checkpoint(f)
+        self.assertIs(sj.remat, sj.checkpoint)
+        self.assertEqual(ck.__name__, 'f')
+        self.assertEqual(float(ck(2.0)), 3.0)                          # eager: f itself
+        self.assertEqual(float(s.value), 2.0)
+        self.assertEqual(float(StatefulFunction(ck)(3.0)), 7.0)          # traced, compiled
+        self.assertEqual(float(s.value), 6.0)
+        closed = sj.make_jaxpr(lambda x: lax.scan(lambda c, _: (ck(c), None), x, None,
+                                                  length=2)[0])(1.0)[0]
+        self.assertEqual(_eval_closed(closed, 1.0, 6.0)[0], 43.0)   # s: 6, 42; c: 7, 43
+        # A write under a plain JAX transformation has no stateful trace to carry it out.
+        self.check(TraceContextError, lambda: jax.jit(ck)(1.0), [s],
+                   culprit=self.site('ck_plain'), fix=['StatefulFunction'])
+
+    def test_a_write_in_a_plain_jax_checkpoint_names_the_way_out(self):
+        s = State(jnp.float32(0.0), name='ck_plain_remat')
+
+        def loss(x):
+            s.value = s.value + x
+            return x * 2
+        self.check(TraceContextError,
+                   lambda: StatefulFunction(jax.grad(jax.checkpoint(loss)))(jnp.float32(1.0)),
+                   [s], culprit=self.site('ck_plain_remat'), fix=['stateful_jaxpr.checkpoint'])
+        self.assertEqual(float(StatefulFunction(jax.grad(sj.checkpoint(loss)))(1.0)), 2.0)
+        self.assertEqual(float(s.value), 1.0)
+
 # =============================================================================
 # 9. StatefulMapping
 # =============================================================================
@@ -12716,7 +12884,8 @@ def _implementation_namespace(impl):
             Not=bst_filter.Not, Everything=bst_filter.Everything, Nothing=bst_filter.Nothing,
             to_predicate=bst_filter.to_predicate, BoundedCache=bst_mj._BoundedCache,
             make_hashable=bst_mj.make_hashable, hashabledict=bst_mj.hashabledict,
-            constant_fold_jaxpr=bst_mj.constant_fold_jaxpr, grad=bst_t.grad)
+            constant_fold_jaxpr=bst_mj.constant_fold_jaxpr, grad=bst_t.grad,
+            checkpoint=bst_t.checkpoint)
     return types.SimpleNamespace(
         impl='sj', State=sj.State, ShortTermState=sj.ShortTermState,
         LongTermState=sj.LongTermState, ParamState=sj.ParamState, BatchState=sj.BatchState,
@@ -12727,7 +12896,7 @@ def _implementation_namespace(impl):
         OfType=sj.OfType, Any=sj.Any, All=sj.All, Not=sj.Not, Everything=sj.Everything,
         Nothing=sj.Nothing, to_predicate=sj.to_predicate, BoundedCache=sj.BoundedCache,
         make_hashable=sj.make_hashable, hashabledict=sj.hashabledict,
-        constant_fold_jaxpr=sj.constant_fold_jaxpr, grad=sj.grad)
+        constant_fold_jaxpr=sj.constant_fold_jaxpr, grad=sj.grad, checkpoint=sj.checkpoint)
 
 
 def _is_accepted_difference(name):
@@ -13068,7 +13237,7 @@ def _counterparts():
              'HiddenState', 'StateTraceStack', 'catch_new_states', 'check_state_value_tree']
     out = [(n, getattr(bst, n), getattr(sj, n, None)) for n in names]
     out.append(('RandomState', bst.random.RandomState, getattr(sj, 'RandomState', None)))
-    for n in ('StatefulFunction', 'make_jaxpr', 'StatefulMapping', 'grad'):
+    for n in ('StatefulFunction', 'make_jaxpr', 'StatefulMapping', 'grad', 'checkpoint', 'remat'):
         out.append((n, getattr(bst_t, n), getattr(sj, n, None)))
     for n in ('OfType', 'Any', 'All', 'Not', 'Everything', 'Nothing', 'to_predicate'):
         out.append((n, getattr(bst_filter, n), getattr(sj, n, None)))
@@ -13318,6 +13487,28 @@ class BrainstateFidelityTest(_BrainstateChecks, _BrainstateCase):
             rec('not_callable', lambda: ns.StatefulFunction(3)(1.0))
             rec('returns_state', lambda: ns.StatefulFunction(lambda: a)())
         self._assert_no_differences(self._compare_programs('sf', program))
+
+    # checkpoint: eager and inside a StatefulFunction, with a static argument and a policy
+    def test_checkpoint(self):
+        def program(ns, rec):
+            w = ns.ParamState(jnp.full(3, 0.5), name='w')
+            h = ns.State(jnp.zeros(3), name='h')
+            rng = ns.RandomState(5, name='rng')
+
+            def cell(x, scale):
+                h.value = jnp.tanh(w.value * h.value + scale * x
+                                   + 0.1 * jax.random.normal(rng.split_key(), (3,)))
+                return h.value.sum()
+            for policy in (None, jax.checkpoint_policies.nothing_saveable):
+                ck = ns.checkpoint(cell, static_argnums=1, policy=policy)
+                key = f'policy={policy is not None}'
+                rec(f'{key}.eager', lambda: ck(jnp.ones(3), 2.0))
+                rec(f'{key}.traced', lambda: ns.StatefulFunction(ck, static_argnums=1)(
+                    jnp.ones(3), 2.0))
+                rec(f'{key}.values', lambda: [w.value, h.value, rng.value])
+            rec('decorator', lambda: ns.checkpoint(prevent_cse=False)(cell)(jnp.ones(3), 1.0))
+            rec('values', lambda: [w.value, h.value, rng.value])
+        self._assert_no_differences(self._compare_programs('checkpoint', program))
 
     # b: jaxpr_call inside lax.scan, carries from get_state_trace().get_state_values()
     def test_jaxpr_call_in_scan(self):
