@@ -3527,7 +3527,7 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     if fun is None:
         return lambda f: grad(f, grad_states, argnums, holomorphic, allow_int, has_aux,
                               return_value, check_states=check_states)
-    inner, (states, tree, nums) = StatefulFunction(fun), _grad_targets(grad_states, argnums)
+    inner, (states, tree, nums) = _OpByOp(fun), _grad_targets(grad_states, argnums)
     uniq = list(dict.fromkeys(states))   # each State once
 
     def run(*args, **kwargs):
@@ -3558,7 +3558,13 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         grads = arg_grads if not uniq else state_grads if nums is None else (state_grads, arg_grads)
         extra = (value,) * bool(return_value) + (aux,) * bool(has_aux)
         return (grads, *extra) if extra else grads
-    return StatefulFunction(run, name=f'grad({inner.name})')
+    return _OpByOp(run, name=f'grad({inner.name})')
+
+
+class _OpByOp(StatefulFunction):
+    """Called outside any trace, evaluates its jaxpr op by op, as ``jax.grad`` does: the value a
+    gradient comes with is then the function's own, bit for bit (XLA may fuse it otherwise)."""
+    _compiled_dispatch = False
 
 
 def checkpoint(fun: Callable | None = None, *, prevent_cse: bool = True, policy=None,

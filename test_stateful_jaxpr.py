@@ -9997,6 +9997,23 @@ class GradTest(_ErrorsCase):
                 np.testing.assert_array_equal(w.value, _GR_W)
                 np.testing.assert_array_equal(b.value, _GR_B)
 
+    def test_the_value_is_the_functions_own_bit_for_bit(self):
+        # Outside any trace grad runs op by op, as jax.grad does: the value it returns is what
+        # calling the function eagerly returns, exactly (a compiled program may fuse the sum).
+        for seed in range(12):
+            with self.subTest(seed=seed):
+                k = jax.random.split(jax.random.PRNGKey(seed), 2)
+                a, b, c = (sj.ParamState(jnp.ones(10)),
+                           sj.ParamState(jax.random.normal(k[0], (10,))),
+                           sj.ParamState(jax.random.uniform(k[1], (10,))))
+
+                def f(x):
+                    return jnp.sum(a.value + b.value + c.value) * x, x
+                for grad_states, argnums in (([a, b], None), (a, 0)):
+                    got = sj.grad(f, grad_states, argnums, has_aux=True, return_value=True)(1.5)
+                    self.assertEqual(got[-2].tolist(), f(1.5)[0].tolist())
+                    self.assertEqual(float(got[-1]), 1.5)
+
     def test_defaults_a_list_argnums_and_keyword_arguments(self):
         w, b, stat = _grad_states()
         loss = _grad_loss(w, b, stat)
