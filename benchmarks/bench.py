@@ -976,6 +976,12 @@ class Bench:
             self.notes.append(f'{label}: refused on jax {jax.__version__} (not timed): '
                               f'{type(err).__name__}: {str(err).splitlines()[0][:160]}')
             return
+        sf = sj.StatefulFunction(ours(c, None))
+        base = Baseline(jax.jit(pure(c, None)), vals, *args)
+        warm = interleaved({'ours': lambda: _block(sf(*args)), 'jax': lambda: _block(base())},
+                           allot / 3, 20, 5_000, warmup=3)
+        self.warm_row(f'{label}: warm step', n, warm, 1.02)
+        set_values(states, vals)
         runs = {'ours': [], 'jax': []}
 
         def first(side, build, *call_args):
@@ -997,7 +1003,8 @@ class Bench:
         self.target(f'{label}: body runs per first trace', med['ours']['step'], 2, unit='runs')
 
     def training(self):
-        """The LIF network (a BPTT step and the forward run) and the MLP step."""
+        """The LIF network (a BPTT step and the forward run), the GRU and the MLP step:
+        warm steps and first traces."""
         reps, allot = (5, 4.0) if self.quick else (15, 15.0)
         xs, w = tr.lif_data()
         for grad, what in ((True, 'BPTT step'), (False, 'forward')):
@@ -1006,6 +1013,11 @@ class Bench:
                 f'LIF 400->100, 1000-step scan, {what}', 'scan body', st,
                 lambda c, runs, st=st, grad=grad: tr.lif_step(st, grad, c, runs),
                 lambda c, runs, grad=grad: tr.lif_pure(grad, c, runs), (xs,), reps, allot)
+        xs, w = tr.gru_data()
+        st = tr.gru_states(sj, w)
+        self._training(f'GRU {tr.GRU_IN}->{tr.GRU_H}, batch {tr.GRU_B}, {tr.GRU_T}-step scan, '
+                       'BPTT step', 'scan body', st, lambda c, runs: tr.gru_step(st, c, runs),
+                       lambda c, runs: tr.gru_pure(c, runs), (xs,), reps, allot)
         x, y, params = tr.mlp_data()
         st = tr.mlp_states(sj, params)
         self._training('MLP step (BatchNorm, dropout, adam)', 'loss', st,
