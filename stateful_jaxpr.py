@@ -234,11 +234,13 @@ def _trace_path(home) -> tuple:
 
 def _body_of(trace) -> str:
     """'checkpoint' where ``trace`` builds a jax.checkpoint body, 'cond' a lax.cond / switch
-    branch, else '' (its debug info: 'checkpoint / remat' from 0.7, 'checkpoint' before)."""
+    branch, 'loop' a scan, fori_loop or while_loop body or condition, else '' (its debug info:
+    'checkpoint / remat' from 0.7, 'checkpoint' before; 'while_loop' for a body .. 0.5)."""
     kind = str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
                        'traced_for', ''))
-    return 'checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in (
-        'cond', 'switch') else ''
+    return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in (
+        'cond', 'switch') else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith(
+            'while') else '')
 
 
 def _tells(path, trace) -> bool:
@@ -514,7 +516,12 @@ def _user_site():
 
 def _who(sf) -> str:
     """``StatefulFunction('f')``: how errors name a function."""
-    return f'{type(sf).__name__}({sf.name!r})'
+    return f'{_public_class(sf)}({sf.name!r})'
+
+
+def _public_class(obj) -> str:
+    """The name of ``obj``'s first public class: a private subclass speaks as its parent."""
+    return next(c.__name__ for c in type(obj).__mro__ if not c.__name__.startswith('_'))
 
 
 def _name_of(fun) -> str:
@@ -1959,7 +1966,7 @@ def _note_miss(sf, key, stale, entry) -> None:
         '  - nothing the cache key or the States show (the entry was not cacheable)'
     logging.getLogger(__name__).warning(
         '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-        type(sf).__name__, sf.name, _key_summary(key),
+        _public_class(sf), sf.name, _key_summary(key),
         'none' if near is None else f'({_key_summary(near)})',
         ' (the same arguments; its States changed)' if stale is not None else '', lines)
 
@@ -2065,11 +2072,20 @@ class _TraceFrame(StateTraceStack):
         self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        if state in self._retracer.ref_states:
+        if state in self._retracer.ref_states or self._in_loop():
             return self.cell(state, treedef, avals)
         leaves = [_new_arg(self._jax_trace, a) for a in avals]
         self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see traced)
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _in_loop(self) -> bool:
+        """Whether a first touch now is in a loop body, whose reads must see an earlier
+        iteration's write should a later touch write the State: lifted as Refs at once, so that
+        the trace needs no second run (not under jax.vmap, a cond or checkpoint body)."""
+        path, whole = _trace_path(self._jax_trace)
+        return _HAS_REFS and whole is True and any(_body_of(t) == 'loop' for t in path) and all(
+            _body_of(t) in ('loop', '') if type(t) is _JaxprTrace
+            else _new_ref is not None and isinstance(t, _DIFF_TRACES) for t in path)
 
     def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
         cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
@@ -2540,11 +2556,13 @@ class _Retracer:
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
-    So a first trace runs the body once, twice when it writes States inside loop, cond or jit
-    bodies or under jax.vmap (or under jax.grad before JAX 0.7), three times only when a body JAX
-    cached from an earlier trace (of another function sharing it) is in the way; a later signature
-    runs it once unless it writes such a State no earlier trace did.  A run is also isolated while
-    a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached jaxpr may hold it.
+    A State first touched in a loop body is lifted as Refs there at once (``_in_loop``), so a
+    first trace runs the body once, twice when it writes inside a cond or jit body, under
+    jax.vmap, or inside a loop body a State touched outside it first (or under jax.grad before
+    JAX 0.7), three times only when a body JAX cached from an earlier trace (of another function
+    sharing it) is in the way; a later signature runs it once unless it writes such a State no
+    earlier trace did.  A run is also isolated while a State read by a plain JAX trace is alive
+    (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('ref_states', 'isolate', 'in_body')
 
@@ -2957,7 +2975,7 @@ class StatefulFunction:
                  abstracted_axes=None, name: str | None = None, return_only_write: bool = True, *,
                  donate_states=None, keep_sharding=True, explain_cache_misses: bool | None = None):
         """Checks every argument (an error names the bad one) and starts with an empty cache."""
-        who, kind = type(self).__name__, type(fun).__name__
+        who, kind = _public_class(self), type(fun).__name__
         if isinstance(fun, (staticmethod, classmethod)):
             raise TypeError(f'{who}(fun) got a {kind} object, a descriptor; pass the function '
                             f'(obj.__func__) or apply the decorator outside @{kind}')
@@ -3428,7 +3446,7 @@ class StatefulFunction:
                 + _pretty(self._view(entry), keys[-1]))
 
     def __repr__(self):
-        return f'{type(self).__name__}({self.name!r}, entries={len(self._cache)})'
+        return f'{_public_class(self)}({self.name!r}, entries={len(self._cache)})'
 
 
 def make_jaxpr(fun: Callable, static_argnums=(), static_argnames=(), axis_env=None,

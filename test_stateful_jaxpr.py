@@ -101,6 +101,9 @@ def _assert_unchanged(tc, states, snapshot):
 
 # The installed JAX release, e.g. (0, 4, 38); 0.12.0.1 reads (0, 12, 0).
 _JAX_VERSION = tuple(int(p) for p in jax.__version__.split('.')[:3] if p.isdigit())
+# Runs of a first trace whose States written in a loop body are first touched there: from JAX
+# 0.6 a body's trace knows its parents, so such a State is lifted as Refs at that first touch.
+_FIRST_TOUCH_IN_LOOP_RUNS = 1 if _JAX_VERSION >= (0, 6) else 2
 
 
 def _eval_closed(closed, *args):
@@ -2263,11 +2266,12 @@ class NestedWriteTest(unittest.TestCase):
             return s.value
         sf = StatefulFunction(f)
         sf(jnp.ones(3))
-        self.assertEqual(len(calls), 2)     # aborted at the write, then with a Ref
+        first = _FIRST_TOUCH_IN_LOOP_RUNS   # lifted as Refs at its first touch, in the body
+        self.assertEqual(len(calls), first)
         sf(jnp.ones(3))
-        self.assertEqual(len(calls), 2)     # cache hit
+        self.assertEqual(len(calls), first)     # cache hit
         sf(jnp.ones(5))
-        self.assertEqual(len(calls), 3)     # new shapes: one trace
+        self.assertEqual(len(calls), first + 1)     # new shapes: one trace
         self.assertEqual(float(s.value), 11.0)
         # Read outside the body first: the first trace finds the nested write.
         calls.clear()
@@ -2302,7 +2306,7 @@ class NestedWriteTest(unittest.TestCase):
             return states[-1].value
         sf = StatefulFunction(f, static_argnums=1)
         self.assertEqual(float(sf(jnp.ones(2), False)), 10.0)
-        self.assertIn(len(calls), (2, 3))   # as below: a State only read stays an input
+        self.assertIn(len(calls), (_FIRST_TOUCH_IN_LOOP_RUNS, 3))   # first touched in the body
         calls.clear()
         sf2 = StatefulFunction(f, static_argnums=1)
         self.assertEqual(float(sf2(jnp.ones(2), True)), 20.0)
@@ -2593,7 +2597,7 @@ class RefLiftingTest(unittest.TestCase):
     its next trace lifts every State as Refs; that trace serves when all of
     them are so written, and is redone otherwise."""
 
-    def test_states_all_written_inside_a_scan_take_two_runs(self):
+    def test_states_all_written_inside_a_scan_take_one_run(self):
         hs = [State(jnp.full(2, float(i)), name=f'rl_h{i}') for i in range(3)]
         runs = [0]
 
@@ -2615,7 +2619,7 @@ class RefLiftingTest(unittest.TestCase):
         start = [h.value for h in hs]
         got = StatefulFunction(step)(jnp.ones(2))
         want, finals = plain(start, jnp.ones(2))
-        self.assertEqual(runs[0], 2)   # aborted at the first nested write, then once
+        self.assertEqual(runs[0], _FIRST_TOUCH_IN_LOOP_RUNS)   # Refs from the first touch
         np.testing.assert_allclose(got, want)
         for h, v in zip(hs, finals):
             np.testing.assert_allclose(h.value, v)
@@ -3457,8 +3461,8 @@ class CustomRuleTest(unittest.TestCase):
 
 class RunCountTest(unittest.TestCase):
     """The body runs once on a first trace, twice when it writes a State inside a nested
-    transformation other than differentiations alone, once per later signature (see the
-    retracer's table)."""
+    transformation other than differentiations alone that it did not first touch in a loop
+    body there, once per later signature (see the retracer's table)."""
 
     def test_runs(self):
         h, w = State(jnp.zeros(3), name='rc_h'), State(jnp.ones(3), name='rc_w')
@@ -3469,12 +3473,20 @@ class RunCountTest(unittest.TestCase):
             h.value = h.value + jax.jit(lambda: w.value * x)()   # a nested read only
             return h.value.sum()
 
-        def nested(x):
-            runs[0] += 1
+        def loop(x):
             lax.scan(lambda c, _: (c, setattr(h, 'value', h.value * w.value + x)), 0.0, None,
                      length=3)
             return h.value.sum()
-        for fun, first in ((plain, 1), (nested, 2)):
+
+        def nested(x):   # h first touched in the loop body: lifted as Refs there
+            runs[0] += 1
+            return loop(x)
+
+        def touched_before(x):   # h touched outside first: a second run lifts it at once
+            runs[0] += 1
+            h.value = h.value * 0.5
+            return loop(x)
+        for fun, first in ((plain, 1), (nested, _FIRST_TOUCH_IN_LOOP_RUNS), (touched_before, 2)):
             with self.subTest(fun=fun.__name__):
                 runs[0], sf = 0, StatefulFunction(fun)
                 sf(jnp.ones(3))
@@ -7912,7 +7924,11 @@ _BAD_INPUT_CASES = [
     ('make_jaxpr', 'make_jaxpr(f)(a State)', ValueError,
      lambda fx: _P(sj.make_jaxpr(fx.write), fx.s), ['argument [0]', "'bi_s'"]),
     # -- grad --
-    ('grad', 'grad(5)', TypeError, lambda fx: _P(sj.grad, 5), ['fun', 'int: 5']),
+    ('grad', 'grad(5)', TypeError, lambda fx: _P(sj.grad, 5), ['StatefulFunction(fun)', 'int: 5']),
+    ('checkpoint', 'checkpoint(5)', TypeError, lambda fx: _P(sj.checkpoint, 5), ['fun', 'int: 5']),
+    ('checkpoint', "checkpoint(static_argnums='a')", TypeError,
+     lambda fx: _P(sj.checkpoint, fx.write, static_argnums='a'), ['static_argnums', "'a'"]),
+    ('remat', 'remat(5)', TypeError, lambda fx: _P(sj.remat, 5), ['fun', 'int: 5']),
     ('grad', 'grad(grad_states=[a State, an array])', TypeError,
      lambda fx: _P(sj.grad, fx.write, [fx.s, jnp.ones(3)]), ['grad_states[1]', 'State itself']),
     ('grad', "grad(argnums='a')", TypeError,
