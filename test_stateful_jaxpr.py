@@ -165,6 +165,12 @@ def _lane_body(f, tree, axes, box):
     return body
 
 
+def _child_env(**extra):
+    """The environment of a Python child process: this one's, with JAX on the CPU (a child needs
+    no accelerator, and only one process at a time may open one: this one holds it)."""
+    return dict(os.environ, JAX_PLATFORMS='cpu', **extra)
+
+
 def _need_8_devices(tc):
     if jax.device_count() >= 8:
         return
@@ -303,7 +309,8 @@ class ModuleTest(unittest.TestCase):
     def test_import_has_no_deprecation_warnings(self):
         code = 'import stateful_jaxpr'
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=120)
+                              cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                              timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stderr)
 
     def test_readme_examples_run(self):
@@ -665,7 +672,8 @@ class CompatTest(unittest.TestCase):
             assert float(s.value[0]) == 2.0, s.value
             """)
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=300)
+                              cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                              timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertIn("nested write OK: State 'acc'", proc.stdout)
         self.assertIn('mutable references', proc.stdout)
@@ -9562,7 +9570,8 @@ class DonationSafetyTest(unittest.TestCase):
                 print('REFUSED', err)
             """)
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=300)
+                              cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                              timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertRegex(proc.stdout, "REFUSED .*'a_sharded'.*'b_sharded'")
 
@@ -9684,7 +9693,7 @@ class MultiProcessTest(unittest.TestCase):
 
     def _launch(self, nproc, port):
         here = os.path.dirname(os.path.abspath(__file__))
-        env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+        env = {k: v for k, v in _child_env().items() if k != 'XLA_FLAGS'}
         env['PYTHONPATH'] = here + os.pathsep + env.get('PYTHONPATH', '')
         return [subprocess.Popen(
             [sys.executable, '-W', 'ignore::DeprecationWarning', '-c', _MULTIHOST_PROGRAM,
@@ -11565,7 +11574,7 @@ class ExplainCacheMissesTest(unittest.TestCase):
             sf(jnp.ones(2)); sf(jnp.ones(3))
             """)
         for value, expect in (('1', True), ('', False)):
-            env = dict(os.environ, STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=value)
+            env = _child_env(STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=value)
             proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, env=env,
                                   capture_output=True, text=True, timeout=300)
             self.assertEqual(proc.returncode, 0, proc.stderr)
@@ -11661,7 +11670,8 @@ class ExportTest(unittest.TestCase):
                 assert not user, user
                 """)
             proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                                  cwd=HERE, capture_output=True, text=True, timeout=300)
+                                  cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                                  timeout=300)
             self.assertEqual(proc.returncode, 0, proc.stderr)
             got = dict(np.load(os.path.join(tmp, 'out.npz')))
         np.testing.assert_allclose(got['ys'], want_scan['ys'], rtol=1e-6)
@@ -11770,8 +11780,8 @@ class ExportTest(unittest.TestCase):
             except ImportError as err:
                 print(err)
             """)
-        proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, env=_child_env(),
+                              capture_output=True, text=True, timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         self.assertIn("needs the 'flatbuffers' package", proc.stdout)
         self.assertIn('pip install flatbuffers', proc.stdout)
@@ -11829,7 +11839,7 @@ class ExportRobustnessTest(unittest.TestCase):
             code = ('import sys, stateful_jaxpr as sj\ntry:\n    sj.deserialize(open(sys.argv[1], '
                     '"rb").read())\nexcept ValueError as err:\n    print(err)')
             proc = subprocess.run([sys.executable, '-c', code, path], cwd=HERE,
-                                  capture_output=True, text=True, timeout=300)
+                                  env=_child_env(), capture_output=True, text=True, timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         for words in ("deserialize of 'step': state 'ur_moments'", 'test_stateful_jaxpr.Moments',
                       'register_namedtuple_serialization', 'register_pytree_node_serialization'):
@@ -12511,8 +12521,8 @@ class FoldTypedKeyTest(unittest.TestCase):
 class DemoTest(unittest.TestCase):
     def test_demo_runs(self):
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning',
-                               'stateful_jaxpr.py'], cwd=HERE, capture_output=True, text=True,
-                              timeout=300)
+                               'stateful_jaxpr.py'], cwd=HERE, env=_child_env(),
+                              capture_output=True, text=True, timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         for part in ("state 'trace' (LongTermState), read and written", "state 'count': new value",
                      "state 'weight' (ParamState), read,", 'argument 0',
