@@ -171,6 +171,19 @@ def _child_env(**extra):
     return dict(os.environ, JAX_PLATFORMS='cpu', **extra)
 
 
+def _on_cpu(tc):
+    """Puts the rest of test ``tc`` on the CPU backend, in every thread (host callbacks too):
+    arrays and programs with no device of their own go to ``jax.devices('cpu')[0]``.  On a CPU
+    host this changes nothing; on an accelerator host it serves tests that need what only the
+    CPU allows (a host callback calling into JAX), or its 8 devices, or its quick compiles."""
+    try:
+        cpu = jax.devices('cpu')[0]
+    except RuntimeError as err:
+        tc.skipTest(f'this test runs on the CPU backend, and JAX has none here: {err}')
+    tc.addCleanup(jax.config.update, 'jax_default_device', jax.config.jax_default_device)
+    jax.config.update('jax_default_device', cpu)
+
+
 def _need_8_devices(tc):
     if jax.device_count() >= 8:
         return
@@ -8885,6 +8898,7 @@ class CallAtomicityTest(unittest.TestCase):
 
     # -- host callbacks run inside their call: they read what it holds, never change it ----
     def test_a_key_drawn_in_a_callback_of_the_call_holding_it_raises(self):
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         from jax.experimental import io_callback
         f32, armed = jax.ShapeDtypeStruct((), jnp.float32), [False]
         rng = RandomState(0, name='held_rng')
@@ -8909,6 +8923,7 @@ class CallAtomicityTest(unittest.TestCase):
                 np.testing.assert_array_equal(rng.value, key)   # no key handed out
 
     def test_an_assignment_in_a_callback_of_the_call_holding_the_state_raises(self):
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         from jax.experimental import io_callback
         s, armed = State(jnp.zeros(()), name='held_total'), [False]
 
@@ -8931,6 +8946,7 @@ class CallAtomicityTest(unittest.TestCase):
         self.assertEqual(float(s.value), 101.0)
 
     def test_a_call_in_a_callback_reads_but_never_writes_what_its_call_holds(self):
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         held, other = State(jnp.ones(()), name='held_s'), State(jnp.zeros(()), name='other')
         seen, mode = [], ['read']
 
@@ -8967,6 +8983,7 @@ class CallAtomicityTest(unittest.TestCase):
     def test_a_callback_calling_a_function_on_other_states_adds_no_deadlock(self):
         # f holds `model` and calls g (touching only `metric`) from a callback while another
         # thread loops h, which touches both: with the States threaded by hand nothing waits.
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         metric, model = sorted((State(jnp.zeros(())), State(jnp.zeros(()))), key=id)
         metric.name, model.name = 'metric', 'model'    # (h would lock `metric` first)
 
