@@ -3,7 +3,7 @@
 """Tests for stateful_jaxpr: ``python -W error::DeprecationWarning -m unittest -v test_stateful_jaxpr``.
 
 Standard library + jax only.  Eight host CPU devices are requested before JAX
-is imported so that the pmap / shard_map tests run anywhere.
+is imported so that the sharding tests run anywhere (on an accelerator host, on its CPU).
 
 The sections below mirror the sections of stateful_jaxpr.py, in the same order
 (shared helpers and module-wide checks first, the brainstate 0.2.1 comparison last).
@@ -185,13 +185,24 @@ def _on_cpu(tc):
 
 
 def _need_8_devices(tc):
-    if jax.device_count() >= 8:
-        return
-    if jax.default_backend() == 'cpu':
+    """The 8 CPU devices asked for above (an accelerator may have fewer), the rest of ``tc`` on
+    the CPU (``_on_cpu``)."""
+    _on_cpu(tc)
+    devices = jax.devices('cpu')
+    if len(devices) < 8:
         tc.fail('8 CPU devices expected: XLA_FLAGS must contain '
                 '--xla_force_host_platform_device_count=8 before jax is imported '
                 f'(XLA_FLAGS={os.environ.get("XLA_FLAGS")!r})')
-    tc.skipTest(f'needs 8 devices, {jax.default_backend()} has {jax.device_count()}')
+    return devices[:8]
+
+
+def _need_8_pmap_devices(tc):
+    """``_need_8_devices``, and 8 devices for jax.pmap, which maps over the default backend's."""
+    _need_8_devices(tc)
+    if jax.local_device_count() < 8:
+        tc.skipTest(f"jax.pmap maps over the default backend's devices, and "
+                    f'{jax.default_backend()} has {jax.local_device_count()} here, not 8 (the 8 '
+                    'CPU devices serve only shard_map)')
 
 
 def _legend(text):
@@ -9276,7 +9287,8 @@ class MemoryTest(unittest.TestCase):
 
 
 def _mesh(shape, names, axis_types=None):
-    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    """A mesh of the CPU devices (see ``_need_8_devices``)."""
+    devices = np.array(jax.devices('cpu')[:int(np.prod(shape))]).reshape(shape)
     if axis_types is None:
         return jax.sharding.Mesh(devices, names)
     return jax.sharding.Mesh(devices, names, axis_types=axis_types)
@@ -10203,9 +10215,10 @@ def _flat_axes(prefix, tree):
 
 
 def _shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
-    """``jax.vmap``-like mapper over 8 devices: one lane per device via shard_map."""
+    """``jax.vmap``-like mapper over the 8 CPU devices (see ``_need_8_devices``): one lane per
+    device via shard_map."""
     name = axis_name if axis_name is not None else '_shard_lanes'
-    devices = jax.devices()[:8]
+    devices = jax.devices('cpu')[:8]
     mesh = jax.sharding.Mesh(np.array(devices), (name,))
     P = jax.sharding.PartitionSpec
 
@@ -10865,6 +10878,7 @@ class MappingDevicesTest(unittest.TestCase):
         self.assertEqual(len(outs[0][1].sharding.device_set), 8)   # ran on 8 devices
 
     def test_pmap(self):
+        _need_8_pmap_devices(self)
         self._compare(jax.pmap)
 
     def test_shard_map_mapper(self):
@@ -11000,7 +11014,7 @@ class MappingFailureTest(unittest.TestCase):
         self.assertGreater(calls[0], after_first)
 
     def test_warm_call_does_no_discovery_pmap(self):
-        _need_8_devices(self)
+        _need_8_pmap_devices(self)
         calls = [0]
         w = sj.State(jnp.zeros((8, 2)), name='w_pm')
 
@@ -11201,6 +11215,8 @@ class MappingCollectiveTest(unittest.TestCase):
             for name in ('jit_psum', 'scan_pmax', 'all_gather_sum'):
                 body = _collective_bodies()[0][name]
                 with self.subTest(f'{getattr(mapping_fn, "__name__", mapping_fn)}/{name}'):
+                    if mapping_fn is jax.pmap:
+                        _need_8_pmap_devices(self)
                     _, value = self._mapped(body, x, mapping_fn)
                     ref_value = self._plain(body, x, None)[1]
                     self.assertEqual(value.shape, ref_value.shape)
@@ -11737,7 +11753,7 @@ class ExportTest(unittest.TestCase):
 
     def test_sharded_state_in_manifest(self):
         from jax.sharding import NamedSharding, PartitionSpec
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('d',))
+        mesh = jax.sharding.Mesh(np.array(_need_8_devices(self)), ('d',))
         s = State(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec('d'))),
                   name='s')
         plain = State(jnp.ones(2), name='plain')
@@ -11746,7 +11762,7 @@ class ExportTest(unittest.TestCase):
             s.value = s.value * x
             return s.value.sum() + plain.value.sum()
 
-        ex = sj.export(f, 2.0)
+        ex = sj.export(f, 2.0, platforms='cpu')    # where its devices are
         self.assertEqual(ex.exported.nr_devices, 8)
         out, new = sj.deserialize(ex.serialize())(2.0, states={'s': s.value, 'plain': plain.value})
         self.assertEqual(float(out), 34.0)
@@ -12007,10 +12023,10 @@ class ExportRobustnessTest(unittest.TestCase):
             loaded(jnp.ones(2), jnp.ones(2), states={'w': w.value})
         self.assertNotIn('pure', str(cm.exception))
         from jax.sharding import NamedSharding, PartitionSpec
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('d',))
+        mesh = jax.sharding.Mesh(np.array(_need_8_devices(self)), ('d',))
         s = State(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec('d'))),
                   name='s')
-        spread = sj.export(lambda x: (s.value * x).sum(), 2.0)
+        spread = sj.export(lambda x: (s.value * x).sum(), 2.0, platforms='cpu')
         with self.assertRaisesRegex(ValueError, r"^exported '<lambda>': .*8 devices") as cm:
             spread(2.0, states={'s': jnp.ones((8, 2))})
         self.assertNotIn('pure', str(cm.exception))
