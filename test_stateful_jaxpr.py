@@ -313,6 +313,7 @@ class ModuleTest(unittest.TestCase):
 
     @unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
     def test_docstring_examples_that_export(self):
+        _on_cpu(self)   # export's example exports for the CPU and runs what it exported
         self.assertGreater(self._docstring_examples(exporting=True), 5)
 
     def test_imports_only_stdlib_jax_and_numpy(self):
@@ -11662,6 +11663,7 @@ class ExportTest(unittest.TestCase):
         return StatefulFunction(step, static_argnames='scale'), (h, w, rng, last)
 
     def test_round_trip_in_a_fresh_process(self):
+        _on_cpu(self)      # the child runs on the CPU (_child_env): this side too, to compare
         sf, (h, w, rng, last) = self._scan_program()
         v = sj.HiddenState(jnp.arange(12.0).reshape(4, 3), name='v')
         key = sj.RandomState(1, name='key')
@@ -11673,8 +11675,9 @@ class ExportTest(unittest.TestCase):
         sm = sj.StatefulMapping(neuron, in_axes=0, state_in_axes={0: sj.HiddenState})
         xs = jnp.arange(12.0).reshape(4, 3) / 10
         before = {s.name: s.value for s in (h, w, rng, last, v, key)}
-        blobs = {'scan': sj.export(sf, xs, scale=0.5).serialize(vjp_order=int(_VJP_EXPORT)),
-                 'mapping': sj.export(sm, xs).serialize()}
+        blobs = {'scan': sj.export(sf, xs, scale=0.5, platforms='cpu').serialize(
+                     vjp_order=int(_VJP_EXPORT)),
+                 'mapping': sj.export(sm, xs, platforms='cpu').serialize()}
         for s in (h, w, rng, last, v, key):     # exporting changes no State
             np.testing.assert_array_equal(s.value, before[s.name])
         # expected: the same calls here
@@ -12012,8 +12015,9 @@ class ExportRobustnessTest(unittest.TestCase):
         def scaled(x):
             return x * w.value
 
-        elsewhere = sj.deserialize(sj.export(scaled, jnp.ones(2), platforms='tpu').serialize())
-        with self.assertRaisesRegex(ValueError, r"^exported 'scaled': .*'scaled'.*tpu") as cm:
+        other = 'cuda' if jax.default_backend() == 'tpu' else 'tpu'   # not this machine's
+        elsewhere = sj.deserialize(sj.export(scaled, jnp.ones(2), platforms=other).serialize())
+        with self.assertRaisesRegex(ValueError, rf"^exported 'scaled': .*'scaled'.*{other}") as cm:
             elsewhere(jnp.ones(2), states={'w': w.value})
         self.assertNotIn('pure', str(cm.exception))
         self.assertIsInstance(cm.exception.__cause__, ValueError)
