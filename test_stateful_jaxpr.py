@@ -363,7 +363,9 @@ class ModuleTest(unittest.TestCase):
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
-            with self.subTest(block=marker):
+            with self.subTest(block=marker), jax.default_matmul_precision('highest'):
+                # (the checks compute in float64 NumPy; an accelerator's default float32
+                # matmul rounds its inputs, a TPU's to bfloat16)
                 if 'export(' in block and _EXPORT_PROBLEM:
                     self.skipTest(_EXPORT_PROBLEM)
                 g = {}
@@ -12242,7 +12244,9 @@ class FoldInterfaceTest(unittest.TestCase):
         self.assertLess(_count_eqns(folded), _count_eqns(cj))
         self.assertNotIn('cos', _prims(folded))
         self.assertNotIn('sin', _prims(folded))
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+        # (unfolded, the inner jit computes sin(K) in its fused program, which XLA may round
+        # otherwise than the lone sin the folding ran: a TPU differs in the last bit)
+        np.testing.assert_allclose(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0], rtol=1e-6)
 
     def test_closed_call_body_folded(self):
         inner = jax.make_jaxpr(lambda a: a * lax.cos(np.float32(2.0)) + lax.exp(np.float32(1.0)))(
