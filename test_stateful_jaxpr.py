@@ -4372,6 +4372,12 @@ class FaultInjectionTest(unittest.TestCase):
 
     points = 0
 
+    def setUp(self):
+        # Each retrace after a fault compiles its program again (a new cache key, a new
+        # jax.jit): hundreds of tiny compiles, several times quicker on the CPU than on an
+        # accelerator, and what is checked, the module's bookkeeping, is the same there.
+        _on_cpu(self)
+
     @classmethod
     def tearDownClass(cls):
         print(f'\n[fault injection] {cls.points} injection points ran over '
@@ -6511,6 +6517,11 @@ class FuzzDifferentialTest(unittest.TestCase):
                   'diff_state': 0.15, 'diff_loop': 0.15, 'diff_nested': 0.05,
                   'diff_custom_sf': 0.05, 'collective_nested': 1 / 60, 'custom_rule': 1 / 60,
                   'weak_change': 1 / 60, 'nested_dtype_change': 1 / 60}
+
+    def setUp(self):
+        # A dozen compiles per program, most of them the reference's eager ops: several times
+        # quicker on the CPU than on an accelerator, and the paths compared are the same there.
+        _on_cpu(self)
 
     def test_differential_fuzz(self):
         self.assertGreaterEqual(self.N, self.MIN_PROGRAMS,
