@@ -2423,7 +2423,9 @@ class NestedWriteTest(unittest.TestCase):
             if not (jax.config.jax_enable_checks and
                     "_check_closed_call() got an unexpected keyword argument 'name'" in str(err)):
                 raise
-            self.skipTest(f'JAX {jax.__version__} under jax_enable_checks: {err}')
+            self.skipTest(f"JAX {jax.__version__}'s jax_enable_checks rejects the closed_call "
+                          'its own state discharge emits here (a JAX bug; NestedWriteTest runs '
+                          f'this without the checks): {err}')
         np.testing.assert_allclose(out, 3 * np.arange(4.0))
         np.testing.assert_allclose(s.value, 3 * np.arange(4.0))
 
@@ -2897,7 +2899,8 @@ class BackpropThroughTimeTest(unittest.TestCase):
 
     def test_before_jax_0_7_only_the_culprit_is_named_with_the_rewrite(self):
         if _JAX_VERSION >= (0, 7):
-            self.skipTest('JAX 0.7 and newer differentiate through the write')
+            self.skipTest(f'this checks the refusal before JAX 0.7; JAX {jax.__version__} '
+                          'differentiates through the write')
         h, w = sj.HiddenState(jnp.zeros(3), name='bptt_culprit'), sj.ParamState(0.5, name='bptt_w')
 
         def loss(xs):
@@ -2956,7 +2959,8 @@ class BackpropThroughTimeTest(unittest.TestCase):
 
     def test_through_a_nested_stateful_function_and_per_lane(self):
         if _JAX_VERSION < (0, 7):
-            self.skipTest('needs JAX 0.7')
+            self.skipTest(f'JAX {jax.__version__} cannot differentiate through a write in a '
+                          'loop body (JAX 0.7 and newer can; before, it is refused)')
         h = sj.HiddenState(jnp.zeros(3), name='bptt_nested')
         run = StatefulFunction(self._bodies(h)['scan'])
         got = StatefulFunction(lambda w: jax.grad(run)(w, self.XS))(0.5)
@@ -12643,8 +12647,10 @@ except Exception:   # not installed, or an install that does not import here
 _BRAINSTATE_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
 # CI's brainstate venv sets this, so that a broken install fails instead of skipping.
 _BRAINSTATE_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
-_BRAINSTATE_SKIP = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
-                    'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
+_BRAINSTATE_SKIP = ('these tests compare with brainstate 0.2.1, and this Python has '
+                    + ('no brainstate that imports' if bst is None else
+                       f'brainstate {getattr(bst, "__version__", "of unknown version")}')
+                    + ' (pip install brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
 
 
 # Every accepted difference from brainstate 0.2.1, with its reason.  A
