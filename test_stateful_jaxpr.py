@@ -3,7 +3,7 @@
 """Tests for stateful_jaxpr: ``python -W error::DeprecationWarning -m unittest -v test_stateful_jaxpr``.
 
 Standard library + jax only.  Eight host CPU devices are requested before JAX
-is imported so that the pmap / shard_map tests run anywhere.
+is imported so that the sharding tests run anywhere (on an accelerator host, on its CPU).
 
 The sections below mirror the sections of stateful_jaxpr.py, in the same order
 (shared helpers and module-wide checks first, the brainstate 0.2.1 comparison last).
@@ -127,6 +127,20 @@ def _flaky_callback():
     return callback, runs, fail
 
 
+def _assert_kept_or_failed(tc, state, value, error):
+    """``state``, written by a call whose computation failed with ``error``, holds ``value``, its
+    value before that call; or, where the call returned before its computation ran (dispatched
+    asynchronously, as on an accelerator), that computation's failed result, which raises
+    ``error`` when read.  Either way it holds ``value`` afterwards."""
+    try:
+        held = np.asarray(state.value)
+    except jax.errors.JaxRuntimeError as err:
+        tc.assertIn(error, str(err))
+        state.value = jnp.asarray(value, state.value.dtype)
+    else:
+        np.testing.assert_array_equal(held, value)
+
+
 class _WithEnableChecks:
     """Runs a test class's tests with ``jax_enable_checks`` on: JAX then type
     checks every jaxpr it builds, including the extra state inputs and outputs
@@ -168,14 +182,44 @@ def _lane_body(f, tree, axes, box):
     return body
 
 
+def _child_env(**extra):
+    """The environment of a Python child process: this one's, with JAX on the CPU (a child needs
+    no accelerator, and only one process at a time may open one: this one holds it)."""
+    return dict(os.environ, JAX_PLATFORMS='cpu', **extra)
+
+
+def _on_cpu(tc):
+    """Puts the rest of test ``tc`` on the CPU backend, in every thread (host callbacks too):
+    arrays and programs with no device of their own go to ``jax.devices('cpu')[0]``.  On a CPU
+    host this changes nothing; on an accelerator host it serves tests that need what only the
+    CPU allows (a host callback calling into JAX), or its 8 devices, or its quick compiles."""
+    try:
+        cpu = jax.devices('cpu')[0]
+    except RuntimeError as err:
+        tc.skipTest(f'this test runs on the CPU backend, and JAX has none here: {err}')
+    tc.addCleanup(jax.config.update, 'jax_default_device', jax.config.jax_default_device)
+    jax.config.update('jax_default_device', cpu)
+
+
 def _need_8_devices(tc):
-    if jax.device_count() >= 8:
-        return
-    if jax.default_backend() == 'cpu':
+    """The 8 CPU devices asked for above (an accelerator may have fewer), the rest of ``tc`` on
+    the CPU (``_on_cpu``)."""
+    _on_cpu(tc)
+    devices = jax.devices('cpu')
+    if len(devices) < 8:
         tc.fail('8 CPU devices expected: XLA_FLAGS must contain '
                 '--xla_force_host_platform_device_count=8 before jax is imported '
                 f'(XLA_FLAGS={os.environ.get("XLA_FLAGS")!r})')
-    tc.skipTest(f'needs 8 devices, {jax.default_backend()} has {jax.device_count()}')
+    return devices[:8]
+
+
+def _need_8_pmap_devices(tc):
+    """``_need_8_devices``, and 8 devices for jax.pmap, which maps over the default backend's."""
+    _need_8_devices(tc)
+    if jax.local_device_count() < 8:
+        tc.skipTest(f"jax.pmap maps over the default backend's devices, and "
+                    f'{jax.default_backend()} has {jax.local_device_count()} here, not 8 (the 8 '
+                    'CPU devices serve only shard_map)')
 
 
 def _legend(text):
@@ -286,6 +330,7 @@ class ModuleTest(unittest.TestCase):
 
     @unittest.skipIf(_EXPORT_PROBLEM, _EXPORT_PROBLEM)
     def test_docstring_examples_that_export(self):
+        _on_cpu(self)   # export's example exports for the CPU and runs what it exported
         self.assertGreater(self._docstring_examples(exporting=True), 5)
 
     def test_imports_only_stdlib_jax_and_numpy(self):
@@ -306,7 +351,8 @@ class ModuleTest(unittest.TestCase):
     def test_import_has_no_deprecation_warnings(self):
         code = 'import stateful_jaxpr'
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=120)
+                              cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                              timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stderr)
 
     def test_readme_examples_run(self):
@@ -320,7 +366,9 @@ class ModuleTest(unittest.TestCase):
         self.assertEqual(len(blocks), len(checks))
         for marker, check in checks.items():
             block, = [b for b in blocks if marker in b]
-            with self.subTest(block=marker):
+            with self.subTest(block=marker), jax.default_matmul_precision('highest'):
+                # (the checks compute in float64 NumPy; an accelerator's default float32
+                # matmul rounds its inputs, a TPU's to bfloat16)
                 if 'export(' in block and _EXPORT_PROBLEM:
                     self.skipTest(_EXPORT_PROBLEM)
                 g = {}
@@ -668,7 +716,8 @@ class CompatTest(unittest.TestCase):
             assert float(s.value[0]) == 2.0, s.value
             """)
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=300)
+                              cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                              timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertIn("nested write OK: State 'acc'", proc.stdout)
         self.assertIn('mutable references', proc.stdout)
@@ -2378,7 +2427,9 @@ class NestedWriteTest(unittest.TestCase):
             if not (jax.config.jax_enable_checks and
                     "_check_closed_call() got an unexpected keyword argument 'name'" in str(err)):
                 raise
-            self.skipTest(f'JAX {jax.__version__} under jax_enable_checks: {err}')
+            self.skipTest(f"JAX {jax.__version__}'s jax_enable_checks rejects the closed_call "
+                          'its own state discharge emits here (a JAX bug; NestedWriteTest runs '
+                          f'this without the checks): {err}')
         np.testing.assert_allclose(out, 3 * np.arange(4.0))
         np.testing.assert_allclose(s.value, 3 * np.arange(4.0))
 
@@ -2852,7 +2903,8 @@ class BackpropThroughTimeTest(unittest.TestCase):
 
     def test_before_jax_0_7_only_the_culprit_is_named_with_the_rewrite(self):
         if _JAX_VERSION >= (0, 7):
-            self.skipTest('JAX 0.7 and newer differentiate through the write')
+            self.skipTest(f'this checks the refusal before JAX 0.7; JAX {jax.__version__} '
+                          'differentiates through the write')
         h, w = sj.HiddenState(jnp.zeros(3), name='bptt_culprit'), sj.ParamState(0.5, name='bptt_w')
 
         def loss(xs):
@@ -2960,7 +3012,8 @@ class BackpropThroughTimeTest(unittest.TestCase):
 
     def test_through_a_nested_stateful_function_and_per_lane(self):
         if _JAX_VERSION < (0, 7):
-            self.skipTest('needs JAX 0.7')
+            self.skipTest(f'JAX {jax.__version__} cannot differentiate through a write in a '
+                          'loop body (JAX 0.7 and newer can; before, it is refused)')
         h = sj.HiddenState(jnp.zeros(3), name='bptt_nested')
         run = StatefulFunction(self._bodies(h)['scan'])
         got = StatefulFunction(lambda w: jax.grad(run)(w, self.XS))(0.5)
@@ -4383,6 +4436,12 @@ class FaultInjectionTest(unittest.TestCase):
     """Fail at every State access and every op, everywhere; nothing may leak."""
 
     points = 0
+
+    def setUp(self):
+        # Each retrace after a fault compiles its program again (a new cache key, a new
+        # jax.jit): hundreds of tiny compiles, several times quicker on the CPU than on an
+        # accelerator, and what is checked, the module's bookkeeping, is the same there.
+        _on_cpu(self)
 
     @classmethod
     def tearDownClass(cls):
@@ -6523,6 +6582,11 @@ class FuzzDifferentialTest(unittest.TestCase):
                   'diff_state': 0.15, 'diff_loop': 0.15, 'diff_nested': 0.05,
                   'diff_custom_sf': 0.05, 'collective_nested': 1 / 60, 'custom_rule': 1 / 60,
                   'weak_change': 1 / 60, 'nested_dtype_change': 1 / 60}
+
+    def setUp(self):
+        # A dozen compiles per program, most of them the reference's eager ops: several times
+        # quicker on the CPU than on an accelerator, and the paths compared are the same there.
+        _on_cpu(self)
 
     def test_differential_fuzz(self):
         self.assertGreaterEqual(self.N, self.MIN_PROGRAMS,
@@ -8928,20 +8992,22 @@ class CallAtomicityTest(unittest.TestCase):
             return x
         sf = StatefulFunction(f)
         sf(1.0), sf(1.0)                     # the second call takes the warm path
+        jax.block_until_ready(s.value)       # (a call may return before it runs: count after)
         self.assertEqual(runs[0], 2)
         fail[0] = True
         for call in (lambda: sf(1.0), lambda: sf(x=1.0)):
             before = runs[0]
             with self.assertRaisesRegex(Exception, 'the user callback failed'):
-                jax.block_until_ready(call())
+                jax.block_until_ready((call(), s.value))
             self.assertEqual(runs[0], before + 1)
-            self.assertEqual(float(s.value), 2.0)
+            _assert_kept_or_failed(self, s, 2.0, 'the user callback failed')
         # Bad arguments still get the slow path's clear error.
         with self.assertRaisesRegex(TypeError, 'not a JAX type'):
             sf('text')
 
     # -- host callbacks run inside their call: they read what it holds, never change it ----
     def test_a_key_drawn_in_a_callback_of_the_call_holding_it_raises(self):
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         from jax.experimental import io_callback
         f32, armed = jax.ShapeDtypeStruct((), jnp.float32), [False]
         rng = RandomState(0, name='held_rng')
@@ -8966,6 +9032,7 @@ class CallAtomicityTest(unittest.TestCase):
                 np.testing.assert_array_equal(rng.value, key)   # no key handed out
 
     def test_an_assignment_in_a_callback_of_the_call_holding_the_state_raises(self):
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         from jax.experimental import io_callback
         s, armed = State(jnp.zeros(()), name='held_total'), [False]
 
@@ -8988,6 +9055,7 @@ class CallAtomicityTest(unittest.TestCase):
         self.assertEqual(float(s.value), 101.0)
 
     def test_a_call_in_a_callback_reads_but_never_writes_what_its_call_holds(self):
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         held, other = State(jnp.ones(()), name='held_s'), State(jnp.zeros(()), name='other')
         seen, mode = [], ['read']
 
@@ -9024,6 +9092,7 @@ class CallAtomicityTest(unittest.TestCase):
     def test_a_callback_calling_a_function_on_other_states_adds_no_deadlock(self):
         # f holds `model` and calls g (touching only `metric`) from a callback while another
         # thread loops h, which touches both: with the States threaded by hand nothing waits.
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         metric, model = sorted((State(jnp.zeros(())), State(jnp.zeros(()))), key=id)
         metric.name, model.name = 'metric', 'model'    # (h would lock `metric` first)
 
@@ -9316,7 +9385,8 @@ class MemoryTest(unittest.TestCase):
 
 
 def _mesh(shape, names, axis_types=None):
-    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    """A mesh of the CPU devices (see ``_need_8_devices``)."""
+    devices = np.array(jax.devices('cpu')[:int(np.prod(shape))]).reshape(shape)
     if axis_types is None:
         return jax.sharding.Mesh(devices, names)
     return jax.sharding.Mesh(devices, names, axis_types=axis_types)
@@ -9627,7 +9697,8 @@ class DonationSafetyTest(unittest.TestCase):
                 print('REFUSED', err)
             """)
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                              cwd=HERE, capture_output=True, text=True, timeout=300)
+                              cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                              timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertRegex(proc.stdout, "REFUSED .*'a_sharded'.*'b_sharded'")
 
@@ -9642,16 +9713,18 @@ class DonationSafetyTest(unittest.TestCase):
             return x
         sf = StatefulFunction(f, donate_states=True)
         sf(0.0), sf(0.0)                       # the second call takes the warm path
+        jax.block_until_ready(w.value)         # (a call may return before it runs: count after)
         fail[0] = True
         with self.assertRaisesRegex(Exception, 'the user callback failed'):
-            jax.block_until_ready(sf(0.0))
+            jax.block_until_ready((sf(0.0), w.value))
         self.assertEqual(runs[0], 3)
         np.testing.assert_allclose(r.value, np.ones(4))
-        try:                                   # kept its value, or says why it has none
-            value = w.value
+        try:            # kept its value, or says why it has none: it names the State, or it is
+            value = np.asarray(w.value)   # the failed result of a call that returned before it ran
         except RuntimeError as err:
-            self.assertIn("'w_donated'", str(err))
             self.assertIn('the user callback failed', str(err))
+            if not isinstance(err, jax.errors.JaxRuntimeError):
+                self.assertIn("'w_donated'", str(err))
         else:
             np.testing.assert_allclose(value, np.arange(4.0) + 2)
         w.value = jnp.zeros(4)
@@ -9749,7 +9822,7 @@ class MultiProcessTest(unittest.TestCase):
 
     def _launch(self, nproc, port):
         here = os.path.dirname(os.path.abspath(__file__))
-        env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+        env = {k: v for k, v in _child_env().items() if k != 'XLA_FLAGS'}
         env['PYTHONPATH'] = here + os.pathsep + env.get('PYTHONPATH', '')
         return [subprocess.Popen(
             [sys.executable, '-W', 'ignore::DeprecationWarning', '-c', _MULTIHOST_PROGRAM,
@@ -9782,7 +9855,12 @@ class MultiProcessTest(unittest.TestCase):
         if 'jax_cpu_collectives_implementation' not in jax.config.values:
             self.skipTest(f'JAX {jax.__version__} has no CPU collectives across processes '
                           '(jax_cpu_collectives_implementation)')
-        runs = self._collect(self._launch(2, _free_port()))
+        try:
+            port = _free_port()
+        except OSError as err:
+            self.skipTest('jax.distributed needs a socket on localhost, and this machine '
+                          f'allows none: {err}')
+        runs = self._collect(self._launch(2, port))
         if not all('PROBE_OK' in out for out, _, _ in runs):
             self.skipTest(f'JAX {jax.__version__} cannot run a plain jax.jit across two '
                           'processes here: ' + ' | '.join(err.strip().splitlines()[-1]
@@ -10422,9 +10500,10 @@ def _flat_axes(prefix, tree):
 
 
 def _shard_mapper(f, in_axes=0, out_axes=0, axis_name=None, axis_size=None):
-    """``jax.vmap``-like mapper over 8 devices: one lane per device via shard_map."""
+    """``jax.vmap``-like mapper over the 8 CPU devices (see ``_need_8_devices``): one lane per
+    device via shard_map."""
     name = axis_name if axis_name is not None else '_shard_lanes'
-    devices = jax.devices()[:8]
+    devices = jax.devices('cpu')[:8]
     mesh = jax.sharding.Mesh(np.array(devices), (name,))
     P = jax.sharding.PartitionSpec
 
@@ -11084,6 +11163,7 @@ class MappingDevicesTest(unittest.TestCase):
         self.assertEqual(len(outs[0][1].sharding.device_set), 8)   # ran on 8 devices
 
     def test_pmap(self):
+        _need_8_pmap_devices(self)
         self._compare(jax.pmap)
 
     def test_shard_map_mapper(self):
@@ -11219,7 +11299,7 @@ class MappingFailureTest(unittest.TestCase):
         self.assertGreater(calls[0], after_first)
 
     def test_warm_call_does_no_discovery_pmap(self):
-        _need_8_devices(self)
+        _need_8_pmap_devices(self)
         calls = [0]
         w = sj.State(jnp.zeros((8, 2)), name='w_pm')
 
@@ -11420,6 +11500,8 @@ class MappingCollectiveTest(unittest.TestCase):
             for name in ('jit_psum', 'scan_pmax', 'all_gather_sum'):
                 body = _collective_bodies()[0][name]
                 with self.subTest(f'{getattr(mapping_fn, "__name__", mapping_fn)}/{name}'):
+                    if mapping_fn is jax.pmap:
+                        _need_8_pmap_devices(self)
                     _, value = self._mapped(body, x, mapping_fn)
                     ref_value = self._plain(body, x, None)[1]
                     self.assertEqual(value.shape, ref_value.shape)
@@ -11815,7 +11897,7 @@ class ExplainCacheMissesTest(unittest.TestCase):
             sf(jnp.ones(2)); sf(jnp.ones(3))
             """)
         for value, expect in (('1', True), ('', False)):
-            env = dict(os.environ, STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=value)
+            env = _child_env(STATEFUL_JAXPR_EXPLAIN_CACHE_MISSES=value)
             proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, env=env,
                                   capture_output=True, text=True, timeout=300)
             self.assertEqual(proc.returncode, 0, proc.stderr)
@@ -11865,6 +11947,7 @@ class ExportTest(unittest.TestCase):
         return StatefulFunction(step, static_argnames='scale'), (h, w, rng, last)
 
     def test_round_trip_in_a_fresh_process(self):
+        _on_cpu(self)      # the child runs on the CPU (_child_env): this side too, to compare
         sf, (h, w, rng, last) = self._scan_program()
         v = sj.HiddenState(jnp.arange(12.0).reshape(4, 3), name='v')
         key = sj.RandomState(1, name='key')
@@ -11876,8 +11959,9 @@ class ExportTest(unittest.TestCase):
         sm = sj.StatefulMapping(neuron, in_axes=0, state_in_axes={0: sj.HiddenState})
         xs = jnp.arange(12.0).reshape(4, 3) / 10
         before = {s.name: s.value for s in (h, w, rng, last, v, key)}
-        blobs = {'scan': sj.export(sf, xs, scale=0.5).serialize(vjp_order=int(_VJP_EXPORT)),
-                 'mapping': sj.export(sm, xs).serialize()}
+        blobs = {'scan': sj.export(sf, xs, scale=0.5, platforms='cpu').serialize(
+                     vjp_order=int(_VJP_EXPORT)),
+                 'mapping': sj.export(sm, xs, platforms='cpu').serialize()}
         for s in (h, w, rng, last, v, key):     # exporting changes no State
             np.testing.assert_array_equal(s.value, before[s.name])
         # expected: the same calls here
@@ -11911,7 +11995,8 @@ class ExportTest(unittest.TestCase):
                 assert not user, user
                 """)
             proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
-                                  cwd=HERE, capture_output=True, text=True, timeout=300)
+                                  cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                                  timeout=300)
             self.assertEqual(proc.returncode, 0, proc.stderr)
             got = dict(np.load(os.path.join(tmp, 'out.npz')))
         np.testing.assert_allclose(got['ys'], want_scan['ys'], rtol=1e-6)
@@ -11955,7 +12040,7 @@ class ExportTest(unittest.TestCase):
 
     def test_sharded_state_in_manifest(self):
         from jax.sharding import NamedSharding, PartitionSpec
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('d',))
+        mesh = jax.sharding.Mesh(np.array(_need_8_devices(self)), ('d',))
         s = State(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec('d'))),
                   name='s')
         plain = State(jnp.ones(2), name='plain')
@@ -11964,7 +12049,7 @@ class ExportTest(unittest.TestCase):
             s.value = s.value * x
             return s.value.sum() + plain.value.sum()
 
-        ex = sj.export(f, 2.0)
+        ex = sj.export(f, 2.0, platforms='cpu')    # where its devices are
         self.assertEqual(ex.exported.nr_devices, 8)
         out, new = sj.deserialize(ex.serialize())(2.0, states={'s': s.value, 'plain': plain.value})
         self.assertEqual(float(out), 34.0)
@@ -12020,8 +12105,8 @@ class ExportTest(unittest.TestCase):
             except ImportError as err:
                 print(err)
             """)
-        proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, env=_child_env(),
+                              capture_output=True, text=True, timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         self.assertIn("needs the 'flatbuffers' package", proc.stdout)
         self.assertIn('pip install flatbuffers', proc.stdout)
@@ -12079,7 +12164,7 @@ class ExportRobustnessTest(unittest.TestCase):
             code = ('import sys, stateful_jaxpr as sj\ntry:\n    sj.deserialize(open(sys.argv[1], '
                     '"rb").read())\nexcept ValueError as err:\n    print(err)')
             proc = subprocess.run([sys.executable, '-c', code, path], cwd=HERE,
-                                  capture_output=True, text=True, timeout=300)
+                                  env=_child_env(), capture_output=True, text=True, timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         for words in ("deserialize of 'step': state 'ur_moments'", 'test_stateful_jaxpr.Moments',
                       'register_namedtuple_serialization', 'register_pytree_node_serialization'):
@@ -12214,8 +12299,9 @@ class ExportRobustnessTest(unittest.TestCase):
         def scaled(x):
             return x * w.value
 
-        elsewhere = sj.deserialize(sj.export(scaled, jnp.ones(2), platforms='tpu').serialize())
-        with self.assertRaisesRegex(ValueError, r"^exported 'scaled': .*'scaled'.*tpu") as cm:
+        other = 'cuda' if jax.default_backend() == 'tpu' else 'tpu'   # not this machine's
+        elsewhere = sj.deserialize(sj.export(scaled, jnp.ones(2), platforms=other).serialize())
+        with self.assertRaisesRegex(ValueError, rf"^exported 'scaled': .*'scaled'.*{other}") as cm:
             elsewhere(jnp.ones(2), states={'w': w.value})
         self.assertNotIn('pure', str(cm.exception))
         self.assertIsInstance(cm.exception.__cause__, ValueError)
@@ -12225,10 +12311,10 @@ class ExportRobustnessTest(unittest.TestCase):
             loaded(jnp.ones(2), jnp.ones(2), states={'w': w.value})
         self.assertNotIn('pure', str(cm.exception))
         from jax.sharding import NamedSharding, PartitionSpec
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ('d',))
+        mesh = jax.sharding.Mesh(np.array(_need_8_devices(self)), ('d',))
         s = State(jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, PartitionSpec('d'))),
                   name='s')
-        spread = sj.export(lambda x: (s.value * x).sum(), 2.0)
+        spread = sj.export(lambda x: (s.value * x).sum(), 2.0, platforms='cpu')
         with self.assertRaisesRegex(ValueError, r"^exported '<lambda>': .*8 devices") as cm:
             spread(2.0, states={'s': jnp.ones((8, 2))})
         self.assertNotIn('pure', str(cm.exception))
@@ -12423,7 +12509,9 @@ class FoldInterfaceTest(unittest.TestCase):
         self.assertLess(_count_eqns(folded), _count_eqns(cj))
         self.assertNotIn('cos', _prims(folded))
         self.assertNotIn('sin', _prims(folded))
-        np.testing.assert_array_equal(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0])
+        # (unfolded, the inner jit computes sin(K) in its fused program, which XLA may round
+        # otherwise than the lone sin the folding ran: a TPU differs in the last bit)
+        np.testing.assert_allclose(_eval_closed(folded, x)[0], _eval_closed(cj, x)[0], rtol=1e-6)
 
     def test_closed_call_body_folded(self):
         inner = jax.make_jaxpr(lambda a: a * lax.cos(np.float32(2.0)) + lax.exp(np.float32(1.0)))(
@@ -12761,8 +12849,8 @@ class FoldTypedKeyTest(unittest.TestCase):
 class DemoTest(unittest.TestCase):
     def test_demo_runs(self):
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning',
-                               'stateful_jaxpr.py'], cwd=HERE, capture_output=True, text=True,
-                              timeout=300)
+                               'stateful_jaxpr.py'], cwd=HERE, env=_child_env(),
+                              capture_output=True, text=True, timeout=300)
         self.assertEqual(proc.returncode, 0, proc.stderr)
         for part in ("state 'trace' (LongTermState), read and written", "state 'count': new value",
                      "state 'weight' (ParamState), read,", 'argument 0',
@@ -12809,8 +12897,10 @@ except Exception:   # not installed, or an install that does not import here
 _BRAINSTATE_AVAILABLE = bst is not None and getattr(bst, '__version__', None) == '0.2.1'
 # CI's brainstate venv sets this, so that a broken install fails instead of skipping.
 _BRAINSTATE_REQUIRED = os.environ.get('STATEFUL_JAXPR_REQUIRE_BRAINSTATE') == '1'
-_BRAINSTATE_SKIP = ('the brainstate 0.2.1 fidelity tests need brainstate==0.2.1 (pip install '
-                    'brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
+_BRAINSTATE_SKIP = ('these tests compare with brainstate 0.2.1, and this Python has '
+                    + ('no brainstate that imports' if bst is None else
+                       f'brainstate {getattr(bst, "__version__", "of unknown version")}')
+                    + ' (pip install brainstate==0.2.1 into a Python 3.11 venv with jax 0.7.2)')
 
 
 # Every accepted difference from brainstate 0.2.1, with its reason.  A
