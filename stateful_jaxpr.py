@@ -1233,9 +1233,8 @@ class StateTraceStack:
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states; ``separate``: ``(write_values,
         read_values)``, with ``None`` for the others where ``replace``."""
-        if not separate:
-            return tuple(s.value for s in self.states)
-        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
+        return ((self.get_write_state_values(replace), self.get_read_state_values(replace))
+                if separate else tuple(s.value for s in self.states))
 
     def get_read_state_values(self, replace_writen: bool = False) -> tuple:
         """Values of :meth:`get_read_states`."""
@@ -2623,7 +2622,6 @@ def _dynamic_shapes_problem(config):
                         trace_with=_make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,))))
     except Exception as err:  # the probe only asks "does it work at all"
         return f'{type(err).__name__}: {err}'.strip()
-    return None
 
 
 # -- A trace's inputs and outputs in words ---------------------------------------
@@ -2818,9 +2816,8 @@ class _EagerCall(StateTraceStack):
     one_at_a_time = threading.RLock()
 
 
-# The warm path: the last slow call's plan and dispatcher, for as long as they apply (slots:
-# every warm call reads them).  ``leaf_type``: the type of the first written State's value;
-# ``hits``: the cache's hit count.
+# The warm path: the last slow call's plan and dispatcher while they apply (slots: every warm
+# call reads them); ``leaf_type``: the first written State's value's type; ``hits``: the cache's.
 class _Fast:
     __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
                  'leaf_type', 'hits')
@@ -3013,8 +3010,7 @@ class StatefulFunction:
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
                     _note_miss(self, key, stale, entry)
-                    # (one keeping a rule made under a JAX trace would bring its rule's jaxprs
-                    # to our dispatcher: see _cached)
+                    # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
                     if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
                         self._cache._store(key, entry)
         if count:
@@ -3109,9 +3105,8 @@ class StatefulFunction:
             kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
                       for k, v in kwargs.items()}
         jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
-        if lower:
-            return jitted.lower(*state_values, *args, **kwargs).compile()
-        return jitted(*state_values, *args, **kwargs)
+        return (jitted.lower(*state_values, *args, **kwargs).compile() if lower
+                else jitted(*state_values, *args, **kwargs))
 
     @_api_boundary
     def _call_slow(self, args, kwargs, warm_plan=None):
@@ -3224,9 +3219,8 @@ class StatefulFunction:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
 
     def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        if compile_if_miss:
-            return self._view(self._lookup(args, kwargs)[1])
-        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
+        return (self._view(self._lookup(args, kwargs)[1]) if compile_if_miss
+                else self._view_by_key(self._cache_key(args, kwargs)[0], context))
 
     def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
         """The ClosedJaxpr for these arguments."""
@@ -4066,9 +4060,8 @@ def _fold(jaxpr, consts, in_values=()):
     invars = set(jaxpr.invars)
 
     def value_of(atom):
-        if isinstance(atom, Literal):
-            return atom.val
-        return known.get(atom, const_values.get(atom, _MISSING))
+        return (atom.val if isinstance(atom, Literal)
+                else known.get(atom, const_values.get(atom, _MISSING)))
 
     def substitute(atom):
         if isinstance(atom, Literal) or atom not in known or atom in invars:
