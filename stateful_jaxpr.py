@@ -148,10 +148,16 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
-def _nested_consts(jaxpr) -> list:
-    """The constants of the closed jaxprs nested, at any depth, in ``jaxpr``'s equations."""
-    return [c for e in _all_eqns(jaxpr) for i in _nested_jaxprs(e.params)
-            for c in getattr(i, 'consts', ())]
+def _nested_consts(eqns) -> list:
+    """The constants of the closed jaxprs nested, at any depth, in ``eqns``."""
+    return [c for e in eqns for i in _nested_jaxprs(e.params)
+            for c in [*getattr(i, 'consts', ()), *_nested_consts(getattr(i, 'jaxpr', i).eqns)]]
+
+
+def _staged_eqns(trace) -> list:
+    """What a jaxpr ``trace`` staged: ``frame.eqns`` (.. 0.6), ``frame.tracing_eqns`` (0.7 ..)."""
+    eqns = getattr(trace.frame, 'tracing_eqns', None) or getattr(trace.frame, 'eqns', ())
+    return [e for e in (e() if callable(e) else e for e in eqns) if e is not None]
 
 
 def _map_eqns(jaxpr, fun):
@@ -2050,17 +2056,21 @@ class _TraceFrame(StateTraceStack):
         if state in self._retracer.ref_states:
             return self.cell(state, treedef, avals)
         leaves = [_new_arg(self._jax_trace, a) for a in avals]
-        self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see traced)
+        self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see finish)
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
         cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
                         treedef, avals, self._jax_trace, improvised)
         self.cells.append(cell)
+        self._inputs.update(dict.fromkeys(map(id, cell.refs), state))
         return cell
 
     def finish(self, out, return_only_write: bool) -> list:
         """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
+        if leaked := {self._inputs[id(c)] for c in _nested_consts(_staged_eqns(self._jax_trace))
+                      if id(c) in self._inputs}:   # read by a rule JAX traced apart, left there
+            raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked)))
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
@@ -2084,12 +2094,9 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
-        """The trace's result; refused where a custom rule JAX traced apart from the program (a
-        body's transpose) read a State, leaving its tracer in a nested jaxpr no call can run."""
-        if leaked := {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
-                      if isinstance(c, Tracer)}:
-            raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked if s))
-                          or 'a traced value')
+        """The trace's result; refused where a nested jaxpr keeps some other trace's tracer."""
+        if any(isinstance(c, Tracer) for c in _nested_consts(closed.jaxpr.eqns)):
+            raise _cannot('apart', 'a traced value')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
