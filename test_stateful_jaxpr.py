@@ -6222,7 +6222,8 @@ def _refused_differentiations(prog, eager=False) -> set:
     reads it too, as when a lax.cond in a differentiation nested in reverse
     mode does; in a body under nested reverse-mode differentiation on 0.8 ..
     0.10; under jax.jacfwd in a body, or anywhere from JAX 0.8 (JAX batches it);
-    and anywhere under jax.disable_jit() (``eager``: no stateful trace threads the write)."""
+    and anywhere under jax.disable_jit() (``eager``: no stateful trace threads the write).
+    Also the States a custom rule JAX traces apart reads, where it leaves them behind."""
     v, names = _JAX_VERSION, set()
     for node, frames in _under_diffs(prog['body'], None):
         if node[0] != 'wseq' or not frames:
@@ -6271,6 +6272,12 @@ def _refused_differentiations(prog, eager=False) -> set:
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
             for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
+    # A custom function of a nested StatefulFunction applied in a lax.scan body under jax.jvp:
+    # JAX traces its rule apart, after the nested trace, and the scan's JVP keeps the enclosing
+    # trace's tracers of the States the rule reads as constants of the body: refused, named.
+    names |= {f"'s{m[1]}'" for n, frames in _under_diffs(prog['body'], None)
+              if n[0] == 'capply' and frames and frames[-1][0][:2] == ('sfdiff', 'jvp')
+              and 'scan' in frames[-1][1] for m, _ in _nodes(list(n[4:]), 0) if m[0] == 'read'}
     # A lax.cond under differentiation (before JAX 0.7), or in a custom rule,
     # refuses any State written inside a nested transformation (a Ref) it reads.
     # So does one under jax.jacfwd's vmap, on every release.
@@ -6533,8 +6540,11 @@ class FuzzDifferentialTest(unittest.TestCase):
     # takes (it may leave stacked); 60619 (jax 0.5.3) reads a State first
     # inside a lax.cond under jax.grad, where JAX refuses a Ref; 321127 and 322882
     # (jax 0.7.2) read, in a body under jax.jacfwd in a mapping, a State written
-    # from a collective in another body (a Ref JAX 0.7 batches: refused, named).
-    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127, 322882)
+    # from a collective in another body (a Ref JAX 0.7 batches: refused, named);
+    # 20260664 maps a jax.jvp of a nested StatefulFunction whose lax.scan body
+    # applies a custom_jvp function reading a State held as Refs (written in a
+    # lax.cond branch): JAX traces the rule apart, refused naming it everywhere.
+    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127, 322882, 20260664)
 
     def test_seeds_long_campaigns_found(self):
         for seed in self.CAMPAIGN_SEEDS:
