@@ -340,9 +340,9 @@ def _written_refs(effects, inputs=None) -> set:
 
 def _write_hazard(eqn):
     """'condition' where a while loop's condition reads a Ref its body writes (JAX's discharge:
-    the value from before the loop, 0.7 .., or an error), else 'while' where its body writes one
-    (which JAX linearizes wrongly), 'checkpoint' where a differentiated ``jax.checkpoint`` writes
-    one (JAX reruns it, writes included, 0.8 ..), else None."""
+    the value from before the loop, 0.7 .. 0.12.0, or an error), else 'while' where its body
+    writes one (which JAX linearizes wrongly), 'checkpoint' where a differentiated
+    ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..), else None."""
     if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
         return 'checkpoint'   # (the param: all releases)
     if eqn.primitive.name != 'while':   # all releases
