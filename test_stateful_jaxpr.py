@@ -3366,25 +3366,28 @@ class CustomRuleTest(unittest.TestCase):
             StatefulFunction(lambda x: jax.jvp(f, (x,), (1.0,)))(0.7)
         self.assertFalse(_tracer_in(s))
 
-    def test_a_rule_reading_a_state_held_as_refs_in_a_nested_body_under_jvp_is_refused(self):
-        # The State, written inside a jit, is held as Refs; the nested function's rule, traced
-        # apart under jax.jvp, reads them into the scan body (where JAX's effects fail).
+    def test_a_rule_reading_a_state_held_as_refs_in_a_body_under_jvp_is_refused(self):
+        # The State, written inside a jit, is held as Refs; the rule, traced apart under
+        # jax.jvp, reads them into the scan body (where JAX's effects fail), the scan nested
+        # in a StatefulFunction or not.
         s = State(jnp.float32(0.5), name='cr_jvp_refs')
 
         @jax.custom_jvp
         def act(x):
             return x * s.value
         act.defjvp(lambda xs, ts: (xs[0] * s.value, ts[0] * (1.0 + s.value)))
-        inner = StatefulFunction(lambda x: lax.scan(lambda c, _: (act(c), None), x, None,
-                                                    length=2)[0])
+        body = lambda x: lax.scan(lambda c, _: (act(c), None), x, None, length=2)[0]  # noqa: E731
+        for nested in (True, False):
+            inner = StatefulFunction(body) if nested else body
 
-        def main(x):
-            jax.jit(lambda: setattr(s, 'value', s.value * 2.0))()
-            return jax.jvp(inner, (x,), (1.0,))
-        with self.assertRaisesRegex(TraceContextError, 'cr_jvp_refs.*apart.*argument'):
-            StatefulFunction(main)(0.7)
-        self.assertEqual(float(s.value), 0.5)
-        self.assertFalse(_tracer_in(s))
+            def main(x):
+                jax.jit(lambda: setattr(s, 'value', s.value * 2.0))()
+                return jax.jvp(inner, (x,), (1.0,))
+            with self.subTest(nested=nested):
+                with self.assertRaisesRegex(TraceContextError, 'cr_jvp_refs.*apart.*argument'):
+                    StatefulFunction(main)(0.7)
+                self.assertEqual(float(s.value), 0.5)
+                self.assertFalse(_tracer_in(s))
 
     def test_a_rule_reading_a_state_written_under_a_differentiation_is_refused(self):
         # The rule of a nested function's custom_jvp, which JAX traces apart from the
