@@ -148,10 +148,16 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
-def _nested_consts(jaxpr) -> list:
-    """The constants of the closed jaxprs nested, at any depth, in ``jaxpr``'s equations."""
-    return [c for e in _all_eqns(jaxpr) for i in _nested_jaxprs(e.params)
-            for c in getattr(i, 'consts', ())]
+def _nested_consts(eqns) -> list:
+    """The constants of the closed jaxprs nested, at any depth, in ``eqns``."""
+    return [c for e in eqns for i in _nested_jaxprs(e.params)
+            for c in [*getattr(i, 'consts', ()), *_nested_consts(getattr(i, 'jaxpr', i).eqns)]]
+
+
+def _staged_eqns(trace) -> list:
+    """What a jaxpr ``trace`` staged: ``frame.eqns`` (.. 0.6), ``frame.tracing_eqns`` (0.7 ..)."""
+    eqns = getattr(trace.frame, 'tracing_eqns', None) or getattr(trace.frame, 'eqns', ())
+    return [e for e in (e() if callable(e) else e for e in eqns) if e is not None]
 
 
 def _map_eqns(jaxpr, fun):
@@ -343,9 +349,9 @@ def _written_refs(effects, inputs=None) -> set:
 
 def _write_hazard(eqn):
     """'condition' where a while loop's condition reads a Ref its body writes (JAX's discharge:
-    the value from before the loop, 0.7 .., or an error), else 'while' where its body writes one
-    (which JAX linearizes wrongly), 'checkpoint' where a differentiated ``jax.checkpoint`` writes
-    one (JAX reruns it, writes included, 0.8 ..), else None."""
+    the value from before the loop, 0.7 .. 0.12.0, or an error), else 'while' where its body
+    writes one (which JAX linearizes wrongly), 'checkpoint' where a differentiated
+    ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..), else None."""
     if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
         return 'checkpoint'   # (the param: all releases)
     if eqn.primitive.name != 'while':   # all releases
@@ -1257,9 +1263,8 @@ class StateTraceStack:
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
         """Current values of the recorded states; ``separate``: ``(write_values,
         read_values)``, with ``None`` for the others where ``replace``."""
-        if not separate:
-            return tuple(s.value for s in self.states)
-        return (self.get_write_state_values(replace), self.get_read_state_values(replace))
+        return ((self.get_write_state_values(replace), self.get_read_state_values(replace))
+                if separate else tuple(s.value for s in self.states))
 
     def get_read_state_values(self, replace_writen: bool = False) -> tuple:
         """Values of :meth:`get_read_states`."""
@@ -2075,7 +2080,7 @@ class _TraceFrame(StateTraceStack):
         if state in self._retracer.ref_states or self._in_loop():
             return self.cell(state, treedef, avals)
         leaves = [_new_arg(self._jax_trace, a) for a in avals]
-        self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see traced)
+        self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see finish)
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _in_loop(self) -> bool:
@@ -2091,10 +2096,14 @@ class _TraceFrame(StateTraceStack):
         cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
                         treedef, avals, self._jax_trace, improvised)
         self.cells.append(cell)
+        self._inputs.update(dict.fromkeys(map(id, cell.refs), state))
         return cell
 
     def finish(self, out, return_only_write: bool) -> list:
         """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
+        if leaked := {self._inputs[id(c)] for c in _nested_consts(_staged_eqns(self._jax_trace))
+                      if id(c) in self._inputs}:   # read by a rule JAX traced apart, left there
+            raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked)))
         _reject_states(out, 'the function returned ')
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
@@ -2118,12 +2127,9 @@ class _TraceFrame(StateTraceStack):
         return out_leaves + _leaves(values)
 
     def traced(self, closed, out_avals) -> _Traced:
-        """The trace's result; refused where a custom rule JAX traced apart from the program (a
-        body's transpose) read a State, leaving its tracer in a nested jaxpr no call can run."""
-        if leaked := {self._inputs.get(id(c)) for c in _nested_consts(closed.jaxpr)
-                      if isinstance(c, Tracer)}:
-            raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked if s))
-                          or 'a traced value')
+        """The trace's result; refused where a nested jaxpr keeps some other trace's tracer."""
+        if any(isinstance(c, Tracer) for c in _nested_consts(closed.jaxpr.eqns)):
+            raise _cannot('apart', 'a traced value')
         return _Traced(closed_jaxpr=closed, out_avals=list(out_avals), states=tuple(self.states),
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
@@ -2667,7 +2673,6 @@ def _dynamic_shapes_problem(config):
                         trace_with=_make_jaxpr_tracer(('n',), jax.tree_util.tree_structure((0,))))
     except Exception as err:  # the probe only asks "does it work at all"
         return f'{type(err).__name__}: {err}'.strip()
-    return None
 
 
 # -- A trace's inputs and outputs in words ---------------------------------------
@@ -2862,9 +2867,8 @@ class _EagerCall(StateTraceStack):
     one_at_a_time = threading.RLock()
 
 
-# The warm path: the last slow call's plan and dispatcher, for as long as they apply (slots:
-# every warm call reads them).  ``leaf_type``: the type of the first written State's value;
-# ``hits``: the cache's hit count.
+# The warm path: the last slow call's plan and dispatcher while they apply (slots: every warm
+# call reads them); ``leaf_type``: the first written State's value's type; ``hits``: the cache's.
 class _Fast:
     __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
                  'leaf_type', 'hits')
@@ -3057,8 +3061,7 @@ class StatefulFunction:
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
                     _note_miss(self, key, stale, entry)
-                    # (one keeping a rule made under a JAX trace would bring its rule's jaxprs
-                    # to our dispatcher: see _cached)
+                    # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
                     if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
                         self._cache._store(key, entry)
         if count:
@@ -3153,9 +3156,8 @@ class StatefulFunction:
             kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
                       for k, v in kwargs.items()}
         jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
-        if lower:
-            return jitted.lower(*state_values, *args, **kwargs).compile()
-        return jitted(*state_values, *args, **kwargs)
+        return (jitted.lower(*state_values, *args, **kwargs).compile() if lower
+                else jitted(*state_values, *args, **kwargs))
 
     @_api_boundary
     def _call_slow(self, args, kwargs, warm_plan=None):
@@ -3269,9 +3271,8 @@ class StatefulFunction:
         return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
 
     def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        if compile_if_miss:
-            return self._view(self._lookup(args, kwargs)[1])
-        return self._view_by_key(self._cache_key(args, kwargs)[0], context)
+        return (self._view(self._lookup(args, kwargs)[1]) if compile_if_miss
+                else self._view_by_key(self._cache_key(args, kwargs)[0], context))
 
     def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
         """The ClosedJaxpr for these arguments."""
@@ -4155,9 +4156,8 @@ def _fold(jaxpr, consts, in_values=()):
     invars = set(jaxpr.invars)
 
     def value_of(atom):
-        if isinstance(atom, Literal):
-            return atom.val
-        return known.get(atom, const_values.get(atom, _MISSING))
+        return (atom.val if isinstance(atom, Literal)
+                else known.get(atom, const_values.get(atom, _MISSING)))
 
     def substitute(atom):
         if isinstance(atom, Literal) or atom not in known or atom in invars:

@@ -1786,6 +1786,22 @@ def _eqns_within(jaxpr):
                     yield from _eqns_within(inner)
 
 
+def _while_condition_keeps_stale_reads():
+    """Whether JAX leaves a Ref read in a lax.while_loop condition that its body writes in the
+    condition (which its discharge then gives the value from before the loop), rather than
+    carrying the predicate computed in the body: a feature probe.  Traced only, never run: with
+    a stale condition the loop would never end."""
+    aval = jax.core.ShapedArray((), jnp.float32)
+
+    def flat(ref):
+        def body(i):
+            sj._ref_set(ref, (), sj._ref_get(ref, ()) + 1.0)
+            return i + 1
+        return [lax.while_loop(lambda i: sj._ref_get(ref, ()) < 3.0, body, 0)]
+    jaxpr = sj._trace_to_jaxpr(flat, [sj._ref_aval(aval)], flat, 'probe')[0]
+    return any(sj._write_hazard(eqn) == 'condition' for eqn in jaxpr.eqns)
+
+
 class NestedWriteTest(unittest.TestCase):
     """A write inside a lax.scan / cond / while body, an inner jax.jit or
     jax.grad propagates to the enclosing stateful trace."""
@@ -1864,9 +1880,10 @@ class NestedWriteTest(unittest.TestCase):
 
     def test_while_loop_condition_reading_a_write_is_refused(self):
         """A while loop whose condition reads a State its body writes is a
-        TraceContextError naming the State (JAX's discharge would give the
-        condition the value from before the loop); one whose condition reads
-        its carry is discharged."""
+        TraceContextError naming the State where JAX's discharge would give the
+        condition the value from before the loop; where JAX carries the
+        condition, computed in the body, it runs as the explicit carry does.
+        One whose condition reads its carry is discharged."""
         total = State(jnp.zeros(2), name='jd_total')
 
         def reads_state(limit):
@@ -1881,10 +1898,18 @@ class NestedWriteTest(unittest.TestCase):
                 return i + 1
             return lax.while_loop(lambda i: i < limit, body, 0)
 
-        with self.assertRaisesRegex(TraceContextError,
-                                    "while_loop condition reads a State its body writes.*jd_total"):
-            StatefulFunction(reads_state)(10.0)
-        np.testing.assert_array_equal(total.value, [0.0, 0.0])
+        if _while_condition_keeps_stale_reads():
+            with self.assertRaisesRegex(TraceContextError,
+                                        'while_loop condition reads a State its body writes'
+                                        '.*jd_total'):
+                StatefulFunction(reads_state)(10.0)
+            np.testing.assert_array_equal(total.value, [0.0, 0.0])
+        else:
+            want, final = lax.while_loop(lambda c: c[1].sum() < 10.0,
+                                         lambda c: (c[0] + 1, c[1] + 1.0), (0, total.value))
+            self.assertEqual(int(StatefulFunction(reads_state)(10.0)), int(want))
+            np.testing.assert_array_equal(total.value, final)
+            total.value = jnp.zeros(2)
         self.assertEqual(int(StatefulFunction(reads_carry)(3)), 3)
         np.testing.assert_array_equal(total.value, [3.0, 3.0])
 
@@ -3446,6 +3471,29 @@ class CustomRuleTest(unittest.TestCase):
         with self.assertRaisesRegex(TraceContextError, 'cr_jvp_body.*argument'):
             StatefulFunction(lambda x: jax.jvp(f, (x,), (1.0,)))(0.7)
         self.assertFalse(_tracer_in(s))
+
+    def test_a_rule_reading_a_state_held_as_refs_in_a_body_under_jvp_is_refused(self):
+        # The State, written inside a jit, is held as Refs; the rule, traced apart under
+        # jax.jvp, reads them into the scan body (where JAX's effects fail), the scan nested
+        # in a StatefulFunction or not.
+        s = State(jnp.float32(0.5), name='cr_jvp_refs')
+
+        @jax.custom_jvp
+        def act(x):
+            return x * s.value
+        act.defjvp(lambda xs, ts: (xs[0] * s.value, ts[0] * (1.0 + s.value)))
+        body = lambda x: lax.scan(lambda c, _: (act(c), None), x, None, length=2)[0]  # noqa: E731
+        for nested in (True, False):
+            inner = StatefulFunction(body) if nested else body
+
+            def main(x):
+                jax.jit(lambda: setattr(s, 'value', s.value * 2.0))()
+                return jax.jvp(inner, (x,), (1.0,))
+            with self.subTest(nested=nested):
+                with self.assertRaisesRegex(TraceContextError, 'cr_jvp_refs.*apart.*argument'):
+                    StatefulFunction(main)(0.7)
+                self.assertEqual(float(s.value), 0.5)
+                self.assertFalse(_tracer_in(s))
 
     def test_a_rule_reading_a_state_written_under_a_differentiation_is_refused(self):
         # The rule of a nested function's custom_jvp, which JAX traces apart from the
@@ -6322,7 +6370,8 @@ def _refused_differentiations(prog, eager=False) -> set:
     reads it too, as when a lax.cond in a differentiation nested in reverse
     mode does; in a body under nested reverse-mode differentiation on 0.8 ..
     0.10; under jax.jacfwd in a body, or anywhere from JAX 0.8 (JAX batches it);
-    and anywhere under jax.disable_jit() (``eager``: no stateful trace threads the write)."""
+    and anywhere under jax.disable_jit() (``eager``: no stateful trace threads the write).
+    Also the States a custom rule JAX traces apart reads, where it leaves them behind."""
     v, names = _JAX_VERSION, set()
     for node, frames in _under_diffs(prog['body'], None):
         if node[0] != 'wseq' or not frames:
@@ -6371,6 +6420,12 @@ def _refused_differentiations(prog, eager=False) -> set:
             m[0] == 'jit' for n, _ in _nodes(prog['body'], 0) if n[0] in ('diff', 'sfdiff')
             for m, _ in _nodes(list(n[1:]), 0)):
         names |= {f"'s{n[2]}'" for n, _ in _nodes(prog['body'], 0) if n[0] in ('wseq', 'cwseq')}
+    # A custom function of a nested StatefulFunction applied in a lax.scan body under jax.jvp:
+    # JAX traces its rule apart, after the nested trace, and the scan's JVP keeps the enclosing
+    # trace's tracers of the States the rule reads as constants of the body: refused, named.
+    names |= {f"'s{m[1]}'" for n, frames in _under_diffs(prog['body'], None)
+              if n[0] == 'capply' and frames and frames[-1][0][:2] == ('sfdiff', 'jvp')
+              and 'scan' in frames[-1][1] for m, _ in _nodes(list(n[4:]), 0) if m[0] == 'read'}
     # A lax.cond under differentiation (before JAX 0.7), or in a custom rule,
     # refuses any State written inside a nested transformation (a Ref) it reads.
     # So does one under jax.jacfwd's vmap, on every release.
@@ -6638,8 +6693,11 @@ class FuzzDifferentialTest(unittest.TestCase):
     # takes (it may leave stacked); 60619 (jax 0.5.3) reads a State first
     # inside a lax.cond under jax.grad, where JAX refuses a Ref; 321127 and 322882
     # (jax 0.7.2) read, in a body under jax.jacfwd in a mapping, a State written
-    # from a collective in another body (a Ref JAX 0.7 batches: refused, named).
-    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127, 322882)
+    # from a collective in another body (a Ref JAX 0.7 batches: refused, named);
+    # 20260664 maps a jax.jvp of a nested StatefulFunction whose lax.scan body
+    # applies a custom_jvp function reading a State held as Refs (written in a
+    # lax.cond branch): JAX traces the rule apart, refused naming it everywhere.
+    CAMPAIGN_SEEDS = (20124, 21326, 60619, 321127, 322882, 20260664)
 
     def test_seeds_long_campaigns_found(self):
         for seed in self.CAMPAIGN_SEEDS:
