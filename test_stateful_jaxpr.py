@@ -389,7 +389,9 @@ class ModuleTest(unittest.TestCase):
             key, sub = jax.random.split(key)
             noise = 0.01 * np.asarray(jax.random.normal(sub, (3,)))
             ref_h = np.tanh(np.ones((3, 3)) @ ref_h + 1.0 + noise)
-        np.testing.assert_allclose(h.value, ref_h, rtol=1e-5)
+        # (a TPU's float32 tanh is good to about 1e-5, which this saturated value shows)
+        rtol = 1e-5 if jax.default_backend() == 'cpu' else 1e-4
+        np.testing.assert_allclose(h.value, ref_h, rtol=rtol)
         np.testing.assert_array_equal(rng.value, key)
         # inputs: x, rng, w, h; outputs: y, rng, h
         x = jnp.ones(3)
