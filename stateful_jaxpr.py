@@ -214,12 +214,14 @@ _current_trace = (functools.partial(getattr, _trace_ref, 'value') if _trace_ref 
                   else functools.partial(getattr, _src_core.trace_ctx, 'trace'))   # .. 0.9
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
-_DIFF_TRACES = (_probe('jax._src.interpreters.ad:JVPTrace'), _LinearizeTrace)   # jvp, grad
-_EvalTrace = _src_core.EvalTrace   # the trace outside every transformation
+_eager = _src_core.EvalTrace.__instancecheck__   # outside any transformation (C: warm calls ask)
+_stages = _JaxprTrace.__instancecheck__   # builds a jaxpr: a jit, loop, cond or checkpoint body
+_jvps = _probe('jax._src.interpreters.ad:JVPTrace').__instancecheck__   # jax.jvp; reverse .. 0.6
+_linearizes = _LinearizeTrace.__instancecheck__   # jax.linearize, jax.grad, jax.vjp: 0.7 ..
 
 
 def _under_jax_trace() -> bool:
-    return not isinstance(_current_trace(), _EvalTrace)
+    return not _eager(_current_trace())
 
 
 def _parent(trace):
@@ -231,7 +233,7 @@ def _trace_path(home) -> tuple:
     ``whole`` False on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..),
     None in a trace JAX made apart from the program (a custom rule's, traced when JAX needs it)."""
     path, trace = [], _src_core.trace_ctx.trace
-    while trace is not home and not isinstance(trace, _EvalTrace):
+    while trace is not home and not _eager(trace):
         path.append(trace)
         if (trace := _parent(trace)) is None:
             return path, None if hasattr(path[-1], 'parent_trace') else False
@@ -267,14 +269,14 @@ def _drops_ref_tangents(home) -> bool:
     """Whether a Ref written now, in a jaxpr trace inside a JVP trace inside ``home``,
     would lose its tangent silently (.. 0.5, where the path is not whole; later JAX refuses)."""
     todo, seen = [_src_core.trace_ctx.trace], set()
-    if type(todo[0]) is not _JaxprTrace or todo[0] is home or _trace_path(home)[1]:
+    if not _stages(todo[0]) or todo[0] is home or _trace_path(home)[1]:
         return False
     while todo:   # the jaxpr being built closes over a JVP trace's value?
         for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
             owner = getattr(value, '_trace', None)
-            if isinstance(owner, _DIFF_TRACES):
+            if _jvps(owner) or _linearizes(owner):
                 return True
-            if type(owner) is _JaxprTrace and owner is not home and id(owner) not in seen:
+            if _stages(owner) and owner is not home and id(owner) not in seen:
                 seen.add(id(owner))
                 todo.append(owner)
     return False
@@ -2089,8 +2091,8 @@ class _TraceFrame(StateTraceStack):
         the trace needs no second run (not under jax.vmap, a cond or checkpoint body)."""
         path, whole = _trace_path(self._jax_trace)
         return _HAS_REFS and whole is True and any(_body_of(t) == 'loop' for t in path) and all(
-            _body_of(t) in ('loop', '') if type(t) is _JaxprTrace
-            else _new_ref is not None and isinstance(t, _DIFF_TRACES) for t in path)
+            _body_of(t) in ('loop', '') if _stages(t)
+            else _new_ref is not None and (_jvps(t) or _linearizes(t)) for t in path)
 
     def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
         cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
@@ -2216,7 +2218,7 @@ def _view(state, entry, frame):
 
 def _in_body(path, whole) -> bool:
     """Whether the traces ``path`` (from ``_trace_path``) build a body JAX may cache."""
-    return not whole or any(type(t) is _JaxprTrace for t in path)
+    return not whole or any(map(_stages, path))
 
 
 def _traced_write(state, value, frames, written: bool):
@@ -2227,7 +2229,7 @@ def _traced_write(state, value, frames, written: bool):
     local = False   # written directly in differentiations (see _TraceFrame.peel)
     if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
         path, whole = _trace_path(target._jax_trace)
-        if whole is True and all(isinstance(t, _DIFF_TRACES) for t in path):
+        if whole is True and all(_jvps(t) or _linearizes(t) for t in path):
             if path:
                 local = True
                 target._diffs.update((id(t), t) for t in path)
@@ -2343,7 +2345,7 @@ class _RefCell:
                 'used inside a jit or loop body nested in some transformation, where JAX '
                 f'{jax.__version__} cannot tell whether that differentiation is still running.  '
                 'Read the value into a local variable before the body, or use JAX 0.6 or newer')
-        diffs, levels = [t for t in reversed(path) if isinstance(t, _DIFF_TRACES)], self.levels
+        diffs, levels = [t for t in reversed(path) if _jvps(t) or _linearizes(t)], self.levels
         while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
             trace, content, written, refs = levels.pop()
             if written and levels:   # hand the primal to the parent, if it is the parent
@@ -2358,7 +2360,7 @@ class _RefCell:
             return None, None
         # JAX takes no Ref of a differentiation into a rematerialized body, nor into a cond's
         # under linearization (reverse mode): those read the level outside them, write none.
-        level, linear = levels[-1], type(levels[-1][0]) is _LinearizeTrace
+        level, linear = levels[-1], _linearizes(levels[-1][0])
         opaque = [t for t in path[:path.index(level[0])]
                   if _body_of(t) == 'checkpoint' or linear and _body_of(t) == 'cond']
         if not level[3] and path[0] is not level[0]:   # a body nested in it touches it
@@ -2397,9 +2399,9 @@ class _RefCell:
         ``refs``; refuses what JAX could not differentiate there."""
         leaves, trace = self._leaves_for(value), _current_trace()
         self.nested = self.nested or trace is not self.home
-        self.staged = self.staged or (type(trace) is _JaxprTrace and trace is not self.home)
-        kinds = set(map(type, _trace_path(self.home)[0]))
-        self.linearized = self.linearized or {_JaxprTrace, _LinearizeTrace} <= kinds
+        self.staged = self.staged or (_stages(trace) and trace is not self.home)
+        path = _trace_path(self.home)[0]
+        self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))
         if _drops_ref_tangents(self.home):
             raise _cannot('tangent', self.state._describe())
         level, at = self._level()
@@ -2910,7 +2912,7 @@ def _call(sf, *args, **kwargs):
             values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
             out, new = (fast.dispatch(*values, *args, **kwargs) if kwargs
                         else fast.dispatch(*values, *args))
-            writes, traced = fast.writes, not isinstance(_current_trace(), _EvalTrace)
+            writes, traced = fast.writes, not _eager(_current_trace())
             if writes and type(new[0]) is fast.leaf_type and not traced:
                 for state, value in zip(writes, new):
                     state._value = value

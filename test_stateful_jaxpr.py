@@ -542,6 +542,8 @@ class CompatTest(unittest.TestCase):
     def test_current_trace_path_and_primal(self):
         outside = sj._current_trace()
         self.assertFalse(sj._under_jax_trace())
+        self.assertTrue(sj._eager(outside))
+        self.assertFalse(sj._stages(outside) or sj._jvps(outside) or sj._linearizes(outside))
         seen = []
 
         def f(x):
@@ -551,6 +553,8 @@ class CompatTest(unittest.TestCase):
         (inside, under, (path, whole)), = seen
         self.assertIsNot(inside, outside)
         self.assertTrue(under)
+        self.assertTrue(sj._stages(inside))
+        self.assertFalse(sj._eager(inside) or sj._jvps(inside) or sj._linearizes(inside))
         self.assertEqual((path, whole), ([inside], True) if _JAX_VERSION >= (0, 6) else
                          ([inside], whole))   # (before 0.6 a jaxpr trace knows no parent)
         self.assertIs(sj._current_trace(), outside)
@@ -560,12 +564,16 @@ class CompatTest(unittest.TestCase):
 
         def g(x):
             trace = sj._current_trace()
-            got.append((isinstance(trace, sj._DIFF_TRACES), sj._primal(x, trace)))
+            got.append((sj._jvps(trace), sj._linearizes(trace), sj._primal(x, trace)))
             return x
         jax.jvp(g, (jnp.float32(3.0),), (jnp.float32(1.0),))
-        (is_diff, primal), = got
-        self.assertTrue(is_diff)
+        (jvps, linearizes, primal), = got
+        self.assertEqual((jvps, linearizes), (True, False))
         self.assertEqual(float(primal), 3.0)
+        if _JAX_VERSION >= (0, 7):   # jax.linearize's trace (direct linearization from 0.7)
+            del got[:]
+            jax.linearize(g, jnp.float32(3.0))
+            self.assertEqual([entry[:2] for entry in got], [(False, True)])
 
     def test_refs_and_discharge(self):
         if not sj._HAS_REFS:
