@@ -87,6 +87,8 @@ def _takes(fun, parameter: str) -> bool:
 
 ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0.11
 Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
+Tracer, ShapedArray = jax.core.Tracer, jax.core.ShapedArray   # all releases
+_literal = Literal   # _literal(value, aval): a jaxpr's inline constant (all releases)
 _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
 _make_debug_info = _probe('jax.api_util:debug_info')   # 0.5.1 .. (wrap_init warns without it)
@@ -114,6 +116,7 @@ _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _new_ref = _probe('jax:new_ref', 'jax:array_ref')   # 0.7.2 .. | 0.7.1
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
+_is_ref = functools.partial(type.__instancecheck__, _ref_aval)   # whether an aval is a Ref's
 
 # JAX leaves its own frames out of a user's traceback (jax_traceback_filtering) at its API
 # boundaries: this file's frames too, at the module's boundaries (all releases).
@@ -335,17 +338,17 @@ def _call_body(eqn) -> tuple:
 
 
 def _folds(eqn) -> bool:
-    """Whether an equation of no body, no effects, may be evaluated at fold time: randomness,
+    """Whether an equation may be evaluated at fold time, a body aside: effects, randomness,
     callbacks, placement, axis queries and linearize's deferred tangents may not (all releases)."""
-    return not any(part in eqn.primitive.name for part in ('random_', 'rng_', 'threefry',
-                   'callback', 'debug_', 'device_put', 'axis_index', 'custom_lin'))
+    return not eqn.effects and not any(part in eqn.primitive.name for part in ('random_', 'rng_',
+                   'threefry', 'callback', 'debug_', 'device_put', 'axis_index', 'custom_lin'))
 
 
-def _written_refs(effects, inputs=None) -> set:
-    """The ``inputs`` (any: ``{True}``) whose Refs ``effects`` write: numbered
-    by ``input_index`` up to 0.9 (a jaxpr's constvars first), ``input`` from 0.10."""
-    return {True if inputs is None else e.input if getattr(e, 'input_index', None) is None
-            else inputs[e.input_index] for e in effects
+def _written_refs(eqn, numbered: bool = True) -> set:
+    """The inputs of ``eqn`` (not ``numbered``: ``{True}``) whose Refs it writes, by its effects:
+    numbered by ``input_index`` up to 0.9, ``input`` from 0.10."""
+    return {True if not numbered else e.input if getattr(e, 'input_index', None) is None
+            else eqn.invars[e.input_index] for e in eqn.effects
             if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
 
@@ -354,11 +357,11 @@ def _write_hazard(eqn):
     the value from before the loop, 0.7 .. 0.12.0, or an error), else 'while' where its body
     writes one (which JAX linearizes wrongly), 'checkpoint' where a differentiated
     ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..), else None."""
-    if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
+    if eqn.params.get('differentiated') is True and _written_refs(eqn, numbered=False):
         return 'checkpoint'   # (the param: all releases)
     if eqn.primitive.name != 'while':   # all releases
         return None
-    written = _written_refs(eqn.effects, eqn.invars)
+    written = _written_refs(eqn)
     cond_consts = eqn.invars[:eqn.params['cond_nconsts']]
     return ('condition' if any(isinstance(v, Var) and v in written for v in cond_consts)
             else 'while' if written else None)
@@ -408,11 +411,12 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
-def _bind(eqn, values):
-    """Evaluates ``eqn`` at ``values`` as JAX's evaluator does, through ``get_bind_params``."""
+def _bind(eqn, values) -> list:
+    """``eqn``'s outputs at ``values``, evaluated as JAX's evaluator does (``get_bind_params``)."""
     got = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = got if isinstance(got, tuple) else ((), got)   # (subfuns, params) .. 0.8
-    return eqn.primitive.bind(*subfuns, *values, **params)
+    outs = eqn.primitive.bind(*subfuns, *values, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
 
 
 def _laid_out(value, sharding):
@@ -474,7 +478,6 @@ def _key_impl_name(key) -> str:   # key_impl: a PRNGSpec for an impl not registe
 # value's signature (the unit of every cache key), whether a value spans several devices.
 # =============================================================================
 
-Tracer, ShapedArray = jax.core.Tracer, jax.core.ShapedArray
 _leaves = jax.tree_util.tree_leaves
 
 
@@ -2502,15 +2505,13 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             "condition from the loop carry instead (carry the State's value or the test)")
     if 'checkpoint' in hazards:
         raise _cannot('checkpoint', f'a State among {described}')
-    refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
+    refs = iter(v for v in closed.jaxpr.invars if _is_ref(v.aval))
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
-    looping = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
-                            if 'while' in found))
+    looping = set().union(*(_written_refs(e) for e, found in per_eqn if 'while' in found))
     if culprits := [c.state._describe() for c, own in zip(cells, owned)
                     if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
-    kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
-                         if _nested_jaxprs(e.params)))
+    kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
     lost = [c.state._describe() for c, own in zip(cells, owned)
             if not kept & own and c.staged and not c.adopted]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
@@ -4165,7 +4166,7 @@ def _fold(jaxpr, consts, in_values=()):
         if isinstance(atom, Literal) or atom not in known or atom in invars:
             return atom
         if consts is None or np.shape(known[atom]) == ():
-            return Literal(np.asarray(known[atom]), atom.aval)
+            return _literal(np.asarray(known[atom]), atom.aval)
         const_values[atom] = known[atom]
         return atom
 
@@ -4191,19 +4192,18 @@ def _evaluate(eqn, values):
     if param is not None:
         body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
         eqn = eqn.replace(params={**eqn.params, param: body})
-    if (eqn.effects or any(v is _MISSING or isinstance(v, Tracer) for v in values)
+    if (not _folds(eqn) or any(v is _MISSING or isinstance(v, Tracer) for v in values)
             or any(_is_typed_key(v.aval) for v in eqn.outvars)):
         return eqn, None
     if param is not None:
         return eqn, None if any(v is _MISSING for v in outs) else outs
-    if (not eqn.invars or _nested_jaxprs(eqn.params) or not _folds(eqn)
+    if (not eqn.invars or _nested_jaxprs(eqn.params)
             or _size(eqn.outvars) > max(_size(eqn.invars), _FOLD_MAX_GROWTH)):
         return eqn, None
     try:
-        outs = _bind(eqn, values)
+        return eqn, _bind(eqn, values)
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return eqn, None
-    return eqn, outs if eqn.primitive.multiple_results else [outs]
 
 
 def constant_fold_jaxpr(jaxpr):
