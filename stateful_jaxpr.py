@@ -285,6 +285,22 @@ def _drops_ref_tangents(home) -> bool:
     return False
 
 
+def _diff_refs(value, avals, refs) -> list:
+    """Refs of ``value``'s leaves made at the current trace, a differentiation (0.7 ..), but
+    ``refs``'s for those without derivatives: 0.8 .. 0.10 transpose no loop writing new int Refs."""
+    return [_new_ref(x) if jnp.issubdtype(a.dtype, jnp.inexact) else r
+            for x, a, r in zip(jax.tree_util.tree_leaves(value), avals, refs)]
+
+
+def _set_refs(refs, values, primal: bool) -> None:
+    """Writes ``values`` into ``refs``, their primals if ``primal``; refused, the other (.. 0.5)."""
+    for ref, value in zip(refs, values):
+        try:
+            _ref_set(ref, (), jax.lax.stop_gradient(value) if primal else value)
+        except Exception:   # (.. 0.5: in a body JAX cannot tell which a Ref takes)
+            _ref_set(ref, (), value if primal else jax.lax.stop_gradient(value))
+
+
 def _new_arg(trace, aval):
     source = (_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()
     return trace.new_arg(aval, *source)
@@ -2371,13 +2387,9 @@ class _RefCell:
                     not _new_ref or opaque and _body_of(opaque[-1]) == 'cond'):
                 del levels[:]   # no tangent yet: the primal, in ``refs``, serves there
                 return None, None
-            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates;
-                # a leaf without derivatives keeps its primal Ref (JAX 0.8 .. 0.10 cannot
-                # transpose a loop writing an integer Ref made inside the differentiation).
+            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates
                 with _at_trace(level[0]):
-                    level[1:] = [_new_ref(x) if jnp.issubdtype(a.dtype, jnp.inexact) else r
-                                 for x, a, r in zip(_leaves(self._get(level)), self.avals,
-                                                    self.refs)], level[2], True
+                    level[1:] = _diff_refs(self._get(level), self.avals, self.refs), level[2], True
         return level, opaque[-1] if opaque else None
 
     def _get(self, level, at=None):
@@ -2419,18 +2431,11 @@ class _RefCell:
                 level[2] = True
                 for ref, leaf in zip(level[1] if level[3] else (), leaves):
                     _ref_set(ref, (), leaf)
-            primal = level is not None or self.improvised
             # A differentiation of the stateful trace itself whose level holds Refs carries the
             # value in their primals, which ``refs`` take when it ends: no second loop carry.
             adopts = level is not None and level[3] and len(self.levels) == 1 and (
                 _parent(level[0]) is self.home)
-            for ref, leaf in zip(() if adopts else self.refs, leaves):
-                # The primal under a differentiation; where JAX cannot tell (.. 0.5, inside a
-                # body) what it takes: the value, or else its primal.
-                try:
-                    _ref_set(ref, (), jax.lax.stop_gradient(leaf) if primal else leaf)
-                except Exception:
-                    _ref_set(ref, (), leaf if primal else jax.lax.stop_gradient(leaf))
+            _set_refs(() if adopts else self.refs, leaves, level is not None or self.improvised)
         except Exception as err:
             if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
                 raise _Redo from err

@@ -597,6 +597,37 @@ class CompatTest(unittest.TestCase):
         np.testing.assert_array_equal(result, np.arange(3.0) * 2.0)
         np.testing.assert_array_equal(final, np.arange(3.0) + 1.0)   # the Ref's final value
 
+    def test_set_refs_writes_a_differentiated_value_as_its_primal(self):
+        if not sj._HAS_REFS:
+            self.skipTest(f'JAX {jax.__version__} has no mutable references')
+        aval = jax.core.ShapedArray((3,), jnp.float32)
+
+        def flat(ref, x):
+            def inner(y):   # a JVP tracer, written into a Ref made outside the jvp
+                sj._set_refs([ref], [y * 2.0], primal=True)
+                return y
+            jax.jvp(inner, (x,), (jnp.ones(3),))
+            return [sj._ref_get(ref, ())]
+        jaxpr, _, consts = sj._trace_to_jaxpr(flat, [sj._ref_aval(aval), aval], flat, 'refs')
+        pure = sj._discharge(sj._rebuild(jaxpr, consts))
+        read, final = _eval_closed(pure, np.zeros(3, np.float32), np.arange(3.0, dtype=np.float32))
+        np.testing.assert_array_equal(read, np.arange(3.0) * 2.0)
+        np.testing.assert_array_equal(final, np.arange(3.0) * 2.0)
+
+    def test_diff_refs_keep_the_ref_of_a_leaf_without_derivatives(self):
+        if not sj._new_ref:
+            self.skipTest(f'JAX {jax.__version__} makes no Refs inside a differentiation')
+        primal_refs, made = [object(), object()], []
+
+        def f(x):   # at the jvp's trace: a new Ref for the float, the given one for the int
+            value = (x, jnp.int32(1))
+            made.append(sj._diff_refs(value, [sj._typeof(v) for v in value], primal_refs))
+            return x
+        jax.jvp(f, (1.0,), (1.0,))
+        (new, kept), = made
+        self.assertIs(kept, primal_refs[1])
+        self.assertTrue(sj._is_ref(new.aval))
+
     def test_body_binding_feeds_each_body_input_its_operand(self):
         # For every kind, operand i goes to body input i (same aval), and a
         # loop's carry k sits at body input carry + k.
