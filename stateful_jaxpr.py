@@ -2255,10 +2255,7 @@ def _traced_write(state, value, frames, written: bool):
                 target._diff_written[id(state)] = state
         else:
             if not _HAS_REFS:
-                raise TraceContextError(
-                    f'{state._describe()} is written inside a nested JAX transformation; '
-                    f'{_NO_REFS}.  Return the value from the transformation and assign it '
-                    'outside')
+                raise _cannot('refs', state._describe())
             # The trace is redone with the State lifted as Refs from the start (``pending``);
             # until then Refs keep the write in the body, lest JAX cache that body without it.
             leaves, treedef = jax.tree_util.tree_flatten(entry)
@@ -2322,6 +2319,21 @@ _CANNOT = {
              'differentiation), leaving the value behind.  Read it outside the custom function '
              'and pass it in as an argument (for a custom_vjp backward rule: a residual of its '
              'forward rule)',
+    'parents': 'was written inside a differentiated function and is used inside a jit or loop '
+               'body nested in some transformation, where JAX {jax} cannot tell whether that '
+               'differentiation is still running.  Read the value into a local variable before '
+               'the body, or use JAX 0.6 or newer',
+    'outer': 'was written inside a differentiation nested in another (jax.grad inside jax.grad '
+             '...) and is read in the outer one, where JAX {jax} cannot give it the outer '
+             'derivative.  Return the value from the inner differentiated function '
+             '(has_aux=True) and assign it in the outer one',
+    'dropped': 'is written inside a loop or jit body whose write JAX {jax} moved out of the body '
+               'or dropped while differentiating; return the value from the body and assign it '
+               'outside, or use JAX 0.6 or newer',
+    'thread': 'is written inside a nested transformation that JAX {jax} cannot thread state out '
+              'of ({err}): return the value and assign it outside',
+    'refs': 'is written inside a nested JAX transformation; ' + _NO_REFS + '.  Return the value '
+            'from the transformation and assign it outside',
 }
 
 
@@ -2357,13 +2369,7 @@ class _RefCell:
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
         if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
-            if whole is None:
-                raise _cannot('apart', self.state._describe())
-            raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
-                f'{self.state._describe()} was written inside a differentiated function and is '
-                'used inside a jit or loop body nested in some transformation, where JAX '
-                f'{jax.__version__} cannot tell whether that differentiation is still running.  '
-                'Read the value into a local variable before the body, or use JAX 0.6 or newer')
+            raise _cannot('apart' if whole is None else 'parents', self.state._describe())
         diffs, levels = [t for t in reversed(path) if _jvps(t) or _linearizes(t)], self.levels
         while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
             trace, content, written, refs = levels.pop()
@@ -2395,11 +2401,7 @@ class _RefCell:
     def _get(self, level, at=None):
         """The value ``level`` (None: the primal) holds, read at trace ``at`` (None: here)."""
         if level is not None and level[1] is _STALE:
-            raise TraceContextError(
-                f'{self.state._describe()} was written inside a differentiation nested in another '
-                '(jax.grad inside jax.grad ...) and is read in the outer one, where JAX '
-                f'{jax.__version__} cannot give it the outer derivative.  Return the value from '
-                'the inner differentiated function (has_aux=True) and assign it in the outer one')
+            raise _cannot('outer', self.state._describe())
         if level is not None and not level[3]:
             return level[1]
         with contextlib.nullcontext() if at is None else _at_trace(at):
@@ -2520,18 +2522,13 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     lost = [c.state._describe() for c, own in zip(cells, owned)
             if not kept & own and c.staged and not c.adopted]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
-        raise TraceContextError(
-            f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '
-            f'{jax.__version__} moved out of the body or dropped while differentiating; '
-            'return the value from the body and assign it outside, or use JAX 0.6 or newer')
+        raise _cannot('dropped', ', '.join(lost))
     if _drops_jvp_refs(closed.jaxpr):
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
-        raise TraceContextError(
-            f'{described} is written inside a nested transformation that JAX {jax.__version__} '
-            f'cannot thread state out of ({err}): return the value and assign it outside') from err
+        raise _cannot('thread', described, err) from err
     pure = _forward_unchanged(pure)
     jaxpr = _without_dead_code(pure.jaxpr, len(closed.jaxpr.outvars))   # the Refs' finals go
     for before, after in zip(closed.jaxpr.outvars, jaxpr.outvars, strict=True):
