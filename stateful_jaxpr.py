@@ -197,8 +197,7 @@ def _discharge(closed):
 def _without_dead_code(jaxpr, keep: int):
     """``jaxpr`` (open) with only its first ``keep`` outputs and the equations they need: JAX's
     discharge leaves an iteration counter in every loop (all releases)."""
-    used = [True] * keep + [False] * (len(jaxpr.outvars) - keep)
-    return _pe.dce_jaxpr(jaxpr, used, instantiate=True)[0]
+    return _pe.dce_jaxpr(jaxpr, [i < keep for i in range(len(jaxpr.outvars))], instantiate=True)[0]
 
 
 def _has_custom_rules(jaxpr) -> bool:
@@ -249,9 +248,8 @@ def _body_of(trace) -> str:
     'checkpoint / remat' from 0.7, 'checkpoint' before; 'while_loop' for a body .. 0.5)."""
     kind = str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
                        'traced_for', ''))
-    return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in (
-        'cond', 'switch') else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith(
-            'while') else '')
+    return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in ('cond', 'switch')
+            else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith('while') else '')
 
 
 def _tells(path, trace) -> bool:
@@ -1257,9 +1255,8 @@ class StateTraceStack:
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
-                state._value = jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                    if isinstance(x, Tracer) else x, state._value)
+                state._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype) if isinstance(x, Tracer) else x, state._value)
                 state._broken = _Broken(TraceContextError, (
                     f'{state._describe()} holds a tracer from the finished trace that created it; '
                     'return its value from the traced function, or create the State outside it'),
@@ -2456,9 +2453,8 @@ class _RefCell:
         if treedef == self.treedef:
             with contextlib.suppress(TypeError):
                 got = [_aval_of(x) for x in leaves]
-        if got is None or any(
-                g.shape != a.shape or (g.dtype != a.dtype and not (
-                    g.weak_type and jnp.result_type(a.dtype, x) == a.dtype))
+        if got is None or any(g.shape != a.shape or g.dtype != a.dtype and not (
+                g.weak_type and jnp.result_type(a.dtype, x) == a.dtype)
                 for x, g, a in zip(leaves, got, self.avals)):
             expected = self.treedef.unflatten([a.str_short() for a in self.avals])
             shown = (treedef.unflatten([g.str_short() for g in got]) if got is not None
@@ -3828,9 +3824,8 @@ class StatefulMapping(StatefulFunction):
                   for j in _leaves(at[r])]   # (state index, jaxpr output) of unbatched ones
         if not picked:
             return out_axes
-        avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
-                             weak_type=v.aval.weak_type)
-                 for v, b in zip(closed.jaxpr.invars, in_batched)]
+        avals = [ShapedArray((n, *a.shape) if b else a.shape, a.dtype, weak_type=a.weak_type)
+                 for a, b in zip(closed.in_avals, in_batched)]
         run = _jaxpr_as_fun(closed)
         with _axis_env(self.axis_env):
             flags = _batched_flags(lambda *xs: [run(*xs)[j] for _, j in picked], avals,
