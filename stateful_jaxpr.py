@@ -87,6 +87,8 @@ def _takes(fun, parameter: str) -> bool:
 
 ClosedJaxpr, Jaxpr = _jex_core.ClosedJaxpr, _jex_core.Jaxpr   # one class from 0.11
 Literal, Var, _jaxpr_as_fun = _jex_core.Literal, _jex_core.Var, _jex_core.jaxpr_as_fun
+Tracer, ShapedArray = jax.core.Tracer, jax.core.ShapedArray   # all releases
+_literal = Literal   # _literal(value, aval): a jaxpr's inline constant (all releases)
 _typeof = _probe('jax:typeof', 'jax.api_util:shaped_abstractify')    # 0.5.3 .. | before
 _CONSTS_ON_JAXPR = _probe('jax.extend.core:Jaxpr.with_consts') is not None   # 0.11 ..
 _make_debug_info = _probe('jax.api_util:debug_info')   # 0.5.1 .. (wrap_init warns without it)
@@ -114,6 +116,7 @@ _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 _new_ref = _probe('jax:new_ref', 'jax:array_ref')   # 0.7.2 .. | 0.7.1
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
+_is_ref = functools.partial(type.__instancecheck__, _ref_aval)   # whether an aval is a Ref's
 
 # JAX leaves its own frames out of a user's traceback (jax_traceback_filtering) at its API
 # boundaries: this file's frames too, at the module's boundaries (all releases).
@@ -194,8 +197,7 @@ def _discharge(closed):
 def _without_dead_code(jaxpr, keep: int):
     """``jaxpr`` (open) with only its first ``keep`` outputs and the equations they need: JAX's
     discharge leaves an iteration counter in every loop (all releases)."""
-    used = [True] * keep + [False] * (len(jaxpr.outvars) - keep)
-    return _pe.dce_jaxpr(jaxpr, used, instantiate=True)[0]
+    return _pe.dce_jaxpr(jaxpr, [i < keep for i in range(len(jaxpr.outvars))], instantiate=True)[0]
 
 
 def _has_custom_rules(jaxpr) -> bool:
@@ -214,12 +216,14 @@ _current_trace = (functools.partial(getattr, _trace_ref, 'value') if _trace_ref 
                   else functools.partial(getattr, _src_core.trace_ctx, 'trace'))   # .. 0.9
 _tracer_trace = operator.attrgetter('_trace')
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
-_DIFF_TRACES = (_probe('jax._src.interpreters.ad:JVPTrace'), _LinearizeTrace)   # jvp, grad
-_EvalTrace = _src_core.EvalTrace   # the trace outside every transformation
+_eager = _src_core.EvalTrace.__instancecheck__   # outside any transformation (C: warm calls ask)
+_stages = _JaxprTrace.__instancecheck__   # builds a jaxpr: a jit, loop, cond or checkpoint body
+_jvps = _probe('jax._src.interpreters.ad:JVPTrace').__instancecheck__   # jax.jvp; reverse .. 0.6
+_linearizes = _LinearizeTrace.__instancecheck__   # jax.linearize, jax.grad, jax.vjp: 0.7 ..
 
 
 def _under_jax_trace() -> bool:
-    return not isinstance(_current_trace(), _EvalTrace)
+    return not _eager(_current_trace())
 
 
 def _parent(trace):
@@ -231,7 +235,7 @@ def _trace_path(home) -> tuple:
     ``whole`` False on .. 0.5, where a jit or loop body has no parent (``parent_trace``, 0.6 ..),
     None in a trace JAX made apart from the program (a custom rule's, traced when JAX needs it)."""
     path, trace = [], _src_core.trace_ctx.trace
-    while trace is not home and not isinstance(trace, _EvalTrace):
+    while trace is not home and not _eager(trace):
         path.append(trace)
         if (trace := _parent(trace)) is None:
             return path, None if hasattr(path[-1], 'parent_trace') else False
@@ -244,9 +248,8 @@ def _body_of(trace) -> str:
     'checkpoint / remat' from 0.7, 'checkpoint' before; 'while_loop' for a body .. 0.5)."""
     kind = str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
                        'traced_for', ''))
-    return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in (
-        'cond', 'switch') else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith(
-            'while') else '')
+    return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in ('cond', 'switch')
+            else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith('while') else '')
 
 
 def _tells(path, trace) -> bool:
@@ -267,17 +270,33 @@ def _drops_ref_tangents(home) -> bool:
     """Whether a Ref written now, in a jaxpr trace inside a JVP trace inside ``home``,
     would lose its tangent silently (.. 0.5, where the path is not whole; later JAX refuses)."""
     todo, seen = [_src_core.trace_ctx.trace], set()
-    if type(todo[0]) is not _JaxprTrace or todo[0] is home or _trace_path(home)[1]:
+    if not _stages(todo[0]) or todo[0] is home or _trace_path(home)[1]:
         return False
     while todo:   # the jaxpr being built closes over a JVP trace's value?
         for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
             owner = getattr(value, '_trace', None)
-            if isinstance(owner, _DIFF_TRACES):
+            if _jvps(owner) or _linearizes(owner):
                 return True
-            if type(owner) is _JaxprTrace and owner is not home and id(owner) not in seen:
+            if _stages(owner) and owner is not home and id(owner) not in seen:
                 seen.add(id(owner))
                 todo.append(owner)
     return False
+
+
+def _diff_refs(value, avals, refs) -> list:
+    """Refs of ``value``'s leaves made at the current trace, a differentiation (0.7 ..), but
+    ``refs``'s for those without derivatives: 0.8 .. 0.10 transpose no loop writing new int Refs."""
+    return [_new_ref(x) if jnp.issubdtype(a.dtype, jnp.inexact) else r
+            for x, a, r in zip(jax.tree_util.tree_leaves(value), avals, refs)]
+
+
+def _set_refs(refs, values, primal: bool) -> None:
+    """Writes ``values`` into ``refs``, their primals if ``primal``; refused, the other (.. 0.5)."""
+    for ref, value in zip(refs, values):
+        try:
+            _ref_set(ref, (), jax.lax.stop_gradient(value) if primal else value)
+        except Exception:   # (.. 0.5: in a body JAX cannot tell which a Ref takes)
+            _ref_set(ref, (), value if primal else jax.lax.stop_gradient(value))
 
 
 def _new_arg(trace, aval):
@@ -333,17 +352,17 @@ def _call_body(eqn) -> tuple:
 
 
 def _folds(eqn) -> bool:
-    """Whether an equation of no body, no effects, may be evaluated at fold time: randomness,
+    """Whether an equation may be evaluated at fold time, a body aside: effects, randomness,
     callbacks, placement, axis queries and linearize's deferred tangents may not (all releases)."""
-    return not any(part in eqn.primitive.name for part in ('random_', 'rng_', 'threefry',
-                   'callback', 'debug_', 'device_put', 'axis_index', 'custom_lin'))
+    return not eqn.effects and not any(part in eqn.primitive.name for part in ('random_', 'rng_',
+                   'threefry', 'callback', 'debug_', 'device_put', 'axis_index', 'custom_lin'))
 
 
-def _written_refs(effects, inputs=None) -> set:
-    """The ``inputs`` (any: ``{True}``) whose Refs ``effects`` write: numbered
-    by ``input_index`` up to 0.9 (a jaxpr's constvars first), ``input`` from 0.10."""
-    return {True if inputs is None else e.input if getattr(e, 'input_index', None) is None
-            else inputs[e.input_index] for e in effects
+def _written_refs(eqn, numbered: bool = True) -> set:
+    """The inputs of ``eqn`` (not ``numbered``: ``{True}``) whose Refs it writes, by its effects:
+    numbered by ``input_index`` up to 0.9, ``input`` from 0.10."""
+    return {True if not numbered else e.input if getattr(e, 'input_index', None) is None
+            else eqn.invars[e.input_index] for e in eqn.effects
             if isinstance(e, _RefEffect) and not isinstance(e, _ReadEffect)}
 
 
@@ -352,11 +371,11 @@ def _write_hazard(eqn):
     the value from before the loop, 0.7 .. 0.12.0, or an error), else 'while' where its body
     writes one (which JAX linearizes wrongly), 'checkpoint' where a differentiated
     ``jax.checkpoint`` writes one (JAX reruns it, writes included, 0.8 ..), else None."""
-    if eqn.params.get('differentiated') is True and _written_refs(eqn.effects):
+    if eqn.params.get('differentiated') is True and _written_refs(eqn, numbered=False):
         return 'checkpoint'   # (the param: all releases)
     if eqn.primitive.name != 'while':   # all releases
         return None
-    written = _written_refs(eqn.effects, eqn.invars)
+    written = _written_refs(eqn)
     cond_consts = eqn.invars[:eqn.params['cond_nconsts']]
     return ('condition' if any(isinstance(v, Var) and v in written for v in cond_consts)
             else 'while' if written else None)
@@ -406,11 +425,12 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
-def _bind(eqn, values):
-    """Evaluates ``eqn`` at ``values`` as JAX's evaluator does, through ``get_bind_params``."""
+def _bind(eqn, values) -> list:
+    """``eqn``'s outputs at ``values``, evaluated as JAX's evaluator does (``get_bind_params``)."""
     got = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = got if isinstance(got, tuple) else ((), got)   # (subfuns, params) .. 0.8
-    return eqn.primitive.bind(*subfuns, *values, **params)
+    outs = eqn.primitive.bind(*subfuns, *values, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
 
 
 def _laid_out(value, sharding):
@@ -472,7 +492,6 @@ def _key_impl_name(key) -> str:   # key_impl: a PRNGSpec for an impl not registe
 # value's signature (the unit of every cache key), whether a value spans several devices.
 # =============================================================================
 
-Tracer, ShapedArray = jax.core.Tracer, jax.core.ShapedArray
 _leaves = jax.tree_util.tree_leaves
 
 
@@ -1236,9 +1255,8 @@ class StateTraceStack:
         for state in self._owned:
             state._owner = None
             if _contains_tracer(state._value):
-                state._value = jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                    if isinstance(x, Tracer) else x, state._value)
+                state._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype) if isinstance(x, Tracer) else x, state._value)
                 state._broken = _Broken(TraceContextError, (
                     f'{state._describe()} holds a tracer from the finished trace that created it; '
                     'return its value from the traced function, or create the State outside it'),
@@ -2089,8 +2107,8 @@ class _TraceFrame(StateTraceStack):
         the trace needs no second run (not under jax.vmap, a cond or checkpoint body)."""
         path, whole = _trace_path(self._jax_trace)
         return _HAS_REFS and whole is True and any(_body_of(t) == 'loop' for t in path) and all(
-            _body_of(t) in ('loop', '') if type(t) is _JaxprTrace
-            else _new_ref is not None and isinstance(t, _DIFF_TRACES) for t in path)
+            _body_of(t) in ('loop', '') if _stages(t)
+            else _new_ref is not None and (_jvps(t) or _linearizes(t)) for t in path)
 
     def cell(self, state, treedef, avals, improvised: bool = False) -> '_RefCell':
         cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
@@ -2216,7 +2234,7 @@ def _view(state, entry, frame):
 
 def _in_body(path, whole) -> bool:
     """Whether the traces ``path`` (from ``_trace_path``) build a body JAX may cache."""
-    return not whole or any(type(t) is _JaxprTrace for t in path)
+    return not whole or any(map(_stages, path))
 
 
 def _traced_write(state, value, frames, written: bool):
@@ -2227,17 +2245,14 @@ def _traced_write(state, value, frames, written: bool):
     local = False   # written directly in differentiations (see _TraceFrame.peel)
     if type(entry) is not _RefCell and target is not None and target._jax_trace is not None:
         path, whole = _trace_path(target._jax_trace)
-        if whole is True and all(isinstance(t, _DIFF_TRACES) for t in path):
+        if whole is True and all(_jvps(t) or _linearizes(t) for t in path):
             if path:
                 local = True
                 target._diffs.update((id(t), t) for t in path)
                 target._diff_written[id(state)] = state
         else:
             if not _HAS_REFS:
-                raise TraceContextError(
-                    f'{state._describe()} is written inside a nested JAX transformation; '
-                    f'{_NO_REFS}.  Return the value from the transformation and assign it '
-                    'outside')
+                raise _cannot('refs', state._describe())
             # The trace is redone with the State lifted as Refs from the start (``pending``);
             # until then Refs keep the write in the body, lest JAX cache that body without it.
             leaves, treedef = jax.tree_util.tree_flatten(entry)
@@ -2301,6 +2316,21 @@ _CANNOT = {
              'differentiation), leaving the value behind.  Read it outside the custom function '
              'and pass it in as an argument (for a custom_vjp backward rule: a residual of its '
              'forward rule)',
+    'parents': 'was written inside a differentiated function and is used inside a jit or loop '
+               'body nested in some transformation, where JAX {jax} cannot tell whether that '
+               'differentiation is still running.  Read the value into a local variable before '
+               'the body, or use JAX 0.6 or newer',
+    'outer': 'was written inside a differentiation nested in another (jax.grad inside jax.grad '
+             '...) and is read in the outer one, where JAX {jax} cannot give it the outer '
+             'derivative.  Return the value from the inner differentiated function '
+             '(has_aux=True) and assign it in the outer one',
+    'dropped': 'is written inside a loop or jit body whose write JAX {jax} moved out of the body '
+               'or dropped while differentiating; return the value from the body and assign it '
+               'outside, or use JAX 0.6 or newer',
+    'thread': 'is written inside a nested transformation that JAX {jax} cannot thread state out '
+              'of ({err}): return the value and assign it outside',
+    'refs': 'is written inside a nested JAX transformation; ' + _NO_REFS + '.  Return the value '
+            'from the transformation and assign it outside',
 }
 
 
@@ -2336,14 +2366,8 @@ class _RefCell:
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
         if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
-            if whole is None:
-                raise _cannot('apart', self.state._describe())
-            raise TraceContextError(   # (.. 0.5: a jit or loop body does not know its parents)
-                f'{self.state._describe()} was written inside a differentiated function and is '
-                'used inside a jit or loop body nested in some transformation, where JAX '
-                f'{jax.__version__} cannot tell whether that differentiation is still running.  '
-                'Read the value into a local variable before the body, or use JAX 0.6 or newer')
-        diffs, levels = [t for t in reversed(path) if isinstance(t, _DIFF_TRACES)], self.levels
+            raise _cannot('apart' if whole is None else 'parents', self.state._describe())
+        diffs, levels = [t for t in reversed(path) if _jvps(t) or _linearizes(t)], self.levels
         while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
             trace, content, written, refs = levels.pop()
             if written and levels:   # hand the primal to the parent, if it is the parent
@@ -2358,7 +2382,7 @@ class _RefCell:
             return None, None
         # JAX takes no Ref of a differentiation into a rematerialized body, nor into a cond's
         # under linearization (reverse mode): those read the level outside them, write none.
-        level, linear = levels[-1], type(levels[-1][0]) is _LinearizeTrace
+        level, linear = levels[-1], _linearizes(levels[-1][0])
         opaque = [t for t in path[:path.index(level[0])]
                   if _body_of(t) == 'checkpoint' or linear and _body_of(t) == 'cond']
         if not level[3] and path[0] is not level[0]:   # a body nested in it touches it
@@ -2366,23 +2390,15 @@ class _RefCell:
                     not _new_ref or opaque and _body_of(opaque[-1]) == 'cond'):
                 del levels[:]   # no tangent yet: the primal, in ``refs``, serves there
                 return None, None
-            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates;
-                # a leaf without derivatives keeps its primal Ref (JAX 0.8 .. 0.10 cannot
-                # transpose a loop writing an integer Ref made inside the differentiation).
+            if _new_ref:   # Refs made inside the differentiation, which JAX differentiates
                 with _at_trace(level[0]):
-                    level[1:] = [_new_ref(x) if jnp.issubdtype(a.dtype, jnp.inexact) else r
-                                 for x, a, r in zip(_leaves(self._get(level)), self.avals,
-                                                    self.refs)], level[2], True
+                    level[1:] = _diff_refs(self._get(level), self.avals, self.refs), level[2], True
         return level, opaque[-1] if opaque else None
 
     def _get(self, level, at=None):
         """The value ``level`` (None: the primal) holds, read at trace ``at`` (None: here)."""
         if level is not None and level[1] is _STALE:
-            raise TraceContextError(
-                f'{self.state._describe()} was written inside a differentiation nested in another '
-                '(jax.grad inside jax.grad ...) and is read in the outer one, where JAX '
-                f'{jax.__version__} cannot give it the outer derivative.  Return the value from '
-                'the inner differentiated function (has_aux=True) and assign it in the outer one')
+            raise _cannot('outer', self.state._describe())
         if level is not None and not level[3]:
             return level[1]
         with contextlib.nullcontext() if at is None else _at_trace(at):
@@ -2397,9 +2413,9 @@ class _RefCell:
         ``refs``; refuses what JAX could not differentiate there."""
         leaves, trace = self._leaves_for(value), _current_trace()
         self.nested = self.nested or trace is not self.home
-        self.staged = self.staged or (type(trace) is _JaxprTrace and trace is not self.home)
-        kinds = set(map(type, _trace_path(self.home)[0]))
-        self.linearized = self.linearized or {_JaxprTrace, _LinearizeTrace} <= kinds
+        self.staged = self.staged or (_stages(trace) and trace is not self.home)
+        path = _trace_path(self.home)[0]
+        self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))
         if _drops_ref_tangents(self.home):
             raise _cannot('tangent', self.state._describe())
         level, at = self._level()
@@ -2414,18 +2430,11 @@ class _RefCell:
                 level[2] = True
                 for ref, leaf in zip(level[1] if level[3] else (), leaves):
                     _ref_set(ref, (), leaf)
-            primal = level is not None or self.improvised
             # A differentiation of the stateful trace itself whose level holds Refs carries the
             # value in their primals, which ``refs`` take when it ends: no second loop carry.
             adopts = level is not None and level[3] and len(self.levels) == 1 and (
                 _parent(level[0]) is self.home)
-            for ref, leaf in zip(() if adopts else self.refs, leaves):
-                # The primal under a differentiation; where JAX cannot tell (.. 0.5, inside a
-                # body) what it takes: the value, or else its primal.
-                try:
-                    _ref_set(ref, (), jax.lax.stop_gradient(leaf) if primal else leaf)
-                except Exception:
-                    _ref_set(ref, (), leaf if primal else jax.lax.stop_gradient(leaf))
+            _set_refs(() if adopts else self.refs, leaves, level is not None or self.improvised)
         except Exception as err:
             if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
                 raise _Redo from err
@@ -2444,9 +2453,8 @@ class _RefCell:
         if treedef == self.treedef:
             with contextlib.suppress(TypeError):
                 got = [_aval_of(x) for x in leaves]
-        if got is None or any(
-                g.shape != a.shape or (g.dtype != a.dtype and not (
-                    g.weak_type and jnp.result_type(a.dtype, x) == a.dtype))
+        if got is None or any(g.shape != a.shape or g.dtype != a.dtype and not (
+                g.weak_type and jnp.result_type(a.dtype, x) == a.dtype)
                 for x, g, a in zip(leaves, got, self.avals)):
             expected = self.treedef.unflatten([a.str_short() for a in self.avals])
             shown = (treedef.unflatten([g.str_short() for g in got]) if got is not None
@@ -2500,30 +2508,23 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
             "condition from the loop carry instead (carry the State's value or the test)")
     if 'checkpoint' in hazards:
         raise _cannot('checkpoint', f'a State among {described}')
-    refs = iter(v for v in closed.jaxpr.invars if isinstance(v.aval, _ref_aval))
+    refs = iter(v for v in closed.jaxpr.invars if _is_ref(v.aval))
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
-    looping = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
-                            if 'while' in found))
+    looping = set().union(*(_written_refs(e) for e, found in per_eqn if 'while' in found))
     if culprits := [c.state._describe() for c, own in zip(cells, owned)
                     if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
-    kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
-                         if _nested_jaxprs(e.params)))
+    kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
     lost = [c.state._describe() for c, own in zip(cells, owned)
             if not kept & own and c.staged and not c.adopted]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
-        raise TraceContextError(
-            f'{", ".join(lost)} is written inside a loop or jit body whose write JAX '
-            f'{jax.__version__} moved out of the body or dropped while differentiating; '
-            'return the value from the body and assign it outside, or use JAX 0.6 or newer')
+        raise _cannot('dropped', ', '.join(lost))
     if _drops_jvp_refs(closed.jaxpr):
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
     try:
         pure = _discharge(closed)
     except NotImplementedError as err:
-        raise TraceContextError(
-            f'{described} is written inside a nested transformation that JAX {jax.__version__} '
-            f'cannot thread state out of ({err}): return the value and assign it outside') from err
+        raise _cannot('thread', described, err) from err
     pure = _forward_unchanged(pure)
     jaxpr = _without_dead_code(pure.jaxpr, len(closed.jaxpr.outvars))   # the Refs' finals go
     for before, after in zip(closed.jaxpr.outvars, jaxpr.outvars, strict=True):
@@ -2910,7 +2911,7 @@ def _call(sf, *args, **kwargs):
             values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
             out, new = (fast.dispatch(*values, *args, **kwargs) if kwargs
                         else fast.dispatch(*values, *args))
-            writes, traced = fast.writes, not isinstance(_current_trace(), _EvalTrace)
+            writes, traced = fast.writes, not _eager(_current_trace())
             if writes and type(new[0]) is fast.leaf_type and not traced:
                 for state, value in zip(writes, new):
                     state._value = value
@@ -3823,9 +3824,8 @@ class StatefulMapping(StatefulFunction):
                   for j in _leaves(at[r])]   # (state index, jaxpr output) of unbatched ones
         if not picked:
             return out_axes
-        avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
-                             weak_type=v.aval.weak_type)
-                 for v, b in zip(closed.jaxpr.invars, in_batched)]
+        avals = [ShapedArray((n, *a.shape) if b else a.shape, a.dtype, weak_type=a.weak_type)
+                 for a, b in zip(closed.in_avals, in_batched)]
         run = _jaxpr_as_fun(closed)
         with _axis_env(self.axis_env):
             flags = _batched_flags(lambda *xs: [run(*xs)[j] for _, j in picked], avals,
@@ -4163,7 +4163,7 @@ def _fold(jaxpr, consts, in_values=()):
         if isinstance(atom, Literal) or atom not in known or atom in invars:
             return atom
         if consts is None or np.shape(known[atom]) == ():
-            return Literal(np.asarray(known[atom]), atom.aval)
+            return _literal(np.asarray(known[atom]), atom.aval)
         const_values[atom] = known[atom]
         return atom
 
@@ -4189,19 +4189,18 @@ def _evaluate(eqn, values):
     if param is not None:
         body, outs = _fold(getattr(body, 'jaxpr', body), getattr(body, 'consts', None), values)
         eqn = eqn.replace(params={**eqn.params, param: body})
-    if (eqn.effects or any(v is _MISSING or isinstance(v, Tracer) for v in values)
+    if (not _folds(eqn) or any(v is _MISSING or isinstance(v, Tracer) for v in values)
             or any(_is_typed_key(v.aval) for v in eqn.outvars)):
         return eqn, None
     if param is not None:
         return eqn, None if any(v is _MISSING for v in outs) else outs
-    if (not eqn.invars or _nested_jaxprs(eqn.params) or not _folds(eqn)
+    if (not eqn.invars or _nested_jaxprs(eqn.params)
             or _size(eqn.outvars) > max(_size(eqn.invars), _FOLD_MAX_GROWTH)):
         return eqn, None
     try:
-        outs = _bind(eqn, values)
+        return eqn, _bind(eqn, values)
     except Exception:  # e.g. a primitive with no eager rule: keep it
         return eqn, None
-    return eqn, outs if eqn.primitive.multiple_results else [outs]
 
 
 def constant_fold_jaxpr(jaxpr):

@@ -475,6 +475,50 @@ class ModuleTest(unittest.TestCase):
 # =============================================================================
 
 
+def _code_lines(source: str) -> list:
+    """``source``'s lines with comments and docstrings (string statements) blanked."""
+    import ast
+    import tokenize
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(getattr(node.value, 'value', None), str):
+            lines[node.lineno - 1:node.end_lineno] = [''] * (node.end_lineno - node.lineno + 1)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            lines[row - 1] = lines[row - 1][:col]
+    return lines
+
+
+def _compat_offences(source: str, namespace) -> tuple:
+    """``(classes, offending)``: the private names section 1 of ``source`` binds to a JAX class
+    (or a tuple of them) in ``namespace``, and the lines of code outside section 1 that make a
+    JAX assumption: reach into internals, test one of those classes (calling one is using a
+    capability), name a primitive, read params, build a literal, test effects or match JAX's
+    error texts."""
+    lines = _code_lines(source)
+    start = source[:source.index('\n# 1. Compatibility shims\n')].count('\n') + 1
+    end = source[:source.index('\n# 2. ')].count('\n') + 1
+
+    def jax_class(value):
+        if isinstance(value, tuple):
+            return bool(value) and all(map(jax_class, value))
+        return isinstance(value, type) and value.__module__.split('.')[0] == 'jax'
+    bound = [n for line in lines[start:end] if (m := re.match(r'((?:\w+, )*\w+) = ', line))
+             for n in m.group(1).split(', ') if n.startswith('_')]
+    classes = sorted({n for n in bound if jax_class(namespace.get(n))})
+    pattern = re.compile(
+        r'jax\._src|jax\.interpreters|jax\.extend|jax\.core\b|_src_core|_jex_core|'
+        r'\._trace\b|\._pe\b|_lu\.|_siu\.|parent_trace|\.primal\b|\.frame\b|'
+        r'find_top_trace|extend_axis_env|set_current_trace|traced_for|'
+        r'\bparams\[|\.params\.get\(|primitive(\.name\b|\s+(is|==|!=|in)\b)|\w_p\b|'
+        r'multiple_results|\.effects\b|\bLiteral\(|'
+        r'\bstr\(\w+\)[^\n]*(search|match|\bin\b)|(search|match)\([^\n]*\bstr\(\w+\)|'
+        r'\bin\s+str\(\w+\)' + ''.join(rf'|\b{re.escape(n)}\b(?!\s*\()' for n in classes))
+    return classes, [f'{i + 1}: {line.strip()}' for i, line in enumerate(lines)
+                     if not start <= i < end and pattern.search(line)]
+
+
 class CompatTest(unittest.TestCase):
     """The JAX-internal shims and the rule that only they touch internals."""
 
@@ -542,6 +586,8 @@ class CompatTest(unittest.TestCase):
     def test_current_trace_path_and_primal(self):
         outside = sj._current_trace()
         self.assertFalse(sj._under_jax_trace())
+        self.assertTrue(sj._eager(outside))
+        self.assertFalse(sj._stages(outside) or sj._jvps(outside) or sj._linearizes(outside))
         seen = []
 
         def f(x):
@@ -551,6 +597,8 @@ class CompatTest(unittest.TestCase):
         (inside, under, (path, whole)), = seen
         self.assertIsNot(inside, outside)
         self.assertTrue(under)
+        self.assertTrue(sj._stages(inside))
+        self.assertFalse(sj._eager(inside) or sj._jvps(inside) or sj._linearizes(inside))
         self.assertEqual((path, whole), ([inside], True) if _JAX_VERSION >= (0, 6) else
                          ([inside], whole))   # (before 0.6 a jaxpr trace knows no parent)
         self.assertIs(sj._current_trace(), outside)
@@ -560,12 +608,16 @@ class CompatTest(unittest.TestCase):
 
         def g(x):
             trace = sj._current_trace()
-            got.append((isinstance(trace, sj._DIFF_TRACES), sj._primal(x, trace)))
+            got.append((sj._jvps(trace), sj._linearizes(trace), sj._primal(x, trace)))
             return x
         jax.jvp(g, (jnp.float32(3.0),), (jnp.float32(1.0),))
-        (is_diff, primal), = got
-        self.assertTrue(is_diff)
+        (jvps, linearizes, primal), = got
+        self.assertEqual((jvps, linearizes), (True, False))
         self.assertEqual(float(primal), 3.0)
+        if _JAX_VERSION >= (0, 7):   # jax.linearize's trace (direct linearization from 0.7)
+            del got[:]
+            jax.linearize(g, jnp.float32(3.0))
+            self.assertEqual([entry[:2] for entry in got], [(False, True)])
 
     def test_refs_and_discharge(self):
         if not sj._HAS_REFS:
@@ -588,6 +640,37 @@ class CompatTest(unittest.TestCase):
                                      np.ones(3, np.float32))
         np.testing.assert_array_equal(result, np.arange(3.0) * 2.0)
         np.testing.assert_array_equal(final, np.arange(3.0) + 1.0)   # the Ref's final value
+
+    def test_set_refs_writes_a_differentiated_value_as_its_primal(self):
+        if not sj._HAS_REFS:
+            self.skipTest(f'JAX {jax.__version__} has no mutable references')
+        aval = jax.core.ShapedArray((3,), jnp.float32)
+
+        def flat(ref, x):
+            def inner(y):   # a JVP tracer, written into a Ref made outside the jvp
+                sj._set_refs([ref], [y * 2.0], primal=True)
+                return y
+            jax.jvp(inner, (x,), (jnp.ones(3),))
+            return [sj._ref_get(ref, ())]
+        jaxpr, _, consts = sj._trace_to_jaxpr(flat, [sj._ref_aval(aval), aval], flat, 'refs')
+        pure = sj._discharge(sj._rebuild(jaxpr, consts))
+        read, final = _eval_closed(pure, np.zeros(3, np.float32), np.arange(3.0, dtype=np.float32))
+        np.testing.assert_array_equal(read, np.arange(3.0) * 2.0)
+        np.testing.assert_array_equal(final, np.arange(3.0) * 2.0)
+
+    def test_diff_refs_keep_the_ref_of_a_leaf_without_derivatives(self):
+        if not sj._new_ref:
+            self.skipTest(f'JAX {jax.__version__} makes no Refs inside a differentiation')
+        primal_refs, made = [object(), object()], []
+
+        def f(x):   # at the jvp's trace: a new Ref for the float, the given one for the int
+            value = (x, jnp.int32(1))
+            made.append(sj._diff_refs(value, [sj._typeof(v) for v in value], primal_refs))
+            return x
+        jax.jvp(f, (1.0,), (1.0,))
+        (new, kept), = made
+        self.assertIs(kept, primal_refs[1])
+        self.assertTrue(sj._is_ref(new.aval))
 
     def test_body_binding_feeds_each_body_input_its_operand(self):
         # For every kind, operand i goes to body input i (same aval), and a
@@ -665,19 +748,33 @@ class CompatTest(unittest.TestCase):
         self.assertEqual(long, [])
 
     def test_internals_only_in_compat_section(self):
+        # Every JAX assumption lives in section 1, behind a name that says the capability.
         with open(sj.__file__) as fh:
-            source = fh.read()
-        start = source.index('# 1. Compatibility shims')
-        end = source.index('# 2. Errors and small helpers')
-        outside = source[:start] + source[end:]
-        pattern = re.compile(r'jax\._src|jax\.interpreters|jax\.extend|_src_core|\._trace\b|'
-                             r'\._pe\b|_lu\.|_siu\.|parent_trace|\.primal\b|\.frame\b|'
-                             r'find_top_trace|extend_axis_env|set_current_trace|traced_for|'
-                             r'\.params\[|\.params\.get\(|primitive\.name\b|'
-                             r'str\((e|err|exc)\)[^\n]*(search|match|\bin\b)|'
-                             r'(search|match)\([^\n]*str\((e|err|exc)\)')
-        offending = [line for line in outside.splitlines() if pattern.search(line)]
+            classes, offending = _compat_offences(fh.read(), vars(sj))
+        self.assertTrue({'_JaxprTrace', '_LinearizeTrace', '_ref_aval'} <= set(classes), classes)
         self.assertEqual(offending, [])
+
+    def test_compat_guard_sees_assumptions_in_code_only(self):
+        source = textwrap.dedent('''
+            # 1. Compatibility shims
+            _Trace = _probe('jax._src.core:EvalTrace')
+            _TRACES, _jit = (_Trace, _Trace), _probe('jax:jit')
+            # 2. Errors and small helpers
+            def f(t, eqn, err):
+                """type(t) is _Trace, eqn.params['x'], import jax._src"""
+                a = type(t) is _Trace   # isinstance(t, _TRACES)
+                b = isinstance(t, _TRACES) or _jit
+                c = eqn.primitive.name == 'while'
+                d = eqn.params['cond_nconsts']
+                e = 'Reverse-mode' in str(err)
+                return Literal(1, t) if eqn.effects else a
+            def g(t, path):
+                return _Trace(t), keystr(path), str(t)
+        ''')
+        namespace = {'_Trace': jax.core.Tracer, '_TRACES': (jax.core.Tracer,), '_jit': jax.jit}
+        classes, offending = _compat_offences(source, namespace)
+        self.assertEqual(classes, ['_TRACES', '_Trace'])
+        self.assertEqual([int(line.split(':')[0]) for line in offending], list(range(8, 14)))
 
     def test_missing_internals_disable_only_their_feature(self):
         # A future JAX without the mutable references (jax._src.state) or the
