@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import enum
 import functools
 import gc
 import hashlib
@@ -2056,30 +2057,22 @@ class _GcPause:
 
 # -- The trace frame ----------------------------------------------------------
 class _TraceFrame(StateTraceStack):
-    """One stateful trace's overlay: a State's first touch adds jaxpr inputs (a _RefCell's Refs
-    for ``ref_states``); one written in a nested transformation gets Refs then, and ``pending``."""
+    """One run's overlay: a State's first touch adds jaxpr inputs (a _RefCell's Refs where its
+    retracer says so); what the run sees that decides a rerun goes to the retracer."""
 
-    def __init__(self, name: str, retracer: '_Retracer', lift_aval, pending: set, epoch: str):
-        """``epoch`` ('fresh', 'shared' or '') is bound until exit (fresh for a nested shared)."""
+    def __init__(self, name: str, retracer: '_Retracer', lift_aval):
+        """Binds the run's epoch (see _Retracer) until exit."""
         super().__init__(name=name)
         self._overlays = True
         self._jax_trace = _current_trace()      # new inputs go here; a nested trace differs
-        self._retracer, self._lift_aval, self._pending = retracer, lift_aval, pending
-        self._nested_reads = set()              # ids of states read in nested traces
+        self.retracer, self._lift_aval = retracer, lift_aval
         self._diffs: dict = {}                  # id -> a differentiation a State was written in
         self._diff_written: dict = {}           # id -> a State written so (see peel)
         self._inputs: dict = {}                 # id(input tracer) -> its State
         self.cells: list = []                   # the _RefCells, for the discharge
         self.sigs: dict = {}                    # id(state) -> its traced signature
         self.result: dict = {}                  # what finish() found out
-        self._epoch = contextlib.ExitStack()    # binds the epoch axis, if any
-        self.isolated = False                   # under a fresh epoch
-        if epoch == 'shared' and not _ctx.shared_epoch:
-            self._epoch.enter_context(_fresh_epoch(shared=True))
-            self._epoch.callback(setattr, _ctx, 'shared_epoch', False)
-            _ctx.shared_epoch = True
-        elif epoch:
-            self._renew_epoch()
+        retracer.bind()
 
     def _lift(self, state, current):
         """New jaxpr inputs for ``state``: Refs, in a _RefCell, if known to be written so."""
@@ -2095,7 +2088,7 @@ class _TraceFrame(StateTraceStack):
         self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        if state in self._retracer.ref_states or self._in_loop():
+        if self.retracer.lifts_as_refs(state) or self._in_loop():
             return self.cell(state, treedef, avals)
         leaves = [_new_arg(self._jax_trace, a) for a in avals]
         self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see finish)
@@ -2165,19 +2158,13 @@ class _TraceFrame(StateTraceStack):
             return x
         return jax.tree_util.tree_map(primal, value)
 
-    def _renew_epoch(self) -> None:
-        """Binds a fresh epoch axis, so JAX retraces bodies that closed over a State's old value."""
-        self._epoch.close()
-        self._epoch.enter_context(_fresh_epoch())
-        self.isolated = True
-
     def __exit__(self, *exc):
-        if exc[1] is not None and _refusal(exc[1]):   # JAX refusing what such a local does:
-            self._pending.update(self._diff_written.values())   # as Refs, the refusal names it
+        if exc[1] is not None and _refusal(exc[1]):   # JAX refusing what such a local does
+            self.retracer.wrote_unlifted(self._diff_written.values())
         try:
             return super().__exit__(*exc)
         finally:
-            self._epoch.close()
+            self.retracer.unbind()
 
     def _close(self):
         super()._close()
@@ -2218,17 +2205,10 @@ def _view(state, entry, frame):
     path, whole = _trace_path(frame._jax_trace)
     if id(state) in frame._diff_written:
         if whole is not True:
-            frame._retracer.ref_states.add(state)
-            raise _Redo
+            frame.retracer.read_unknown_end(state)
         entry = frame.peel(entry, set(map(id, path)))
-    if _in_body(path, whole):
-        frame._nested_reads.add(id(state))   # a body JAX may cache closes over it
-    if path and not all(isinstance(x, Tracer) for x in _leaves(entry)):
-        # JAX may cache that value with the body, for any later trace: a run in JAX's own
-        # context stops before it does, and is redone under a fresh epoch.
-        frame._retracer.isolate = True
-        if not frame.isolated and _in_body(path, whole):
-            raise _Redo
+    frame.retracer.read_nested(state, _in_body(path, whole), path and not all(
+        isinstance(x, Tracer) for x in _leaves(entry)))
     return entry
 
 
@@ -2253,17 +2233,14 @@ def _traced_write(state, value, frames, written: bool):
         else:
             if not _HAS_REFS:
                 raise _cannot('refs', state._describe())
-            # The trace is redone with the State lifted as Refs from the start (``pending``);
-            # until then Refs keep the write in the body, lest JAX cache that body without it.
+            # Until the rerun lifts it from the start, improvised Refs keep the write in the
+            # body, lest JAX cache that body without it.
             leaves, treedef = jax.tree_util.tree_flatten(entry)
             entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = entry
-            target._pending.add(state)
-            target._retracer.in_body |= _in_body(path, whole)
-        if type(entry) is not _RefCell and id(state) in target._nested_reads:
-            # A body traced before this write closed over the old value: retrace it.
-            target._renew_epoch()
-            target._nested_reads.clear()
+            target.retracer.wrote_unlifted([state], _in_body(path, whole))
+        if type(entry) is not _RefCell:
+            target.retracer.wrote(state)
     if type(entry) is _RefCell:
         entry.write(value)
         return
@@ -2339,15 +2316,24 @@ def _cannot(kind: str, described: str, err=None) -> TraceContextError:
     return TraceContextError(f'{described} ' + _CANNOT[kind].format(jax=jax.__version__, err=err))
 
 
+class _Level:
+    """What a _RefCell holds in one differentiation it is touched in: ``content`` (a value, or Refs
+    made inside that differentiation when ``refs``), and whether it was ``written`` there."""
+    __slots__ = ('trace', 'content', 'written', 'refs')
+
+    def __init__(self, trace, content):
+        self.trace, self.content, self.written, self.refs = trace, content, False, False
+
+
 class _RefCell:
     """A State lifted as Refs, one per leaf, for a write inside a nested transformation; reads and
     writes bind at the current JAX trace.  In differentiated functions it is a local variable:
-    each differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a *level*
-    ``[trace, content, written, content are Refs]``, outermost first, whose value (set by direct
-    writes) becomes Refs made inside that differentiation once a body nested in it touches the
-    State (JAX 0.7 .. differentiates through those; before, such a body may write only a value
-    without a tangent).  Reads and writes use the innermost level, with its tangents; ``refs``
-    always get the primal.  An ended differentiation's level hands its primal to its parent's."""
+    each differentiation (``jax.grad``, ``jax.jvp`` ...) it is touched in keeps a _Level,
+    outermost first, whose value (set by direct writes) becomes Refs made inside that
+    differentiation once a body nested in it touches the State (JAX 0.7 .. differentiates through
+    those; before, such a body may write only a value without a tangent).  Reads and writes use
+    the innermost level, with its tangents; ``refs`` always get the primal.  An ended
+    differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
                  'linearized', 'improvised', 'adopted')
 
@@ -2365,44 +2351,49 @@ class _RefCell:
         path, whole = _trace_path(self.home)
         if self.improvised:   # (keeps no tangents: the trace is redone)
             return None, None
-        if not whole and any(level[2] and not _tells(path, level[0]) for level in self.levels):
+        if not whole and any(lv.written and not _tells(path, lv.trace) for lv in self.levels):
             raise _cannot('apart' if whole is None else 'parents', self.state._describe())
         diffs, levels = [t for t in reversed(path) if _jvps(t) or _linearizes(t)], self.levels
-        while levels and (len(levels) > len(diffs) or levels[-1][0] is not diffs[len(levels) - 1]):
-            trace, content, written, refs = levels.pop()
-            if written and levels:   # hand the primal to the parent, if it is the parent
-                primal = (jax.tree_util.tree_map(lambda x: _primal(x, trace), content)
-                          if _parent(trace) is levels[-1][0] else _STALE)
-                levels[-1][1:] = primal, True, refs
-            elif written and refs and _parent(trace) is self.home:   # (see write)
-                self.refs, self.adopted = [_primal(x, trace) for x in content], True
+        while levels and (len(levels) > len(diffs)
+                          or levels[-1].trace is not diffs[len(levels) - 1]):
+            ended = levels.pop()
+            if ended.written and levels:   # hand the primal to the parent, if it is the parent
+                parent, trace = levels[-1], ended.trace
+                parent.content = (jax.tree_util.tree_map(lambda x: _primal(x, trace), ended.content)
+                                  if _parent(trace) is parent.trace else _STALE)
+                parent.written, parent.refs = True, ended.refs
+            elif ended.written and ended.refs and _parent(ended.trace) is self.home:   # see write
+                self.refs = [_primal(x, ended.trace) for x in ended.content]
+                self.adopted = True
         for trace in diffs[len(levels):]:
-            levels.append([trace, self._get(levels[-1] if levels else None, trace), False, False])
+            levels.append(_Level(trace, self._get(levels[-1] if levels else None, trace)))
         if not levels:
             return None, None
         # JAX takes no Ref of a differentiation into a rematerialized body, nor into a cond's
         # under linearization (reverse mode): those read the level outside them, write none.
-        level, linear = levels[-1], _linearizes(levels[-1][0])
-        opaque = [t for t in path[:path.index(level[0])]
+        level, linear = levels[-1], _linearizes(levels[-1].trace)
+        opaque = [t for t in path[:path.index(level.trace)]
                   if _body_of(t) == 'checkpoint' or linear and _body_of(t) == 'cond']
-        if not level[3] and path[0] is not level[0]:   # a body nested in it touches it
-            if not any(lv[2] for lv in levels) and (
+        if not level.refs and path[0] is not level.trace:   # a body nested in it touches it
+            if not any(lv.written for lv in levels) and (
                     not _new_ref or opaque and _body_of(opaque[-1]) == 'cond'):
                 del levels[:]   # no tangent yet: the primal, in ``refs``, serves there
                 return None, None
             if _new_ref:   # Refs made inside the differentiation, which JAX differentiates
-                with _at_trace(level[0]):
-                    level[1:] = _diff_refs(self._get(level), self.avals, self.refs), level[2], True
+                with _at_trace(level.trace):
+                    level.content = _diff_refs(self._get(level), self.avals, self.refs)
+                level.refs = True
         return level, opaque[-1] if opaque else None
 
     def _get(self, level, at=None):
         """The value ``level`` (None: the primal) holds, read at trace ``at`` (None: here)."""
-        if level is not None and level[1] is _STALE:
+        if level is not None and level.content is _STALE:
             raise _cannot('outer', self.state._describe())
-        if level is not None and not level[3]:
-            return level[1]
+        if level is not None and not level.refs:
+            return level.content
         with contextlib.nullcontext() if at is None else _at_trace(at):
-            return self.treedef.unflatten([_ref_get(r, ()) for r in (level or [0, self.refs])[1]])
+            refs = self.refs if level is None else level.content
+            return self.treedef.unflatten([_ref_get(r, ()) for r in refs])
 
     def read(self):
         level, at = self._level()
@@ -2421,19 +2412,20 @@ class _RefCell:
         level, at = self._level()
         if at is not None:   # (a differentiated value already)
             raise _cannot(_body_of(at), self.state._describe())   # 'checkpoint' or 'cond'
-        if level is not None and not level[3]:
-            if trace is not level[0]:   # a body in a differentiation that gave it a tangent
+        if level is not None and not level.refs:
+            if trace is not level.trace:   # a body in a differentiation that gave it a tangent
                 raise _cannot('tangent', self.state._describe())
-            level[1] = self.treedef.unflatten(leaves)
+            level.content = self.treedef.unflatten(leaves)
         try:
             if level is not None:
-                level[2] = True
-                for ref, leaf in zip(level[1] if level[3] else (), leaves):
+                level.written = True
+            if level is not None and level.refs:
+                for ref, leaf in zip(level.content, leaves, strict=True):
                     _ref_set(ref, (), leaf)
             # A differentiation of the stateful trace itself whose level holds Refs carries the
             # value in their primals, which ``refs`` take when it ends: no second loop carry.
-            adopts = level is not None and level[3] and len(self.levels) == 1 and (
-                _parent(level[0]) is self.home)
+            adopts = level is not None and level.refs and len(self.levels) == 1 and (
+                _parent(level.trace) is self.home)
             _set_refs(() if adopts else self.refs, leaves, level is not None or self.improvised)
         except Exception as err:
             if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
@@ -2538,76 +2530,162 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
 
 # -- Tracing, and tracing again -----------------------------------------------
 class _Redo(BaseException):
-    """Aborts a run that is redone anyway (not an Exception, which user code may catch)."""
+    """Aborts a run that is redone anyway: not an Exception, which the user's code between the
+    abort and the trace's end may catch (a ``try`` around the write that aborts, say)."""
+
+
+class _Epoch(enum.Enum):
+    """The axis environment a run binds: JAX keys its caches of traced bodies and jitted
+    functions on it, so a FRESH run is *isolated* (nothing JAX cached before serves it), every
+    SHARED run binds one same axis, a PLAIN run none."""
+    PLAIN = 0
+    SHARED = 1
+    FRESH = 2
+
+
+class _Lessons:
+    """What earlier traces of one function teach its later ones (changed by _Retracer alone)."""
+    __slots__ = ('ref_states', 'isolate')
+
+    def __init__(self):
+        self.ref_states = weakref.WeakSet()   # lifted as Refs from their first touch
+        self.isolate = False                  # every run isolated
 
 
 class _Retracer:
-    """Why one function's body runs again, and what each run teaches later ones.
+    """Whether one trace's body runs again, and under which epoch: its frame reports what a run
+    sees through the methods below, the only code that changes the run's or the lessons' fields.
 
     ========================================================  ===================================
     a run of the body ...                                       the next run
     ========================================================  ===================================
     read a State's concrete value in a body JAX may cache      stops there (``_Redo``) and is
-    (or failed a write into Refs it improvised)                redone, *isolated* in the first case:
-                                                               under a fresh epoch axis (so is every
+    (``read_nested``; or failed a write into Refs it           redone, *isolated* in the first case:
+    improvised)                                                under a fresh epoch (so is every
                                                                later trace)
     met a tracer of a finished trace in a body JAX cached      is isolated
     (UnexpectedTracerError, or tracer constants)
     wrote a State inside a nested transformation (but          lifts it as Refs from its first
     directly in differentiations, where it is a local          touch (so does every later trace;
     variable) that it had not lifted as Refs; or JAX           also after JAX refusing a write,
-    refused what such a local variable did, or read one        told if it recurs), under the
-    where the traces cannot tell which differentiations        shared epoch if written in a body
-    ended (the read stops the run)                             JAX may have cached with the old
-                                                               Refs (isolated if it was isolated)
+    refused what such a local variable did                     told if it recurs), under the
+    (``wrote_unlifted``); or read one where the traces         shared epoch if written in a body
+    cannot tell which differentiations ended                   JAX may have cached with the old
+    (``read_unknown_end``: the read stops the run)             Refs (isolated if it was isolated)
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
-    A State first touched in a loop body is lifted as Refs there at once (``_in_loop``), so a
-    first trace runs the body once, twice when it writes inside a cond or jit body, under
-    jax.vmap, or inside a loop body a State touched outside it first (or under jax.grad before
-    JAX 0.7), three times only when a body JAX cached from an earlier trace (of another function
-    sharing it) is in the way; a later signature runs it once unless it writes such a State no
-    earlier trace did.  A run is also isolated while a State read by a plain JAX trace is alive
-    (``_BAKED_STATES``): any cached jaxpr may hold it.
+    A run that writes a State (``wrote``) a body traced before read goes on under a fresh epoch,
+    so that JAX traces such bodies again.  A State first touched in a loop body is lifted as
+    Refs there at once (``_TraceFrame._in_loop``), so a first trace runs the body once, twice
+    when it writes inside a cond or jit body, under jax.vmap, or inside a loop body a State
+    touched outside it first (or under jax.grad before JAX 0.7), three times only when a body JAX
+    cached from an earlier trace (of another function sharing it) is in the way; a later
+    signature runs it once unless it writes such a State no earlier trace did.  A run is also
+    isolated while a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached
+    jaxpr may hold it.
     """
-    __slots__ = ('ref_states', 'isolate', 'in_body')
+    __slots__ = ('lessons', 'epoch', 'isolated', 'binding', 'pending', 'in_body', 'nested_reads',
+                 'refused')
 
-    def __init__(self):
-        self.ref_states = weakref.WeakSet()   # States written inside nested transformations
-        self.isolate = self.in_body = False   # in_body: this run wrote one inside a body
+    def __init__(self, lessons: _Lessons):
+        self.lessons, self.binding, self.refused = lessons, contextlib.ExitStack(), None
+        self._start(_Epoch.FRESH if lessons.isolate else _Epoch.PLAIN)
 
-    def next_run(self, epoch=None, pending=(), err=None, consts=()):
-        """The next run's epoch ('fresh', 'shared' or ''), after one under ``epoch`` (None: the
-        first run is next); None where that run is final."""
-        self.ref_states.update(pending)
-        in_body, self.in_body = self.in_body, False
-        if epoch is None or isinstance(err, _Redo):
-            epoch = 'fresh' if self.isolate else epoch or ''
-        elif epoch != 'fresh' and (isinstance(err, jax.errors.UnexpectedTracerError) or any(
-                isinstance(c, Tracer) for c in consts)):   # (or the caller's tracers: once)
-            self.isolate, epoch = True, 'fresh'
-        elif pending and (err is None or _refusal(err)):   # (JAX refusing the improvised Refs?)
-            epoch = 'fresh' if self.isolate else 'shared' if in_body else ''
+    def _start(self, epoch: _Epoch) -> None:
+        self.epoch = _Epoch.FRESH if _BAKED_STATES else epoch   # the run's; ``isolated``: now
+        self.isolated, self.pending, self.in_body, self.nested_reads = False, set(), False, set()
+
+    def lifts_as_refs(self, state) -> bool:
+        return state in self.lessons.ref_states
+
+    def bind(self) -> None:
+        """Binds the run's epoch axis until ``unbind`` (a fresh one inside a shared run)."""
+        if self.epoch is _Epoch.SHARED and not _ctx.shared_epoch:
+            self.binding.enter_context(_fresh_epoch(shared=True))
+            self.binding.callback(setattr, _ctx, 'shared_epoch', False)
+            _ctx.shared_epoch = True
+        elif self.epoch is not _Epoch.PLAIN:
+            self._isolate()
+
+    def _isolate(self) -> None:
+        self.binding.close()
+        self.binding.enter_context(_fresh_epoch())
+        self.isolated = True
+
+    def unbind(self) -> None:
+        self.binding.close()
+
+    def read_nested(self, state, in_body: bool, concrete: bool) -> None:
+        """A read inside a nested transformation: a body JAX may cache closes over it; a concrete
+        value may be cached with that body for any later trace (the run stops unless isolated)."""
+        if in_body:
+            self.nested_reads.add(id(state))
+        if concrete:
+            self.lessons.isolate = True
+            if in_body and not self.isolated:
+                raise _Redo
+
+    def read_unknown_end(self, state) -> None:
+        self.lessons.ref_states.add(state)
+        raise _Redo
+
+    def wrote_unlifted(self, states, in_body: bool = False) -> None:
+        self.pending.update(states)
+        self.in_body |= in_body
+
+    def wrote(self, state) -> None:
+        """A write of a State a body traced before closed over: JAX must trace such bodies again."""
+        if id(state) in self.nested_reads:
+            self._isolate()
+            self.nested_reads.clear()
+
+    def next_run(self, err, consts, cells) -> bool:
+        """Whether the body runs again after a run that raised ``err`` (None: none) or made a
+        jaxpr closing over ``consts``; keeps the first refusal JAX gave, told should it recur."""
+        lessons, epoch = self.lessons, self.epoch
+        lessons.ref_states.update(self.pending)
+        if _refusal(err) and not (self.refused and self.refused[1]):
+            self.refused = err, cells
+        if isinstance(err, _Redo):
+            epoch = _Epoch.FRESH if lessons.isolate else epoch
+        elif epoch is not _Epoch.FRESH and (isinstance(err, jax.errors.UnexpectedTracerError)
+                                            or any(isinstance(c, Tracer) for c in consts)):
+            lessons.isolate, epoch = True, _Epoch.FRESH   # (or the caller's tracers: once)
+        elif self.pending and (err is None or _refusal(err)):   # (a refusal of improvised Refs?)
+            epoch = (_Epoch.FRESH if lessons.isolate else _Epoch.SHARED if self.in_body
+                     else _Epoch.PLAIN)
         else:
-            return None
-        return 'fresh' if _BAKED_STATES else epoch
+            return False
+        self._start(epoch)
+        return True
+
+    def fail(self, err, cells):
+        """Raises the error of the final run: JAX's refusal named by the States it concerns (those
+        written in a body, else nested), the first one where JAX refused more than once."""
+        if _refusal(err) and self.refused:
+            err, cells = self.refused
+        kind = None if isinstance(err, TraceContextError) else _refusal(err)
+        if kind is not None and cells:
+            culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested]
+            named = sorted(c.state._describe() for c in culprits or cells)
+            raise _cannot(kind, ', '.join(named), err) from err
+        raise err
 
 
 def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                     name: str, return_only_write: bool, axis_env=None,
                     lift_aval: Callable | None = None, trace_with: Callable | None = None,
-                    retracer: _Retracer | None = None) -> _Traced:
-    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, rerun as ``retracer``
+                    lessons: _Lessons | None = None) -> _Traced:
+    """Traces ``fun(*args, **kwargs)``, ``(args, kwargs) = rebuild(flat)``, rerun as a _Retracer
     says; ``lift_aval(state, aval)`` may change a leaf's aval (StatefulMapping's lane shapes)."""
-    retracer = _Retracer() if retracer is None else retracer
+    retracer = _Retracer(_Lessons() if lessons is None else lessons)
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
-    epoch, refused = retracer.next_run(), None
-    while epoch is not None:
-        pending, frames = set(), []
+    while True:
+        frames = []
 
         def flat_fun(*flat):
-            frame = _TraceFrame(name, retracer, lift_aval, pending, epoch)
+            frame = _TraceFrame(name, retracer, lift_aval)
             frames.append(frame)
             with frame:
                 args, kwargs = rebuild(list(flat))
@@ -2620,23 +2698,15 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 err = None
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
-            # JAX refusing Refs redoes the run; refused again, the first such refusal is told.
-            failed = (err, frames[-1].cells if frames else ())
-            if _refusal(err):
-                failed = refused = refused if refused and refused[1] else failed
-            epoch = retracer.next_run(epoch, pending, err, consts)
-            if epoch is None and err is not None:
-                err, cells = failed
-                kind = None if isinstance(err, TraceContextError) else _refusal(err)
-                if kind is not None and cells:   # name those written in a body, else nested
-                    culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested]
-                    named = sorted(c.state._describe() for c in culprits or cells)
-                    raise _cannot(kind, ', '.join(named), err) from err
-                raise err
-            if epoch is None and frames[-1].cells:   # (collectives need the axes still bound)
-                jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), frames[-1].cells), None
+            cells = frames[-1].cells if frames else ()
+            if retracer.next_run(err, consts, cells):
+                continue
+            if err is not None:
+                retracer.fail(err, cells)
+            if cells:   # (collectives need the axes still bound)
+                jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), cells), None
                 frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
-    return frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
+            return frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
 
 
 def _abstracted_tracer(abstracted_axes, split):
@@ -3020,7 +3090,7 @@ class StatefulFunction:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
-        self._cache, self._retracer = BoundedCache(128), _Retracer()
+        self._cache, self._lessons = BoundedCache(128), _Lessons()
         self._key_locks_guard = threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
@@ -3076,7 +3146,7 @@ class StatefulFunction:
         traced = _trace_stateful(self.fun, [_aval_of(x) for x in leaves], _rebuilder(split),
                                  name=self.name, return_only_write=self.return_only_write,
                                  axis_env=self.axis_env, trace_with=trace_with,
-                                 retracer=self._retracer)
+                                 lessons=self._lessons)
         run = traced.runner()
 
         def apply(state_values, flat_args):
@@ -3869,7 +3939,7 @@ class StatefulMapping(StatefulFunction):
         try:
             traced = _trace_stateful(self.fun, lane_avals, _rebuilder(split), name=self.name,
                                      return_only_write=True, axis_env=axis_env,
-                                     lift_aval=lift_aval, retracer=self._retracer)
+                                     lift_aval=lift_aval, lessons=self._lessons)
         except NameError as err:
             if not _unbound_axis(err) or self.axis_name is not None:
                 raise
