@@ -576,7 +576,7 @@ def _stale_sig(value, sig, weak_type: bool = False):
     except TypeError:
         return 'not a pytree of arrays'
     same = got == sig or (not weak_type and got[0] == sig[0]
-                          and all(a[:2] == b[:2] for a, b in zip(got[1], sig[1])))
+                          and all(a[:2] == b[:2] for a, b in zip(got[1], sig[1], strict=True)))
     return None if same else got
 
 
@@ -1252,12 +1252,12 @@ class StateTraceStack:
 
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
-        return tuple(None if w else s for s, w in zip(self.states, self.been_writen)
+        return tuple(None if w else s for s, w in zip(self.states, self.been_writen, strict=True)
                      if replace_writen or not w)
 
     def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
-        return tuple(s if w else None for s, w in zip(self.states, self.been_writen)
+        return tuple(s if w else None for s, w in zip(self.states, self.been_writen, strict=True)
                      if replace_read or w)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
@@ -1280,7 +1280,7 @@ class StateTraceStack:
 
     def recovery_original_values(self) -> None:
         """Gives every recorded state back the value it had when first touched."""
-        for state, original in zip(self.states, self._originals):
+        for state, original in zip(self.states, self._originals, strict=True):
             if (original is not None and type(original) is not _RefCell
                     and not _contains_tracer(original)):
                 state.restore_value(original)
@@ -1297,14 +1297,14 @@ class StateTraceStack:
             raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
                              f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
-                                          self.been_writen):
+                                          self.been_writen, strict=True):
             state._assign(wv if written else rv, written)
 
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
-            for state, written, original in zip(stack.states, stack.been_writen, stack._originals):
-                self._touch(state, original, written)
+            for touched in zip(stack.states, stack._originals, stack.been_writen, strict=True):
+                self._touch(*touched)
         return self
 
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
@@ -1839,7 +1839,7 @@ def _value_text(sig) -> str:
     if treedef.num_nodes == 1 and len(texts) == 1:
         return texts[0]
     return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
-                           for p, t in zip(_leaf_paths(treedef), texts)) + '}'
+                           for p, t in zip(_leaf_paths(treedef), texts, strict=True)) + '}'
 
 
 def _leaf_paths(treedef) -> list:
@@ -1877,8 +1877,8 @@ def _static_items(key) -> list:
 def _key_summary(key) -> str:
     """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
     sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
-    items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
-    items += [f'{label}={value!r}' for label, value in _static_items(key)]
+    items = [f'{name}: {_sig_text(*sig)}' for name, sig in zip(_arg_labels(key), sigs, strict=True)]
+    items += [f'{name}={value!r}' for name, value in _static_items(key)]
     more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
     return ', '.join(items[:6]) + more or 'no arguments'
 
@@ -1929,14 +1929,14 @@ def _key_differences(old, new, labels) -> list:
             found.append(('argument structure', f'{what} argument structure: {tree_a} -> {tree_b}'))
         else:
             found += [('argument shape/dtype', f'{label}: {_sig_text(*a)} -> {_sig_text(*b)}')
-                      for label, a, b in zip(here, sigs_a, sigs_b) if a != b]
+                      for label, a, b in zip(here, sigs_a, sigs_b, strict=True) if a != b]
     return found
 
 
 def _state_differences(old_traced, new_traced) -> list:
     """``(cause, line)`` per State whose value changed shape, or which one trace lacks."""
     found = [('state shape/dtype', f'{s._describe()}: {_value_text(sig)} -> {_value_text(now)}')
-             for s, sig in zip(old_traced.states, old_traced.state_sigs)
+             for s, sig in zip(old_traced.states, old_traced.state_sigs, strict=True)
              if (now := _value_sig(s._value)) != sig]
     old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
     found += [('new state', f'newly touched: {s._describe()}')
@@ -2478,9 +2478,9 @@ def _forward_unchanged(jaxpr):
         eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
                           params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
-        for out, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies)):
+        for v, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies), strict=True):
             if len(set(at)) == 1 and at[0] is not None:
-                sub[out] = operands[at[0]]
+                sub[v] = operands[at[0]]
         eqns.append(eqn)
     return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
                     outvars=[fwd(v) for v in inner.outvars])
@@ -2504,12 +2504,12 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
     looping = set().union(*(_written_refs(e.effects, e.invars) for e, found in per_eqn
                             if 'while' in found))
-    if culprits := [c.state._describe() for c, own in zip(cells, owned)
+    if culprits := [c.state._describe() for c, own in zip(cells, owned, strict=True)
                     if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e.effects, e.invars) for e in closed.jaxpr.eqns
                          if _nested_jaxprs(e.params)))
-    lost = [c.state._describe() for c, own in zip(cells, owned)
+    lost = [c.state._describe() for c, own in zip(cells, owned, strict=True)
             if not kept & own and c.staged and not c.adopted]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
         raise TraceContextError(
@@ -2684,7 +2684,7 @@ def _state_roles(traced) -> list:
     invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
     value_used = [any([next(invars) in used for _ in sig[1]]) for sig in traced.state_sigs]
     return [('read and written' if read else 'written') if written else 'read'
-            for read, written in zip(value_used, traced.trace_stack.been_writen)]
+            for read, written in zip(value_used, traced.trace_stack.been_writen, strict=True)]
 
 
 def _pretty(traced: _Traced, key) -> str:
@@ -2697,16 +2697,16 @@ def _pretty(traced: _Traced, key) -> str:
         seen[base] = n = seen.get(base, 0) + 1
         labels.append(base if n == 1 else f'{base}#{n}')
     state_of, in_roles = [], []
-    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
+    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs, strict=True)):
         for path in _leaf_paths(sig[0]):
             state_of.append(i)
             in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
                             f'{roles[i]}, created at {_format_site(state._source)}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
     in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
-    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of))
+    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of, strict=True))
     out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
-    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
+    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:], strict=True):
         i = traced.returned[path[0].idx]
         unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
         out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
@@ -2718,7 +2718,7 @@ def _pretty(traced: _Traced, key) -> str:
     for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
                                         ('outputs', names_out, jaxpr.outvars, out_roles)]:
         lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
-                                  for n, v, r in zip(names, vars_, roles_)]
+                                  for n, v, r in zip(names, vars_, roles_, strict=True)]
     return '\n'.join(lines)
 
 
@@ -2776,12 +2776,12 @@ class _Entry:
 def _write_back(who, plan, new) -> None:
     """Gives ``plan``'s written States the values a compiled call of ``who`` returned; under a
     plain JAX trace, notes that the trace holds the values the call read (``_BAKED_STATES``)."""
-    pairs = zip(plan.write_states, new)
+    pairs = zip(plan.write_states, new, strict=True)
     if _under_jax_trace():
         _BAKED_STATES.update(plan.states)
         # Under a plain JAX transformation a write happens once per trace, not per
         # lane or derivative, and may leak a tracer: refused unless the State is local.
-        pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
+        pairs = [(s, v) for s, v, w in zip(plan.write_states, new, plan.written, strict=True) if w]
         refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace()]
         if refused:
             raise TraceContextError(
@@ -3047,7 +3047,7 @@ class StatefulFunction:
                 entry.traced.rules and plan is None and _under_jax_trace()):
             return None
         fresh = all(_stale_sig(read(state), sig, True) is None
-                    for state, sig in zip(entry.plan.states, entry.traced.state_sigs))
+                    for state, sig in zip(entry.plan.states, entry.traced.state_sigs, strict=True))
         return entry if fresh else None
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
@@ -3414,7 +3414,7 @@ class StatefulFunction:
                                  -entry.plan.token)
         returned = set(view.returned)
         new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
-        for j, value in zip(entry.plan.write_index, new):
+        for j, value in zip(entry.plan.write_index, new, strict=True):
             new_vals[at[j]] = value
         return tuple(new_vals), out
 
@@ -3559,7 +3559,7 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         values = {s: s.value for s in touched}
 
         def loss(grad_values, *args, **kwargs):
-            merged = {**values, **dict(zip(uniq, grad_values))}
+            merged = {**values, **dict(zip(uniq, grad_values, strict=True))}
             new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
             if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(f'grad(has_aux=True): {_who(inner)} must return a pair (loss, '
@@ -3569,7 +3569,7 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         diff = jax.grad(loss, (0, *(i % n + 1 for i in nums or ())), has_aux=True,
                         holomorphic=holomorphic, allow_int=allow_int)
         g, (value, aux, new) = diff([s.value for s in uniq], *args, **kwargs)
-        for state, written in zip(touched, new):
+        for state, written in zip(touched, new, strict=True):
             if written is not None:
                 state.value = written
         state_grads = tree.unflatten([g[0][uniq.index(s)] for s in states])
@@ -3676,7 +3676,7 @@ def _lane_args(sf, leaves, split):
                          'argument(s); give one axis (int or None) per argument, or one for all')
     axes = []   # one per flat leaf
     for i, (prefix, arg) in enumerate(zip([spec[i] for i in range(nargs) if i not in static_pos],
-                                          dyn_args)):
+                                          dyn_args, strict=True)):
         try:
             jax.tree_util.tree_map(lambda p, sub: axes.extend([p] * len(_leaves(sub))),
                                    prefix, arg, is_leaf=lambda x: x is None)
@@ -3688,7 +3688,7 @@ def _lane_args(sf, leaves, split):
              for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
     avals = [_aval_of(x) for x in leaves]
     lane_avals, arg_axes, sizes = list(avals), [None] * len(avals), []
-    for j, (path, aval, ax) in enumerate(zip(paths, avals, axes)):
+    for j, (path, aval, ax) in enumerate(zip(paths, avals, axes, strict=True)):
         if ax is None:
             continue
         if not _is_int(ax):
@@ -3785,7 +3785,7 @@ class StatefulMapping(StatefulFunction):
         n, states, run = found[0][1], traced.states, traced.runner()
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
-            axis is not None for axis, sig in zip(state_axes, traced.state_sigs) for _ in sig[1]]
+            state_axes[i] is not None for i, sig in enumerate(traced.state_sigs) for _ in sig[1]]
         out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
@@ -3825,12 +3825,12 @@ class StatefulMapping(StatefulFunction):
             return out_axes
         avals = [ShapedArray((n, *v.aval.shape) if b else v.aval.shape, v.aval.dtype,
                              weak_type=v.aval.weak_type)
-                 for v, b in zip(closed.jaxpr.invars, in_batched)]
+                 for v, b in zip(closed.jaxpr.invars, in_batched, strict=True)]
         run = _jaxpr_as_fun(closed)
         with _axis_env(self.axis_env):
             flags = _batched_flags(lambda *xs: [run(*xs)[j] for _, j in picked], avals,
                                    [0 if b else None for b in in_batched], self.axis_name, n)
-        for i in dict.fromkeys(i for (i, _), batched in zip(picked, flags) if batched):
+        for i in dict.fromkeys(i for (i, _), batched in zip(picked, flags, strict=True) if batched):
             message = (f'{_who(self)}: {traced.states[i]._describe()} came in unbatched but is '
                        'written with a batched value, so it leaves batched along axis 0. Declare '
                        'it with state_in_axes (batched in) or state_out_axes (batched out)')
@@ -3914,7 +3914,7 @@ def _pytree_slots(exported) -> list:
         return {data and data[0]}.union(*map(types, tree.children()))
 
     def keyed(tree):   # a dict node's (key, child) pairs
-        return zip(tree.node_data()[1], tree.children())
+        return zip(tree.node_data()[1], tree.children(), strict=True)
     (args, kwargs), (out, new) = exported.in_tree.children(), exported.out_tree.children()
     slots = [(f'argument {i}', t) for i, t in enumerate(args.children())]
     slots += [(f'keyword argument {k!r}', t) for k, t in keyed(kwargs) if k != 'states']
@@ -4041,16 +4041,16 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
                          "(State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
-    inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
+    inputs = {n: s._value for n, s, r in zip(names, traced.states, read, strict=True) if r}
     in_keys, out_keys = _key_impls((dyn_args, dyn_kwargs, inputs)), []
 
     def pure(*dyn_args, states, **dyn_kwargs):
         dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
         values = [states[n] if r else sig[0].unflatten([jnp.zeros(sh, dt) for sh, dt, _ in sig[1]])
-                  for n, r, sig in zip(names, read, traced.state_sigs)]
+                  for n, r, sig in zip(names, read, traced.state_sigs, strict=True)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
-        result = out, {n: v for n, v, role in zip(names, new, roles) if role != 'read'}
+        result = out, {n: v for n, v, role in zip(names, new, roles, strict=True) if role != 'read'}
         out_keys[:] = _key_impls(result)
         return _key_data(result)
     pure.__name__ = pure.__qualname__ = sf.name   # how jax.export's own errors name it
@@ -4063,8 +4063,8 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
         'function': sf.name, 'jax_version': jax.__version__, 'result_keys': out_keys,
         'static_arguments': {**{f'argument {i}': repr(v) for i, v in static_args},
                              **{f'keyword {k!r}': repr(v) for k, v in static_kwargs.items()}},
-        'states': [{'name': s._name, 'type': type(s).__name__, 'role': r,
-                    'created_at': _format_site(s._source)} for s, r in zip(traced.states, roles)]})
+        'states': [{'name': n, 'type': type(s).__name__, 'role': r, 'created_at': s.source_info}
+                   for n, s, r in zip(names, traced.states, roles, strict=True)]})
 
 
 def deserialize(data) -> Exported:
@@ -4173,7 +4173,7 @@ def _fold(jaxpr, consts, in_values=()):
         if outs is None:   # what is known of its inputs is final by now
             eqns.append(eqn.replace(invars=[substitute(v) for v in eqn.invars]))
         else:
-            known.update(zip(eqn.outvars, outs))
+            known.update(zip(eqn.outvars, outs, strict=True))
     outvars = [substitute(v) for v in jaxpr.outvars]
     used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
     constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
