@@ -2764,13 +2764,16 @@ class _Plan:
 
 
 class _Entry:
-    """One cache entry; ``view`` (what the accessors describe) may be built lazily;
-    ``prepared``: the dispatchers compiled for it."""
-    __slots__ = ('traced', 'plan', 'apply', 'view', 'prepared')
+    __slots__ = ('traced', 'plan', 'apply', '_described', 'prepared')
 
-    def __init__(self, traced, plan, apply, view):
-        self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
-        self.prepared = set()
+    def __init__(self, traced, plan, apply, described):
+        self.traced, self.plan, self.apply, self._described = traced, plan, apply, described
+        self.prepared = set()   # the keys of the dispatchers compiled for it
+
+    def described(self) -> _Traced:   # what the accessors describe
+        if type(self._described) is not _Traced:   # (StatefulMapping's: built on first use)
+            self._described = self._described()
+        return self._described
 
 
 def _write_back(who, plan, new) -> None:
@@ -3258,62 +3261,54 @@ class StatefulFunction:
         """``{cause: traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`)."""
         return dict(self._miss_causes)
 
-    # -- brainstate 0.2.1's accessors, with its names, signatures and return types.
-    # Each describes an entry's ``view``: for StatefulMapping the whole mapped call.
-    @staticmethod
-    def _view(entry) -> _Traced:
-        view = entry.view
-        if type(view) is not _Traced:    # built on first use (StatefulMapping)
-            view = entry.view = view()
-        return view
+    # -- brainstate 0.2.1's accessors (its names, signatures, return types): what entries describe.
+    def _described_by_key(self, key, context: str) -> _Traced:
+        return self._cache.get(key, raise_on_miss=True, error_context=context).described()
 
-    def _view_by_key(self, cache_key, context: str) -> _Traced:
-        return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
-
-    def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        return (self._view(self._lookup(args, kwargs)[1]) if compile_if_miss
-                else self._view_by_key(self._cache_key(args, kwargs)[0], context))
+    def _described_for(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
+        return (self._lookup(args, kwargs)[1].described() if compile_if_miss
+                else self._described_by_key(self._cache_key(args, kwargs)[0], context))
 
     def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
         """The ClosedJaxpr for these arguments."""
-        return self._view_of(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
+        return self._described_for(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
 
     def get_jaxpr_by_cache(self, cache_key):
         """:meth:`get_jaxpr` for a cache key."""
-        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
+        return self._described_by_key(cache_key, 'JAX expression').closed_jaxpr
 
     def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
         """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes``
         has one entry per state (``get_states()`` order), ``None`` where not returned."""
-        return self._view_of(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
+        return self._described_for(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
 
     def get_out_shapes_by_cache(self, cache_key):
         """:meth:`get_out_shapes` for a cache key."""
-        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
+        return self._described_by_key(cache_key, 'Output shapes').out_shapes()
 
     def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
         """The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both."""
-        return self._view_of(args, kwargs, compile_if_miss, 'Output tree').full_tree
+        return self._described_for(args, kwargs, compile_if_miss, 'Output tree').full_tree
 
     def get_out_treedef_by_cache(self, cache_key):
         """:meth:`get_out_treedef` for a cache key."""
-        return self._view_by_key(cache_key, 'Output tree').full_tree
+        return self._described_by_key(cache_key, 'Output tree').full_tree
 
     def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs):
         """The :class:`StateTraceStack` recorded while tracing."""
-        return self._view_of(args, kwargs, compile_if_miss, 'State trace').trace_stack
+        return self._described_for(args, kwargs, compile_if_miss, 'State trace').trace_stack
 
     def get_state_trace_by_cache(self, cache_key):
         """:meth:`get_state_trace` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').trace_stack
+        return self._described_by_key(cache_key, 'State trace').trace_stack
 
     def get_states(self, *args, compile_if_miss: bool = True, **kwargs):
         """Every touched State, in jaxpr-input order."""
-        return self._view_of(args, kwargs, compile_if_miss, 'State trace').states
+        return self._described_for(args, kwargs, compile_if_miss, 'State trace').states
 
     def get_states_by_cache(self, cache_key):
         """:meth:`get_states` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').states
+        return self._described_by_key(cache_key, 'State trace').states
 
     def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
         """The touched States that are only read."""
@@ -3343,8 +3338,8 @@ class StatefulFunction:
 
     def validate_states(self, cache_key) -> bool:
         """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
-        view = self._view_by_key(cache_key, 'State trace')
-        for state, sig in zip(view.states, view.state_sigs):
+        described = self._described_by_key(cache_key, 'State trace')
+        for state, sig in zip(described.states, described.state_sigs, strict=True):
             if (got := _stale_sig(state._value, sig)) is not None:
                 raise ValueError(
                     f'{state._describe()} changed from {sig} to {got} since it was traced; '
@@ -3390,20 +3385,20 @@ class StatefulFunction:
                             f'values in get_states() order, got {state_vals!r}') from None
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         _, entry, leaves = self._lookup(args, kwargs)
-        view = self._view(entry)
-        states = view.states
+        described = entry.described()
+        states = described.states
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
                 f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
                 'value(s); pass one value per state in get_states() order')
-        for state, value, sig in zip(states, state_vals, view.state_sigs):
+        for state, value, sig in zip(states, state_vals, described.state_sigs, strict=True):
             if (got := _stale_sig(value, sig)) is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
-        # The compiled call takes values in plan order (a StatefulMapping's view
-        # may permute it); returned states not written come back as given.
+        # The compiled call takes values in plan order (a StatefulMapping's accessors may
+        # order them otherwise); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         # A custom rule JAX traces now reads the States as given, not as they are.
@@ -3412,7 +3407,7 @@ class StatefulFunction:
                              else _baked(s)) if rules else contextlib.nullcontext():
             out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                                  -entry.plan.token)
-        returned = set(view.returned)
+        returned = set(described.returned)
         new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
         for j, value in zip(entry.plan.write_index, new, strict=True):
             new_vals[at[j]] = value
@@ -3436,7 +3431,7 @@ class StatefulFunction:
           b  float32[2]  state 'w' (State), read and written, created at ...
         """
         key, entry, _ = self._lookup(args, kwargs)
-        return _pretty(self._view(entry), key)
+        return _pretty(entry.described(), key)
 
     def __str__(self):
         keys = self._cache.keys()
@@ -3444,7 +3439,7 @@ class StatefulFunction:
         if entry is None:
             return f'{self!r}, not traced yet'
         return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
-                + _pretty(self._view(entry), keys[-1]))
+                + _pretty(entry.described(), keys[-1]))
 
     def __repr__(self):
         return f'{_public_class(self)}({self.name!r}, entries={len(self._cache)})'
@@ -4031,7 +4026,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
                         f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
     sf = fun if isinstance(fun, StatefulFunction) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
-    traced = sf._view(sf._entry_for(key, leaves, split, count=True))
+    traced = sf._entry_for(key, leaves, split, count=True).described()
     names, roles = [s._name for s in traced.states], _state_roles(traced)
     bad = ''.join(f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
                   for s in traced.states if not s._name or names.count(s._name) > 1)
