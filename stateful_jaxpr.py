@@ -501,21 +501,21 @@ class BatchAxisError(ValueError):
     """
 
 
-_USER_CODE = set()   # code objects of this file that are user code (the demo adds its own)
+_LIBRARY_END = sys.maxsize   # the first line of this file's user code (the demo's: section 12)
 
 
 def _outside(skip_jax: bool):
-    """``(frame, level)`` of the first caller outside this module (and JAX)."""
+    """``(frame, level)`` of the first caller outside this module's library code (and JAX)."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code not in _USER_CODE and (
-            frame.f_code.co_filename == __file__
+    while frame is not None and (
+            frame.f_code.co_filename == __file__ and frame.f_code.co_firstlineno < _LIBRARY_END
             or skip_jax and frame.f_code.co_filename.startswith(os.path.dirname(jax.__file__))):
         frame, level = frame.f_back, level + 1
     return frame, level
 
 
 def _user_site():
-    """``(filename, lineno, function)`` of the first caller outside this module."""
+    """``(filename, lineno, function)`` of the first caller outside this module's library code."""
     frame = _outside(skip_jax=False)[0]
     return frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
@@ -4255,7 +4255,7 @@ def main() -> None:
           f'   out={np.round(np.asarray(out), 3)}\n   h=\n{np.round(np.asarray(h.value), 3)}')
 
 
-_USER_CODE.add(main.__code__)   # where the demo's States are made: user code, shown as such
+_LIBRARY_END = main.__code__.co_firstlineno   # the demo is user code: its States show its lines
 
 if __name__ == '__main__':
     main()
