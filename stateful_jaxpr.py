@@ -1754,32 +1754,6 @@ def _hash_static(sf, where: str, value):
     return h
 
 
-def _call_key(sf, args, kwargs):
-    """``(key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs))``, clear errors."""
-    statics = _static_positions(sf, len(args))
-    static_args = tuple((i, args[i]) for i in statics)
-    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
-    static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v)) for i, v in static_args)
-    static_kw_key = tuple(sorted((k, _hash_static(sf, f'keyword argument {k!r}', v))
-                                 for k, v in static_kwargs.items()))
-    leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
-    leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
-    try:
-        sigs_a, sigs_k = tuple(map(_leaf_sig, leaves_a)), tuple(map(_leaf_sig, leaves_k))
-    except (TypeError, OverflowError):
-        _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
-        raise
-    key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
-                       static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-    try:
-        hash((static_args, tuple(static_kwargs.items())))
-    except TypeError:
-        sf._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
-    return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
-
-
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
     """Raises the error naming the first dynamic argument leaf that is not a JAX value."""
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
@@ -3039,7 +3013,31 @@ class StatefulFunction:
         self._plan_switches = 0
 
     # -- entries -----------------------------------------------------------------
-    _cache_key = _call_key
+    def _cache_key(self, args, kwargs):
+        """``(key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs))``, clear errors."""
+        statics = _static_positions(self, len(args))
+        static_args = tuple((i, args[i]) for i in statics)
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+        static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        static_key = tuple((i, _hash_static(self, f'positional argument {i}', v))
+                           for i, v in static_args)
+        static_kw_key = tuple(sorted((k, _hash_static(self, f'keyword argument {k!r}', v))
+                                     for k, v in static_kwargs.items()))
+        leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
+        leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
+        try:
+            sigs_a, sigs_k = tuple(map(_leaf_sig, leaves_a)), tuple(map(_leaf_sig, leaves_k))
+        except (TypeError, OverflowError):
+            _explain_bad_leaves(self, dyn_args, dyn_kwargs)
+            raise
+        key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
+                           static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
+        try:
+            hash((static_args, tuple(static_kwargs.items())))
+        except TypeError:
+            self._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
+        return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
     def _cached(self, key, read, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
