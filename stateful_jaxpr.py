@@ -1643,6 +1643,10 @@ class BoundedCache:
     def _record(self, hit: bool) -> None:
         next(self._hits if hit else self._misses)
 
+    def _items(self) -> list:   # ``(key, value)`` pairs, least recently used first
+        with self._lock:
+            return list(self._data.items())
+
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
@@ -1698,8 +1702,7 @@ class BoundedCache:
 
     def keys(self) -> list:
         """The stored keys, least recently used first."""
-        with self._lock:
-            return list(self._data.keys())
+        return [key for key, _ in self._items()]
 
     def clear(self) -> None:
         """Removes every entry and resets the statistics."""
@@ -1918,36 +1921,6 @@ def _state_differences(old_traced, new_traced) -> list:
     found += [('vanished state', f'no longer touched: {s._describe()}')
               for s in old_traced.states if id(s) not in new_ids]
     return found
-
-
-def _note_miss(sf, key, stale, entry) -> None:
-    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
-    with sf._cache._lock:
-        cached = [(key, stale)] if stale is not None else list(sf._cache._data.items())
-        first = not sf._miss_causes
-    near = None
-    if first:
-        found = [('first trace', '')]
-    elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
-        labels = _arg_labels(key)
-        near, old, found = min([(k, old, _key_differences(k, key, labels))
-                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
-        found = found + _state_differences(old.traced, entry.traced)
-    else:
-        found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                     f'cacheable; cache_size={sf._cache.maxsize})')]
-    with sf._cache._lock:
-        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
-    enabled = sf.explain_cache_misses
-    if first or not (_explain_default[0] if enabled is None else enabled):
-        return
-    lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
-        '  - nothing the cache key or the States show (the entry was not cacheable)'
-    logging.getLogger(__name__).warning(
-        '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-        _public_class(sf), sf.name, _key_summary(key),
-        'none' if near is None else f'({_key_summary(near)})',
-        ' (the same arguments; its States changed)' if stale is not None else '', lines)
 
 
 # =============================================================================
@@ -2996,8 +2969,7 @@ class StatefulFunction:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
-        self._cache, self._retracer = BoundedCache(128), _Retracer()
-        self._key_locks_guard = threading.Lock()
+        self._cache, self._retracer, self._guard = BoundedCache(128), _Retracer(), threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
 
@@ -3055,19 +3027,47 @@ class StatefulFunction:
         """The valid entry for ``key``, tracing (once per key, under its lock) when needed."""
         entry = hit = self._cached(key, read)
         if entry is None:
-            with self._key_locks_guard:
+            with self._guard:
                 lock = self._key_locks.setdefault(key, threading.RLock())
             with lock:
                 entry = hit = self._cached(key, read)
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
-                    _note_miss(self, key, stale, entry)
+                    self._note_miss(key, stale, entry)
                     # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
                     if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
                         self._cache._store(key, entry)
         if count:
             self._cache._record(hit is not None)
         return entry
+
+    def _note_miss(self, key, stale, entry) -> None:
+        """Counts why it traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
+        cached = [(key, stale)] if stale is not None else self._cache._items()
+        first = not self._miss_causes
+        near = None
+        if first:
+            found = [('first trace', '')]
+        elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
+            labels = _arg_labels(key)
+            near, old, found = min([(k, old, _key_differences(k, key, labels))
+                                    for k, old in reversed(cached)], key=lambda c: len(c[2]))
+            found = found + _state_differences(old.traced, entry.traced)
+        else:
+            found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                         f'cacheable; cache_size={self._cache.maxsize})')]
+        with self._guard:   # (a Counter's update is no single step)
+            self._miss_causes.update(list(dict.fromkeys(c for c, _ in found)) or ['unknown'])
+        enabled = self.explain_cache_misses
+        if first or not (_explain_default[0] if enabled is None else enabled):
+            return
+        lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
+            '  - nothing the cache key or the States show (the entry was not cacheable)'
+        logging.getLogger(__name__).warning(
+            '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
+            _public_class(self), self.name, _key_summary(key),
+            'none' if near is None else f'({_key_summary(near)})',
+            ' (the same arguments; its States changed)' if stale is not None else '', lines)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
         """Traces ``fun`` for these arguments into an entry whose ``apply`` runs the jaxpr."""
