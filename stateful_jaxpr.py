@@ -542,10 +542,6 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _label(state) -> str:
-    return state._name or type(state).__name__
-
-
 def _format_site(site) -> str:
     return 'an unknown place' if site is None else '{}:{} (in {})'.format(*site)
 
@@ -842,8 +838,23 @@ class State:
                             f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
                             'an array of an explicit wider dtype with jax_enable_x64 on')
 
+    def _label(self) -> str:
+        return self._name or type(self).__name__
+
     def _raise_broken(self):
         raise self._broken.error(self._broken.message)
+
+    def _break(self, error: type, message: str, shown: str) -> None:
+        self._broken = _Broken(error, message, shown)   # until it is assigned a value
+
+    def _orphan(self) -> None:   # its overlay ended: a tracer it kept from there leaves a shape
+        self._owner = None
+        if _contains_tracer(self._value):
+            self._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                 if isinstance(x, Tracer) else x, self._value)
+            self._break(TraceContextError, f'{self._describe()} holds a tracer from the finished '
+                        'trace that created it; return its value from the traced function, or '
+                        'create the State outside it', 'tracer from a finished trace')
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -1234,15 +1245,7 @@ class StateTraceStack:
     def _close(self):
         """Ends an overlay; States made inside that kept a tracer keep only its shape."""
         for state in self._owned:
-            state._owner = None
-            if _contains_tracer(state._value):
-                state._value = jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                    if isinstance(x, Tracer) else x, state._value)
-                state._broken = _Broken(TraceContextError, (
-                    f'{state._describe()} holds a tracer from the finished trace that created it; '
-                    'return its value from the traced function, or create the State outside it'),
-                    'tracer from a finished trace')
+            state._orphan()
         self._owned, self._values, self._side = [], {}, {}
 
     @property
@@ -1312,8 +1315,8 @@ class StateTraceStack:
         return StateTraceStack().merge(self, other)
 
     def __repr__(self):
-        rows = ', '.join(f'{_label(s)}:{"w" if w else "r"}'
-                         for s, w in zip(self.states, self.been_writen))
+        rows = ', '.join(f'{s._label()}:{"w" if w else "r"}'
+                         for s, w in zip(self.states, self.been_writen, strict=True))
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
@@ -2648,7 +2651,7 @@ def _pretty(traced: _Traced, key) -> str:
         for path in _leaf_paths(sig[0]):
             state_of.append(i)
             in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
-                            f'{roles[i]}, created at {_format_site(state._source)}')
+                            f'{roles[i]}, created at {state.source_info}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
     in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
     state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of, strict=True))
@@ -2801,7 +2804,7 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._broken = _Broken(
+                    state._break(
                         RuntimeError, f'{state._describe()} has no value: its buffer was donated '
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
@@ -3388,7 +3391,7 @@ class StatefulFunction:
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
-                f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
+                f'({", ".join(s._label() for s in states)}) but jaxpr_call got {len(state_vals)} '
                 'value(s); pass one value per state in get_states() order')
         for state, value, sig in zip(states, state_vals, described.state_sigs, strict=True):
             if (got := _stale_sig(value, sig)) is not None:
