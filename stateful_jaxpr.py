@@ -534,10 +534,6 @@ def _name_of(fun) -> str:
     return getattr(fun, '__name__', type(fun).__name__)
 
 
-def _identity(x):
-    return x
-
-
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -3244,9 +3240,10 @@ class StatefulFunction:
         ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form."""
         ntraces = _ctx.ntraces
         _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
-        out, new = (wrap or _identity)(entry.apply)([s.value for s in entry.plan.states], leaves)
-        for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
-            if written:   # (not the read ones return_only_write=False returns)
+        run = entry.apply if wrap is None else wrap(entry.apply)
+        out, new = run([s.value for s in entry.plan.states], leaves)
+        for state, value, w in zip(entry.plan.write_states, new, entry.plan.written, strict=True):
+            if w:   # written (not one of the read ones return_only_write=False returns)
                 state.value = value
         self._cache._record(_ctx.ntraces == ntraces)
         return out
