@@ -8,7 +8,23 @@ Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``, `
 and runs it compiled; :class:`StatefulMapping` maps one over a batch with per-state batch axes and
 per-lane random keys.  The file depends on ``jax`` only: copy it into your project.  Its numbered
 sections follow the data flow, from the compatibility shims (the only place that touches JAX
-internals) to a demo ``main()``.
+internals) to a demo ``main()``.  It uses these words in a sense of its own:
+stack: a StateTraceStack open in the thread: brainstate's recorder, an _EagerCall, a _TraceFrame.
+first touch: a State's first read or write under a stack, which records it (a trace: as new inputs).
+overlay: a stack holding what code inside reads and writes of each State, the State left as it was.
+side slot: a State's name, metadata, stack level or backup key, which an overlay holds like a value.
+cell: a State lifted as Refs, one per leaf, so that writes inside nested transformations get out.
+level: a cell's value in one differentiation it is touched in, with that differentiation's tangents.
+improvised: said of a cell made at a write, in a trace redone with the State a cell from the start.
+peel: to replace each tracer of an ended differentiation in a State written there by its primal.
+epoch: a size-1 named axis no jaxpr uses, bound while tracing: JAX keys its caches on bound axes.
+isolate, isolated run: to trace under a fresh epoch, so that JAX reuses no body it cached before.
+baked: said of a State a plain JAX trace read: a jaxpr JAX cached may hold its value as a constant.
+entry: what the cache keeps per call signature: the trace, its plan and how to run it (_Entry).
+plan: which States a compiled call reads, writes and donates, with its jitted dispatchers (_Plan).
+token: a plan's number, which keys its dispatchers; each multi-device layout of its States gets one.
+warm path, slow path: a call reusing the last call's plan and dispatcher; one looking its entry up.
+door: a function holding the locks of the States it changes, all or none, from read to write.
 
 Example
 -------
@@ -590,9 +606,7 @@ def _multi_device(leaf):
 # 3. States and the state trace stack
 #
 # Outside a stateful trace ``State.value`` is a plain attribute; inside, reads and writes go to the
-# thread's innermost frame (a StateTraceStack or section 6's _TraceFrame) through section 6's
-# ``_traced_read`` / ``_traced_write``, which may hold a value as Refs (``_RefCell``).  Side slots
-# (name, metadata, stack level, backup key) written in an overlay reach the State on a clean exit.
+# thread's innermost stacks through section 6's ``_traced_read`` / ``_traced_write``.
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
@@ -661,9 +675,8 @@ def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None
 
 
 # -- The door: every read-modify-write of State values outside a trace -----------------------
-# A compiled or eager call, a key drawn and an assignment hold the locks of the States they change
-# from the read to the write, taken all or none, so that no two wait for each other.  A host
-# callback runs inside its call, in its thread: it may read what the call holds.
+# Compiled and eager calls, key draws and assignments are doors, taking their locks all or none
+# so that no two wait for each other.  A host callback, run inside its call, may read what it holds.
 _state_locks = weakref.WeakKeyDictionary()   # State -> its lock (a copy gets its own)
 _DOORS = set()   # the code of the functions holding locks: their frames tell who holds what
 
@@ -890,8 +903,7 @@ class State:
         return self.replace()
 
     def __copy__(self) -> 'State':
-        # copy.copy keeps the creation site and stack level too.
-        new = self.replace()
+        new = self.replace()   # copy.copy keeps the creation site and stack level too
         new._source, new._stack_level = self._source, self.stack_level
         vars(new).update(vars(self))
         return new
@@ -1166,7 +1178,6 @@ class StateTraceStack:
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
         self.states, self.been_writen, self._originals, self._index = [], [], [], {}
-        # An overlay (with new_arg) keeps what code inside sees and writes, side slots too.
         self._overlays, self._values, self._side, self._owned = False, {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
@@ -2671,13 +2682,11 @@ def _pretty(traced: _Traced, key) -> str:
 # =============================================================================
 # 7. StatefulFunction
 #
-# A call must cost no more than a ``jax.jit`` call.  Each entry's *plan* (which states it reads,
-# writes, donates) gets one jitted dispatcher keyed by jax.jit's C++ cache; its miss re-enters
-# ``_dispatch_body``, which inlines the entry's jaxpr (so a first call traces once, as jax.jit
-# does).  A call takes the *warm path* (the last plan's dispatcher, no Python key), the *slow path*
-# (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
-# writing states through ``value``.  The first two go through the door (section 3), their
-# executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
+# A call must cost no more than a ``jax.jit`` call.  Each entry's plan gets one jitted dispatcher
+# keyed by jax.jit's C++ cache; its miss re-enters ``_dispatch_body``, which inlines the entry's
+# jaxpr (so a first call traces once, as jax.jit does).  Outside any trace a call takes the warm
+# path or else the slow path, each a door whose executable is traced and compiled before it (a
+# trace under its locks aborts: ``_Unprepared``); inside a stateful trace it joins that trace.
 # =============================================================================
 
 class _Unprepared(BaseException):
@@ -2693,8 +2702,7 @@ _MAX_PLAN_SWITCHES = 3
 
 
 class _Plan:
-    """Which states a compiled call reads, writes and donates, and its dispatchers; shared by
-    the entries that agree, and freed with the last of them."""
+    """A plan (see the module's glossary), shared by the entries that agree, freed with the last."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
                  'locks', 'dispatchers', 'layouts', '__weakref__')
 
@@ -2705,8 +2713,7 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
-        # By (token, nargs, donating): jax.jit; by multi-device layout: token.
-        self.dispatchers, self.layouts = {}, {}
+        self.dispatchers, self.layouts = {}, {}   # jit by (token, nargs, donating); token by layout
 
 
 class _Entry:
