@@ -1271,8 +1271,8 @@ class StateTraceStack:
                      if replace_read or w)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
-        """Current values of the recorded states; ``separate``: ``(write_values,
-        read_values)``, with ``None`` for the others where ``replace``."""
+        """The recorded states' current values; with ``separate``, a pair (the written states'
+        values, the read ones'), where ``replace`` puts ``None`` for the others in each."""
         return ((self.get_write_state_values(replace), self.get_read_state_values(replace))
                 if separate else tuple(s.value for s in self.states))
 
@@ -1734,7 +1734,7 @@ _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 
 # -- Argument keys: static arguments by value, dynamic ones by structure and leaf signature.
 def _static_spec(value, what: str) -> tuple:
-    """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
+    """One or a sequence of ints (``static_argnums``) or strs (``static_argnames``), as a tuple."""
     names = what == 'static_argnames'
     one = (lambda a: isinstance(a, str)) if names else _is_int
     items = () if value is None else (value,) if one(value) else value
@@ -3631,7 +3631,7 @@ remat = checkpoint
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
-    """``{axis: filter}`` or a bare filter (axis 0) → ``((axis, predicate), ...)``."""
+    """``spec`` (``{axis: filter}``, or a filter for axis 0) as ``((axis, predicate), ...)``."""
     items = () if spec is None else spec.items() if isinstance(spec, dict) else [(0, spec)]
     for axis, _ in items:
         if not _is_int(axis):
@@ -3654,7 +3654,7 @@ def _lane_aval(axis: int, aval, error: Callable):
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
-    """brainstate's order: batched-in states by axis, the rest by out axis, RandomStates."""
+    """``states`` in brainstate's order: batched in, by axis; others, by out axis; RandomStates."""
     def grouped(indices, axis_of):   # stable: groups in order of first appearance
         axes = list(dict.fromkeys(map(axis_of, indices)))
         return sorted(indices, key=lambda i: axes.index(axis_of(i)))
@@ -3665,7 +3665,7 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
 
 
 def _lane_args(sf, leaves, split):
-    """Per-lane avals and axes of the flat arguments, the sizes they imply, full avals."""
+    """The flat arguments' avals in a lane, their axes, the batch sizes they imply, their avals."""
     static_args, dyn_args, _, dyn_kwargs = split
     static_pos = {i for i, _ in static_args}
     nargs, spec = len(dyn_args) + len(static_pos), sf.in_axes
@@ -3842,7 +3842,7 @@ class StatefulMapping(StatefulFunction):
         return out_axes
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Per-lane trace, each state's axis (0 for RandomStates), ``sizes`` with states'."""
+        """Traces one lane: its trace, each state's axis (0 for a RandomState), all sizes seen."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
@@ -3970,7 +3970,7 @@ class Exported:
         return _EXPORT_MAGIC + hashlib.sha256(body).digest() + body
 
     def __call__(self, *args, states=None, **kwargs):
-        """``(outputs, {written state: new value})``, the arguments and ``states`` checked."""
+        """Runs on the checked arguments and ``states``: ``(outputs, {written state: value})``."""
         name = f"exported {self.manifest['function']!r}"
         roles = {s['name']: s['role'] for s in self.manifest['states']}
         if not isinstance(states, (dict, type(None))):
