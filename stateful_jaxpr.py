@@ -3827,10 +3827,10 @@ class StatefulMapping(StatefulFunction):
                              weak_type=v.aval.weak_type)
                  for v, b in zip(closed.jaxpr.invars, in_batched, strict=True)]
         run = _jaxpr_as_fun(closed)
-        with _axis_env(self.axis_env):
+        with _axis_env(self.axis_env):   # (no flags at all when no output is batched)
             flags = _batched_flags(lambda *xs: [run(*xs)[j] for _, j in picked], avals,
                                    [0 if b else None for b in in_batched], self.axis_name, n)
-        for i in dict.fromkeys(i for (i, _), batched in zip(picked, flags, strict=True) if batched):
+        for i in dict.fromkeys(i for (i, _), batched in zip(picked, flags) if batched):
             message = (f'{_who(self)}: {traced.states[i]._describe()} came in unbatched but is '
                        'written with a batched value, so it leaves batched along axis 0. Declare '
                        'it with state_in_axes (batched in) or state_out_axes (batched out)')
