@@ -8,7 +8,23 @@ Write ``state.value += x`` in ordinary Python and still use ``jit``, ``vmap``, `
 and runs it compiled; :class:`StatefulMapping` maps one over a batch with per-state batch axes and
 per-lane random keys.  The file depends on ``jax`` only: copy it into your project.  Its numbered
 sections follow the data flow, from the compatibility shims (the only place that touches JAX
-internals) to a demo ``main()``.
+internals) to a demo ``main()``.  It uses these words in a sense of its own:
+stack: a StateTraceStack open in the thread: brainstate's recorder, an _EagerCall, a _TraceFrame.
+first touch: a State's first read or write under a stack, which records it (a trace: as new inputs).
+overlay: a stack holding what code inside reads and writes of each State, the State left as it was.
+side slot: a State's name, metadata, stack level or backup key, which an overlay holds like a value.
+cell: a State lifted as Refs, one per leaf, so that writes inside nested transformations get out.
+level: a cell's value in one differentiation it is touched in, with that differentiation's tangents.
+improvised: said of a cell made at a write, in a trace redone with the State a cell from the start.
+peel: to replace each tracer of an ended differentiation in a State written there by its primal.
+epoch: a size-1 named axis no jaxpr uses, bound while tracing: JAX keys its caches on bound axes.
+isolate, isolated run: to trace under a fresh epoch, so that JAX reuses no body it cached before.
+baked: said of a State a plain JAX trace read: a jaxpr JAX cached may hold its value as a constant.
+entry: what the cache keeps per call signature: the trace, its plan and how to run it (_Entry).
+plan: which States a compiled call reads, writes and donates, with its jitted dispatchers (_Plan).
+token: a plan's number, which keys its dispatchers; each multi-device layout of its States gets one.
+warm path, slow path: a call reusing the last call's plan and dispatcher; one looking its entry up.
+door: a function holding the locks of the States it changes, all or none, from read to write.
 
 Example
 -------
@@ -521,21 +537,21 @@ class BatchAxisError(ValueError):
     """
 
 
-_USER_CODE = set()   # code objects of this file that are user code (the demo adds its own)
+_LIBRARY_END = sys.maxsize   # the first line of this file's user code (the demo's: section 12)
 
 
 def _outside(skip_jax: bool):
-    """``(frame, level)`` of the first caller outside this module (and JAX)."""
+    """``(frame, level)`` of the first caller outside this module's library code (and JAX)."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code not in _USER_CODE and (
-            frame.f_code.co_filename == __file__
+    while frame is not None and (
+            frame.f_code.co_filename == __file__ and frame.f_code.co_firstlineno < _LIBRARY_END
             or skip_jax and frame.f_code.co_filename.startswith(os.path.dirname(jax.__file__))):
         frame, level = frame.f_back, level + 1
     return frame, level
 
 
 def _user_site():
-    """``(filename, lineno, function)`` of the first caller outside this module."""
+    """``(filename, lineno, function)`` of the first caller outside this module's library code."""
     frame = _outside(skip_jax=False)[0]
     return frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
@@ -554,16 +570,8 @@ def _name_of(fun) -> str:
     return getattr(fun, '__name__', type(fun).__name__)
 
 
-def _identity(x):
-    return x
-
-
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _label(state) -> str:
-    return state._name or type(state).__name__
 
 
 def _format_site(site) -> str:
@@ -596,7 +604,7 @@ def _stale_sig(value, sig, weak_type: bool = False):
     except TypeError:
         return 'not a pytree of arrays'
     same = got == sig or (not weak_type and got[0] == sig[0]
-                          and all(a[:2] == b[:2] for a, b in zip(got[1], sig[1])))
+                          and all(a[:2] == b[:2] for a, b in zip(got[1], sig[1], strict=True)))
     return None if same else got
 
 
@@ -618,9 +626,7 @@ def _multi_device(leaf):
 # 3. States and the state trace stack
 #
 # Outside a stateful trace ``State.value`` is a plain attribute; inside, reads and writes go to the
-# thread's innermost frame (a StateTraceStack or section 6's _TraceFrame) through section 6's
-# ``_traced_read`` / ``_traced_write``, which may hold a value as Refs (``_RefCell``).  Side slots
-# (name, metadata, stack level, backup key) written in an overlay reach the State on a clean exit.
+# thread's innermost stacks through section 6's ``_traced_read`` / ``_traced_write``.
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
@@ -689,9 +695,8 @@ def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None
 
 
 # -- The door: every read-modify-write of State values outside a trace -----------------------
-# A compiled or eager call, a key drawn and an assignment hold the locks of the States they change
-# from the read to the write, taken all or none, so that no two wait for each other.  A host
-# callback runs inside its call, in its thread: it may read what the call holds.
+# Compiled and eager calls, key draws and assignments are doors, taking their locks all or none
+# so that no two wait for each other.  A host callback, run inside its call, may read what it holds.
 _state_locks = weakref.WeakKeyDictionary()   # State -> its lock (a copy gets its own)
 _DOORS = set()   # the code of the functions holding locks: their frames tell who holds what
 
@@ -862,8 +867,23 @@ class State:
                             f"{info.dtype} (JAX's integer type here); pass it as a float, or as "
                             'an array of an explicit wider dtype with jax_enable_x64 on')
 
+    def _label(self) -> str:
+        return self._name or type(self).__name__
+
     def _raise_broken(self):
         raise self._broken.error(self._broken.message)
+
+    def _break(self, error: type, message: str, shown: str) -> None:
+        self._broken = _Broken(error, message, shown)   # until it is assigned a value
+
+    def _orphan(self) -> None:   # its overlay ended: a tracer it kept from there leaves a shape
+        self._owner = None
+        if _contains_tracer(self._value):
+            self._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                 if isinstance(x, Tracer) else x, self._value)
+            self._break(TraceContextError, f'{self._describe()} holds a tracer from the finished '
+                        'trace that created it; return its value from the traced function, or '
+                        'create the State outside it', 'tracer from a finished trace')
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -903,8 +923,7 @@ class State:
         return self.replace()
 
     def __copy__(self) -> 'State':
-        # copy.copy keeps the creation site and stack level too.
-        new = self.replace()
+        new = self.replace()   # copy.copy keeps the creation site and stack level too
         new._source, new._stack_level = self._source, self.stack_level
         vars(new).update(vars(self))
         return new
@@ -1179,7 +1198,6 @@ class StateTraceStack:
     def __init__(self, new_arg: Callable | None = None, name: str | None = None):
         self.name = name
         self.states, self.been_writen, self._originals, self._index = [], [], [], {}
-        # An overlay (with new_arg) keeps what code inside sees and writes, side slots too.
         self._overlays, self._values, self._side, self._owned = False, {}, {}, []
         if new_arg is not None:
             if not callable(new_arg):
@@ -1254,14 +1272,7 @@ class StateTraceStack:
     def _close(self):
         """Ends an overlay; States made inside that kept a tracer keep only its shape."""
         for state in self._owned:
-            state._owner = None
-            if _contains_tracer(state._value):
-                state._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
-                    x.shape, x.dtype) if isinstance(x, Tracer) else x, state._value)
-                state._broken = _Broken(TraceContextError, (
-                    f'{state._describe()} holds a tracer from the finished trace that created it; '
-                    'return its value from the traced function, or create the State outside it'),
-                    'tracer from a finished trace')
+            state._orphan()
         self._owned, self._values, self._side = [], {}, {}
 
     @property
@@ -1271,17 +1282,17 @@ class StateTraceStack:
 
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
-        return tuple(None if w else s for s, w in zip(self.states, self.been_writen)
+        return tuple(None if w else s for s, w in zip(self.states, self.been_writen, strict=True)
                      if replace_writen or not w)
 
     def get_write_states(self, replace_read: bool = False) -> tuple:
         """States written (read-only ones are ``None`` with ``replace_read``)."""
-        return tuple(s if w else None for s, w in zip(self.states, self.been_writen)
+        return tuple(s if w else None for s, w in zip(self.states, self.been_writen, strict=True)
                      if replace_read or w)
 
     def get_state_values(self, separate: bool = False, replace: bool = False) -> tuple:
-        """Current values of the recorded states; ``separate``: ``(write_values,
-        read_values)``, with ``None`` for the others where ``replace``."""
+        """The recorded states' current values; with ``separate``, a pair (the written states'
+        values, the read ones'), where ``replace`` puts ``None`` for the others in each."""
         return ((self.get_write_state_values(replace), self.get_read_state_values(replace))
                 if separate else tuple(s.value for s in self.states))
 
@@ -1299,7 +1310,7 @@ class StateTraceStack:
 
     def recovery_original_values(self) -> None:
         """Gives every recorded state back the value it had when first touched."""
-        for state, original in zip(self.states, self._originals):
+        for state, original in zip(self.states, self._originals, strict=True):
             if (original is not None and type(original) is not _RefCell
                     and not _contains_tracer(original)):
                 state.restore_value(original)
@@ -1316,14 +1327,14 @@ class StateTraceStack:
             raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
                              f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
-                                          self.been_writen):
+                                          self.been_writen, strict=True):
             state._assign(wv if written else rv, written)
 
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""
         for stack in others:
-            for state, written, original in zip(stack.states, stack.been_writen, stack._originals):
-                self._touch(state, original, written)
+            for touched in zip(stack.states, stack._originals, stack.been_writen, strict=True):
+                self._touch(*touched)
         return self
 
     def __add__(self, other: 'StateTraceStack') -> 'StateTraceStack':
@@ -1331,8 +1342,8 @@ class StateTraceStack:
         return StateTraceStack().merge(self, other)
 
     def __repr__(self):
-        rows = ', '.join(f'{_label(s)}:{"w" if w else "r"}'
-                         for s, w in zip(self.states, self.been_writen))
+        rows = ', '.join(f'{s._label()}:{"w" if w else "r"}'
+                         for s, w in zip(self.states, self.been_writen, strict=True))
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
 
 
@@ -1662,6 +1673,10 @@ class BoundedCache:
     def _record(self, hit: bool) -> None:
         next(self._hits if hit else self._misses)
 
+    def _items(self) -> list:   # ``(key, value)`` pairs, least recently used first
+        with self._lock:
+            return list(self._data.items())
+
     def _peek(self, key, default=None):
         """Lookup without statistics (refreshes recency)."""
         with self._lock:
@@ -1717,8 +1732,7 @@ class BoundedCache:
 
     def keys(self) -> list:
         """The stored keys, least recently used first."""
-        with self._lock:
-            return list(self._data.keys())
+        return [key for key, _ in self._items()]
 
     def clear(self) -> None:
         """Removes every entry and resets the statistics."""
@@ -1740,7 +1754,7 @@ _BoundedCache = BoundedCache   # brainstate 0.2.1's name for it
 
 # -- Argument keys: static arguments by value, dynamic ones by structure and leaf signature.
 def _static_spec(value, what: str) -> tuple:
-    """``static_argnums`` (ints) / ``static_argnames`` (strs): one or a sequence."""
+    """One or a sequence of ints (``static_argnums``) or strs (``static_argnames``), as a tuple."""
     names = what == 'static_argnames'
     one = (lambda a: isinstance(a, str)) if names else _is_int
     items = () if value is None else (value,) if one(value) else value
@@ -1771,32 +1785,6 @@ def _hash_static(sf, where: str, value):
                         'hashable; static arguments are cache keys. Pass a hashable value (e.g. a '
                         'tuple) or make the argument dynamic') from None
     return h
-
-
-def _call_key(sf, args, kwargs):
-    """``(key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs))``, clear errors."""
-    statics = _static_positions(sf, len(args))
-    static_args = tuple((i, args[i]) for i in statics)
-    dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-    static_kwargs = {k: v for k, v in kwargs.items() if k in sf.static_argnames}
-    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in sf.static_argnames}
-    static_key = tuple((i, _hash_static(sf, f'positional argument {i}', v)) for i, v in static_args)
-    static_kw_key = tuple(sorted((k, _hash_static(sf, f'keyword argument {k!r}', v))
-                                 for k, v in static_kwargs.items()))
-    leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
-    leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
-    try:
-        sigs_a, sigs_k = tuple(map(_leaf_sig, leaves_a)), tuple(map(_leaf_sig, leaves_k))
-    except (TypeError, OverflowError):
-        _explain_bad_leaves(sf, dyn_args, dyn_kwargs)
-        raise
-    key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
-                       static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-    try:
-        hash((static_args, tuple(static_kwargs.items())))
-    except TypeError:
-        sf._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
-    return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
 
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
@@ -1858,7 +1846,7 @@ def _value_text(sig) -> str:
     if treedef.num_nodes == 1 and len(texts) == 1:
         return texts[0]
     return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
-                           for p, t in zip(_leaf_paths(treedef), texts)) + '}'
+                           for p, t in zip(_leaf_paths(treedef), texts, strict=True)) + '}'
 
 
 def _leaf_paths(treedef) -> list:
@@ -1896,8 +1884,8 @@ def _static_items(key) -> list:
 def _key_summary(key) -> str:
     """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
     sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
-    items = [f'{label}: {_sig_text(*sig)}' for label, sig in zip(_arg_labels(key), sigs)]
-    items += [f'{label}={value!r}' for label, value in _static_items(key)]
+    items = [f'{name}: {_sig_text(*sig)}' for name, sig in zip(_arg_labels(key), sigs, strict=True)]
+    items += [f'{name}={value!r}' for name, value in _static_items(key)]
     more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
     return ', '.join(items[:6]) + more or 'no arguments'
 
@@ -1948,14 +1936,14 @@ def _key_differences(old, new, labels) -> list:
             found.append(('argument structure', f'{what} argument structure: {tree_a} -> {tree_b}'))
         else:
             found += [('argument shape/dtype', f'{label}: {_sig_text(*a)} -> {_sig_text(*b)}')
-                      for label, a, b in zip(here, sigs_a, sigs_b) if a != b]
+                      for label, a, b in zip(here, sigs_a, sigs_b, strict=True) if a != b]
     return found
 
 
 def _state_differences(old_traced, new_traced) -> list:
     """``(cause, line)`` per State whose value changed shape, or which one trace lacks."""
     found = [('state shape/dtype', f'{s._describe()}: {_value_text(sig)} -> {_value_text(now)}')
-             for s, sig in zip(old_traced.states, old_traced.state_sigs)
+             for s, sig in zip(old_traced.states, old_traced.state_sigs, strict=True)
              if (now := _value_sig(s._value)) != sig]
     old_ids, new_ids = ({id(s) for s in t.states} for t in (old_traced, new_traced))
     found += [('new state', f'newly touched: {s._describe()}')
@@ -1963,36 +1951,6 @@ def _state_differences(old_traced, new_traced) -> list:
     found += [('vanished state', f'no longer touched: {s._describe()}')
               for s in old_traced.states if id(s) not in new_ids]
     return found
-
-
-def _note_miss(sf, key, stale, entry) -> None:
-    """Counts why ``sf`` traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
-    with sf._cache._lock:
-        cached = [(key, stale)] if stale is not None else list(sf._cache._data.items())
-        first = not sf._miss_causes
-    near = None
-    if first:
-        found = [('first trace', '')]
-    elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
-        labels = _arg_labels(key)
-        near, old, found = min([(k, old, _key_differences(k, key, labels))
-                                for k, old in reversed(cached)], key=lambda c: len(c[2]))
-        found = found + _state_differences(old.traced, entry.traced)
-    else:
-        found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
-                                     f'cacheable; cache_size={sf._cache.maxsize})')]
-    with sf._cache._lock:
-        sf._miss_causes.update(list(dict.fromkeys(cause for cause, _ in found)) or ['unknown'])
-    enabled = sf.explain_cache_misses
-    if first or not (_explain_default[0] if enabled is None else enabled):
-        return
-    lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
-        '  - nothing the cache key or the States show (the entry was not cacheable)'
-    logging.getLogger(__name__).warning(
-        '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
-        _public_class(sf), sf.name, _key_summary(key),
-        'none' if near is None else f'({_key_summary(near)})',
-        ' (the same arguments; its States changed)' if stale is not None else '', lines)
 
 
 # =============================================================================
@@ -2478,9 +2436,9 @@ def _forward_unchanged(jaxpr):
         eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
                           params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
-        for out, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies)):
+        for v, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies), strict=True):
             if len(set(at)) == 1 and at[0] is not None:
-                sub[out] = operands[at[0]]
+                sub[v] = operands[at[0]]
         eqns.append(eqn)
     return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns,
                     outvars=[fwd(v) for v in inner.outvars])
@@ -2503,11 +2461,11 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     refs = iter(v for v in closed.jaxpr.invars if _is_ref(v.aval))
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
     looping = set().union(*(_written_refs(e) for e, found in per_eqn if 'while' in found))
-    if culprits := [c.state._describe() for c, own in zip(cells, owned)
+    if culprits := [c.state._describe() for c, own in zip(cells, owned, strict=True)
                     if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
-    lost = [c.state._describe() for c, own in zip(cells, owned)
+    lost = [c.state._describe() for c, own in zip(cells, owned, strict=True)
             if not kept & own and c.staged and not c.adopted]
     if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
         raise _cannot('dropped', ', '.join(lost))
@@ -2755,7 +2713,7 @@ def _state_roles(traced) -> list:
     invars = iter(jaxpr.invars[len(jaxpr.invars) - sum(len(s[1]) for s in traced.state_sigs):])
     value_used = [any([next(invars) in used for _ in sig[1]]) for sig in traced.state_sigs]
     return [('read and written' if read else 'written') if written else 'read'
-            for read, written in zip(value_used, traced.trace_stack.been_writen)]
+            for read, written in zip(value_used, traced.trace_stack.been_writen, strict=True)]
 
 
 def _pretty(traced: _Traced, key) -> str:
@@ -2768,16 +2726,16 @@ def _pretty(traced: _Traced, key) -> str:
         seen[base] = n = seen.get(base, 0) + 1
         labels.append(base if n == 1 else f'{base}#{n}')
     state_of, in_roles = [], []
-    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs)):
+    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs, strict=True)):
         for path in _leaf_paths(sig[0]):
             state_of.append(i)
             in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
-                            f'{roles[i]}, created at {_format_site(state._source)}')
+                            f'{roles[i]}, created at {state.source_info}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
     in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
-    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of))
+    state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of, strict=True))
     out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
-    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:]):
+    for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:], strict=True):
         i = traced.returned[path[0].idx]
         unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
         out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
@@ -2789,20 +2747,18 @@ def _pretty(traced: _Traced, key) -> str:
     for title, names, vars_, roles_ in [('inputs', names_in, jaxpr.invars, in_roles),
                                         ('outputs', names_out, jaxpr.outvars, out_roles)]:
         lines += [f'{title}:'] + [f'  {n:<{width}}  {v.aval.str_short():<{awidth}}  {r}'
-                                  for n, v, r in zip(names, vars_, roles_)]
+                                  for n, v, r in zip(names, vars_, roles_, strict=True)]
     return '\n'.join(lines)
 
 
 # =============================================================================
 # 7. StatefulFunction
 #
-# A call must cost no more than a ``jax.jit`` call.  Each entry's *plan* (which states it reads,
-# writes, donates) gets one jitted dispatcher keyed by jax.jit's C++ cache; its miss re-enters
-# ``_dispatch_body``, which inlines the entry's jaxpr (so a first call traces once, as jax.jit
-# does).  A call takes the *warm path* (the last plan's dispatcher, no Python key), the *slow path*
-# (key, entry, dispatcher), or inside an enclosing stateful trace the *in-trace path*, reading and
-# writing states through ``value``.  The first two go through the door (section 3), their
-# executable traced and compiled before it: a trace under the locks aborts (``_Unprepared``).
+# A call must cost no more than a ``jax.jit`` call.  Each entry's plan gets one jitted dispatcher
+# keyed by jax.jit's C++ cache; its miss re-enters ``_dispatch_body``, which inlines the entry's
+# jaxpr (so a first call traces once, as jax.jit does).  Outside any trace a call takes the warm
+# path or else the slow path, each a door whose executable is traced and compiled before it (a
+# trace under its locks aborts: ``_Unprepared``); inside a stateful trace it joins that trace.
 # =============================================================================
 
 class _Unprepared(BaseException):
@@ -2818,8 +2774,7 @@ _MAX_PLAN_SWITCHES = 3
 
 
 class _Plan:
-    """Which states a compiled call reads, writes and donates, and its dispatchers; shared by
-    the entries that agree, and freed with the last of them."""
+    """A plan (see the module's glossary), shared by the entries that agree, freed with the last."""
     __slots__ = ('token', 'states', 'write_states', 'write_index', 'written', 'donated', 'kept',
                  'locks', 'dispatchers', 'layouts', '__weakref__')
 
@@ -2830,29 +2785,31 @@ class _Plan:
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
-        # By (token, nargs, donating): jax.jit; by multi-device layout: token.
-        self.dispatchers, self.layouts = {}, {}
+        self.dispatchers, self.layouts = {}, {}   # jit by (token, nargs, donating); token by layout
 
 
 class _Entry:
-    """One cache entry; ``view`` (what the accessors describe) may be built lazily;
-    ``prepared``: the dispatchers compiled for it."""
-    __slots__ = ('traced', 'plan', 'apply', 'view', 'prepared')
+    __slots__ = ('traced', 'plan', 'apply', '_described', 'prepared')
 
-    def __init__(self, traced, plan, apply, view):
-        self.traced, self.plan, self.apply, self.view = traced, plan, apply, view
-        self.prepared = set()
+    def __init__(self, traced, plan, apply, described):
+        self.traced, self.plan, self.apply, self._described = traced, plan, apply, described
+        self.prepared = set()   # the keys of the dispatchers compiled for it
+
+    def described(self) -> _Traced:   # what the accessors describe
+        if type(self._described) is not _Traced:   # (StatefulMapping's: built on first use)
+            self._described = self._described()
+        return self._described
 
 
 def _write_back(who, plan, new) -> None:
     """Gives ``plan``'s written States the values a compiled call of ``who`` returned; under a
     plain JAX trace, notes that the trace holds the values the call read (``_BAKED_STATES``)."""
-    pairs = zip(plan.write_states, new)
+    pairs = zip(plan.write_states, new, strict=True)
     if _under_jax_trace():
         _BAKED_STATES.update(plan.states)
         # Under a plain JAX transformation a write happens once per trace, not per
         # lane or derivative, and may leak a tracer: refused unless the State is local.
-        pairs = [(s, v) for s, v, written in zip(plan.write_states, new, plan.written) if written]
+        pairs = [(s, v) for s, v, w in zip(plan.write_states, new, plan.written, strict=True) if w]
         refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace()]
         if refused:
             raise TraceContextError(
@@ -2922,7 +2879,7 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._broken = _Broken(
+                    state._break(
                         RuntimeError, f'{state._describe()} has no value: its buffer was donated '
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
@@ -3090,8 +3047,7 @@ class StatefulFunction:
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
         self.explain_cache_misses = _explain_flag(explain_cache_misses)
-        self._cache, self._lessons = BoundedCache(128), _Lessons()
-        self._key_locks_guard = threading.Lock()
+        self._cache, self._lessons, self._guard = BoundedCache(128), _Lessons(), threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
 
@@ -3107,7 +3063,31 @@ class StatefulFunction:
         self._plan_switches = 0
 
     # -- entries -----------------------------------------------------------------
-    _cache_key = _call_key
+    def _cache_key(self, args, kwargs):
+        """``(key, leaves, (static_args, dyn_args, static_kwargs, dyn_kwargs))``, clear errors."""
+        statics = _static_positions(self, len(args))
+        static_args = tuple((i, args[i]) for i in statics)
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+        static_kwargs = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        static_key = tuple((i, _hash_static(self, f'positional argument {i}', v))
+                           for i, v in static_args)
+        static_kw_key = tuple(sorted((k, _hash_static(self, f'keyword argument {k!r}', v))
+                                     for k, v in static_kwargs.items()))
+        leaves_a, tree_a = jax.tree_util.tree_flatten(dyn_args)
+        leaves_k, tree_k = jax.tree_util.tree_flatten(dyn_kwargs)
+        try:
+            sigs_a, sigs_k = tuple(map(_leaf_sig, leaves_a)), tuple(map(_leaf_sig, leaves_k))
+        except (TypeError, OverflowError):
+            _explain_bad_leaves(self, dyn_args, dyn_kwargs)
+            raise
+        key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
+                           static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
+        try:
+            hash((static_args, tuple(static_kwargs.items())))
+        except TypeError:
+            self._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
+        return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
     def _cached(self, key, read, plan=None):
         """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
@@ -3118,26 +3098,54 @@ class StatefulFunction:
                 entry.traced.rules and plan is None and _under_jax_trace()):
             return None
         fresh = all(_stale_sig(read(state), sig, True) is None
-                    for state, sig in zip(entry.plan.states, entry.traced.state_sigs))
+                    for state, sig in zip(entry.plan.states, entry.traced.state_sigs, strict=True))
         return entry if fresh else None
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
         """The valid entry for ``key``, tracing (once per key, under its lock) when needed."""
         entry = hit = self._cached(key, read)
         if entry is None:
-            with self._key_locks_guard:
+            with self._guard:
                 lock = self._key_locks.setdefault(key, threading.RLock())
             with lock:
                 entry = hit = self._cached(key, read)
                 if entry is None:
                     stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
-                    _note_miss(self, key, stale, entry)
+                    self._note_miss(key, stale, entry)
                     # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
                     if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
                         self._cache._store(key, entry)
         if count:
             self._cache._record(hit is not None)
         return entry
+
+    def _note_miss(self, key, stale, entry) -> None:
+        """Counts why it traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
+        cached = [(key, stale)] if stale is not None else self._cache._items()
+        first = not self._miss_causes
+        near = None
+        if first:
+            found = [('first trace', '')]
+        elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
+            labels = _arg_labels(key)
+            near, old, found = min([(k, old, _key_differences(k, key, labels))
+                                    for k, old in reversed(cached)], key=lambda c: len(c[2]))
+            found = found + _state_differences(old.traced, entry.traced)
+        else:
+            found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
+                                         f'cacheable; cache_size={self._cache.maxsize})')]
+        with self._guard:   # (a Counter's update is no single step)
+            self._miss_causes.update(list(dict.fromkeys(c for c, _ in found)) or ['unknown'])
+        enabled = self.explain_cache_misses
+        if first or not (_explain_default[0] if enabled is None else enabled):
+            return
+        lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
+            '  - nothing the cache key or the States show (the entry was not cacheable)'
+        logging.getLogger(__name__).warning(
+            '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
+            _public_class(self), self.name, _key_summary(key),
+            'none' if near is None else f'({_key_summary(near)})',
+            ' (the same arguments; its States changed)' if stale is not None else '', lines)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
         """Traces ``fun`` for these arguments into an entry whose ``apply`` runs the jaxpr."""
@@ -3311,9 +3319,10 @@ class StatefulFunction:
         ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form."""
         ntraces = _ctx.ntraces
         _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
-        out, new = (wrap or _identity)(entry.apply)([s.value for s in entry.plan.states], leaves)
-        for state, value, written in zip(entry.plan.write_states, new, entry.plan.written):
-            if written:   # (not the read ones return_only_write=False returns)
+        run = entry.apply if wrap is None else wrap(entry.apply)
+        out, new = run([s.value for s in entry.plan.states], leaves)
+        for state, value, w in zip(entry.plan.write_states, new, entry.plan.written, strict=True):
+            if w:   # written (not one of the read ones return_only_write=False returns)
                 state.value = value
         self._cache._record(_ctx.ntraces == ntraces)
         return out
@@ -3329,62 +3338,54 @@ class StatefulFunction:
         """``{cause: traces}`` since ``clear_cache()`` (see :func:`explain_cache_misses`)."""
         return dict(self._miss_causes)
 
-    # -- brainstate 0.2.1's accessors, with its names, signatures and return types.
-    # Each describes an entry's ``view``: for StatefulMapping the whole mapped call.
-    @staticmethod
-    def _view(entry) -> _Traced:
-        view = entry.view
-        if type(view) is not _Traced:    # built on first use (StatefulMapping)
-            view = entry.view = view()
-        return view
+    # -- brainstate 0.2.1's accessors (its names, signatures, return types): what entries describe.
+    def _described_by_key(self, key, context: str) -> _Traced:
+        return self._cache.get(key, raise_on_miss=True, error_context=context).described()
 
-    def _view_by_key(self, cache_key, context: str) -> _Traced:
-        return self._view(self._cache.get(cache_key, raise_on_miss=True, error_context=context))
-
-    def _view_of(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
-        return (self._view(self._lookup(args, kwargs)[1]) if compile_if_miss
-                else self._view_by_key(self._cache_key(args, kwargs)[0], context))
+    def _described_for(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
+        return (self._lookup(args, kwargs)[1].described() if compile_if_miss
+                else self._described_by_key(self._cache_key(args, kwargs)[0], context))
 
     def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
         """The ClosedJaxpr for these arguments."""
-        return self._view_of(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
+        return self._described_for(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
 
     def get_jaxpr_by_cache(self, cache_key):
         """:meth:`get_jaxpr` for a cache key."""
-        return self._view_by_key(cache_key, 'JAX expression').closed_jaxpr
+        return self._described_by_key(cache_key, 'JAX expression').closed_jaxpr
 
     def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
         """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes``
         has one entry per state (``get_states()`` order), ``None`` where not returned."""
-        return self._view_of(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
+        return self._described_for(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
 
     def get_out_shapes_by_cache(self, cache_key):
         """:meth:`get_out_shapes` for a cache key."""
-        return self._view_by_key(cache_key, 'Output shapes').out_shapes()
+        return self._described_by_key(cache_key, 'Output shapes').out_shapes()
 
     def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
         """The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both."""
-        return self._view_of(args, kwargs, compile_if_miss, 'Output tree').full_tree
+        return self._described_for(args, kwargs, compile_if_miss, 'Output tree').full_tree
 
     def get_out_treedef_by_cache(self, cache_key):
         """:meth:`get_out_treedef` for a cache key."""
-        return self._view_by_key(cache_key, 'Output tree').full_tree
+        return self._described_by_key(cache_key, 'Output tree').full_tree
 
     def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs):
         """The :class:`StateTraceStack` recorded while tracing."""
-        return self._view_of(args, kwargs, compile_if_miss, 'State trace').trace_stack
+        return self._described_for(args, kwargs, compile_if_miss, 'State trace').trace_stack
 
     def get_state_trace_by_cache(self, cache_key):
         """:meth:`get_state_trace` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').trace_stack
+        return self._described_by_key(cache_key, 'State trace').trace_stack
 
     def get_states(self, *args, compile_if_miss: bool = True, **kwargs):
         """Every touched State, in jaxpr-input order."""
-        return self._view_of(args, kwargs, compile_if_miss, 'State trace').states
+        return self._described_for(args, kwargs, compile_if_miss, 'State trace').states
 
     def get_states_by_cache(self, cache_key):
         """:meth:`get_states` for a cache key."""
-        return self._view_by_key(cache_key, 'State trace').states
+        return self._described_by_key(cache_key, 'State trace').states
 
     def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
         """The touched States that are only read."""
@@ -3414,8 +3415,8 @@ class StatefulFunction:
 
     def validate_states(self, cache_key) -> bool:
         """``True`` if the entry's states still have their traced shapes, else ``ValueError``."""
-        view = self._view_by_key(cache_key, 'State trace')
-        for state, sig in zip(view.states, view.state_sigs):
+        described = self._described_by_key(cache_key, 'State trace')
+        for state, sig in zip(described.states, described.state_sigs, strict=True):
             if (got := _stale_sig(state._value, sig)) is not None:
                 raise ValueError(
                     f'{state._describe()} changed from {sig} to {got} since it was traced; '
@@ -3461,20 +3462,20 @@ class StatefulFunction:
                             f'values in get_states() order, got {state_vals!r}') from None
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         _, entry, leaves = self._lookup(args, kwargs)
-        view = self._view(entry)
-        states = view.states
+        described = entry.described()
+        states = described.states
         if len(state_vals) != len(states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
-                f'({", ".join(_label(s) for s in states)}) but jaxpr_call got {len(state_vals)} '
+                f'({", ".join(s._label() for s in states)}) but jaxpr_call got {len(state_vals)} '
                 'value(s); pass one value per state in get_states() order')
-        for state, value, sig in zip(states, state_vals, view.state_sigs):
+        for state, value, sig in zip(states, state_vals, described.state_sigs, strict=True):
             if (got := _stale_sig(value, sig)) is not None:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
-        # The compiled call takes values in plan order (a StatefulMapping's view
-        # may permute it); returned states not written come back as given.
+        # The compiled call takes values in plan order (a StatefulMapping's accessors may
+        # order them otherwise); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         # A custom rule JAX traces now reads the States as given, not as they are.
@@ -3483,9 +3484,9 @@ class StatefulFunction:
                              else _baked(s)) if rules else contextlib.nullcontext():
             out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                                  -entry.plan.token)
-        returned = set(view.returned)
+        returned = set(described.returned)
         new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
-        for j, value in zip(entry.plan.write_index, new):
+        for j, value in zip(entry.plan.write_index, new, strict=True):
             new_vals[at[j]] = value
         return tuple(new_vals), out
 
@@ -3507,7 +3508,7 @@ class StatefulFunction:
           b  float32[2]  state 'w' (State), read and written, created at ...
         """
         key, entry, _ = self._lookup(args, kwargs)
-        return _pretty(self._view(entry), key)
+        return _pretty(entry.described(), key)
 
     def __str__(self):
         keys = self._cache.keys()
@@ -3515,7 +3516,7 @@ class StatefulFunction:
         if entry is None:
             return f'{self!r}, not traced yet'
         return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
-                + _pretty(self._view(entry), keys[-1]))
+                + _pretty(entry.described(), keys[-1]))
 
     def __repr__(self):
         return f'{_public_class(self)}({self.name!r}, entries={len(self._cache)})'
@@ -3630,7 +3631,7 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         values = {s: s.value for s in touched}
 
         def loss(grad_values, *args, **kwargs):
-            merged = {**values, **dict(zip(uniq, grad_values))}
+            merged = {**values, **dict(zip(uniq, grad_values, strict=True))}
             new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
             if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(f'grad(has_aux=True): {_who(inner)} must return a pair (loss, '
@@ -3640,7 +3641,7 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         diff = jax.grad(loss, (0, *(i % n + 1 for i in nums or ())), has_aux=True,
                         holomorphic=holomorphic, allow_int=allow_int)
         g, (value, aux, new) = diff([s.value for s in uniq], *args, **kwargs)
-        for state, written in zip(touched, new):
+        for state, written in zip(touched, new, strict=True):
             if written is not None:
                 state.value = written
         state_grads = tree.unflatten([g[0][uniq.index(s)] for s in states])
@@ -3702,7 +3703,7 @@ remat = checkpoint
 # =============================================================================
 
 def _normalize_state_axes(spec, what: str) -> tuple:
-    """``{axis: filter}`` or a bare filter (axis 0) → ``((axis, predicate), ...)``."""
+    """``spec`` (``{axis: filter}``, or a filter for axis 0) as ``((axis, predicate), ...)``."""
     items = () if spec is None else spec.items() if isinstance(spec, dict) else [(0, spec)]
     for axis, _ in items:
         if not _is_int(axis):
@@ -3725,7 +3726,7 @@ def _lane_aval(axis: int, aval, error: Callable):
 
 
 def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
-    """brainstate's order: batched-in states by axis, the rest by out axis, RandomStates."""
+    """``states`` in brainstate's order: batched in, by axis; others, by out axis; RandomStates."""
     def grouped(indices, axis_of):   # stable: groups in order of first appearance
         axes = list(dict.fromkeys(map(axis_of, indices)))
         return sorted(indices, key=lambda i: axes.index(axis_of(i)))
@@ -3736,7 +3737,7 @@ def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
 
 
 def _lane_args(sf, leaves, split):
-    """Per-lane avals and axes of the flat arguments, the sizes they imply, full avals."""
+    """The flat arguments' avals in a lane, their axes, the batch sizes they imply, their avals."""
     static_args, dyn_args, _, dyn_kwargs = split
     static_pos = {i for i, _ in static_args}
     nargs, spec = len(dyn_args) + len(static_pos), sf.in_axes
@@ -3747,7 +3748,7 @@ def _lane_args(sf, leaves, split):
                          'argument(s); give one axis (int or None) per argument, or one for all')
     axes = []   # one per flat leaf
     for i, (prefix, arg) in enumerate(zip([spec[i] for i in range(nargs) if i not in static_pos],
-                                          dyn_args)):
+                                          dyn_args, strict=True)):
         try:
             jax.tree_util.tree_map(lambda p, sub: axes.extend([p] * len(_leaves(sub))),
                                    prefix, arg, is_leaf=lambda x: x is None)
@@ -3759,7 +3760,7 @@ def _lane_args(sf, leaves, split):
              for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
     avals = [_aval_of(x) for x in leaves]
     lane_avals, arg_axes, sizes = list(avals), [None] * len(avals), []
-    for j, (path, aval, ax) in enumerate(zip(paths, avals, axes)):
+    for j, (path, aval, ax) in enumerate(zip(paths, avals, axes, strict=True)):
         if ax is None:
             continue
         if not _is_int(ax):
@@ -3856,7 +3857,7 @@ class StatefulMapping(StatefulFunction):
         n, states, run = found[0][1], traced.states, traced.runner()
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
-            axis is not None for axis, sig in zip(state_axes, traced.state_sigs) for _ in sig[1]]
+            state_axes[i] is not None for i, sig in enumerate(traced.state_sigs) for _ in sig[1]]
         out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
@@ -3895,9 +3896,9 @@ class StatefulMapping(StatefulFunction):
         if not picked:
             return out_axes
         avals = [ShapedArray((n, *a.shape) if b else a.shape, a.dtype, weak_type=a.weak_type)
-                 for a, b in zip(closed.in_avals, in_batched)]
+                 for a, b in zip(closed.in_avals, in_batched, strict=True)]
         run = _jaxpr_as_fun(closed)
-        with _axis_env(self.axis_env):
+        with _axis_env(self.axis_env):   # (no flags at all when no output is batched)
             flags = _batched_flags(lambda *xs: [run(*xs)[j] for _, j in picked], avals,
                                    [0 if b else None for b in in_batched], self.axis_name, n)
         for i in dict.fromkeys(i for (i, _), batched in zip(picked, flags) if batched):
@@ -3912,7 +3913,7 @@ class StatefulMapping(StatefulFunction):
         return out_axes
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Per-lane trace, each state's axis (0 for RandomStates), ``sizes`` with states'."""
+        """Traces one lane: its trace, each state's axis (0 for a RandomState), all sizes seen."""
         state_axes, sizes = {}, list(sizes)
 
         def lift_aval(state, aval):
@@ -3984,7 +3985,7 @@ def _pytree_slots(exported) -> list:
         return {data and data[0]}.union(*map(types, tree.children()))
 
     def keyed(tree):   # a dict node's (key, child) pairs
-        return zip(tree.node_data()[1], tree.children())
+        return zip(tree.node_data()[1], tree.children(), strict=True)
     (args, kwargs), (out, new) = exported.in_tree.children(), exported.out_tree.children()
     slots = [(f'argument {i}', t) for i, t in enumerate(args.children())]
     slots += [(f'keyword argument {k!r}', t) for k, t in keyed(kwargs) if k != 'states']
@@ -4040,7 +4041,7 @@ class Exported:
         return _EXPORT_MAGIC + hashlib.sha256(body).digest() + body
 
     def __call__(self, *args, states=None, **kwargs):
-        """``(outputs, {written state: new value})``, the arguments and ``states`` checked."""
+        """Runs on the checked arguments and ``states``: ``(outputs, {written state: value})``."""
         name = f"exported {self.manifest['function']!r}"
         roles = {s['name']: s['role'] for s in self.manifest['states']}
         if not isinstance(states, (dict, type(None))):
@@ -4101,7 +4102,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
                         f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
     sf = fun if isinstance(fun, StatefulFunction) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
-    traced = sf._view(sf._entry_for(key, leaves, split, count=True))
+    traced = sf._entry_for(key, leaves, split, count=True).described()
     names, roles = [s._name for s in traced.states], _state_roles(traced)
     bad = ''.join(f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
                   for s in traced.states if not s._name or names.count(s._name) > 1)
@@ -4111,16 +4112,16 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
                          "(State(..., name='w') or state.name = 'w')")
     static_args, dyn_args, static_kwargs, dyn_kwargs = split
     rebuild, read = _rebuilder(split), [role != 'written' for role in roles]
-    inputs = {n: s._value for n, s, r in zip(names, traced.states, read) if r}
+    inputs = {n: s._value for n, s, r in zip(names, traced.states, read, strict=True) if r}
     in_keys, out_keys = _key_impls((dyn_args, dyn_kwargs, inputs)), []
 
     def pure(*dyn_args, states, **dyn_kwargs):
         dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
         values = [states[n] if r else sig[0].unflatten([jnp.zeros(sh, dt) for sh, dt, _ in sig[1]])
-                  for n, r, sig in zip(names, read, traced.state_sigs)]
+                  for n, r, sig in zip(names, read, traced.state_sigs, strict=True)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)
-        result = out, {n: v for n, v, role in zip(names, new, roles) if role != 'read'}
+        result = out, {n: v for n, v, role in zip(names, new, roles, strict=True) if role != 'read'}
         out_keys[:] = _key_impls(result)
         return _key_data(result)
     pure.__name__ = pure.__qualname__ = sf.name   # how jax.export's own errors name it
@@ -4133,8 +4134,8 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
         'function': sf.name, 'jax_version': jax.__version__, 'result_keys': out_keys,
         'static_arguments': {**{f'argument {i}': repr(v) for i, v in static_args},
                              **{f'keyword {k!r}': repr(v) for k, v in static_kwargs.items()}},
-        'states': [{'name': s._name, 'type': type(s).__name__, 'role': r,
-                    'created_at': _format_site(s._source)} for s, r in zip(traced.states, roles)]})
+        'states': [{'name': n, 'type': type(s).__name__, 'role': r, 'created_at': s.source_info}
+                   for n, s, r in zip(names, traced.states, roles, strict=True)]})
 
 
 def deserialize(data) -> Exported:
@@ -4243,7 +4244,7 @@ def _fold(jaxpr, consts, in_values=()):
         if outs is None:   # what is known of its inputs is final by now
             eqns.append(eqn.replace(invars=[substitute(v) for v in eqn.invars]))
         else:
-            known.update(zip(eqn.outvars, outs))
+            known.update(zip(eqn.outvars, outs, strict=True))
     outvars = [substitute(v) for v in jaxpr.outvars]
     used = {v for v in [*outvars, *(v for e in eqns for v in e.invars)] if isinstance(v, Var)}
     constvars = [v for v in (jaxpr.constvars if consts is None else const_values) if v in used]
@@ -4329,7 +4330,7 @@ def main() -> None:
           f'   out={np.round(np.asarray(out), 3)}\n   h=\n{np.round(np.asarray(h.value), 3)}')
 
 
-_USER_CODE.add(main.__code__)   # where the demo's States are made: user code, shown as such
+_LIBRARY_END = main.__code__.co_firstlineno   # the demo is user code: its States show its lines
 
 if __name__ == '__main__':
     main()

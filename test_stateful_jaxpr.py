@@ -12073,13 +12073,13 @@ class ExplainCacheMissesTest(unittest.TestCase):
 
         sf = StatefulFunction(f, explain_cache_misses=True)
         sf(jnp.ones(2))
-        original = sj._note_miss
-        sj._note_miss = None        # any use of the miss path would raise TypeError
+        original = StatefulFunction._note_miss
+        StatefulFunction._note_miss = None   # any use of the miss path would raise TypeError
         try:
             for _ in range(3):
                 sf(jnp.ones(2))
         finally:
-            sj._note_miss = original
+            StatefulFunction._note_miss = original
         np.testing.assert_array_equal(s.value, np.full(2, 4.0))
 
 
