@@ -2046,7 +2046,7 @@ class _TraceFrame(StateTraceStack):
         self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
-        if self.retracer.lifts_as_refs(state) or self._in_loop():
+        if state in self.retracer.lessons.ref_states or self._in_loop():
             return self.cell(state, treedef, avals)
         leaves = [_new_arg(self._jax_trace, a) for a in avals]
         self._inputs.update(dict.fromkeys(map(id, leaves), state))   # (see finish)
@@ -2553,9 +2553,6 @@ class _Retracer:
     def _start(self, epoch: _Epoch) -> None:
         self.epoch = _Epoch.FRESH if _BAKED_STATES else epoch   # the run's; ``isolated``: now
         self.isolated, self.pending, self.in_body, self.nested_reads = False, set(), False, set()
-
-    def lifts_as_refs(self, state) -> bool:
-        return state in self.lessons.ref_states
 
     def bind(self) -> None:
         """Binds the run's epoch axis until ``unbind`` (a fresh one inside a shared run)."""
