@@ -348,6 +348,18 @@ class ModuleTest(unittest.TestCase):
         self.assertIn('jax', imported)
         self.assertEqual(sorted(imported - set(sys.stdlib_module_names) - {'jax', 'numpy'}), [])
 
+    def test_no_function_reads_frames_but_outside(self):
+        # The locks a thread holds are on its stack of _Door records, in no function's local
+        # names; only _outside walks the stack, to find the user's line.
+        import ast
+        with open(sj.__file__) as fh:
+            source = fh.read()
+        for name in ('f_locals', 'currentframe', '_current_frames'):
+            self.assertNotIn(name, source)
+        walkers = [fun.name for fun in ast.walk(ast.parse(source))
+                   if isinstance(fun, ast.FunctionDef) and '_getframe' in ast.unparse(fun)]
+        self.assertEqual(walkers, ['_outside'])
+
     def test_import_has_no_deprecation_warnings(self):
         code = 'import stateful_jaxpr'
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
