@@ -3162,11 +3162,12 @@ class StatefulFunction:
         strict); the warm path from then on.  ``warm_plan``: the warm path's, which missed."""
         if jax.config.jax_disable_jit and not _under_jax_trace():
             return self._call_eagerly(args, kwargs)
-        ntraces, strict, at = _ctx.ntraces, not _under_jax_trace(), []
+        ntraces, strict, epoch = _ctx.ntraces, not _under_jax_trace(), None
 
         def run(*values):   # the layout as the States have it under the locks
-            at[:] = _layout_epoch, _layout_token(self, plan)
-            return self._run(entry, values, args, kwargs, leaves, at[1])
+            nonlocal epoch, token
+            epoch, token = _layout_epoch, _layout_token(self, plan)
+            return self._run(entry, values, args, kwargs, leaves, token)
         while True:
             _, entry, leaves = self._lookup(args, kwargs, count=False)
             plan, token = entry.plan, _layout_token(self, entry.plan)
@@ -3180,7 +3181,7 @@ class StatefulFunction:
                 out, values = _locked_call(self, plan, run, (), {}, strict)
                 break
             except _Unprepared:   # (rare) prepared for other values
-                _forget_failed_calls(self._dispatcher(at[1], len(args), bool(plan.donated)))
+                _forget_failed_calls(self._dispatcher(token, len(args), bool(plan.donated)))
                 strict = False
         for frame in _ctx.frames:   # recording stacks see what the call touched
             for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen):
@@ -3189,8 +3190,8 @@ class StatefulFunction:
         self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            self._fast = _Fast(self, plan, self._dispatcher(at[1], len(args), bool(plan.donated)),
-                               len(args), at[0], entry.traced.rules, self._cache._hits)
+            self._fast = _Fast(self, plan, self._dispatcher(token, len(args), bool(plan.donated)),
+                               len(args), epoch, entry.traced.rules, self._cache._hits)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
