@@ -718,7 +718,7 @@ def _hold(who, states, locks, writes) -> tuple:
             lock.release()
             continue
         mine = {lock: door.who for door in _ctx.doors for lock in door.locks}
-        for state, lock in zip(sorted(states, key=id), locks):
+        for state, lock in zip(sorted(states, key=id), locks, strict=True):
             if mine.get(lock) is not None and state in writes:
                 raise RuntimeError(
                     f'{"an assignment or key draw" if who is None else _who(who)} would change '
@@ -2884,6 +2884,7 @@ def _call(sf, *args, **kwargs):
     path; a call in a trace joins it, one in recording stacks only is recorded there.  The warm
     path is a door: ``fast``'s every lock or none (then the long way), strict; values unlike the
     States' own at the first call (tracers) go through ``_write_back``."""
+    __tracebackhide__ = True   # (pytest and IPython leave this frame out of tracebacks)
     if _frames_open and _ctx.frames:
         overlay = _innermost_overlay(_ctx.frames)
         if type(overlay) is _EagerCall:
@@ -2909,7 +2910,7 @@ def _call(sf, *args, **kwargs):
                         else fast.dispatch(*values, *args))
             writes, traced = fast.writes, not isinstance(_current_trace(), _EvalTrace)
             if writes and type(new[0]) is fast.leaf_type and not traced:
-                for state, value in zip(writes, new):
+                for state, value in zip(writes, new):   # (strict=True would slow each call)
                     state._value = value
             elif writes or traced:
                 _write_back(sf, fast.plan, new)
@@ -3128,7 +3129,7 @@ class StatefulFunction:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
         key, leaves, split = self._cache_key(args, kwargs)
-        given = dict(zip(map(id, plan.states), state_values))
+        given = dict(zip(map(id, plan.states), state_values, strict=True))
         entry = self._cached(key, lambda state: given[id(state)], plan)
         if entry is None:   # a State changed shape since the caller looked its entry up
             entry = self._entry_for(key, leaves, split, count=False)
@@ -3137,7 +3138,7 @@ class StatefulFunction:
         out, new = entry.apply(list(state_values), leaves)
         if token > 0:
             new = [_kept_layout(state, value) if self._keep((), state) else value
-                   for state, value in zip(plan.write_states, new)]
+                   for state, value in zip(plan.write_states, new, strict=True)]
         return out, tuple(new)
 
     def _run(self, entry, state_values, args, kwargs, leaves, token, lower=False):
@@ -3184,7 +3185,8 @@ class StatefulFunction:
                 _forget_failed_calls(self._dispatcher(token, len(args), bool(plan.donated)))
                 strict = False
         for frame in _ctx.frames:   # recording stacks see what the call touched
-            for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen):
+            for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen,
+                               strict=True):
                 frame._touch(*touched)
         self._plan_switches += warm_plan is not None and plan is not warm_plan
         self._fast = None
@@ -3206,7 +3208,7 @@ class StatefulFunction:
             if entry is None:
                 return self.fun(*args, **kwargs)
             out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-            for state, value in zip(entry.plan.write_states, new):
+            for state, value in zip(entry.plan.write_states, new, strict=True):
                 state.value = value
             return out
         if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
@@ -3219,7 +3221,7 @@ class StatefulFunction:
             with _Door(self, []) as door:
                 with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
                     out, values = run(), frame._values
-                for state, written in zip(frame.states, frame.been_writen):
+                for state, written in zip(frame.states, frame.been_writen, strict=True):
                     if written:
                         _store.__wrapped__(state, values[id(state)])   # (this call holds it)
         except TraceContextError as err:   # e.g. a write inside jax.grad in the body

@@ -7135,6 +7135,19 @@ class CallingTest(unittest.TestCase):
         self.assertGreater(spy.count, 0)
         np.testing.assert_array_equal(out, 8 * np.ones(3))
 
+    def test_a_call_frame_asks_traceback_runners_to_hide_it(self):
+        # (pytest leaves out a frame whose __tracebackhide__ is true)
+        sf = StatefulFunction(lambda x: x + 1.0)
+        sf(1.0)
+        try:
+            sf('text')
+        except TypeError as err:   # (assertRaises drops the traceback)
+            tb, hidden = err.__traceback__, []
+        while tb is not None:
+            hidden.append(tb.tb_frame.f_locals.get('__tracebackhide__', False))
+            tb = tb.tb_next
+        self.assertEqual(hidden[:2], [False, True])   # this test, then StatefulFunction.__call__
+
     def test_warm_path_writes_arrays_pytrees_and_keyword_calls(self):
         # The warm path unrolls each plan's reads and writes; a written pytree
         # first in line goes through the checked write-back instead.
