@@ -641,6 +641,7 @@ class _Context(threading.local):
         self.check_tree = False        # inside check_state_value_tree(True)
         self.ntraces: int = 0          # user-function traces run by this thread
         self.shared_epoch = False      # inside a run binding the shared epoch
+        self.doors: list = []          # the _Doors this thread is in, outermost first
 
 
 _ctx = _Context()
@@ -698,30 +699,30 @@ def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None
 # Compiled and eager calls, key draws and assignments are doors, taking their locks all or none
 # so that no two wait for each other.  A host callback, run inside its call, may read what it holds.
 _state_locks = weakref.WeakKeyDictionary()   # State -> its lock (a copy gets its own)
-_DOORS = set()   # the code of the functions holding locks: their frames tell who holds what
 
 
 def _state_lock(state):
     return _state_locks.setdefault(state, threading.Lock())   # one atomic dict step
 
 
-def _door(fun):
-    """Marks ``fun``: while it runs, its local ``locks`` are held for its local ``who`` (a
-    function; None: this module's own step, in which an assignment may nest)."""
-    _DOORS.add(fun.__code__)
-    return fun
+class _Door:
+    """A door (a function changing States) that a thread is in, on its ``_ctx.doors`` from taking
+    its locks to releasing them: ``locks`` held for ``who`` (a function; None: this module's own
+    step, in which an assignment may nest); ``strict``: see ``_dispatch_body``.  ``with`` pushes
+    it, then pops it and releases the locks (as assignments and warm calls do inline)."""
+    __slots__ = ('who', 'locks', 'strict')
 
+    def __init__(self, who, locks, strict: bool = False):
+        self.who, self.locks, self.strict = who, locks, strict
 
-def _running(depth: int) -> list:
-    """``(who, locks, strict)`` of the doors this thread is in, past ``depth`` frames, innermost
-    first (read from their frames: a warm call pays nothing for it)."""
-    found, frame = [], sys._getframe(depth)
-    while frame is not None:
-        if frame.f_code in _DOORS:
-            local = frame.f_locals
-            found.append((local.get('who'), local.get('locks', ()), local.get('strict', False)))
-        frame = frame.f_back
-    return found
+    def __enter__(self):
+        _ctx.doors.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ctx.doors.pop()
+        for lock in self.locks:
+            lock.release()
 
 
 def _hold(who, states, locks, writes) -> tuple:
@@ -741,8 +742,8 @@ def _hold(who, states, locks, writes) -> tuple:
             lock.acquire()
             lock.release()
             continue
-        mine = {lock: holder for holder, held, _ in _running(3) for lock in held}
-        for state, lock in zip(sorted(states, key=id), locks):
+        mine = {lock: door.who for door in _ctx.doors for lock in door.locks}
+        for state, lock in zip(sorted(states, key=id), locks, strict=True):
             if mine.get(lock) is not None and state in writes:
                 raise RuntimeError(
                     f'{"an assignment or key draw" if who is None else _who(who)} would change '
@@ -757,14 +758,14 @@ def _atomic(step):
     threads (in a trace, the call running it holds the lock); an assignment to it nests."""
     @functools.wraps(step)
     def door(state, *args, **kwargs):
-        who, locks = None, () if _innermost_overlay(_ctx.frames) else (_state_lock(state),)
-        locks = _hold(who, (state,), locks, (state,))
+        locks = () if _frames_open and _innermost_overlay(_ctx.frames) else (_state_lock(state),)
+        (doors := _ctx.doors).append(_Door(None, _hold(None, (state,), locks, (state,))))
         try:
             return step(state, *args, **kwargs)
         finally:
-            for lock in locks:
+            for lock in doors.pop().locks:
                 lock.release()
-    return _door(door)
+    return door
 
 
 @_atomic
@@ -2820,18 +2821,13 @@ def _write_back(who, plan, new) -> None:
         state._value = value
 
 
-@_door
 def _locked_call(who, plan, dispatch, args, kwargs, strict):
     """The door for a compiled call: ``plan``'s States held while read, run by ``dispatch``,
     written back; gives ``(out, values read)``.  ``strict``: see ``_dispatch_body``."""
-    locks = _hold(who, plan.states, plan.locks, plan.write_states)
-    try:
+    with _Door(who, _hold(who, plan.states, plan.locks, plan.write_states), strict):
         values = list(map(_real_value, plan.states))
         out, new = dispatch(*values, *args, **kwargs)
         _write_back(who, plan, new)
-    finally:
-        for lock in locks:
-            lock.release()
     return out, values
 
 
@@ -2893,25 +2889,27 @@ class _EagerCall(StateTraceStack):
 
 
 # The warm path: the last slow call's plan and dispatcher while they apply (slots: every warm
-# call reads them); ``leaf_type``: the first written State's value's type; ``hits``: the cache's.
+# call reads them); ``leaf_type``: the first written State's value's type; ``hits``: the cache's;
+# ``door``: the strict door a warm call of ``sf`` pushes.
 class _Fast:
     __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
-                 'leaf_type', 'hits')
+                 'leaf_type', 'hits', 'door')
 
-    def __init__(self, plan, dispatch, nargs, epoch, rules, hits):
+    def __init__(self, sf, plan, dispatch, nargs, epoch, rules, hits):
         self.plan, self.dispatch, self.nargs, self.epoch, self.rules, self.hits = (
             plan, dispatch, nargs, epoch, rules, hits)
         self.states, self.locks, self.writes = plan.states, plan.locks, plan.write_states
+        self.door = _Door(sf, self.locks, strict=True)
         first = self.writes[0]._value if self.writes else None
         self.leaf_type = type(first) if getattr(first, 'aval', None) is not None else None
 
 
-@_door
 def _call(sf, *args, **kwargs):
     """``__call__``: the warm path where it still applies, its executable ready, else the slow
     path; a call in a trace joins it, one in recording stacks only is recorded there.  The warm
     path is a door: ``fast``'s every lock or none (then the long way), strict; values unlike the
     States' own at the first call (tracers) go through ``_write_back``."""
+    __tracebackhide__ = True   # (pytest and IPython leave this frame out of tracebacks)
     if _frames_open and _ctx.frames:
         overlay = _innermost_overlay(_ctx.frames)
         if type(overlay) is _EagerCall:
@@ -2921,30 +2919,30 @@ def _call(sf, *args, **kwargs):
     if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
             fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
-    who, strict, locks = sf, True, fast.locks   # (what _running reads)
+    locks, doors = fast.locks, _ctx.doors
     try:
         for lock in locks:
             if not lock.acquire(False):   # one is busy: the long way
                 for taken in locks[:locks.index(lock)]:
                     taken.release()
-                locks = ()
                 out = _locked_call(sf, fast.plan, fast.dispatch, args, kwargs, True)[0]
                 next(fast.hits)
                 return out
+        doors.append(fast.door)
         try:
             values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
             out, new = (fast.dispatch(*values, *args, **kwargs) if kwargs
                         else fast.dispatch(*values, *args))
             writes, traced = fast.writes, not _eager(_current_trace())
             if writes and type(new[0]) is fast.leaf_type and not traced:
-                for state, value in zip(writes, new):
+                for state, value in zip(writes, new):   # (strict=True would slow each call)
                     state._value = value
             elif writes or traced:
                 _write_back(sf, fast.plan, new)
         finally:
+            del doors[-1]
             for lock in locks:
                 lock.release()
-            locks, strict = (), False   # (what the slow path's doors must not see)
     except _Unprepared:   # a new signature: traced and compiled with no lock held
         _forget_failed_calls(fast.dispatch)
         return sf._call_slow(args, kwargs, fast.plan)
@@ -3199,8 +3197,7 @@ class StatefulFunction:
         """Traced by jax.jit on a dispatcher miss, which under a strict door (the warm path's) it
         aborts; takes the States' values first, one argument each (then jax.jit's fast path
         flattens no list); a negative token (jaxpr_call) keeps no layout."""
-        running = _running(1)
-        if token > 0 and running and running[0][0] is self and running[0][2]:
+        if token > 0 and (doors := _ctx.doors) and doors[-1].who is self and doors[-1].strict:
             raise _Unprepared
         plan = self._plans_by_token[abs(token)]
         state_values, args = flat[:len(plan.states)], flat[len(plan.states):]
@@ -3208,7 +3205,7 @@ class StatefulFunction:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
             kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
         key, leaves, split = self._cache_key(args, kwargs)
-        given = dict(zip(map(id, plan.states), state_values))
+        given = dict(zip(map(id, plan.states), state_values, strict=True))
         entry = self._cached(key, lambda state: given[id(state)], plan)
         if entry is None:   # a State changed shape since the caller looked its entry up
             entry = self._entry_for(key, leaves, split, count=False)
@@ -3217,7 +3214,7 @@ class StatefulFunction:
         out, new = entry.apply(list(state_values), leaves)
         if token > 0:
             new = [_kept_layout(state, value) if self._keep((), state) else value
-                   for state, value in zip(plan.write_states, new)]
+                   for state, value in zip(plan.write_states, new, strict=True)]
         return out, tuple(new)
 
     def _run(self, entry, state_values, args, kwargs, leaves, token, lower=False):
@@ -3242,11 +3239,12 @@ class StatefulFunction:
         strict); the warm path from then on.  ``warm_plan``: the warm path's, which missed."""
         if jax.config.jax_disable_jit and not _under_jax_trace():
             return self._call_eagerly(args, kwargs)
-        ntraces, strict, at = _ctx.ntraces, not _under_jax_trace(), []
+        ntraces, strict, epoch = _ctx.ntraces, not _under_jax_trace(), None
 
         def run(*values):   # the layout as the States have it under the locks
-            at[:] = _layout_epoch, _layout_token(self, plan)
-            return self._run(entry, values, args, kwargs, leaves, at[1])
+            nonlocal epoch, token
+            epoch, token = _layout_epoch, _layout_token(self, plan)
+            return self._run(entry, values, args, kwargs, leaves, token)
         while True:
             _, entry, leaves = self._lookup(args, kwargs, count=False)
             plan, token = entry.plan, _layout_token(self, entry.plan)
@@ -3260,21 +3258,21 @@ class StatefulFunction:
                 out, values = _locked_call(self, plan, run, (), {}, strict)
                 break
             except _Unprepared:   # (rare) prepared for other values
-                _forget_failed_calls(self._dispatcher(at[1], len(args), bool(plan.donated)))
+                _forget_failed_calls(self._dispatcher(token, len(args), bool(plan.donated)))
                 strict = False
         for frame in _ctx.frames:   # recording stacks see what the call touched
-            for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen):
+            for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen,
+                               strict=True):
                 frame._touch(*touched)
         self._plan_switches += warm_plan is not None and plan is not warm_plan
         self._fast = None
         if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES):
-            self._fast = _Fast(plan, self._dispatcher(at[1], len(args), bool(plan.donated)),
-                               len(args), at[0], entry.traced.rules, self._cache._hits)
+            self._fast = _Fast(self, plan, self._dispatcher(token, len(args), bool(plan.donated)),
+                               len(args), epoch, entry.traced.rules, self._cache._hits)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
-    @_door
     def _call_eagerly(self, args, kwargs):
         """Under ``jax.disable_jit()`` runs the body as Python, as jax.jit and jax.vmap do, in an
         _EagerCall overlay (which a call nested in it joins) holding each State from its first
@@ -3286,29 +3284,26 @@ class StatefulFunction:
             if entry is None:
                 return self.fun(*args, **kwargs)
             out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-            for state, value in zip(entry.plan.write_states, new):
+            for state, value in zip(entry.plan.write_states, new, strict=True):
                 state.value = value
             return out
         if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
             return run()
-        who, locks = self, []
 
         def lift(state):   # the door, at the first touch
-            locks.extend(_hold(who, (state,), (_state_lock(state),), (state,)))
+            door.locks.extend(_hold(self, (state,), (_state_lock(state),), (state,)))
             return state._value
         try:
-            with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
-                out, values = run(), frame._values
-            for state, written in zip(frame.states, frame.been_writen):
-                if written:
-                    _store.__wrapped__(state, values[id(state)])   # (this call holds it)
+            with _Door(self, []) as door:
+                with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
+                    out, values = run(), frame._values
+                for state, written in zip(frame.states, frame.been_writen, strict=True):
+                    if written:
+                        _store.__wrapped__(state, values[id(state)])   # (this call holds it)
         except TraceContextError as err:   # e.g. a write inside jax.grad in the body
             err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
                          'inside a JAX transformation in it needs a compiled call')
             raise
-        finally:
-            for lock in locks:
-                lock.release()
         return out
 
     def _call_in_trace(self, args, kwargs, wrap=None):

@@ -348,6 +348,18 @@ class ModuleTest(unittest.TestCase):
         self.assertIn('jax', imported)
         self.assertEqual(sorted(imported - set(sys.stdlib_module_names) - {'jax', 'numpy'}), [])
 
+    def test_no_function_reads_frames_but_outside(self):
+        # The locks a thread holds are on its stack of _Door records, in no function's local
+        # names; only _outside walks the stack, to find the user's line.
+        import ast
+        with open(sj.__file__) as fh:
+            source = fh.read()
+        for name in ('f_locals', 'currentframe', '_current_frames'):
+            self.assertNotIn(name, source)
+        walkers = [fun.name for fun in ast.walk(ast.parse(source))
+                   if isinstance(fun, ast.FunctionDef) and '_getframe' in ast.unparse(fun)]
+        self.assertEqual(walkers, ['_outside'])
+
     def test_import_has_no_deprecation_warnings(self):
         code = 'import stateful_jaxpr'
         proc = subprocess.run([sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
@@ -7219,6 +7231,19 @@ class CallingTest(unittest.TestCase):
             out = sf(jnp.ones(3))
         self.assertGreater(spy.count, 0)
         np.testing.assert_array_equal(out, 8 * np.ones(3))
+
+    def test_a_call_frame_asks_traceback_runners_to_hide_it(self):
+        # (pytest leaves out a frame whose __tracebackhide__ is true)
+        sf = StatefulFunction(lambda x: x + 1.0)
+        sf(1.0)
+        try:
+            sf('text')
+        except TypeError as err:   # (assertRaises drops the traceback)
+            tb, hidden = err.__traceback__, []
+        while tb is not None:
+            hidden.append(tb.tb_frame.f_locals.get('__tracebackhide__', False))
+            tb = tb.tb_next
+        self.assertEqual(hidden[:2], [False, True])   # this test, then StatefulFunction.__call__
 
     def test_warm_path_writes_arrays_pytrees_and_keyword_calls(self):
         # The warm path unrolls each plan's reads and writes; a written pytree
