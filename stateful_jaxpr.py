@@ -2493,22 +2493,18 @@ class _Redo(BaseException):
     abort and the trace's end may catch (a ``try`` around the write that aborts, say)."""
 
 
-class _Epoch(enum.Enum):
-    """The axis environment a run binds: JAX keys its caches of traced bodies and jitted
-    functions on it, so a FRESH run is *isolated* (nothing JAX cached before serves it), every
-    SHARED run binds one same axis, a PLAIN run none."""
-    PLAIN = 0
-    SHARED = 1
-    FRESH = 2
+# The axis environment a run binds (``_fresh_epoch``): JAX keys its caches of traced bodies and
+# jitted functions on it, so a FRESH run is isolated, SHARED runs share one axis, PLAIN binds none.
+_Epoch = enum.Enum('_Epoch', 'PLAIN SHARED FRESH')
 
 
 class _Lessons:
-    """What earlier traces of one function teach its later ones (changed by _Retracer alone)."""
+    """What earlier traces of one function teach its later ones (changed by _Retracer alone): the
+    States lifted as Refs from their first touch, and whether every run is isolated."""
     __slots__ = ('ref_states', 'isolate')
 
     def __init__(self):
-        self.ref_states = weakref.WeakSet()   # lifted as Refs from their first touch
-        self.isolate = False                  # every run isolated
+        self.ref_states, self.isolate = weakref.WeakSet(), False
 
 
 class _Retracer:
@@ -2534,15 +2530,14 @@ class _Retracer:
     raised anything else, or none of these happened           none: the error, or the result
     ========================================================  ===================================
 
-    A run that writes a State (``wrote``) a body traced before read goes on under a fresh epoch,
-    so that JAX traces such bodies again.  A State first touched in a loop body is lifted as
-    Refs there at once (``_TraceFrame._in_loop``), so a first trace runs the body once, twice
-    when it writes inside a cond or jit body, under jax.vmap, or inside a loop body a State
+    A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
+    such bodies again; a run is isolated while a State read by a plain JAX trace is alive
+    (``_BAKED_STATES``): any cached jaxpr may hold it.  A State first touched in a loop body is
+    lifted as Refs there at once (``_TraceFrame._in_loop``), so a first trace runs the body once,
+    twice when it writes inside a cond or jit body, under jax.vmap, or inside a loop body a State
     touched outside it first (or under jax.grad before JAX 0.7), three times only when a body JAX
     cached from an earlier trace (of another function sharing it) is in the way; a later
-    signature runs it once unless it writes such a State no earlier trace did.  A run is also
-    isolated while a State read by a plain JAX trace is alive (``_BAKED_STATES``): any cached
-    jaxpr may hold it.
+    signature runs it once unless it writes such a State no earlier trace did.
     """
     __slots__ = ('lessons', 'epoch', 'isolated', 'binding', 'pending', 'in_body', 'nested_reads',
                  'refused')
@@ -2555,8 +2550,7 @@ class _Retracer:
         self.epoch = _Epoch.FRESH if _BAKED_STATES else epoch   # the run's; ``isolated``: now
         self.isolated, self.pending, self.in_body, self.nested_reads = False, set(), False, set()
 
-    def bind(self) -> None:
-        """Binds the run's epoch axis until ``unbind`` (a fresh one inside a shared run)."""
+    def bind(self) -> None:   # until unbind: the run's epoch (fresh inside a shared run)
         if self.epoch is _Epoch.SHARED and not _ctx.shared_epoch:
             self.binding.enter_context(_fresh_epoch(shared=True))
             self.binding.callback(setattr, _ctx, 'shared_epoch', False)
@@ -2591,7 +2585,6 @@ class _Retracer:
         self.in_body |= in_body
 
     def wrote(self, state) -> None:
-        """A write of a State a body traced before closed over: JAX must trace such bodies again."""
         if id(state) in self.nested_reads:
             self._isolate()
             self.nested_reads.clear()
