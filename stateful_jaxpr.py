@@ -442,6 +442,24 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
     return [f'#{i}' for i in range(n_in)], [f'#{i}' for i in range(n_out)]
 
 
+@functools.lru_cache(maxsize=None)
+def _jit_equation():
+    """A jax.jit equation to copy: its primitive ('pjit' .. 0.6, 'jit') and params vary."""
+    return jax.make_jaxpr(jax.jit(lambda x: x + 1))(np.float32(0)).jaxpr.eqns[0]
+
+
+def _staged(closed, name: str) -> Callable:
+    """``closed`` as a function staging it as one jit equation, as a nested jax.jit is, instead
+    of equation by equation (all releases: its params copied from a jax.jit's)."""
+    eqn, n_in, n_out = _jit_equation(), len(closed.in_avals), len(closed.out_avals)
+    p = eqn.params
+    params = dict(p, jaxpr=closed, name=name, donated_invars=(False,) * n_in,
+                  in_shardings=p['in_shardings'][:1] * n_in, in_layouts=p['in_layouts'][:1] * n_in,
+                  out_shardings=p['out_shardings'][:1] * n_out,
+                  out_layouts=p['out_layouts'][:1] * n_out)
+    return lambda *args: eqn.primitive.bind(*args, **params)
+
+
 def _bind(eqn, values) -> list:
     """``eqn``'s outputs at ``values``, evaluated as JAX's evaluator does (``get_bind_params``)."""
     got = eqn.primitive.get_bind_params(eqn.params)
@@ -1977,9 +1995,11 @@ class _Traced:
         for k, v in kw.items():
             setattr(self, k, v)
 
-    def runner(self) -> Callable:
-        """``run(flat_args, state_values) -> (out, returned_state_values)``."""
-        run, n_out = _jaxpr_as_fun(self.closed_jaxpr), self.n_out
+    def runner(self, staged: str | None = None) -> Callable:
+        """``run(flat_args, state_values) -> (out, returned_state_values)``: the jaxpr's equations
+        bound one by one, or ``staged`` as one jit equation of that name."""
+        closed, n_out = self.closed_jaxpr, self.n_out
+        run = _jaxpr_as_fun(closed) if staged is None else _staged(closed, staged)
         out_tree, state_tree = self.out_tree, self.state_tree
 
         def apply(flat_args, state_values):
@@ -3143,7 +3163,7 @@ class StatefulFunction:
                                  name=self.name, return_only_write=self.return_only_write,
                                  axis_env=self.axis_env, trace_with=trace_with,
                                  lessons=self._lessons)
-        run = traced.runner()
+        run = traced.runner(self.name if self._compiled_dispatch else None)
 
         def apply(state_values, flat_args):
             if dynamic:
@@ -3666,7 +3686,7 @@ def checkpoint(fun: Callable | None = None, *, prevent_cse: bool = True, policy=
     if fun is None:
         return functools.partial(checkpoint, prevent_cse=prevent_cse, policy=policy,
                                  static_argnums=static_argnums)
-    inner = StatefulFunction(fun, static_argnums, name=f'checkpoint({_name_of(fun)})')
+    inner = _OpByOp(fun, static_argnums, name=f'checkpoint({_name_of(fun)})')
     rematerialized = functools.partial(jax.checkpoint, prevent_cse=prevent_cse, policy=policy)
 
     @functools.wraps(fun)
