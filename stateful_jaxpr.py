@@ -3163,7 +3163,8 @@ class StatefulFunction:
                                  name=self.name, return_only_write=self.return_only_write,
                                  axis_env=self.axis_env, trace_with=trace_with,
                                  lessons=self._lessons)
-        run = traced.runner(self.name if self._compiled_dispatch else None)
+        # A custom rule reads States when JAX traces it: it must see the jaxpr bound inline.
+        run = traced.runner(self.name if self._compiled_dispatch and not traced.rules else None)
 
         def apply(state_values, flat_args):
             if dynamic:
