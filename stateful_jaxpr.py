@@ -3860,7 +3860,8 @@ class StatefulMapping(StatefulFunction):
         if not found:
             raise ValueError(f'{_who(self)}: nothing is batched (no in_axes entry, no state in '
                              'state_in_axes), so the batch size is unknown; pass axis_size=n')
-        n, states, run = found[0][1], traced.states, traced.runner()
+        n, states = found[0][1], traced.states
+        run = traced.runner(None if traced.rules else self.name)   # a rule sees the jaxpr inline
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
             state_axes[i] is not None for i, sig in enumerate(traced.state_sigs) for _ in sig[1]]
