@@ -2530,34 +2530,25 @@ class _Lessons:
 class _Retracer:
     """Whether one trace's body runs again, and under which epoch: its frame reports what a run
     sees through the methods below, the only code that changes the run's or the lessons' fields.
+    A run that
 
-    ========================================================  ===================================
-    a run of the body ...                                       the next run
-    ========================================================  ===================================
-    read a State's concrete value in a body JAX may cache      stops there (``_Redo``) and is
-    (``read_nested``; or failed a write into Refs it           redone, *isolated* in the first case:
-    improvised)                                                under a fresh epoch (so is every
-                                                               later trace)
-    met a tracer of a finished trace in a body JAX cached      is isolated
-    (UnexpectedTracerError, or tracer constants)
-    wrote a State inside a nested transformation (but          lifts it as Refs from its first
-    directly in differentiations, where it is a local          touch (so does every later trace;
-    variable) that it had not lifted as Refs; or JAX           also after JAX refusing a write,
-    refused what such a local variable did                     told if it recurs), under the
-    (``wrote_unlifted``); or read one where the traces         shared epoch if written in a body
-    cannot tell which differentiations ended                   JAX may have cached with the old
-    (``read_unknown_end``: the read stops the run)             Refs (isolated if it was isolated)
-    raised anything else, or none of these happened           none: the error, or the result
-    ========================================================  ===================================
+    - read a State's concrete value in a body JAX may cache (``read_nested``) stops there
+      (``_Redo``) and is redone *isolated*, under a fresh epoch, as is every later trace; one that
+      failed a write into Refs it improvised stops and is redone too;
+    - met a tracer of a finished trace in a body JAX cached (UnexpectedTracerError, or tracer
+      constants) is redone isolated;
+    - wrote a State inside a nested transformation (but directly in differentiations, where it is
+      a local variable) that it had not lifted as Refs, or saw JAX refuse what such a local
+      variable did (``wrote_unlifted``), or read one where the traces cannot tell which
+      differentiations ended (``read_unknown_end``: the read stops the run) is redone lifting it
+      as Refs from its first touch, as is every later trace (a refusal is told if it recurs),
+      under the shared epoch if written in a body JAX may have cached with the old Refs
+      (isolated if it was isolated);
+    - raised anything else, or did none of these, ends: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
     such bodies again; a run is isolated while a State read by a plain JAX trace is alive
-    (``_BAKED_STATES``): any cached jaxpr may hold it.  A State first touched in a loop body is
-    lifted as Refs there at once (``_TraceFrame._in_loop``), so a first trace runs the body once,
-    twice when it writes inside a cond or jit body, under jax.vmap, or inside a loop body a State
-    touched outside it first (or under jax.grad before JAX 0.7), three times only when a body JAX
-    cached from an earlier trace (of another function sharing it) is in the way; a later
-    signature runs it once unless it writes such a State no earlier trace did.
+    (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('lessons', 'epoch', 'isolated', 'binding', 'pending', 'in_body', 'nested_reads',
                  'refused')
