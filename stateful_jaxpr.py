@@ -2802,6 +2802,15 @@ class _Entry:
             self._described = self._described()
         return self._described
 
+    def run_writing(self, leaves, wrap=None):
+        """Runs the pure form (``wrap``-ped) on the States as read here, assigns the written."""
+        run = self.apply if wrap is None else wrap(self.apply)
+        out, new = run([s.value for s in self.plan.states], leaves)
+        for state, value, w in zip(self.plan.write_states, new, self.plan.written, strict=True):
+            if w:   # (not one only returned: return_only_write=False)
+                state.value = value
+        return out
+
 
 def _write_back(who, plan, new) -> None:
     """Gives ``plan``'s written States the values a compiled call of ``who`` returned; under a
@@ -3285,12 +3294,7 @@ class StatefulFunction:
         entry = self._build_entry(key, leaves, split) if self._traced_eagerly else None
 
         def run():
-            if entry is None:
-                return self.fun(*args, **kwargs)
-            out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-            for state, value in zip(entry.plan.write_states, new, strict=True):
-                state.value = value
-            return out
+            return self.fun(*args, **kwargs) if entry is None else entry.run_writing(leaves)
         if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
             return run()
 
@@ -3315,11 +3319,7 @@ class StatefulFunction:
         ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form."""
         ntraces = _ctx.ntraces
         _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
-        run = entry.apply if wrap is None else wrap(entry.apply)
-        out, new = run([s.value for s in entry.plan.states], leaves)
-        for state, value, w in zip(entry.plan.write_states, new, entry.plan.written, strict=True):
-            if w:   # written (not one of the read ones return_only_write=False returns)
-                state.value = value
+        out = entry.run_writing(leaves, wrap)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
