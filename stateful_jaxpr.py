@@ -2486,9 +2486,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
                     if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
-    lost = [c.state._describe() for c, own in zip(cells, owned, strict=True)
-            if not kept & own and c.staged and not c.adopted]
-    if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
+    if lost := [c.state._describe() for c, own in zip(cells, owned, strict=True)
+                if not kept & own and c.staged and not c.adopted]:   # JAX .. 0.5, jax.grad / vjp
         raise _cannot('dropped', ', '.join(lost))
     if _drops_jvp_refs(closed.jaxpr):
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
@@ -3130,8 +3129,7 @@ class StatefulFunction:
     def _note_miss(self, key, stale, entry) -> None:
         """Counts why it traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
         cached = [(key, stale)] if stale is not None else self._cache._items()
-        first = not self._miss_causes
-        near = None
+        first, near = not self._miss_causes, None
         if first:
             found = [('first trace', '')]
         elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
