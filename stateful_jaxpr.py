@@ -2529,21 +2529,21 @@ class _Lessons:
 class _Retracer:
     """Whether one trace's body runs again, and under which epoch: its frame reports what a run
     sees through the methods below, the only code that changes the run's or the lessons' fields.
-    A run that
+    After a run that
 
-    - read a State's concrete value in a body JAX may cache (``read_nested``) stops there
-      (``_Redo``) and is redone *isolated*, under a fresh epoch, as is every later trace; one that
-      failed a write into Refs it improvised stops and is redone too;
+    - read a State's concrete value in a body JAX may cache (``read_nested``), which stops it
+      (``_Redo``), the next run is *isolated*, under a fresh epoch, as is every later trace; one
+      that failed a write into Refs it improvised stops too and runs again;
     - met a tracer of a finished trace in a body JAX cached (UnexpectedTracerError, or tracer
-      constants) is redone isolated;
+      constants), the next run is isolated;
     - wrote a State inside a nested transformation (but directly in differentiations, where it is
       a local variable) that it had not lifted as Refs, or saw JAX refuse what such a local
       variable did (``wrote_unlifted``), or read one where the traces cannot tell which
-      differentiations ended (``read_unknown_end``: the read stops the run) is redone lifting it
-      as Refs from its first touch, as is every later trace (a refusal is told if it recurs),
+      differentiations ended (``read_unknown_end``, which stops it), the next run lifts it as
+      Refs from its first touch, as does every later trace (a refusal is told if it recurs),
       under the shared epoch if written in a body JAX may have cached with the old Refs
       (isolated if it was isolated);
-    - raised anything else, or did none of these, ends: the error, or the result.
+    - raised anything else, or did none of these, none follows: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
     such bodies again; a run is isolated while a State read by a plain JAX trace is alive
