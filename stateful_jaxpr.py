@@ -2486,9 +2486,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
                     if c.linearized and own & looping]:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
-    lost = [c.state._describe() for c, own in zip(cells, owned, strict=True)
-            if not kept & own and c.staged and not c.adopted]
-    if lost:   # JAX .. 0.5 under jax.grad / jax.vjp
+    if lost := [c.state._describe() for c, own in zip(cells, owned, strict=True)
+                if not kept & own and c.staged and not c.adopted]:   # JAX .. 0.5, jax.grad / vjp
         raise _cannot('dropped', ', '.join(lost))
     if _drops_jvp_refs(closed.jaxpr):
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
@@ -2530,34 +2529,25 @@ class _Lessons:
 class _Retracer:
     """Whether one trace's body runs again, and under which epoch: its frame reports what a run
     sees through the methods below, the only code that changes the run's or the lessons' fields.
+    After a run that
 
-    ========================================================  ===================================
-    a run of the body ...                                       the next run
-    ========================================================  ===================================
-    read a State's concrete value in a body JAX may cache      stops there (``_Redo``) and is
-    (``read_nested``; or failed a write into Refs it           redone, *isolated* in the first case:
-    improvised)                                                under a fresh epoch (so is every
-                                                               later trace)
-    met a tracer of a finished trace in a body JAX cached      is isolated
-    (UnexpectedTracerError, or tracer constants)
-    wrote a State inside a nested transformation (but          lifts it as Refs from its first
-    directly in differentiations, where it is a local          touch (so does every later trace;
-    variable) that it had not lifted as Refs; or JAX           also after JAX refusing a write,
-    refused what such a local variable did                     told if it recurs), under the
-    (``wrote_unlifted``); or read one where the traces         shared epoch if written in a body
-    cannot tell which differentiations ended                   JAX may have cached with the old
-    (``read_unknown_end``: the read stops the run)             Refs (isolated if it was isolated)
-    raised anything else, or none of these happened           none: the error, or the result
-    ========================================================  ===================================
+    - read a State's concrete value in a body JAX may cache (``read_nested``), which stops it
+      (``_Redo``), the next run is *isolated*, under a fresh epoch, as is every later trace; one
+      that failed a write into Refs it improvised stops too and runs again;
+    - met a tracer of a finished trace in a body JAX cached (UnexpectedTracerError, or tracer
+      constants), the next run is isolated;
+    - wrote a State inside a nested transformation (but directly in differentiations, where it is
+      a local variable) that it had not lifted as Refs, or saw JAX refuse what such a local
+      variable did (``wrote_unlifted``), or read one where the traces cannot tell which
+      differentiations ended (``read_unknown_end``, which stops it), the next run lifts it as
+      Refs from its first touch, as does every later trace (a refusal is told if it recurs),
+      under the shared epoch if written in a body JAX may have cached with the old Refs
+      (isolated if it was isolated);
+    - raised anything else, or did none of these, none follows: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
     such bodies again; a run is isolated while a State read by a plain JAX trace is alive
-    (``_BAKED_STATES``): any cached jaxpr may hold it.  A State first touched in a loop body is
-    lifted as Refs there at once (``_TraceFrame._in_loop``), so a first trace runs the body once,
-    twice when it writes inside a cond or jit body, under jax.vmap, or inside a loop body a State
-    touched outside it first (or under jax.grad before JAX 0.7), three times only when a body JAX
-    cached from an earlier trace (of another function sharing it) is in the way; a later
-    signature runs it once unless it writes such a State no earlier trace did.
+    (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('lessons', 'epoch', 'isolated', 'binding', 'pending', 'in_body', 'nested_reads',
                  'refused')
@@ -2810,6 +2800,15 @@ class _Entry:
         if type(self._described) is not _Traced:   # (StatefulMapping's: built on first use)
             self._described = self._described()
         return self._described
+
+    def run_writing(self, leaves, wrap=None):
+        """Runs the pure form (``wrap``-ped) on the States as read here, assigns the written."""
+        run = self.apply if wrap is None else wrap(self.apply)
+        out, new = run([s.value for s in self.plan.states], leaves)
+        for state, value, w in zip(self.plan.write_states, new, self.plan.written, strict=True):
+            if w:   # (not one only returned: return_only_write=False)
+                state.value = value
+        return out
 
 
 def _write_back(who, plan, new) -> None:
@@ -3130,8 +3129,7 @@ class StatefulFunction:
     def _note_miss(self, key, stale, entry) -> None:
         """Counts why it traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
         cached = [(key, stale)] if stale is not None else self._cache._items()
-        first = not self._miss_causes
-        near = None
+        first, near = not self._miss_causes, None
         if first:
             found = [('first trace', '')]
         elif cached:   # the nearest: the fewest differences, ties to the most recent (listed last)
@@ -3295,12 +3293,7 @@ class StatefulFunction:
         entry = self._build_entry(key, leaves, split) if self._traced_eagerly else None
 
         def run():
-            if entry is None:
-                return self.fun(*args, **kwargs)
-            out, new = entry.apply([s.value for s in entry.plan.states], leaves)
-            for state, value in zip(entry.plan.write_states, new, strict=True):
-                state.value = value
-            return out
+            return self.fun(*args, **kwargs) if entry is None else entry.run_writing(leaves)
         if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
             return run()
 
@@ -3325,11 +3318,7 @@ class StatefulFunction:
         ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form."""
         ntraces = _ctx.ntraces
         _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
-        run = entry.apply if wrap is None else wrap(entry.apply)
-        out, new = run([s.value for s in entry.plan.states], leaves)
-        for state, value, w in zip(entry.plan.write_states, new, entry.plan.written, strict=True):
-            if w:   # written (not one of the read ones return_only_write=False returns)
-                state.value = value
+        out = entry.run_writing(leaves, wrap)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
