@@ -445,7 +445,9 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
 @functools.lru_cache(maxsize=None)
 def _jit_equation():
     """A jax.jit equation to copy: its primitive ('pjit' .. 0.6, 'jit') and params vary."""
-    return jax.make_jaxpr(jax.jit(lambda x: x + 1))(np.float32(0)).jaxpr.eqns[0]
+    inner = jax.jit(lambda x: x + 1)   # (not jax.make_jaxpr, which binds an axis environment)
+    jaxpr = _trace_to_jaxpr(lambda x: [inner(x)], [ShapedArray((), np.float32)], inner, 'jit')[0]
+    return jaxpr.eqns[0]
 
 
 def _staged(closed, name: str) -> Callable:
