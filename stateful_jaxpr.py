@@ -1383,12 +1383,20 @@ def check_state_value_tree(val: bool = True):
         _ctx.check_tree = outer
 
 
-def _reject_states(tree, what: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+def _reject_states(tree, what: str, refuse: Callable | None = None) -> None:
+    """Refuses a State among ``tree``'s leaves (``what`` names ``tree``); with ``refuse``, then a
+    leaf JAX cannot take: raises ``refuse(error, keystr, leaf)``, the error JAX gave made plain."""
+    pairs = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in pairs:
         if isinstance(leaf, State):
             where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
             raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
                              'value instead (state.value)')
+    for path, leaf in pairs if refuse is not None else ():
+        try:
+            _leaf_sig(leaf)
+        except (TypeError, OverflowError) as err:
+            raise refuse(err, jax.tree_util.keystr(path), leaf) from None
 
 
 # =============================================================================
@@ -1807,20 +1815,16 @@ def _hash_static(sf, where: str, value):
 
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
     """Raises the error naming the first dynamic argument leaf that is not a JAX value."""
+    def refuse(err, path, leaf):
+        where = f'{_who(sf)}: dynamic {what}{path}'
+        if isinstance(err, OverflowError):
+            return OverflowError(f'{where} is the Python int {leaf}, out of range for the '
+                                 'default integer dtype; pass an array of a wide enough dtype '
+                                 '(int64 needs jax_enable_x64) or mark it static')
+        return TypeError(f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark '
+                         'it static (static_argnums / static_argnames) or pass an array')
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
-        _reject_states(tree, f'{_who(sf)}: {what}')
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where = f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)}'
-            try:
-                _leaf_sig(leaf)
-            except OverflowError:
-                raise OverflowError(f'{where} is the Python int {leaf}, out of range for the '
-                                    'default integer dtype; pass an array of a wide enough dtype '
-                                    '(int64 needs jax_enable_x64) or mark it static') from None
-            except TypeError:
-                raise TypeError(
-                    f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark it '
-                    'static (static_argnums / static_argnames) or pass an array') from None
+        _reject_states(tree, f'{_who(sf)}: {what}', refuse)
 
 
 def _rebuilder(split):
