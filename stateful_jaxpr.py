@@ -398,24 +398,23 @@ def _write_hazard(eqn):
             else 'while' if written else None)
 
 
-# How JAX refuses a Ref program, by its error texts (all releases unless marked): 'checkpoint'
-# (a write in a differentiated jax.checkpoint, .. 0.6), 'effects' (vmap
-# of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under differentiation, 0.4.38,
-# also as a bare NotImplementedError), 'batched' (a per-lane value into an unbatched Ref, 0.6 ..;
-# under jax.jacfwd, in a jit body on 0.7, anywhere on 0.8 .. as a vmap or swap shape error),
-# 'tangent' (a differentiated value into a Ref of a body differentiated whole, 0.6), 'while'
-# (reverse mode through a while loop), 'jacrev' (vmap of a Ref made in jax.vjp, 0.7), 'transpose'
-# (a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10).
-_REFUSALS = {'checkpoint': r'partial-eval of `checkpoint`',
-             'effects': r'State effect not supported|Effects not supported.*Effect\('
-                        r'|does not have corresponding (jaxpr )?input'
-                        r'|JaxprInputEffect.* is invalid',
-             'batched': r'vmapped value on an unbatched|got axis spec None but output was '
-                        r'batched|Invalid shape for `swap`',
-             'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{',
-             'while': r'Reverse-mode differentiation does not work for lax.while_loop',
-             'jacrev': r"Batching rule for 'freeze' not implemented",
-             'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute"}
+# How JAX refuses a Ref program, by its error texts (all releases unless marked).
+_REFUSALS = {
+    'checkpoint': r'partial-eval of `checkpoint`',  # a write in a differentiated checkpoint, .. 0.6
+    # vmap of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under
+    # differentiation, 0.4.38, also as a bare NotImplementedError
+    'effects': r'State effect not supported|Effects not supported.*Effect\('
+               r'|does not have corresponding (jaxpr )?input|JaxprInputEffect.* is invalid',
+    # a per-lane value into an unbatched Ref, 0.6 ..; under jax.jacfwd, in a jit body on 0.7,
+    # anywhere on 0.8 .. as a vmap or swap shape error
+    'batched': r'vmapped value on an unbatched|got axis spec None but output was batched'
+               r'|Invalid shape for `swap`',
+    # a differentiated value into a Ref of a body differentiated whole, 0.6
+    'tangent': r'differentiated value on a non-differentiated|Zero\(Ref\{',
+    'while': r'Reverse-mode differentiation does not work for lax.while_loop',   # reverse mode
+    'jacrev': r"Batching rule for 'freeze' not implemented",   # vmap of a Ref made in jax.vjp, 0.7
+    # a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10
+    'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute"}
 
 
 def _refusal(err: BaseException):
@@ -445,18 +444,18 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
 @functools.lru_cache(maxsize=None)
 def _jit_equation():
     """A jax.jit equation to copy: its primitive ('pjit' .. 0.6, 'jit') and params vary."""
-    return jax.make_jaxpr(jax.jit(lambda x: x + 1))(np.float32(0)).jaxpr.eqns[0]
+    inner = jax.jit(lambda x: x + 1)   # (not jax.make_jaxpr, which binds an axis environment)
+    jaxpr = _trace_to_jaxpr(lambda x: [inner(x)], [ShapedArray((), np.float32)], inner, 'jit')[0]
+    return jaxpr.eqns[0]
 
 
 def _staged(closed, name: str) -> Callable:
     """``closed`` as a function staging it as one jit equation, as a nested jax.jit is, instead
     of equation by equation (all releases: its params copied from a jax.jit's)."""
-    eqn, n_in, n_out = _jit_equation(), len(closed.in_avals), len(closed.out_avals)
-    p = eqn.params
-    params = dict(p, jaxpr=closed, name=name, donated_invars=(False,) * n_in,
-                  in_shardings=p['in_shardings'][:1] * n_in, in_layouts=p['in_layouts'][:1] * n_in,
-                  out_shardings=p['out_shardings'][:1] * n_out,
-                  out_layouts=p['out_layouts'][:1] * n_out)
+    eqn, n = _jit_equation(), {'in': len(closed.in_avals), 'out': len(closed.out_avals)}
+    params = dict(eqn.params, jaxpr=closed, name=name, donated_invars=(False,) * n['in'])
+    for side, what in itertools.product(n, ('shardings', 'layouts')):  # as jax.jit's: one per value
+        params[f'{side}_{what}'] = params[f'{side}_{what}'][:1] * n[side]
     return lambda *args: eqn.primitive.bind(*args, **params)
 
 
@@ -1384,12 +1383,20 @@ def check_state_value_tree(val: bool = True):
         _ctx.check_tree = outer
 
 
-def _reject_states(tree, what: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+def _reject_states(tree, what: str, refuse: Callable | None = None) -> None:
+    """Refuses a State among ``tree``'s leaves (``what`` names ``tree``); with ``refuse``, then a
+    leaf JAX cannot take: raises ``refuse(error, keystr, leaf)``, the error JAX gave made plain."""
+    pairs = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in pairs:
         if isinstance(leaf, State):
             where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
             raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
                              'value instead (state.value)')
+    for path, leaf in pairs if refuse is not None else ():
+        try:
+            _leaf_sig(leaf)
+        except (TypeError, OverflowError) as err:
+            raise refuse(err, jax.tree_util.keystr(path), leaf) from None
 
 
 # =============================================================================
@@ -1808,20 +1815,16 @@ def _hash_static(sf, where: str, value):
 
 def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
     """Raises the error naming the first dynamic argument leaf that is not a JAX value."""
+    def refuse(err, path, leaf):
+        where = f'{_who(sf)}: dynamic {what}{path}'
+        if isinstance(err, OverflowError):
+            return OverflowError(f'{where} is the Python int {leaf}, out of range for the '
+                                 'default integer dtype; pass an array of a wide enough dtype '
+                                 '(int64 needs jax_enable_x64) or mark it static')
+        return TypeError(f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark '
+                         'it static (static_argnums / static_argnames) or pass an array')
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
-        _reject_states(tree, f'{_who(sf)}: {what}')
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            where = f'{_who(sf)}: dynamic {what}{jax.tree_util.keystr(path)}'
-            try:
-                _leaf_sig(leaf)
-            except OverflowError:
-                raise OverflowError(f'{where} is the Python int {leaf}, out of range for the '
-                                    'default integer dtype; pass an array of a wide enough dtype '
-                                    '(int64 needs jax_enable_x64) or mark it static') from None
-            except TypeError:
-                raise TypeError(
-                    f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark it '
-                    'static (static_argnums / static_argnames) or pass an array') from None
+        _reject_states(tree, f'{_who(sf)}: {what}', refuse)
 
 
 def _rebuilder(split):
