@@ -168,10 +168,26 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
+def _per_jaxpr(fun):
+    """``fun`` of a nested jaxpr, kept while the jaxpr lives: the body of a nested
+    StatefulFunction reappears whole in the trace of each one around it."""
+    memo = weakref.WeakKeyDictionary()   # (jaxprs hash by identity, on all releases)
+
+    def kept(jaxpr):
+        if (got := memo.get(jaxpr)) is None:
+            got = memo[jaxpr] = fun(jaxpr)
+        return got
+    return kept
+
+
 def _nested_consts(eqns) -> list:
     """The constants of the closed jaxprs nested, at any depth, in ``eqns``."""
-    return [c for e in eqns for i in _nested_jaxprs(e.params)
-            for c in [*getattr(i, 'consts', ()), *_nested_consts(getattr(i, 'jaxpr', i).eqns)]]
+    return [c for e in eqns for i in _nested_jaxprs(e.params) for c in _consts_within(i)]
+
+
+@_per_jaxpr
+def _consts_within(jaxpr) -> tuple:
+    return (*getattr(jaxpr, 'consts', ()), *_nested_consts(getattr(jaxpr, 'jaxpr', jaxpr).eqns))
 
 
 def _staged_eqns(trace) -> list:
@@ -217,8 +233,11 @@ def _without_dead_code(jaxpr, keep: int):
     return _pe.dce_jaxpr(jaxpr, [i < keep for i in range(len(jaxpr.outvars))], instantiate=True)[0]
 
 
+@_per_jaxpr
 def _has_custom_rules(jaxpr) -> bool:
-    return any(e.primitive.name in _CUSTOM_CALLS for e in _all_eqns(jaxpr))
+    return any(e.primitive.name in _CUSTOM_CALLS or any(
+        _has_custom_rules(getattr(j, 'jaxpr', j)) for j in _nested_jaxprs(e.params))
+        for e in jaxpr.eqns)
 
 
 def _drops_jvp_refs(jaxpr) -> bool:
@@ -2097,17 +2116,11 @@ class _TraceFrame(StateTraceStack):
         if leaked := {self._inputs[id(c)] for c in _nested_consts(_staged_eqns(self._jax_trace))
                       if id(c) in self._inputs}:   # read by a rule JAX traced apart, left there
             raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked)))
-        _reject_states(out, 'the function returned ')
+        _reject_states(out, 'the function returned ', lambda err, path, leaf: err if isinstance(
+            err, OverflowError) else TypeError(
+            f'the stateful function {self.name!r} returned {leaf!r} (a {type(leaf).__name__}) at '
+            f'result{path}, which is not a JAX type; return arrays, scalars or pytrees of them'))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if not isinstance(leaf, Tracer):
-                try:
-                    _typeof(leaf)
-                except TypeError:
-                    raise TypeError(
-                        f'the stateful function {self.name!r} returned {leaf!r} (a '
-                        f'{type(leaf).__name__}) at result{jax.tree_util.keystr(path)}, which '
-                        'is not a JAX type; return arrays, scalars or pytrees of them') from None
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
                   for v in (self._values[id(self.states[i])] for i in returned)]
@@ -4048,14 +4061,9 @@ class Exported:
                             f'{type(states).__name__}')
         states, needed = states or {}, [n for n, role in roles.items() if role != 'written']
         for what, tree in (('argument ', args), ('keyword argument ', kwargs), ('states=', states)):
-            _reject_states(tree, f'{name}: {what}')
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                try:
-                    _leaf_sig(leaf)
-                except (TypeError, OverflowError) as err:
-                    raise type(err)(f'{name}: {what}{jax.tree_util.keystr(path)} is {leaf!r} '
-                                    f'(a {type(leaf).__name__}), which JAX cannot take ({err}); '
-                                    'pass an array') from None
+            _reject_states(tree, f'{name}: {what}', lambda err, path, leaf: type(err)(
+                f'{name}: {what}{path} is {leaf!r} (a {type(leaf).__name__}), which JAX cannot '
+                f'take ({err}); pass an array'))
         problems = [f'{what} {names}' for what, names in (
             ('lacks', [n for n in needed if n not in states]),
             ('has names it does not know:', [n for n in states if n not in roles])) if names]

@@ -797,12 +797,9 @@ class CompatTest(unittest.TestCase):
             import jax, jax.numpy as jnp
             from jax import lax
             import jax._src.core, jax._src.state.discharge as discharge
-            kept = discharge.discharge_state, jax._src.core.extend_axis_env_nd
             del discharge.discharge_state
             del jax._src.core.extend_axis_env_nd
             import stateful_jaxpr as sj
-            # The module probes at import; JAX's own code still needs them.
-            discharge.discharge_state, jax._src.core.extend_axis_env_nd = kept
 
             s = sj.State(jnp.zeros(3), name='acc')
             sf = sj.StatefulFunction(lambda x: (s.__setattr__('value', s.value + x), s.value.sum())[1])
