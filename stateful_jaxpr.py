@@ -2019,9 +2019,11 @@ class _Traced:
 
     def runner(self, staged: str | None = None) -> Callable:
         """``run(flat_args, state_values) -> (out, returned_state_values)``: the jaxpr's equations
-        bound one by one, or ``staged`` as one jit equation of that name."""
+        bound one by one, or ``staged`` as one jit equation of that name (unless the function
+        closed over an enclosing trace's value: a jit equation holds only constants)."""
         closed, n_out = self.closed_jaxpr, self.n_out
-        run = _jaxpr_as_fun(closed) if staged is None else _staged(closed, staged)
+        inline = staged is None or _contains_tracer(closed.consts)
+        run = _jaxpr_as_fun(closed) if inline else _staged(closed, staged)
         out_tree, state_tree = self.out_tree, self.state_tree
 
         def apply(flat_args, state_values):

@@ -7416,6 +7416,33 @@ class PlainTransformTest(unittest.TestCase):
         ('value_and_grad', lambda g: jax.value_and_grad(lambda x: g(x).sum()), jnp.ones(3)),
     )
 
+    def test_a_function_closing_over_an_enclosing_traced_value_sees_it(self):
+        # A function made inside a trace may close over its tracers (not arguments, not
+        # States): every call path, compiled or nested, runs it with that value.
+        s = State(jnp.ones(3), name='pt_closure')
+
+        def reads(x):
+            return StatefulFunction(lambda y: y * x + s.value)(jnp.ones(3))
+
+        def writes(x):
+            h = x * 2.0
+
+            def inner(y):
+                s.value = s.value + h
+                return y * h
+            return StatefulFunction(inner)(x)
+        cases = [('jax.jit', lambda: jax.jit(reads)(2.0), 3.0 * np.ones(3)),
+                 ('jax.grad', lambda: jax.grad(lambda x: reads(x).sum())(2.0), 3.0),
+                 ('jax.vmap', lambda: jax.vmap(reads)(jnp.arange(2.0))[1], 2.0 * np.ones(3)),
+                 ('StatefulFunction', lambda: StatefulFunction(writes)(3.0), 18.0),
+                 ('StatefulMapping', lambda: sj.StatefulMapping(
+                     lambda x: StatefulFunction(lambda: x * 2.0)(), in_axes=0)(jnp.arange(3.0)),
+                  [0.0, 2.0, 4.0])]
+        for how, run, want in cases:
+            with self.subTest(enclosing=how):
+                np.testing.assert_allclose(np.asarray(run()), want)
+        np.testing.assert_allclose(np.asarray(s.value), 7.0 * np.ones(3))   # 1 + 2 * 3
+
     def test_a_writing_call_raises_whatever_the_value_depends_on(self):
         cnt = State(jnp.zeros(()), name='pt_cnt')
         acc = State(jnp.zeros(3), name='pt_acc')
