@@ -10,6 +10,9 @@ per-lane random keys.  The file depends on ``jax`` only: copy it into your proje
 sections follow the data flow, from the compatibility shims (the only place that touches JAX
 internals) to a demo ``main()``.  It uses these words in a sense of its own:
 stack: a StateTraceStack open in the thread: brainstate's recorder, an _EagerCall, a _TraceFrame.
+  One class in three roles, because brainstate's recorder with ``new_arg`` is already an overlay:
+  an eager call and a trace need just that, a trace also lifting values to jaxpr inputs; so a
+  State's first touch under any of them is recorded by the one ``StateTraceStack._touch``.
 first touch: a State's first read or write under a stack, which records it (a trace: as new inputs).
 overlay: a stack holding what code inside reads and writes of each State, the State left as it was.
 side slot: a State's name, metadata, stack level or backup key, which an overlay holds like a value.
