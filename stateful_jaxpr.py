@@ -2022,10 +2022,11 @@ class _Traced:
 
     def runner(self, staged: str | None = None) -> Callable:
         """``run(flat_args, state_values) -> (out, returned_state_values)``: the jaxpr's equations
-        bound one by one, or ``staged`` as one jit equation of that name (unless the function
-        closed over an enclosing trace's value: a jit equation holds only constants)."""
+        bound one by one, or ``staged`` as one jit equation of that name, unless a custom rule
+        must see them inline (it reads States when JAX traces it) or the function closed over
+        an enclosing trace's value (a jit equation holds only constants)."""
         closed, n_out = self.closed_jaxpr, self.n_out
-        inline = staged is None or _contains_tracer(closed.consts)
+        inline = staged is None or self.rules or _contains_tracer(closed.consts)
         run = _jaxpr_as_fun(closed) if inline else _staged(closed, staged)
         out_tree, state_tree = self.out_tree, self.state_tree
 
@@ -3182,8 +3183,7 @@ class StatefulFunction:
                                  name=self.name, return_only_write=self.return_only_write,
                                  axis_env=self.axis_env, trace_with=trace_with,
                                  lessons=self._lessons)
-        # A custom rule reads States when JAX traces it: it must see the jaxpr bound inline.
-        run = traced.runner(self.name if self._compiled_dispatch and not traced.rules else None)
+        run = traced.runner(self.name if self._compiled_dispatch else None)
 
         def apply(state_values, flat_args):
             if dynamic:
@@ -3870,8 +3870,7 @@ class StatefulMapping(StatefulFunction):
         if not found:
             raise ValueError(f'{_who(self)}: nothing is batched (no in_axes entry, no state in '
                              'state_in_axes), so the batch size is unknown; pass axis_size=n')
-        n, states = found[0][1], traced.states
-        run = traced.runner(None if traced.rules else self.name)   # a rule sees the jaxpr inline
+        n, states, run = found[0][1], traced.states, traced.runner(self.name)
         rng_index = [i for i, s in enumerate(states) if isinstance(s, RandomState)]
         in_batched = [a is not None for a in arg_axes] + [   # per jaxpr input
             state_axes[i] is not None for i, sig in enumerate(traced.state_sigs) for _ in sig[1]]
