@@ -254,6 +254,7 @@ _trace_ref = _probe('jax._src.core:trace_state_strong_ref')   # 0.10 ..
 _current_trace = (functools.partial(getattr, _trace_ref, 'value') if _trace_ref is not None
                   else functools.partial(getattr, _src_core.trace_ctx, 'trace'))   # .. 0.9
 _tracer_trace = operator.attrgetter('_trace')
+_TraceSet = weakref.WeakSet   # of traces: they hash by identity and are weakly referable (all)
 _at_trace = _src_core.set_current_trace      # binds at a trace other than the current one
 _eager = _src_core.EvalTrace.__instancecheck__   # outside any transformation (C: warm calls ask)
 _stages = _JaxprTrace.__instancecheck__   # builds a jaxpr: a jit, loop, cond or checkpoint body
@@ -2066,12 +2067,15 @@ class _GcPause:
 class _TraceFrame(StateTraceStack):
     """One run's overlay: a State's first touch adds jaxpr inputs (a _RefCell's Refs where its
     retracer says so); what the run sees that decides a rerun goes to the retracer."""
+    loopless = _TraceSet()   # JAX traces neither in a loop body nor inside one
 
     def __init__(self, name: str, retracer: '_Retracer', lift_aval):
         """Binds the run's epoch (see _Retracer) until exit."""
         super().__init__(name=name)
         self._overlays = True
         self._jax_trace = _current_trace()      # new inputs go here; a nested trace differs
+        self.traces = (self._jax_trace, *[  # it and those around: a State may hold their tracers
+            f._jax_trace for f in _ctx.frames if f._jax_trace is not None])
         self.retracer, self._lift_aval = retracer, lift_aval
         self._diffs: dict = {}                  # id -> a differentiation a State was written in
         self._diff_written: dict = {}           # id -> a State written so (see peel)
@@ -2105,6 +2109,10 @@ class _TraceFrame(StateTraceStack):
         """Whether a first touch now is in a loop body, whose reads must see an earlier
         iteration's write should a later touch write the State: lifted as Refs at once, so that
         the trace needs no second run (not under jax.vmap, a cond or checkpoint body)."""
+        if (trace := _current_trace()) in self.loopless:   # (each frame around a touch asks)
+            return False
+        if not any(_body_of(t) == 'loop' for t in _trace_path(None)[0]):
+            self.loopless.add(trace)
         path, whole = _trace_path(self._jax_trace)
         return _HAS_REFS and whole is True and any(_body_of(t) == 'loop' for t in path) and all(
             _body_of(t) in ('loop', '') if _stages(t)
@@ -2183,6 +2191,9 @@ def _traced_read(state, frames):
 def _touch_all(state, frames, write: bool):
     """Records ``state`` in every frame that sees it (past its owner, for a State made in a
     trace); returns the innermost overlaying frame's entry (value or _RefCell) and that frame."""
+    if type(top := frames[-1]) is _TraceFrame and (i := top._index.get(id(state))) is not None and (
+            top.been_writen[i] or not write):   # (seen by a trace frame on top: by all below)
+        return top._values[id(state)], top
     owner = state._owner
     start = len(frames) - frames[::-1].index(owner) if owner in frames else 0
     if start == 0 and state._broken is not None:
@@ -2245,7 +2256,8 @@ def _traced_write(state, value, frames, written: bool):
     if type(entry) is _RefCell:
         entry.write(value)
         return
-    allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
+    allowed = target.traces if type(target) is _TraceFrame else tuple(
+        f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, target.peel(value) if local else value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
         _store(state, value)
@@ -2804,7 +2816,7 @@ class _Plan:
     def __init__(self, states, write_index, donate, written):
         self.token, self.states, self.write_index = next(_plan_tokens), states, write_index
         self.write_states = tuple(states[i] for i in write_index)
-        self.written = tuple(i in written for i in write_index)   # assigned, not just returned
+        self.written = tuple(map(set(written).__contains__, write_index))  # assigned, else returned
         self.donated = tuple(i for i in write_index if donate is not None and donate((), states[i]))
         self.kept = tuple(i for i in range(len(states)) if i not in self.donated)
         self.locks = tuple(_state_lock(x) for x in sorted(states, key=id))
