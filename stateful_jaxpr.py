@@ -3274,7 +3274,7 @@ class StatefulFunction:
             if entry.plan is not plan:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves)
-        if token > 0:
+        if token > 0 and token != plan.token:   # (plan.token: no written State spans devices)
             new = [_kept_layout(state, value) if self._keep((), state) else value
                    for state, value in zip(plan.write_states, new, strict=True)]
         return out, tuple(new)
