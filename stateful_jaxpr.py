@@ -3004,23 +3004,6 @@ def _call(sf, *args, **kwargs):
     return out
 
 
-def _accessors(name: str, context: str, field: Callable, doc: str) -> tuple:
-    """``get_<name>(*args, compile_if_miss=True, **kwargs)`` and ``get_<name>_by_cache(key)``:
-    ``field`` of what the entry for those arguments (traced if asked) or that key describes;
-    ``context`` names it in the error for a key not traced."""
-    def get(self, *args, compile_if_miss: bool = True, **kwargs):
-        return field(self._lookup(args, kwargs)[1].described() if compile_if_miss
-                     else self._described_by_key(self._cache_key(args, kwargs)[0], context))
-
-    def by_cache(self, cache_key):
-        return field(self._described_by_key(cache_key, context))
-    for method, suffix in ((get, ''), (by_cache, '_by_cache')):
-        method.__name__ = f'get_{name}{suffix}'
-        method.__qualname__ = f'StatefulFunction.{method.__name__}'
-    get.__doc__, by_cache.__doc__ = doc, f':meth:`get_{name}` for a cache key.'
-    return get, by_cache
-
-
 class StatefulFunction:
     """Traces a function that reads and writes States into a cached ``ClosedJaxpr``.
 
@@ -3387,28 +3370,68 @@ class StatefulFunction:
     def _described_by_key(self, key, context: str) -> _Traced:
         return self._cache.get(key, raise_on_miss=True, error_context=context).described()
 
-    get_jaxpr, get_jaxpr_by_cache = _accessors(
-        'jaxpr', 'JAX expression', operator.attrgetter('closed_jaxpr'),
-        'The ClosedJaxpr for these arguments.')
-    get_out_shapes, get_out_shapes_by_cache = _accessors(
-        'out_shapes', 'Output shapes', _Traced.out_shapes,
-        '``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes`` '
-        'has one entry per state (``get_states()`` order), ``None`` where not returned.')
-    get_out_treedef, get_out_treedef_by_cache = _accessors(
-        'out_treedef', 'Output tree', operator.attrgetter('full_tree'),
-        'The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both.')
-    get_state_trace, get_state_trace_by_cache = _accessors(
-        'state_trace', 'State trace', operator.attrgetter('trace_stack'),
-        'The :class:`StateTraceStack` recorded while tracing.')
-    get_states, get_states_by_cache = _accessors(
-        'states', 'State trace', operator.attrgetter('states'),
-        'Every touched State, in jaxpr-input order.')
-    get_read_states, get_read_states_by_cache = _accessors(
-        'read_states', 'State trace', lambda traced: traced.trace_stack.get_read_states(),
-        'The touched States that are only read.')
-    get_write_states, get_write_states_by_cache = _accessors(
-        'write_states', 'State trace', lambda traced: traced.trace_stack.get_write_states(),
-        'The touched States that are written.')
+    def _described_for(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
+        return (self._lookup(args, kwargs)[1].described() if compile_if_miss
+                else self._described_by_key(self._cache_key(args, kwargs)[0], context))
+
+    def get_jaxpr(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The ClosedJaxpr for these arguments."""
+        return self._described_for(args, kwargs, compile_if_miss, 'JAX expression').closed_jaxpr
+
+    def get_jaxpr_by_cache(self, cache_key):
+        """:meth:`get_jaxpr` for a cache key."""
+        return self._described_by_key(cache_key, 'JAX expression').closed_jaxpr
+
+    def get_out_shapes(self, *args, compile_if_miss: bool = True, **kwargs):
+        """``(out_shapes, state_shapes)`` as ``jax.ShapeDtypeStruct`` pytrees; ``state_shapes``
+        has one entry per state (``get_states()`` order), ``None`` where not returned."""
+        return self._described_for(args, kwargs, compile_if_miss, 'Output shapes').out_shapes()
+
+    def get_out_shapes_by_cache(self, cache_key):
+        """:meth:`get_out_shapes` for a cache key."""
+        return self._described_by_key(cache_key, 'Output shapes').out_shapes()
+
+    def get_out_treedef(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The structure of ``(out, state_part)``: ``unflatten(jaxpr_outputs)`` gives both."""
+        return self._described_for(args, kwargs, compile_if_miss, 'Output tree').full_tree
+
+    def get_out_treedef_by_cache(self, cache_key):
+        """:meth:`get_out_treedef` for a cache key."""
+        return self._described_by_key(cache_key, 'Output tree').full_tree
+
+    def get_state_trace(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The :class:`StateTraceStack` recorded while tracing."""
+        return self._described_for(args, kwargs, compile_if_miss, 'State trace').trace_stack
+
+    def get_state_trace_by_cache(self, cache_key):
+        """:meth:`get_state_trace` for a cache key."""
+        return self._described_by_key(cache_key, 'State trace').trace_stack
+
+    def get_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """Every touched State, in jaxpr-input order."""
+        return self._described_for(args, kwargs, compile_if_miss, 'State trace').states
+
+    def get_states_by_cache(self, cache_key):
+        """:meth:`get_states` for a cache key."""
+        return self._described_by_key(cache_key, 'State trace').states
+
+    def get_read_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The touched States that are only read."""
+        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                    **kwargs).get_read_states()
+
+    def get_read_states_by_cache(self, cache_key):
+        """:meth:`get_read_states` for a cache key."""
+        return self.get_state_trace_by_cache(cache_key).get_read_states()
+
+    def get_write_states(self, *args, compile_if_miss: bool = True, **kwargs):
+        """The touched States that are written."""
+        return self.get_state_trace(*args, compile_if_miss=compile_if_miss,
+                                    **kwargs).get_write_states()
+
+    def get_write_states_by_cache(self, cache_key):
+        """:meth:`get_write_states` for a cache key."""
+        return self.get_state_trace_by_cache(cache_key).get_write_states()
 
     def get_arg_cache_key(self, *args, compile_if_miss: bool = False, **kwargs) -> hashabledict:
         """The hashable cache key for these arguments (traces first if asked)."""
