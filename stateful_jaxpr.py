@@ -415,8 +415,7 @@ def _write_hazard(eqn):
         return 'checkpoint'   # (the param: all releases)
     if eqn.primitive.name != 'while':   # all releases
         return None
-    written = _written_refs(eqn)
-    cond_consts = eqn.invars[:eqn.params['cond_nconsts']]
+    written, cond_consts = _written_refs(eqn), eqn.invars[:eqn.params['cond_nconsts']]
     return ('condition' if any(isinstance(v, Var) and v in written for v in cond_consts)
             else 'while' if written else None)
 
@@ -666,7 +665,7 @@ def _multi_device(leaf):
 # 3. States and the state trace stack
 #
 # Outside a stateful trace ``State.value`` is a plain attribute; inside, reads and writes go to the
-# thread's innermost stacks through section 6's ``_traced_read`` / ``_traced_write``.
+# thread's innermost stacks through section 6's ``_touch_all`` / ``_traced_write``.
 # =============================================================================
 
 # StateTraceStacks open in all threads: while none is, a call skips the thread-local lookup.
@@ -861,7 +860,7 @@ class State:
     def value(self):
         """The current value; reads and writes are recorded while tracing."""
         if frames := _ctx.frames:
-            return _traced_read(self, frames)
+            return _view(self, *_touch_all(self, frames, write=False))
         if self._broken is not None:
             self._raise_broken()
         return _baked(self)
@@ -2072,10 +2071,7 @@ class _TraceFrame(StateTraceStack):
     def __init__(self, name: str, retracer: '_Retracer', lift_aval):
         """Binds the run's epoch (see _Retracer) until exit."""
         super().__init__(name=name)
-        self._overlays = True
-        self._jax_trace = _current_trace()      # new inputs go here; a nested trace differs
-        self.traces = (self._jax_trace, *[  # it and those around: a State may hold their tracers
-            f._jax_trace for f in _ctx.frames if f._jax_trace is not None])
+        self._overlays, self._jax_trace = True, _current_trace()   # new inputs: here, not nested
         self.retracer, self._lift_aval = retracer, lift_aval
         self._diffs: dict = {}                  # id -> a differentiation a State was written in
         self._diff_written: dict = {}           # id -> a State written so (see peel)
@@ -2181,19 +2177,13 @@ class _TraceFrame(StateTraceStack):
 
 
 # -- Traced reads and writes --------------------------------------------------
-def _traced_read(state, frames):
-    top = frames[-1]
-    if (v := top._values.get(id(state), _MISSING)) is not _MISSING:   # (a recorder holds none)
-        return _view(state, v, top)
-    return _view(state, *_touch_all(state, frames, write=False))
-
-
 def _touch_all(state, frames, write: bool):
     """Records ``state`` in every frame that sees it (past its owner, for a State made in a
     trace); returns the innermost overlaying frame's entry (value or _RefCell) and that frame."""
-    if type(top := frames[-1]) is _TraceFrame and (i := top._index.get(id(state))) is not None and (
-            top.been_writen[i] or not write):   # (seen by a trace frame on top: by all below)
-        return top._values[id(state)], top
+    top = frames[-1]   # a trace frame's first touch reached all frames below (a recorder: none)
+    if (v := top._values.get(id(state), _MISSING)) is not _MISSING and (not write or type(
+            top) is _TraceFrame and top.been_writen[top._index[id(state)]]):
+        return v, top
     owner = state._owner
     start = len(frames) - frames[::-1].index(owner) if owner in frames else 0
     if start == 0 and state._broken is not None:
@@ -2256,8 +2246,7 @@ def _traced_write(state, value, frames, written: bool):
     if type(entry) is _RefCell:
         entry.write(value)
         return
-    allowed = target.traces if type(target) is _TraceFrame else tuple(
-        f._jax_trace for f in frames if f._jax_trace is not None)
+    allowed = tuple(f._jax_trace for f in frames if f._jax_trace is not None)
     _check_tracers_may_enter(state, target.peel(value) if local else value, allowed)
     if target is None:   # only recording stacks (or the creating trace) above
         _store(state, value)
@@ -2376,8 +2365,7 @@ class _RefCell:
                                   if _parent(trace) is parent.trace else _STALE)
                 parent.written, parent.refs = True, ended.refs
             elif ended.written and ended.refs and _parent(ended.trace) is self.home:   # see write
-                self.refs = [_primal(x, ended.trace) for x in ended.content]
-                self.adopted = True
+                self.refs, self.adopted = [_primal(x, ended.trace) for x in ended.content], True
         for trace in diffs[len(levels):]:
             levels.append(_Level(trace, self._get(levels[-1] if levels else None, trace)))
         if not levels:
@@ -2687,8 +2675,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         _ctx.ntraces += 1
         with _axis_env(axis_env), _GcPause():
             try:
-                jaxpr, out_avals, consts = trace(flat_fun, flat_avals)
-                err = None
+                (jaxpr, out_avals, consts), err = trace(flat_fun, flat_avals), None
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
             cells = frames[-1].cells if frames else ()
@@ -3059,8 +3046,7 @@ class StatefulFunction:
             raise TypeError(f'{who} cannot trace {getattr(fun, "__qualname__", fun)!r}, a '
                             'generator or coroutine function (its body runs only when iterated '
                             'or awaited); make it a plain function that returns its value')
-        self.fun = fun
-        self.static_argnums = _static_spec(static_argnums, 'static_argnums')
+        self.fun, self.static_argnums = fun, _static_spec(static_argnums, 'static_argnums')
         self.static_argnames = _static_spec(static_argnames, 'static_argnames')
         env = tuple(axis_env) if isinstance(axis_env, (list, tuple)) else axis_env
         for what, value, ok, want in (
@@ -3100,8 +3086,7 @@ class StatefulFunction:
         self._statics_by_value = False   # some static argument hashes only by value
         self._plans = weakref.WeakValueDictionary()            # the entries' plans, by key
         self._plans_by_token = weakref.WeakValueDictionary()   # and by dispatcher token
-        self._fast = None                # a _Fast
-        self._plan_switches = 0
+        self._fast, self._plan_switches = None, 0   # a _Fast; see _call_slow
 
     # -- entries -----------------------------------------------------------------
     def _cache_key(self, args, kwargs):
