@@ -133,7 +133,7 @@ _ReadEffect = _probe('jax._src.state.types:ReadEffect')
 _HAS_REFS = None not in (_ref_aval, _ref_get, _ref_set, _discharge_state, _RefEffect)
 _DISCHARGE_TAKES_CLOSED = _takes(_discharge_state, 'closed_jaxpr')   # 0.10 ..
 # A Ref made inside a differentiated function carries tangents, through loop bodies too (0.7 ..).
-_new_ref = _probe('jax:new_ref', 'jax:array_ref')   # 0.7.2 .. | 0.7.1
+_new_ref = _probe('jax:new_ref')   # 0.7.2 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 _is_ref = functools.partial(type.__instancecheck__, _ref_aval)   # whether an aval is a Ref's
@@ -913,17 +913,15 @@ class State:
     def _raise_broken(self):
         raise self._broken.error(self._broken.message)
 
-    def _break(self, error: type, message: str, shown: str) -> None:
-        self._broken = _Broken(error, message, shown)   # until it is assigned a value
-
     def _orphan(self) -> None:   # its overlay ended: a tracer it kept from there leaves a shape
         self._owner = None
         if _contains_tracer(self._value):
             self._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                  if isinstance(x, Tracer) else x, self._value)
-            self._break(TraceContextError, f'{self._describe()} holds a tracer from the finished '
-                        'trace that created it; return its value from the traced function, or '
-                        'create the State outside it', 'tracer from a finished trace')
+            self._broken = _Broken(
+                TraceContextError, f'{self._describe()} holds a tracer from the finished trace '
+                'that created it; return its value from the traced function, or create the State '
+                'outside it', 'tracer from a finished trace')
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -940,10 +938,8 @@ class State:
         """Subtracts one from :attr:`stack_level` (not below 0)."""
         self.stack_level = max(self.stack_level - 1, 0)
 
-    @property
-    def source_info(self) -> str:
-        """Where this State was created, as ``file:line (in function)``."""
-        return _format_site(self._source)
+    source_info = property(lambda self: _format_site(self._source),
+                           doc='Where this State was created, as ``file:line (in function)``.')
 
     def _describe(self) -> str:
         label = f"{type(self).__name__} {self._name!r}" if self._name else type(self).__name__
@@ -1046,10 +1042,7 @@ class TreefyState:
         self.type, self.value = type, value
         vars(self).update(metadata)
 
-    @property
-    def name(self) -> str | None:
-        """The State's name."""
-        return vars(self).get('_name')
+    name = property(lambda self: vars(self).get('_name'), doc="The State's name.")
 
     def get_metadata(self) -> dict:
         """Everything but ``type`` and ``value``."""
@@ -1960,13 +1953,6 @@ def explain_cache_misses(enabled: bool = True) -> bool:
     return previous
 
 
-def _explain_flag(value):
-    if value is not None and not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f'explain_cache_misses must be True, False or None (None follows '
-                        f'stateful_jaxpr.explain_cache_misses()), got {value!r}')
-    return None if value is None else bool(value)
-
-
 def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
     olds, news = dict(_static_items(old)), dict(_static_items(new))
@@ -2021,7 +2007,7 @@ class _Traced:
             setattr(self, k, v)
 
     def runner(self, staged: str | None = None) -> Callable:
-        """``run(flat_args, state_values) -> (out, returned_state_values)``: the jaxpr's equations
+        """``run(state_values, flat_args) -> (out, returned_state_values)``: the jaxpr's equations
         bound one by one, or ``staged`` as one jit equation of that name, unless a custom rule
         must see them inline (it reads States when JAX traces it) or the function closed over
         an enclosing trace's value (a jit equation holds only constants)."""
@@ -2030,7 +2016,7 @@ class _Traced:
         run = _jaxpr_as_fun(closed) if inline else _staged(closed, staged)
         out_tree, state_tree = self.out_tree, self.state_tree
 
-        def apply(flat_args, state_values):
+        def apply(state_values, flat_args):
             outs = run(*flat_args, *_leaves(state_values))
             return out_tree.unflatten(outs[:n_out]), state_tree.unflatten(outs[n_out:])
         return apply
@@ -2135,8 +2121,7 @@ class _TraceFrame(StateTraceStack):
         values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
                   for v in (self._values[id(self.states[i])] for i in returned)]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
-        part = dict(zip(returned, values))
-        part = tuple(part.get(i) for i in range(len(self.states)))
+        part = tuple(map(dict(zip(returned, values)).get, range(len(self.states))))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
                            state_tree=jax.tree_util.tree_structure(values),
                            full_tree=jax.tree_util.tree_structure((out, part)))
@@ -2741,18 +2726,17 @@ def _state_roles(traced) -> list:
 def _pretty(traced: _Traced, key) -> str:
     """``traced``'s jaxpr followed by a legend of its inputs and outputs."""
     jaxpr, text, keystr = traced.closed_jaxpr.jaxpr, str(traced.closed_jaxpr), jax.tree_util.keystr
-    roles, args, labels, seen = _state_roles(traced), _arg_labels(key), [], {}
-    for s in traced.states:   # name, else ``RandomState@model.py:12``; repeats get ``#2`` ...
-        base = s._name or type(s).__name__ + (
+    roles, args, seen = _state_roles(traced), _arg_labels(key), {}
+    labels, state_of, in_roles = [], [], []
+    for i, (s, sig) in enumerate(zip(traced.states, traced.state_sigs, strict=True)):
+        base = s._name or type(s).__name__ + (   # else ``RandomState@model.py:12``; then ``#2``
             f'@{os.path.basename(s._source[0])}:{s._source[1]}' if s._source else '')
         seen[base] = n = seen.get(base, 0) + 1
         labels.append(base if n == 1 else f'{base}#{n}')
-    state_of, in_roles = [], []
-    for i, (state, sig) in enumerate(zip(traced.states, traced.state_sigs, strict=True)):
         for path in _leaf_paths(sig[0]):
             state_of.append(i)
-            in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(state).__name__}), '
-                            f'{roles[i]}, created at {state.source_info}')
+            in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(s).__name__}), '
+                            f'{roles[i]}, created at {s.source_info}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
     in_roles = ['axis size (abstracted_axes)'] * extra + args + in_roles
     state_of_invar = dict(zip(jaxpr.invars[extra + len(args):], state_of, strict=True))
@@ -2841,10 +2825,9 @@ def _write_back(who, plan, new) -> None:
         # Under a plain JAX transformation a write happens once per trace, not per
         # lane or derivative, and may leak a tracer: refused unless the State is local.
         pairs = [(s, v) for s, v, w in zip(plan.write_states, new, plan.written, strict=True) if w]
-        refused = [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace()]
-        if refused:
+        if outer := [s._describe() for s, _ in pairs if s._creation_trace is not _current_trace()]:
             raise TraceContextError(
-                f'{_who(who)} writes {", ".join(refused)} but was called inside a JAX '
+                f'{_who(who)} writes {", ".join(outer)} but was called inside a JAX '
                 'transformation (jax.jit / jax.grad / jax.vmap ...) with no enclosing stateful '
                 'trace, which cannot carry the new value out.  Wrap the outer function in '
                 'StatefulFunction (or StatefulMapping), or thread the values with jaxpr_call.')
@@ -2905,7 +2888,7 @@ def _donating(sf, jitted, plan):
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
-                    state._break(
+                    state._broken = _Broken(
                         RuntimeError, f'{state._describe()} has no value: its buffer was donated '
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
@@ -2928,9 +2911,9 @@ class _Fast:
     __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
                  'leaf_type', 'hits', 'door')
 
-    def __init__(self, sf, plan, dispatch, nargs, epoch, rules, hits):
+    def __init__(self, sf, plan, dispatch, nargs, epoch, rules):
         self.plan, self.dispatch, self.nargs, self.epoch, self.rules, self.hits = (
-            plan, dispatch, nargs, epoch, rules, hits)
+            plan, dispatch, nargs, epoch, rules, sf._cache._hits)
         self.states, self.locks, self.writes = plan.states, plan.locks, plan.write_states
         self.door = _Door(sf, self.locks, strict=True)
         first = self.writes[0]._value if self.writes else None
@@ -3073,7 +3056,10 @@ class StatefulFunction:
                 f'abstracted_axes is not supported by the installed JAX {jax.__version__}: '
                 'dynamic shapes were removed from jax.make_jaxpr in 0.8.2; drop '
                 'abstracted_axes and trace once per concrete shape')
-        self.explain_cache_misses = _explain_flag(explain_cache_misses)
+        if (flag := explain_cache_misses) is not None and not isinstance(flag, (bool, np.bool_)):
+            raise TypeError('explain_cache_misses must be True, False or None (None follows '
+                            f'stateful_jaxpr.explain_cache_misses()), got {flag!r}')
+        self.explain_cache_misses = None if flag is None else bool(flag)
         self._cache, self._lessons, self._guard = BoundedCache(128), _Lessons(), threading.Lock()
         self.clear_cache()
         functools.update_wrapper(self, fun, updated=())
@@ -3180,17 +3166,15 @@ class StatefulFunction:
                                  name=self.name, return_only_write=self.return_only_write,
                                  axis_env=self.axis_env, trace_with=trace_with,
                                  lessons=self._lessons)
-        run = traced.runner(self.name if self._compiled_dispatch else None)
+        apply = traced.runner(self.name if self._compiled_dispatch else None)
 
-        def apply(state_values, flat_args):
-            if dynamic:
-                raise NotImplementedError(
-                    f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
-                    'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
-            return run(flat_args, state_values)
+        def refuse(state_values, flat_args):   # (a dynamic-shape jaxpr)
+            raise NotImplementedError(
+                f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
+                'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
         written = tuple(i for i, w in enumerate(traced.trace_stack.been_writen) if w)
-        return _Entry(traced, self._plan_for(traced.states, traced.returned, written), apply,
-                      traced)
+        return _Entry(traced, self._plan_for(traced.states, traced.returned, written),
+                      refuse if dynamic else apply, traced)
 
     @_api_boundary
     def _lookup(self, args, kwargs, count: bool = True, read=_real_value):
@@ -3295,11 +3279,10 @@ class StatefulFunction:
                                strict=True):
                 frame._touch(*touched)
         self._plan_switches += warm_plan is not None and plan is not warm_plan
-        self._fast = None
-        if (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
-                and self._plan_switches < _MAX_PLAN_SWITCHES):
-            self._fast = _Fast(self, plan, self._dispatcher(token, len(args), bool(plan.donated)),
-                               len(args), epoch, entry.traced.rules, self._cache._hits)
+        warm = (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
+                and self._plan_switches < _MAX_PLAN_SWITCHES)
+        self._fast = _Fast(self, plan, self._dispatcher(token, len(args), bool(plan.donated)),
+                           len(args), epoch, entry.traced.rules) if warm else None
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 
@@ -3875,7 +3858,7 @@ class StatefulMapping(StatefulFunction):
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
         def lane(lane_args, lane_states):
-            out, returned = run(lane_args, lane_states)
+            out, returned = run(lane_states, lane_args)
             return out, [returned[r] for r in write_axes]
 
         mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), state_axes),
@@ -4065,10 +4048,9 @@ class Exported:
             _reject_states(tree, f'{name}: {what}', lambda err, path, leaf: type(err)(
                 f'{name}: {what}{path} is {leaf!r} (a {type(leaf).__name__}), which JAX cannot '
                 f'take ({err}); pass an array'))
-        problems = [f'{what} {names}' for what, names in (
-            ('lacks', [n for n in needed if n not in states]),
-            ('has names it does not know:', [n for n in states if n not in roles])) if names]
-        if problems:
+        if problems := [f'{what} {names}' for what, names in (
+                ('lacks', [n for n in needed if n not in states]),
+                ('has names it does not know:', [n for n in states if n not in roles])) if names]:
             listing = ', '.join(f'{n!r} ({role})' for n, role in roles.items()) or 'none'
             raise ValueError(f'{name}: states= {" and ".join(problems)}; its states are: '
                              f'{listing}.  Pass states={{name: value}} for every state it reads')
@@ -4112,9 +4094,8 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
     key, leaves, split = sf._cache_key(args, kwargs)
     traced = sf._entry_for(key, leaves, split, count=True).described()
     names, roles = [s._name for s in traced.states], _state_roles(traced)
-    bad = ''.join(f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
-                  for s in traced.states if not s._name or names.count(s._name) > 1)
-    if bad:
+    if bad := ''.join(f'  - {s._describe()}{"" if s._name else " (no name)"}\n'
+                      for s in traced.states if not s._name or names.count(s._name) > 1):
         raise ValueError(f'export: an export passes States by name, but these of {_who(sf)} '
                          f"have no name or share one:\n{bad}Give each a unique name "
                          "(State(..., name='w') or state.name = 'w')")
