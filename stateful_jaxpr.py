@@ -175,12 +175,7 @@ def _per_jaxpr(fun):
     """``fun`` of a nested jaxpr, kept while the jaxpr lives: the body of a nested
     StatefulFunction reappears whole in the trace of each one around it."""
     memo = weakref.WeakKeyDictionary()   # (jaxprs hash by identity, on all releases)
-
-    def kept(jaxpr):
-        if (got := memo.get(jaxpr)) is None:
-            got = memo[jaxpr] = fun(jaxpr)
-        return got
-    return kept
+    return lambda j: got if (got := memo.get(j)) is not None else memo.setdefault(j, fun(j))
 
 
 def _nested_consts(eqns) -> list:
@@ -479,6 +474,19 @@ def _staged(closed, name: str) -> Callable:
     for side, what in itertools.product(n, ('shardings', 'layouts')):  # as jax.jit's: one per value
         params[f'{side}_{what}'] = params[f'{side}_{what}'][:1] * n[side]
     return lambda *args: eqn.primitive.bind(*args, **params)
+
+
+# A jax.jit call compiles with JAX's abstract-mesh setting at None, whose default is () on 0.4.38:
+# the setting keys the compile cache, so an executable compiled ahead under () is compiled again.
+_abstract_mesh = _probe('jax._src.config:abstract_mesh_context_manager')   # 0.4.38 ..
+_set_abstract_mesh = _probe('jax._src.mesh:set_abstract_mesh')
+
+
+def _compile_ahead(lowered):
+    """``lowered.compile()``, so that a jax.jit call on the same arguments finds the result."""
+    with (_set_abstract_mesh(None) if _set_abstract_mesh and getattr(_abstract_mesh, 'value', 0)
+          == () else contextlib.nullcontext()):
+        return lowered.compile()
 
 
 def _bind(eqn, values) -> list:
@@ -1308,10 +1316,8 @@ class StateTraceStack:
             state._orphan()
         self._owned, self._values, self._side = [], {}, {}
 
-    @property
-    def original_state_values(self) -> tuple:
-        """Each recorded state's value when this stack first saw it."""
-        return tuple(self._originals)
+    original_state_values = property(lambda self: tuple(self._originals), doc="Each recorded "
+                                     "state's value when this stack first saw it.")
 
     def get_read_states(self, replace_writen: bool = False) -> tuple:
         """States only read (written ones are ``None`` with ``replace_writen``)."""
@@ -3243,7 +3249,7 @@ class StatefulFunction:
             kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
                       for k, v in kwargs.items()}
         jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
-        return (jitted.lower(*state_values, *args, **kwargs).compile() if lower
+        return (_compile_ahead(jitted.lower(*state_values, *args, **kwargs)) if lower
                 else jitted(*state_values, *args, **kwargs))
 
     @_api_boundary

@@ -8501,16 +8501,6 @@ def _on_backend_compile(hook):
         _COMPILE_HOOKS.remove(hook)
 
 
-def _call_after_lower_compiles_again() -> bool:
-    """Whether this JAX compiles a jax.jit call again after ``lower().compile()`` (0.4.38)."""
-    compiles = []
-    jitted, x = jax.jit(lambda v: v * 3.5 + 0.25), jnp.arange(7.0)
-    jitted.lower(x).compile()
-    with _on_backend_compile(lambda: compiles.append(1)):
-        jitted(x)
-    return bool(compiles)
-
-
 def _jaxpr_cache_stats(fn):
     return fn.get_cache_stats()['jaxpr_cache']
 
@@ -9373,8 +9363,7 @@ class CallAtomicityTest(unittest.TestCase):
             StatefulFunction(f)(3.0)
         self.assertEqual(finished, [True])
         self.assertEqual(float(shared.value), 6.0)     # bumped before the call read it
-        if not _call_after_lower_compiles_again():     # (0.4.38 compiles the call once more)
-            self.assertEqual(len(compiles), 1)
+        self.assertEqual(len(compiles), 1)   # the call runs the executable compiled ahead
 
     def test_compiling_for_a_new_shape_on_the_warm_path_holds_no_lock(self):
         shared = State(jnp.ones(()), name='shared_scale')
@@ -9395,9 +9384,6 @@ class CallAtomicityTest(unittest.TestCase):
         with _on_backend_compile(on_compile):
             sf(new_shape)
         self.assertTrue(finished)
-        if _call_after_lower_compiles_again():   # (0.4.38 compiles the call once more)
-            self.assertTrue(finished[0], finished)
-            return
         self.assertTrue(all(finished), finished)
         self.assertEqual(float(shared.value), 2 * (4.0 + len(finished)))   # 2 * 2 * 1, bumped
 
