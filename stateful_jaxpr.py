@@ -314,8 +314,7 @@ def _drops_ref_tangents(home) -> bool:
         return False
     while todo:   # the jaxpr being built closes over a JVP trace's value?
         for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
-            owner = getattr(value, '_trace', None)
-            if _jvps(owner) or _linearizes(owner):
+            if _jvps(owner := getattr(value, '_trace', None)) or _linearizes(owner):
                 return True
             if _stages(owner) and owner is not home and id(owner) not in seen:
                 seen.add(id(owner))
@@ -340,8 +339,7 @@ def _set_refs(refs, values, primal: bool) -> None:
 
 
 def _new_arg(trace, aval):
-    source = (_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()
-    return trace.new_arg(aval, *source)
+    return trace.new_arg(aval, *((_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()))
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
@@ -683,8 +681,7 @@ class _Context(threading.local):
         self.doors: list = []          # the _Doors this thread is in, outermost first
 
 
-_ctx = _Context()
-_MISSING = object()
+_ctx, _MISSING = _Context(), object()
 _Broken = collections.namedtuple('_Broken', 'error message shown')   # a State's lost value
 
 
@@ -988,8 +985,7 @@ class State:
     def update_from_ref(self, state_ref: 'TreefyState') -> None:
         """Takes value (as a write) and metadata from a :meth:`to_state_ref` snapshot."""
         metadata = state_ref.get_metadata()
-        self.value = state_ref.value
-        self.name = metadata.pop('_name', self.name)
+        self.value, self.name = state_ref.value, metadata.pop('_name', self.name)
         _set_slot(self, '_metadata', {**self.metadata, **metadata})
 
     def value_call(self, func: Callable):
@@ -1284,8 +1280,7 @@ class StateTraceStack:
 
     def __exit__(self, exc_type, *exc):
         """Leaves the stack (LIFO); without an error, hands on the side slots written inside."""
-        frames = _ctx.frames
-        if self in frames:
+        if self in (frames := _ctx.frames):
             _frames_open.pop()
         if not frames or frames[-1] is not self:
             if self in frames:
@@ -1362,8 +1357,7 @@ class StateTraceStack:
     def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
         """Like :meth:`assign_state_vals` with separate read and write lists
         (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
-        got = (len(read_state_vals), len(write_state_vals))
-        if got != (len(self.states),) * 2:
+        if (got := (len(read_state_vals), len(write_state_vals))) != (len(self.states),) * 2:
             raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
                              f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
@@ -1807,8 +1801,7 @@ def _static_spec(value, what: str) -> tuple:
     one = (lambda a: isinstance(a, str)) if names else _is_int
     items = () if value is None else (value,) if one(value) else value
     if isinstance(items, Iterable) and not isinstance(items, (str, bytes, dict)):
-        items = tuple(items)
-        if all(map(one, items)):
+        if all(map(one, items := tuple(items))):
             return items if names else tuple(map(operator.index, items))
     raise TypeError(f'{what} must be {"a str" if names else "an int"} or a sequence of them, '
                     f'got {value!r}')
@@ -1886,8 +1879,7 @@ def _sig_text(shape, dtype, weak_type: bool) -> str:
 def _value_text(sig) -> str:
     """A state value signature from ``_value_sig`` in words."""
     treedef, leaves = sig
-    texts = [_sig_text(*leaf) for leaf in leaves]
-    if treedef.num_nodes == 1 and len(texts) == 1:
+    if len(texts := [_sig_text(*leaf) for leaf in leaves]) == 1 and treedef.num_nodes == 1:
         return texts[0]
     return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
                            for p, t in zip(_leaf_paths(treedef), texts, strict=True)) + '}'
@@ -2135,8 +2127,7 @@ class _TraceFrame(StateTraceStack):
         values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
                   for v in (self._values[id(self.states[i])] for i in returned)]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
-        part = dict(zip(returned, values))
-        part = tuple(part.get(i) for i in range(len(self.states)))
+        part = tuple(map(dict(zip(returned, values)).get, range(len(self.states))))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
                            state_tree=jax.tree_util.tree_structure(values),
                            full_tree=jax.tree_util.tree_structure((out, part)))
@@ -2493,8 +2484,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
     # The hazards in each top-level equation, whose effects say which cells' Refs it writes.
     per_eqn = [(e, {_write_hazard(x) for x in itertools.chain(
         [e], *map(_all_eqns, _nested_jaxprs(e.params)))}) for e in closed.jaxpr.eqns]
-    hazards = set().union(*(found for _, found in per_eqn))
-    if 'condition' in hazards:
+    if 'condition' in (hazards := set().union(*(found for _, found in per_eqn))):
         raise TraceContextError(
             f'a lax.while_loop condition reads a State its body writes, among {described}; '
             'JAX would give that condition the value from before the loop.  Compute the '
@@ -2666,8 +2656,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         frames = []
 
         def flat_fun(*flat):
-            frame = _TraceFrame(name, retracer, lift_aval)
-            frames.append(frame)
+            frames.append(frame := _TraceFrame(name, retracer, lift_aval))
             with frame:
                 args, kwargs = rebuild(list(flat))
                 return frame.finish(fun(*args, **kwargs), return_only_write)
@@ -2678,8 +2667,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 (jaxpr, out_avals, consts), err = trace(flat_fun, flat_avals), None
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
-            cells = frames[-1].cells if frames else ()
-            if retracer.next_run(err, consts, cells):
+            if retracer.next_run(err, consts, cells := frames[-1].cells if frames else ()):
                 continue
             if err is not None:
                 retracer.fail(err, cells)
@@ -2891,8 +2879,7 @@ def _donating(sf, jitted, plan):
         owner = {}
         for i in plan.donated + plan.kept:
             for leaf in _leaves(flat[i]):
-                j = owner.setdefault(id(leaf), i)
-                if j != i and j in plan.donated:
+                if (j := owner.setdefault(id(leaf), i)) != i and j in plan.donated:
                     raise ValueError(
                         f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
                         f'and {plan.states[i]._describe()} both hold; give one of them a copy '
@@ -2944,12 +2931,10 @@ def _call(sf, *args, **kwargs):
     States' own at the first call (tracers) go through ``_write_back``."""
     __tracebackhide__ = True   # (pytest and IPython leave this frame out of tracebacks)
     if _frames_open and _ctx.frames:
-        overlay = _innermost_overlay(_ctx.frames)
-        if type(overlay) is _EagerCall:
+        if type(overlay := _innermost_overlay(_ctx.frames)) is _EagerCall:
             return sf._call_eagerly(args, kwargs)
         return sf._call_slow(args, kwargs) if overlay is None else sf._call_in_trace(args, kwargs)
-    fast = sf._fast
-    if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
+    if (fast := sf._fast) is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
             fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
     locks, doors = fast.locks, _ctx.doors
@@ -3201,8 +3186,7 @@ class StatefulFunction:
     def _plan_for(self, states, write_index, written=None) -> _Plan:
         written = write_index if written is None else written
         plan_key = (tuple(map(id, states)), write_index, written)
-        plan = self._plans.get(plan_key)
-        if plan is None:
+        if (plan := self._plans.get(plan_key)) is None:
             plan = self._plans[plan_key] = _Plan(states, write_index, self._donate, written)
             self._plans_by_token[plan.token] = plan
         return plan
@@ -3211,8 +3195,7 @@ class StatefulFunction:
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
         """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
         plan = self._plans_by_token[abs(token)]
-        jitted = plan.dispatchers.get((token, nargs, donating))
-        if jitted is None:
+        if (jitted := plan.dispatchers.get((token, nargs, donating))) is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
             jitted = jax.jit(functools.partial(self._dispatch_body, token),
                              static_argnums=tuple(i + len(plan.states) for i in statics),
@@ -3238,8 +3221,7 @@ class StatefulFunction:
         given = dict(zip(map(id, plan.states), state_values, strict=True))
         entry = self._cached(key, lambda state: given[id(state)], plan)
         if entry is None:   # a State changed shape since the caller looked its entry up
-            entry = self._entry_for(key, leaves, split, count=False)
-            if entry.plan is not plan:
+            if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves)
         if token > 0 and token != plan.token:   # (plan.token: no written State spans devices)
@@ -3476,8 +3458,7 @@ class StatefulFunction:
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         _, entry, leaves = self._lookup(args, kwargs)
         described = entry.described()
-        states = described.states
-        if len(state_vals) != len(states):
+        if len(state_vals) != len(states := described.states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
                 f'({", ".join(s._label() for s in states)}) but jaxpr_call got {len(state_vals)} '
@@ -3525,8 +3506,7 @@ class StatefulFunction:
 
     def __str__(self):
         keys = self._cache.keys()
-        entry = self._cache._peek(keys[-1]) if keys else None
-        if entry is None:
+        if (entry := self._cache._peek(keys[-1]) if keys else None) is None:
             return f'{self!r}, not traced yet'
         return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
                 + _pretty(entry.described(), keys[-1]))
@@ -3732,8 +3712,7 @@ def _axis_for(state, axes: tuple, default=None):
 def _lane_aval(axis: int, aval, error: Callable):
     """``(axis counted from the front, aval without it)``, or raises ``error()``."""
     shape = tuple(aval.shape)
-    a = axis + len(shape) if axis < 0 else axis
-    if not 0 <= a < len(shape):
+    if not 0 <= (a := axis + len(shape) if axis < 0 else axis) < len(shape):
         raise error()
     return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
 
@@ -3837,8 +3816,7 @@ class StatefulMapping(StatefulFunction):
                          donate_states=donate_states, keep_sharding=keep_sharding,
                          explain_cache_misses=explain_cache_misses)
         self.origin_fun = fun
-        policies = ('auto', 'warn', 'raise', 'ignore')
-        if unexpected_out_state_mapping not in policies:
+        if unexpected_out_state_mapping not in (policies := ('auto', 'warn', 'raise', 'ignore')):
             raise ValueError(f'unexpected_out_state_mapping must be one of {policies}, got '
                              f'{unexpected_out_state_mapping!r}')
         if axis_size is not None and (not _is_int(axis_size) or not 0 < axis_size < 2**31):
@@ -3931,8 +3909,7 @@ class StatefulMapping(StatefulFunction):
 
         def lift_aval(state, aval):
             """A leaf of ``state`` as one lane sees it; the state's first leaf fixes its axis."""
-            axis = state_axes.get(id(state), _MISSING)
-            if axis is _MISSING:
+            if (axis := state_axes.get(id(state), _MISSING)) is _MISSING:
                 if isinstance(state, RandomState) and aval.ndim > (0 if _is_typed_key(aval) else 1):
                     raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
                                          'stack of keys; a mapping splits every RandomState '
