@@ -159,8 +159,8 @@ def _rebuild(jaxpr, consts, like=None, **fields):
 
 def _nested_jaxprs(params) -> list:
     """The jaxprs (open or closed) among the values of an equation's ``params``."""
-    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
-    return [i for i in items if isinstance(i, (ClosedJaxpr, Jaxpr))]
+    return [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))
+            if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
 def _all_eqns(jaxpr):
@@ -2467,8 +2467,9 @@ def _forward_unchanged(jaxpr):
     nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
                       _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
     for eqn in inner.eqns:
-        eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
-                          params={k: nest(v) for k, v in eqn.params.items()})
+        if sub or _nested_jaxprs(eqn.params):   # (any other equation stays as it is)
+            eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
+                              params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
         for v, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies), strict=True):
             if len(set(at)) == 1 and at[0] is not None:
