@@ -230,10 +230,15 @@ def _discharge(closed):
                      if e.primitive is _kept_p else e)
 
 
-def _without_dead_code(jaxpr, keep: int):
-    """``jaxpr`` (open) with only its first ``keep`` outputs and the equations they need: JAX's
-    discharge leaves an iteration counter in every loop (all releases)."""
-    return _pe.dce_jaxpr(jaxpr, [i < keep for i in range(len(jaxpr.outvars))], instantiate=True)[0]
+def _picked(jaxpr, picks, like):
+    """``jaxpr`` (open) giving its outputs ``picks`` (indices) and only the equations they need:
+    JAX's discharge leaves an iteration counter in every loop (all releases); the debug info
+    ``like``'s, its result paths unknown ('') but as many as the outputs (0.5 ..)."""
+    info = getattr(like, 'debug_info', None)
+    info = info and info._replace(result_paths=('',) * len(picks))
+    jaxpr = _rebuild(jaxpr, None, outvars=[jaxpr.outvars[i] for i in picks], debug_info=info)
+    jaxpr = _pe.dce_jaxpr(jaxpr, [True] * len(picks), instantiate=True)[0]
+    return _rebuild(jaxpr, None, debug_info=info)   # (dce_jaxpr drops arg names on 0.5, 0.6)
 
 
 @_per_jaxpr
@@ -2114,7 +2119,8 @@ class _TraceFrame(StateTraceStack):
         return cell
 
     def finish(self, out, return_only_write: bool) -> list:
-        """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
+        """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values but those a
+        _RefCell holds, which the discharge gives after them (``picks``: where each output is)."""
         if leaked := {self._inputs[id(c)] for c in _nested_consts(_staged_eqns(self._jax_trace))
                       if id(c) in self._inputs}:   # read by a rule JAX traced apart, left there
             raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked)))
@@ -2124,14 +2130,23 @@ class _TraceFrame(StateTraceStack):
             f'result{path}, which is not a JAX type; return arrays, scalars or pytrees of them'))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
-        values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
+        values = [v if type(v) is _RefCell and v.final() else v.read() if type(v) is _RefCell
+                  else self.peel(v) if self._diffs else v
                   for v in (self._values[id(self.states[i])] for i in returned)]
+        kept = out_leaves + [x for v in values if type(v) is not _RefCell for x in _leaves(v)]
+        first = dict(zip(map(id, self.cells), itertools.accumulate(
+            [len(c.avals) for c in self.cells], initial=len(kept))))
+        spare = iter(range(len(out_leaves), len(kept)))
+        self.picks = [*range(len(out_leaves)), *(i for v in values for i in (
+            range(first[id(v)], first[id(v)] + len(v.avals)) if type(v) is _RefCell
+            else itertools.islice(spare, len(_leaves(v)))))]
+        shaped = [v.treedef.unflatten(v.avals) if type(v) is _RefCell else v for v in values]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
-        part = tuple(map(dict(zip(returned, values)).get, range(len(self.states))))
+        part = tuple(map(dict(zip(returned, shaped)).get, range(len(self.states))))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
-                           state_tree=jax.tree_util.tree_structure(values),
+                           state_tree=jax.tree_util.tree_structure(shaped),
                            full_tree=jax.tree_util.tree_structure((out, part)))
-        return out_leaves + _leaves(values)
+        return kept
 
     def traced(self, closed, out_avals) -> _Traced:
         """The trace's result; refused where a nested jaxpr keeps some other trace's tracer."""
@@ -2387,6 +2402,10 @@ class _RefCell:
             refs = self.refs if level is None else level.content
             return self.treedef.unflatten([_ref_get(r, ()) for r in refs])
 
+    def final(self) -> bool:   # whether its Refs hold its value at the end (see _level)
+        self._level()
+        return not self.adopted
+
     def read(self):
         level, at = self._level()
         return self._get(level, None if at is None else _parent(at))
@@ -2479,8 +2498,9 @@ def _forward_unchanged(jaxpr):
                     outvars=[fwd(v) for v in inner.outvars])
 
 
-def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
-    """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
+def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
+    """``(jaxpr, consts, out_avals)``: ``closed`` made pure, its Ref inputs (``cells``) values,
+    giving ``picks`` of its outputs, then of its Refs' final values (see _TraceFrame.finish)."""
     described = ', '.join(c.state._describe() for c in cells)
     # The hazards in each top-level equation, whose effects say which cells' Refs it writes.
     per_eqn = [(e, {_write_hazard(x) for x in itertools.chain(
@@ -2508,15 +2528,16 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
         pure = _discharge(closed)
     except NotImplementedError as err:
         raise _cannot('thread', described, err) from err
-    pure = _forward_unchanged(pure)
-    jaxpr = _without_dead_code(pure.jaxpr, len(closed.jaxpr.outvars))   # the Refs' finals go
-    for before, after in zip(closed.jaxpr.outvars, jaxpr.outvars, strict=True):
-        if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
+    jaxpr = _picked(_forward_unchanged(pure).jaxpr, picks, closed.jaxpr)
+    every = [*(v.aval for v in closed.jaxpr.outvars), *(a for c in cells for a in c.avals)]
+    avals = [every[i] for i in picks]
+    for before, after in zip(avals, jaxpr.outvars, strict=True):
+        if (before.shape, before.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
                 f'a State among {described} changed shape inside a nested transformation '
-                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by writing '
+                f'({before.str_short()} became {after.aval.str_short()}), e.g. by writing '
                 'a per-lane value inside jax.vmap; map the function with StatefulMapping instead')
-    return _rebuild(jaxpr, pure.consts, like=closed.jaxpr, outvars=jaxpr.outvars)
+    return jaxpr, pure.consts, avals
 
 
 # -- Tracing, and tracing again -----------------------------------------------
@@ -2673,7 +2694,8 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             if err is not None:
                 retracer.fail(err, cells)
             if cells:   # (collectives need the axes still bound)
-                jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), cells), None
+                jaxpr, consts, out_avals = _discharge_cells(
+                    _rebuild(jaxpr, consts), cells, frames[-1].picks)
                 frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
             return frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
 
