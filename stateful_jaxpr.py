@@ -159,8 +159,8 @@ def _rebuild(jaxpr, consts, like=None, **fields):
 
 def _nested_jaxprs(params) -> list:
     """The jaxprs (open or closed) among the values of an equation's ``params``."""
-    items = [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))]
-    return [i for i in items if isinstance(i, (ClosedJaxpr, Jaxpr))]
+    return [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))
+            if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
 def _all_eqns(jaxpr):
@@ -225,10 +225,15 @@ def _discharge(closed):
                      if e.primitive is _kept_p else e)
 
 
-def _without_dead_code(jaxpr, keep: int):
-    """``jaxpr`` (open) with only its first ``keep`` outputs and the equations they need: JAX's
-    discharge leaves an iteration counter in every loop (all releases)."""
-    return _pe.dce_jaxpr(jaxpr, [i < keep for i in range(len(jaxpr.outvars))], instantiate=True)[0]
+def _picked(jaxpr, picks, like):
+    """``jaxpr`` (open) giving its outputs ``picks`` (indices) and only the equations they need:
+    JAX's discharge leaves an iteration counter in every loop (all releases); the debug info
+    ``like``'s, its result paths unknown ('') but as many as the outputs (0.5 ..)."""
+    info = getattr(like, 'debug_info', None)
+    info = info and info._replace(result_paths=('',) * len(picks))
+    jaxpr = _rebuild(jaxpr, None, outvars=[jaxpr.outvars[i] for i in picks], debug_info=info)
+    jaxpr = _pe.dce_jaxpr(jaxpr, [True] * len(picks), instantiate=True)[0]
+    return _rebuild(jaxpr, None, debug_info=info)   # (dce_jaxpr drops arg names on 0.5, 0.6)
 
 
 @_per_jaxpr
@@ -309,8 +314,7 @@ def _drops_ref_tangents(home) -> bool:
         return False
     while todo:   # the jaxpr being built closes over a JVP trace's value?
         for value in getattr(todo.pop().frame, 'constvar_to_val', {}).values():
-            owner = getattr(value, '_trace', None)
-            if _jvps(owner) or _linearizes(owner):
+            if _jvps(owner := getattr(value, '_trace', None)) or _linearizes(owner):
                 return True
             if _stages(owner) and owner is not home and id(owner) not in seen:
                 seen.add(id(owner))
@@ -335,8 +339,7 @@ def _set_refs(refs, values, primal: bool) -> None:
 
 
 def _new_arg(trace, aval):
-    source = (_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()
-    return trace.new_arg(aval, *source)
+    return trace.new_arg(aval, *((_siu.current(),) if _NEW_ARG_TAKES_SOURCE_INFO else ()))
 
 
 def _trace_to_jaxpr(flat_fun: Callable, in_avals: Sequence, fun: Callable, name: str):
@@ -691,8 +694,7 @@ class _Context(threading.local):
         self.doors: list = []          # the _Doors this thread is in, outermost first
 
 
-_ctx = _Context()
-_MISSING = object()
+_ctx, _MISSING = _Context(), object()
 _Broken = collections.namedtuple('_Broken', 'error message shown')   # a State's lost value
 
 
@@ -992,8 +994,7 @@ class State:
     def update_from_ref(self, state_ref: 'TreefyState') -> None:
         """Takes value (as a write) and metadata from a :meth:`to_state_ref` snapshot."""
         metadata = state_ref.get_metadata()
-        self.value = state_ref.value
-        self.name = metadata.pop('_name', self.name)
+        self.value, self.name = state_ref.value, metadata.pop('_name', self.name)
         _set_slot(self, '_metadata', {**self.metadata, **metadata})
 
     def value_call(self, func: Callable):
@@ -1285,8 +1286,7 @@ class StateTraceStack:
 
     def __exit__(self, exc_type, *exc):
         """Leaves the stack (LIFO); without an error, hands on the side slots written inside."""
-        frames = _ctx.frames
-        if self in frames:
+        if self in (frames := _ctx.frames):
             _frames_open.pop()
         if not frames or frames[-1] is not self:
             if self in frames:
@@ -1361,8 +1361,7 @@ class StateTraceStack:
     def assign_state_vals_v2(self, read_state_vals: Sequence, write_state_vals: Sequence) -> None:
         """Like :meth:`assign_state_vals` with separate read and write lists
         (each as long as :attr:`states`, as from ``get_state_values(True, True)``)."""
-        got = (len(read_state_vals), len(write_state_vals))
-        if got != (len(self.states),) * 2:
+        if (got := (len(read_state_vals), len(write_state_vals))) != (len(self.states),) * 2:
             raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
                              f'write values, got {got[0]} and {got[1]}')
         for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
@@ -1806,8 +1805,7 @@ def _static_spec(value, what: str) -> tuple:
     one = (lambda a: isinstance(a, str)) if names else _is_int
     items = () if value is None else (value,) if one(value) else value
     if isinstance(items, Iterable) and not isinstance(items, (str, bytes, dict)):
-        items = tuple(items)
-        if all(map(one, items)):
+        if all(map(one, items := tuple(items))):
             return items if names else tuple(map(operator.index, items))
     raise TypeError(f'{what} must be {"a str" if names else "an int"} or a sequence of them, '
                     f'got {value!r}')
@@ -1885,8 +1883,7 @@ def _sig_text(shape, dtype, weak_type: bool) -> str:
 def _value_text(sig) -> str:
     """A state value signature from ``_value_sig`` in words."""
     treedef, leaves = sig
-    texts = [_sig_text(*leaf) for leaf in leaves]
-    if treedef.num_nodes == 1 and len(texts) == 1:
+    if len(texts := [_sig_text(*leaf) for leaf in leaves]) == 1 and treedef.num_nodes == 1:
         return texts[0]
     return '{' + ', '.join(f'{jax.tree_util.keystr(p)}: {t}'
                            for p, t in zip(_leaf_paths(treedef), texts, strict=True)) + '}'
@@ -2114,7 +2111,8 @@ class _TraceFrame(StateTraceStack):
         return cell
 
     def finish(self, out, return_only_write: bool) -> list:
-        """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values."""
+        """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values but those a
+        _RefCell holds, which the discharge gives after them (``picks``: where each output is)."""
         if leaked := {self._inputs[id(c)] for c in _nested_consts(_staged_eqns(self._jax_trace))
                       if id(c) in self._inputs}:   # read by a rule JAX traced apart, left there
             raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked)))
@@ -2124,14 +2122,23 @@ class _TraceFrame(StateTraceStack):
             f'result{path}, which is not a JAX type; return arrays, scalars or pytrees of them'))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
-        values = [v.read() if type(v) is _RefCell else self.peel(v) if self._diffs else v
+        values = [v if type(v) is _RefCell and v.final() else v.read() if type(v) is _RefCell
+                  else self.peel(v) if self._diffs else v
                   for v in (self._values[id(self.states[i])] for i in returned)]
+        kept = out_leaves + [x for v in values if type(v) is not _RefCell for x in _leaves(v)]
+        first = dict(zip(map(id, self.cells), itertools.accumulate(
+            [len(c.avals) for c in self.cells], initial=len(kept))))
+        spare = iter(range(len(out_leaves), len(kept)))
+        self.picks = [*range(len(out_leaves)), *(i for v in values for i in (
+            range(first[id(v)], first[id(v)] + len(v.avals)) if type(v) is _RefCell
+            else itertools.islice(spare, len(_leaves(v)))))]
+        shaped = [v.treedef.unflatten(v.avals) if type(v) is _RefCell else v for v in values]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
-        part = tuple(map(dict(zip(returned, values)).get, range(len(self.states))))
+        part = tuple(map(dict(zip(returned, shaped)).get, range(len(self.states))))
         self.result = dict(out_tree=out_tree, n_out=len(out_leaves), returned=tuple(returned),
-                           state_tree=jax.tree_util.tree_structure(values),
+                           state_tree=jax.tree_util.tree_structure(shaped),
                            full_tree=jax.tree_util.tree_structure((out, part)))
-        return out_leaves + _leaves(values)
+        return kept
 
     def traced(self, closed, out_avals) -> _Traced:
         """The trace's result; refused where a nested jaxpr keeps some other trace's tracer."""
@@ -2387,6 +2394,10 @@ class _RefCell:
             refs = self.refs if level is None else level.content
             return self.treedef.unflatten([_ref_get(r, ()) for r in refs])
 
+    def final(self) -> bool:   # whether its Refs hold its value at the end (see _level)
+        self._level()
+        return not self.adopted
+
     def read(self):
         level, at = self._level()
         return self._get(level, None if at is None else _parent(at))
@@ -2467,8 +2478,9 @@ def _forward_unchanged(jaxpr):
     nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
                       _forward_unchanged(v) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
     for eqn in inner.eqns:
-        eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
-                          params={k: nest(v) for k, v in eqn.params.items()})
+        if sub or _nested_jaxprs(eqn.params):   # (any other equation stays as it is)
+            eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
+                              params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
         for v, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies), strict=True):
             if len(set(at)) == 1 and at[0] is not None:
@@ -2478,14 +2490,14 @@ def _forward_unchanged(jaxpr):
                     outvars=[fwd(v) for v in inner.outvars])
 
 
-def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
-    """``closed`` made pure, its Ref inputs (``cells``) values, its outputs kept."""
+def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
+    """``(jaxpr, consts, out_avals)``: ``closed`` made pure, its Ref inputs (``cells``) values,
+    giving ``picks`` of its outputs, then of its Refs' final values (see _TraceFrame.finish)."""
     described = ', '.join(c.state._describe() for c in cells)
     # The hazards in each top-level equation, whose effects say which cells' Refs it writes.
     per_eqn = [(e, {_write_hazard(x) for x in itertools.chain(
         [e], *map(_all_eqns, _nested_jaxprs(e.params)))}) for e in closed.jaxpr.eqns]
-    hazards = set().union(*(found for _, found in per_eqn))
-    if 'condition' in hazards:
+    if 'condition' in (hazards := set().union(*(found for _, found in per_eqn))):
         raise TraceContextError(
             f'a lax.while_loop condition reads a State its body writes, among {described}; '
             'JAX would give that condition the value from before the loop.  Compute the '
@@ -2508,15 +2520,16 @@ def _discharge_cells(closed: ClosedJaxpr, cells) -> ClosedJaxpr:
         pure = _discharge(closed)
     except NotImplementedError as err:
         raise _cannot('thread', described, err) from err
-    pure = _forward_unchanged(pure)
-    jaxpr = _without_dead_code(pure.jaxpr, len(closed.jaxpr.outvars))   # the Refs' finals go
-    for before, after in zip(closed.jaxpr.outvars, jaxpr.outvars, strict=True):
-        if (before.aval.shape, before.aval.dtype) != (after.aval.shape, after.aval.dtype):
+    jaxpr = _picked(_forward_unchanged(pure).jaxpr, picks, closed.jaxpr)
+    every = [*(v.aval for v in closed.jaxpr.outvars), *(a for c in cells for a in c.avals)]
+    avals = [every[i] for i in picks]
+    for before, after in zip(avals, jaxpr.outvars, strict=True):
+        if (before.shape, before.dtype) != (after.aval.shape, after.aval.dtype):
             raise TraceContextError(
                 f'a State among {described} changed shape inside a nested transformation '
-                f'({before.aval.str_short()} became {after.aval.str_short()}), e.g. by writing '
+                f'({before.str_short()} became {after.aval.str_short()}), e.g. by writing '
                 'a per-lane value inside jax.vmap; map the function with StatefulMapping instead')
-    return _rebuild(jaxpr, pure.consts, like=closed.jaxpr, outvars=jaxpr.outvars)
+    return jaxpr, pure.consts, avals
 
 
 # -- Tracing, and tracing again -----------------------------------------------
@@ -2657,8 +2670,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
         frames = []
 
         def flat_fun(*flat):
-            frame = _TraceFrame(name, retracer, lift_aval)
-            frames.append(frame)
+            frames.append(frame := _TraceFrame(name, retracer, lift_aval))
             with frame:
                 args, kwargs = rebuild(list(flat))
                 return frame.finish(fun(*args, **kwargs), return_only_write)
@@ -2669,13 +2681,13 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 (jaxpr, out_avals, consts), err = trace(flat_fun, flat_avals), None
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
-            cells = frames[-1].cells if frames else ()
-            if retracer.next_run(err, consts, cells):
+            if retracer.next_run(err, consts, cells := frames[-1].cells if frames else ()):
                 continue
             if err is not None:
                 retracer.fail(err, cells)
             if cells:   # (collectives need the axes still bound)
-                jaxpr, consts = _discharge_cells(_rebuild(jaxpr, consts), cells), None
+                jaxpr, consts, out_avals = _discharge_cells(
+                    _rebuild(jaxpr, consts), cells, frames[-1].picks)
                 frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
             return frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
 
@@ -2880,8 +2892,7 @@ def _donating(sf, jitted, plan):
         owner = {}
         for i in plan.donated + plan.kept:
             for leaf in _leaves(flat[i]):
-                j = owner.setdefault(id(leaf), i)
-                if j != i and j in plan.donated:
+                if (j := owner.setdefault(id(leaf), i)) != i and j in plan.donated:
                     raise ValueError(
                         f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
                         f'and {plan.states[i]._describe()} both hold; give one of them a copy '
@@ -2933,12 +2944,10 @@ def _call(sf, *args, **kwargs):
     States' own at the first call (tracers) go through ``_write_back``."""
     __tracebackhide__ = True   # (pytest and IPython leave this frame out of tracebacks)
     if _frames_open and _ctx.frames:
-        overlay = _innermost_overlay(_ctx.frames)
-        if type(overlay) is _EagerCall:
+        if type(overlay := _innermost_overlay(_ctx.frames)) is _EagerCall:
             return sf._call_eagerly(args, kwargs)
         return sf._call_slow(args, kwargs) if overlay is None else sf._call_in_trace(args, kwargs)
-    fast = sf._fast
-    if fast is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
+    if (fast := sf._fast) is None or fast.nargs != len(args) or fast.epoch != _layout_epoch or (
             fast.rules and _under_jax_trace()):   # (a custom rule serves no transformation)
         return sf._call_slow(args, kwargs)
     locks, doors = fast.locks, _ctx.doors
@@ -3191,8 +3200,7 @@ class StatefulFunction:
     def _plan_for(self, states, write_index, written=None) -> _Plan:
         written = write_index if written is None else written
         plan_key = (tuple(map(id, states)), write_index, written)
-        plan = self._plans.get(plan_key)
-        if plan is None:
+        if (plan := self._plans.get(plan_key)) is None:
             plan = self._plans[plan_key] = _Plan(states, write_index, self._donate, written)
             self._plans_by_token[plan.token] = plan
         return plan
@@ -3201,8 +3209,7 @@ class StatefulFunction:
     def _dispatcher(self, token: int, nargs: int, donating: bool = False):
         """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
         plan = self._plans_by_token[abs(token)]
-        jitted = plan.dispatchers.get((token, nargs, donating))
-        if jitted is None:
+        if (jitted := plan.dispatchers.get((token, nargs, donating))) is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
             jitted = jax.jit(functools.partial(self._dispatch_body, token),
                              static_argnums=tuple(i + len(plan.states) for i in statics),
@@ -3228,8 +3235,7 @@ class StatefulFunction:
         given = dict(zip(map(id, plan.states), state_values, strict=True))
         entry = self._cached(key, lambda state: given[id(state)], plan)
         if entry is None:   # a State changed shape since the caller looked its entry up
-            entry = self._entry_for(key, leaves, split, count=False)
-            if entry.plan is not plan:
+            if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves)
         if token > 0 and token != plan.token:   # (plan.token: no written State spans devices)
@@ -3465,8 +3471,7 @@ class StatefulFunction:
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
         _, entry, leaves = self._lookup(args, kwargs)
         described = entry.described()
-        states = described.states
-        if len(state_vals) != len(states):
+        if len(state_vals) != len(states := described.states):
             raise ValueError(
                 f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
                 f'({", ".join(s._label() for s in states)}) but jaxpr_call got {len(state_vals)} '
@@ -3514,8 +3519,7 @@ class StatefulFunction:
 
     def __str__(self):
         keys = self._cache.keys()
-        entry = self._cache._peek(keys[-1]) if keys else None
-        if entry is None:
+        if (entry := self._cache._peek(keys[-1]) if keys else None) is None:
             return f'{self!r}, not traced yet'
         return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
                 + _pretty(entry.described(), keys[-1]))
@@ -3721,8 +3725,7 @@ def _axis_for(state, axes: tuple, default=None):
 def _lane_aval(axis: int, aval, error: Callable):
     """``(axis counted from the front, aval without it)``, or raises ``error()``."""
     shape = tuple(aval.shape)
-    a = axis + len(shape) if axis < 0 else axis
-    if not 0 <= a < len(shape):
+    if not 0 <= (a := axis + len(shape) if axis < 0 else axis) < len(shape):
         raise error()
     return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
 
@@ -3826,8 +3829,7 @@ class StatefulMapping(StatefulFunction):
                          donate_states=donate_states, keep_sharding=keep_sharding,
                          explain_cache_misses=explain_cache_misses)
         self.origin_fun = fun
-        policies = ('auto', 'warn', 'raise', 'ignore')
-        if unexpected_out_state_mapping not in policies:
+        if unexpected_out_state_mapping not in (policies := ('auto', 'warn', 'raise', 'ignore')):
             raise ValueError(f'unexpected_out_state_mapping must be one of {policies}, got '
                              f'{unexpected_out_state_mapping!r}')
         if axis_size is not None and (not _is_int(axis_size) or not 0 < axis_size < 2**31):
@@ -3920,8 +3922,7 @@ class StatefulMapping(StatefulFunction):
 
         def lift_aval(state, aval):
             """A leaf of ``state`` as one lane sees it; the state's first leaf fixes its axis."""
-            axis = state_axes.get(id(state), _MISSING)
-            if axis is _MISSING:
+            if (axis := state_axes.get(id(state), _MISSING)) is _MISSING:
                 if isinstance(state, RandomState) and aval.ndim > (0 if _is_typed_key(aval) else 1):
                     raise BatchAxisError(f'{state._describe()} holds {aval.str_short()}, a '
                                          'stack of keys; a mapping splits every RandomState '
