@@ -2161,13 +2161,13 @@ class _TraceFrame(StateTraceStack):
             return x
         return jax.tree_util.tree_map(primal, value)
 
-    def __exit__(self, *exc):
-        if exc[1] is not None and _refusal(exc[1]):   # JAX refusing what such a local does
-            self.retracer.wrote_unlifted(self._diff_written.values())
+    def __exit__(self, *exc):   # (left first: reading the error may fail, e.g. out of stack)
         try:
             return super().__exit__(*exc)
         finally:
             self.retracer.unbind()
+            if exc[1] is not None and _refusal(exc[1]):   # JAX refusing what such a local does
+                self.retracer.wrote_unlifted(self._diff_written.values())
 
     def _close(self):
         super()._close()

@@ -7366,6 +7366,25 @@ class CallingTest(unittest.TestCase):
         self.assertEqual(float(s.value), 23.0)
         self.assertFalse(_tracer_in(s))
 
+    def test_nesting_past_the_stack_raises_recursion_error(self):
+        # Python's own error, not a trace stack left open by an exit that ran out of stack.
+        fun, states = (lambda x: x), [State(jnp.zeros(()), name=f's{i}') for i in range(80)]
+        for s in states:
+            def fun(x, inner=fun, s=s):
+                s.value = s.value + x
+                return inner(x)
+            fun = StatefulFunction(fun)
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(600)
+        try:
+            with self.assertRaises(RecursionError):
+                fun(1.0)
+        finally:
+            sys.setrecursionlimit(limit)
+        self.assertEqual(sj._ctx.frames, [])
+        self.assertEqual([float(s.value) for s in states], [0.0] * 80)
+        self.assertFalse(any(_tracer_in(s) for s in states))
+
     def test_read_only_composition_through_scan_cond_jit(self):
         w = State(jnp.full((), 2.0), name='w')
         reader = StatefulFunction(lambda x: x * w.value)
