@@ -469,11 +469,18 @@ def _jit_equation():
     return jaxpr.eqns[0]
 
 
-def _staged(closed, name: str) -> Callable:
+# A jit equation lowered inline (else XLA is handed a call, which compiles slower): from 0.11
+# (jax.Inline) kept in the jaxpr until lowered; before, only by copying its equations when staged.
+_INLINE_LATE = getattr(getattr(jax, 'Inline', None), 'JAX_LATE', None)
+
+
+def _staged(closed, name: str, whole: bool = False) -> Callable:
     """``closed`` as a function staging it as one jit equation, as a nested jax.jit is, instead
-    of equation by equation (all releases: its params copied from a jax.jit's)."""
+    of equation by equation (all releases: its params copied from a jax.jit's), lowered inline
+    where JAX can keep the equation; ``whole``: a jit's whole program, inlined in any case."""
     eqn, n = _jit_equation(), {'in': len(closed.in_avals), 'out': len(closed.out_avals)}
-    params = dict(eqn.params, jaxpr=closed, name=name, donated_invars=(False,) * n['in'])
+    params = dict(eqn.params, jaxpr=closed, name=name, donated_invars=(False,) * n['in'],
+                  inline=_INLINE_LATE or whole or eqn.params['inline'])
     for side, what in itertools.product(n, ('shardings', 'layouts')):  # as jax.jit's: one per value
         params[f'{side}_{what}'] = params[f'{side}_{what}'][:1] * n[side]
     return lambda *args: eqn.primitive.bind(*args, **params)
@@ -2010,17 +2017,18 @@ class _Traced:
             setattr(self, k, v)
 
     def runner(self, staged: str | None = None) -> Callable:
-        """``run(state_values, flat_args) -> (out, returned_state_values)``: the jaxpr's equations
-        bound one by one, or ``staged`` as one jit equation of that name, unless a custom rule
-        must see them inline (it reads States when JAX traces it) or the function closed over
-        an enclosing trace's value (a jit equation holds only constants)."""
+        """``run(state_values, flat_args, whole_program=False) -> (out, returned_state_values)``:
+        the equations bound one by one, or ``staged`` as one jit equation of that name (_staged),
+        unless a custom rule must see them inline (it reads States when JAX traces it) or the
+        function closed over an enclosing trace's value (a jit equation holds only constants)."""
         closed, n_out = self.closed_jaxpr, self.n_out
         inline = staged is None or self.rules or _contains_tracer(closed.consts)
         run = _jaxpr_as_fun(closed) if inline else _staged(closed, staged)
+        whole = run if inline else _staged(closed, staged, whole=True)
         out_tree, state_tree = self.out_tree, self.state_tree
 
-        def apply(state_values, flat_args):
-            outs = run(*flat_args, *_leaves(state_values))
+        def apply(state_values, flat_args, whole_program: bool = False):
+            outs = (whole if whole_program else run)(*flat_args, *_leaves(state_values))
             return out_tree.unflatten(outs[:n_out]), state_tree.unflatten(outs[n_out:])
         return apply
 
@@ -3183,7 +3191,7 @@ class StatefulFunction:
                                  lessons=self._lessons)
         apply = traced.runner(self.name if self._compiled_dispatch else None)
 
-        def refuse(state_values, flat_args):   # (a dynamic-shape jaxpr)
+        def refuse(*_):   # (a dynamic-shape jaxpr)
             raise NotImplementedError(
                 f'{_who(self)} was built with abstracted_axes: its dynamic-shape jaxpr is '
                 'for inspection (make_jaxpr / get_jaxpr) only; drop abstracted_axes to call it')
@@ -3237,7 +3245,7 @@ class StatefulFunction:
         if entry is None:   # a State changed shape since the caller looked its entry up
             if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
-        out, new = entry.apply(list(state_values), leaves)
+        out, new = entry.apply(list(state_values), leaves, True)
         if token > 0 and token != plan.token:   # (plan.token: no written State spans devices)
             new = [_kept_layout(state, value) if self._keep((), state) else value
                    for state, value in zip(plan.write_states, new, strict=True)]
@@ -3865,15 +3873,15 @@ class StatefulMapping(StatefulFunction):
         out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
-        def lane(lane_args, lane_states):
-            out, returned = run(lane_states, lane_args)
+        def lane(lane_args, lane_states):   # (whole: a mapping is rarely nested)
+            out, returned = run(lane_states, lane_args, whole_program=True)
             return out, [returned[r] for r in write_axes]
 
         mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), state_axes),
                                  out_axes=(self.out_axes, list(write_axes.values())),
                                  axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
 
-        def apply(state_values, flat_args):   # each RandomState: one key per lane, one kept
+        def apply(state_values, flat_args, *_):   # each RandomState: one key per lane, one kept
             keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
             values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
             out, written = mapped(list(flat_args), values)
