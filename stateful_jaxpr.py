@@ -137,6 +137,9 @@ _new_ref = _probe('jax:new_ref')   # 0.7.2 ..
 _NO_REFS = f'that needs mutable references (jax._src.state), which JAX {jax.__version__} lacks'
 _ref_type = functools.lru_cache(maxsize=1024)(_ref_aval or (lambda aval: None))  # (copies aval)
 _is_ref = functools.partial(type.__instancecheck__, _ref_aval)   # whether an aval is a Ref's
+# A Ref's value is strongly typed (all releases): a weak copy of a value, as a loop carry keeps it.
+_weakly = functools.partial(_probe('jax._src.lax.lax:_convert_element_type') or (
+    lambda x, weak_type: x), weak_type=True)
 
 # JAX leaves its own frames out of a user's traceback (jax_traceback_filtering) at its API
 # boundaries: this file's frames too, at the module's boundaries (all releases).
@@ -1829,7 +1832,7 @@ def _static_positions(sf, nargs: int) -> tuple:
 
 def _hash_static(sf, where: str, value):
     _reject_states(value, f'{_who(sf)}: static {where}')
-    h = make_hashable(value)
+    h = type(value), make_hashable(value)   # (as jax.jit's: 1 and 1.0 may trace apart)
     try:
         hash(h)
     except TypeError:
@@ -1872,7 +1875,7 @@ class _StaticArg:
     __slots__ = ('value', '_key')
 
     def __init__(self, value):
-        self.value, self._key = value, make_hashable(value)
+        self.value, self._key = value, (type(value), make_hashable(value))
 
     def __hash__(self):
         return hash(self._key)
@@ -1923,7 +1926,7 @@ def _arg_labels(key) -> list:
 
 
 def _static_items(key) -> list:
-    """``(label, value)`` of each static argument in a cache key (values as hashed)."""
+    """``(label, (type, value as hashed))`` of each static argument in a cache key."""
     return ([(f'static argument {i}', v) for i, v in key['static_args']]
             + [(f'static argument {k!r}', v) for k, v in key['static_kwargs']])
 
@@ -1932,7 +1935,7 @@ def _key_summary(key) -> str:
     """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
     sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
     items = [f'{name}: {_sig_text(*sig)}' for name, sig in zip(_arg_labels(key), sigs, strict=True)]
-    items += [f'{name}={value!r}' for name, value in _static_items(key)]
+    items += [f'{name}={value!r}' for name, (_, value) in _static_items(key)]
     more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
     return ', '.join(items[:6]) + more or 'no arguments'
 
@@ -1966,8 +1969,9 @@ def explain_cache_misses(enabled: bool = True) -> bool:
 def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
     olds, news = dict(_static_items(old)), dict(_static_items(new))
-    shown = lambda d, k: repr(d[k]) if k in d else '(not passed)'   # noqa: E731
-    found = [('static argument', f'{k}: {shown(olds, k)} -> {shown(news, k)}')
+    shown = lambda d, k, other: '(not passed)' if k not in d else repr(d[k][1]) + (  # noqa: E731
+        f' ({d[k][0].__name__})' if k in other and other[k][0] is not d[k][0] else '')
+    found = [('static argument', f'{k}: {shown(olds, k, news)} -> {shown(news, k, olds)}')
              for k in {**olds, **news} if olds.get(k, _MISSING) != news.get(k, _MISSING)]
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):
         (tree_a, sigs_a), (tree_b, sigs_b) = old[part], new[part]
@@ -2343,7 +2347,7 @@ class _RefCell:
     the innermost level, with its tangents; ``refs`` always get the primal.  An ended
     differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'linearized', 'improvised', 'adopted')
+                 'linearized', 'improvised', 'adopted', 'weak')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
@@ -2352,6 +2356,7 @@ class _RefCell:
         self.linearized = False               # written in a body under jax.linearize / grad
         self.improvised = improvised          # made at a write, in a trace that is redone
         self.adopted = False                  # ``refs`` are a differentiation's primal Refs
+        self.weak = [a.weak_type for a in avals]   # per leaf: every value it held weakly typed
 
     def _level(self):
         """``(level, at)``: the innermost level here (None: none), ended ones folded into their
@@ -2399,8 +2404,9 @@ class _RefCell:
         if level is not None and not level.refs:
             return level.content
         with contextlib.nullcontext() if at is None else _at_trace(at):
-            refs = self.refs if level is None else level.content
-            return self.treedef.unflatten([_ref_get(r, ()) for r in refs])
+            leaves = [_ref_get(r, ()) for r in (self.refs if level is None else level.content)]
+            return self.treedef.unflatten([jax.lax.convert_element_type(x, a.dtype) if (
+                a.weak_type and not w) else x for x, a, w in zip(leaves, self.avals, self.weak)])
 
     def final(self) -> bool:   # whether its Refs hold its value at the end (see _level)
         self._level()
@@ -2414,6 +2420,7 @@ class _RefCell:
         """Writes ``value`` at the current trace: into the innermost level, and its primal into
         ``refs``; refuses what JAX could not differentiate there."""
         leaves, trace = self._leaves_for(value), _current_trace()
+        self.weak = [w and _aval_of(x).weak_type for w, x in zip(self.weak, leaves)]
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (_stages(trace) and trace is not self.home)
         path = _trace_path(self.home)[0]
@@ -2463,9 +2470,10 @@ class _RefCell:
             shown = (treedef.unflatten([g.str_short() for g in got]) if got is not None
                      else f'a value of structure {treedef}')
             raise TraceContextError(
-                f'{self.state._describe()} is written inside a nested JAX transformation, where '
-                f'it must keep its structure, shapes and dtypes {expected}; got {shown}.  Cast or '
-                'reshape the value before assigning it (a write at top level may change them)')
+                f'{self.state._describe()} is written inside a nested JAX transformation, so '
+                f'in this function it must keep its structure, shapes and dtypes {expected}; got '
+                f'{shown}.  Cast or reshape the value before assigning it, or assign the State '
+                'its new shape before calling the function')
         return [x if g.dtype == a.dtype else jax.lax.convert_element_type(x, a.dtype)
                 for x, g, a in zip(leaves, got, self.avals)]
 
@@ -2529,7 +2537,8 @@ def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
     except NotImplementedError as err:
         raise _cannot('thread', described, err) from err
     jaxpr = _picked(_forward_unchanged(pure).jaxpr, picks, closed.jaxpr)
-    every = [*(v.aval for v in closed.jaxpr.outvars), *(a for c in cells for a in c.avals)]
+    every = [*(v.aval for v in closed.jaxpr.outvars), *(a.update(weak_type=w) for c in cells
+                                                         for a, w in zip(c.avals, c.weak))]
     avals = [every[i] for i in picks]
     for before, after in zip(avals, jaxpr.outvars, strict=True):
         if (before.shape, before.dtype) != (after.aval.shape, after.aval.dtype):
@@ -2537,6 +2546,12 @@ def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
                 f'a State among {described} changed shape inside a nested transformation '
                 f'({before.str_short()} became {after.aval.str_short()}), e.g. by writing '
                 'a per-lane value inside jax.vmap; map the function with StatefulMapping instead')
+    if weak := {i for i, (a, v) in enumerate(zip(avals, jaxpr.outvars))
+                if a.weak_type and not v.aval.weak_type}:   # lost in JAX's Refs
+        run = _jaxpr_as_fun(_rebuild(jaxpr, pure.consts))
+        weaken = lambda *xs: [_weakly(x) if i in weak else x for i, x in enumerate(run(*xs))]
+        traced, _, consts = _trace_to_jaxpr(weaken, [v.aval for v in jaxpr.invars], run, 'weak')
+        return _rebuild(traced, None, debug_info=getattr(jaxpr, 'debug_info', None)), consts, avals
     return jaxpr, pure.consts, avals
 
 
@@ -2675,7 +2690,7 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
     retracer = _Retracer(_Lessons() if lessons is None else lessons)
     trace = trace_with or functools.partial(_trace_to_jaxpr, fun=fun, name=name)
     while True:
-        frames = []
+        frames, marks = [], [(c, len(c.states)) for c in _ctx.catchers]
 
         def flat_fun(*flat):
             frames.append(frame := _TraceFrame(name, retracer, lift_aval))
@@ -2690,6 +2705,8 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
             if retracer.next_run(err, consts, cells := frames[-1].cells if frames else ()):
+                for catcher, n in marks:   # (a redone run's States were never made)
+                    list(map(catcher.remove, catcher.states[n:]))
                 continue
             if err is not None:
                 retracer.fail(err, cells)

@@ -14,6 +14,7 @@ import os
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 import argparse
+import collections
 import contextlib
 import io
 import functools
@@ -1011,6 +1012,24 @@ class StateTest(unittest.TestCase):
         self.assertEqual(a.tag, 'new')
         self.assertNotIn(outside, caught.get_states())
         self.assertEqual(caught.get_state_values()[0], 1.0)
+
+    def test_catch_new_states_around_a_trace_that_runs_again(self):
+        # Read at the top level, then written in a loop body: the first run is redone with the
+        # State as Refs from the start; a State it made is none the caller sees.
+        g = State(jnp.ones(()), name='redone')
+
+        def f(x):
+            t = State(x * 2, name='made')
+            t.value = t.value + g.value
+
+            def body(c, i):
+                g.value = g.value + t.value * i
+                return c, None
+            jax.lax.scan(body, None, jnp.arange(3.0))
+            return t.value
+        with sj.catch_new_states('new') as caught:
+            StatefulFunction(f).make_jaxpr(1.0)
+        self.assertEqual([s.name for s in caught.get_states()], ['made'])
 
     def test_tracer_write_outside_stateful_trace_raises(self):
         s = State(jnp.zeros(3), name='leaky')
@@ -7042,6 +7061,52 @@ class CachingTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, 'static positional argument 1.*hashable'):
             sf(1.0, np.ones(3))
 
+    def test_equal_static_values_of_other_types_trace_apart(self):
+        # 1 == 1.0 == True and a namedtuple equals its tuple, but each traces differently, as
+        # under jax.jit: a call must never reuse the trace of an equal value of another type.
+        Pair = collections.namedtuple('Pair', 'a b')
+        s = State(jnp.zeros((), jnp.float32), name='typed_static')
+
+        def f(x, k, *, kw=0):
+            s.value = s.value + 1
+            kinds.append([type(k).__name__, type(kw).__name__])
+            return x * jnp.asarray(k).astype(x.dtype).sum()
+        for mapped in (False, True):
+            kinds = []
+            sf = (sj.StatefulMapping(f, in_axes=0, static_argnums=1, static_argnames='kw')
+                  if mapped else StatefulFunction(f, static_argnums=1, static_argnames='kw'))
+            x = jnp.ones(2, jnp.float32) if mapped else jnp.float32(1)
+            before = float(s.value)
+            for k, kw in ((1, 0), (1.0, 0), (True, 0), ((1, 2), 0), (Pair(1, 2), 0), ([1, 2], 0),
+                          (1, 0.0), (1, False), (1.0, 0)):
+                sf(x, k, kw=kw)
+            self.assertEqual(kinds, [['int', 'int'], ['float', 'int'], ['bool', 'int'],
+                                     ['tuple', 'int'], ['Pair', 'int'], ['list', 'int'],
+                                     ['int', 'float'], ['int', 'bool']])
+            self.assertEqual(float(s.value), before + 9)
+        jf = StatefulFunction(lambda x, k: jnp.asarray(k) * x, static_argnums=1)
+        self.assertEqual(jf(jnp.int32(3), 1).dtype, jnp.int32)
+        self.assertEqual(jf(jnp.int32(3), 1.0).dtype, jax.jit(
+            lambda x, k: jnp.asarray(k) * x, static_argnums=1)(jnp.int32(3), 1.0).dtype)
+
+    def test_a_trace_keeps_the_state_objects_it_touched(self):
+        # As jax.jit keeps a captured global: a State replaced by a new object is not seen
+        # until clear_cache().
+        net = types.SimpleNamespace(h=State(jnp.zeros(2), name='old_h'))
+
+        def f(x):
+            net.h.value = net.h.value + x
+            return net.h.value.sum()
+        sf = StatefulFunction(f)
+        sf(1.0)
+        old, net.h = net.h, State(jnp.zeros(2), name='new_h')
+        self.assertEqual(float(sf(1.0)), 4.0)
+        np.testing.assert_array_equal(old.value, [2.0, 2.0])
+        np.testing.assert_array_equal(net.h.value, [0.0, 0.0])
+        sf.clear_cache()
+        self.assertEqual(float(sf(1.0)), 2.0)
+        np.testing.assert_array_equal(net.h.value, [1.0, 1.0])
+
     def test_stale_state_is_retraced(self):
         calls = []
         s = State(jnp.ones(2), name='grows')
@@ -7172,6 +7237,65 @@ class StateSignatureTest(unittest.TestCase):
         s.value = {'a': jnp.float32(1.0), 'b': s.value['b']}
         self.assertEqual(sf(x16).dtype, jnp.float32)
         np.testing.assert_allclose(s.value['b'], np.full(2, 2.0))
+
+    def test_weak_type_of_a_state_written_in_a_body(self):
+        # A body's write goes through JAX's Refs, whose values are strongly typed: the State
+        # (and a result read from it) must still come out as the explicit carry does, weak
+        # where every value written was weak, strong after a strong one, step after step.
+        loops = {'scan': lambda body, v: jax.lax.scan(lambda c, _: (body(c), None), v, None, 2)[0],
+                 'fori_loop': lambda body, v: jax.lax.fori_loop(0, 2, lambda i, c: body(c), v),
+                 'while_loop': lambda body, v: jax.lax.while_loop(
+                     lambda c: c[1] < 2, lambda c: (body(c[0]), c[1] + 1), (v, 0))[0],
+                 'jit': lambda body, v: jax.jit(body)(v)}
+        updates = {'weak': lambda v: v * 2 + 1, 'strong': lambda v: v * jnp.float32(0.5)}
+        x = jnp.ones(2, jnp.bfloat16)
+        for (loop, run), (kind, update), init in itertools.product(
+                loops.items(), updates.items(), (1.5, 2)):
+            if kind == 'strong' and isinstance(init, int):
+                continue
+            with self.subTest(loop=loop, update=kind, init=init):
+                s = State(init)
+
+                def f(x):
+                    def body(v):
+                        s.value = update(s.value)
+                        return v
+                    run(body, jnp.float32(0))
+                    return s.value * x, s.value
+
+                def explicit(v, x):
+                    v = run(update, v)
+                    return (v * x, v), v
+                sf, v = StatefulFunction(f), init
+                for step in range(2):
+                    (out, read), v = jax.jit(explicit)(v, x)
+                    got_out, got_read = sf(x)
+                    for got, want in ((got_out, out), (got_read, read), (s.value, v)):
+                        self.assertEqual((got.dtype, got.weak_type), (want.dtype, want.weak_type))
+                        np.testing.assert_allclose(np.asarray(got, np.float32),
+                                                   np.asarray(want, np.float32))
+
+    def test_a_body_write_keeps_the_shape_the_state_had_when_called(self):
+        # Written in a loop body, the State is traced as Refs of the shape it had when called:
+        # a top-level write giving it another shape first is refused, naming the way out.
+        s = State(jnp.ones(2), name='regrown')
+
+        def body(c, x):
+            s.value = s.value * x
+            return c, None
+
+        def f(xs, grow):
+            if grow:
+                s.value = jnp.concatenate([s.value, s.value])
+            return jax.lax.scan(body, None, xs)[0]
+        sf = StatefulFunction(f, static_argnums=1)
+        with self.assertRaisesRegex(TraceContextError, r"'regrown'.*float32\[2\]; got "
+                                    r"float32\[4\].*its new shape before calling"):
+            sf(jnp.ones(3), True)
+        np.testing.assert_array_equal(s.value, np.ones(2))
+        s.value = jnp.ones(4)    # the way out: the new shape before the call
+        sf(jnp.full(3, 2.0), False)
+        np.testing.assert_array_equal(s.value, np.full(4, 8.0))
 
     def test_jaxpr_call_accepts_a_strong_value_for_a_weak_state(self):
         s = State(2.0, name='weak_read')
