@@ -7275,6 +7275,38 @@ class StateSignatureTest(unittest.TestCase):
                         np.testing.assert_allclose(np.asarray(got, np.float32),
                                                    np.asarray(want, np.float32))
 
+    def test_weak_type_of_a_state_written_in_a_body_through_every_door(self):
+        # The same through a cond, a mapping, jax.grad and checkpoint (JAX 0.7+ differentiates
+        # through a write in a body), inspection, and jaxpr_call.
+        def scan(s, x):
+            def body(c, _):
+                s.value = s.value * 0.5 + 1
+                return c, None
+            return jax.lax.scan(body, None, None, length=2)[0] or x * 2.0
+
+        def cond(s, x):
+            jax.lax.cond(x > 0, lambda: s.__setattr__('value', s.value * 0.5), lambda: None)
+            return x
+        doors = {'cond': lambda s: StatefulFunction(lambda x: cond(s, x)),
+                 'mapping': lambda s: sj.StatefulMapping(lambda x: scan(s, x), in_axes=0)}
+        if sj._new_ref is not None:
+            doors.update(
+                grad=lambda s: StatefulFunction(lambda x: jax.grad(lambda x: scan(s, x))(x)),
+                checkpoint=lambda s: StatefulFunction(lambda x: jax.grad(
+                    sj.checkpoint(lambda x: scan(s, x)))(x)))
+        for door, make in doors.items():
+            with self.subTest(door=door):
+                s = State(1.5)
+                sf, x = make(s), jnp.ones(2) if door == 'mapping' else 1.0
+                self.assertTrue(sf.get_jaxpr(x).out_avals[-1].weak_type)
+                for _ in range(2):
+                    sf(x)
+                    self.assertEqual((s.value.dtype, s.value.weak_type), (jnp.float32, True))
+        s = State(1.5)
+        sf = StatefulFunction(lambda x: scan(s, x))
+        new, _ = sf.jaxpr_call([s.value], 1.0)
+        self.assertTrue(new[0].weak_type)
+
     def test_a_body_write_keeps_the_shape_the_state_had_when_called(self):
         # Written in a loop body, the State is traced as Refs of the shape it had when called:
         # a top-level write giving it another shape first is refused, naming the way out.
