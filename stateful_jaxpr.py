@@ -510,11 +510,17 @@ def _bind(eqn, values) -> list:
     return outs if eqn.primitive.multiple_results else [outs]
 
 
+def _explicit(sharding) -> bool:
+    """Whether ``sharding``'s mesh has explicit axes: a sharding in a value's type (0.5 ..)."""
+    return _AXIS_EXPLICIT in getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
+
+
 def _laid_out(value, sharding):
-    """``value`` (traced) given ``sharding``: ``reshard`` on a mesh of explicit axes (0.5 ..),
-    which refuses a mere constraint, else ``with_sharding_constraint``."""
-    explicit = _AXIS_EXPLICIT in getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
-    return (_reshard if explicit else jax.lax.with_sharding_constraint)(value, sharding)
+    """``value`` given ``sharding``: placed there if concrete (jax.disable_jit), else ``reshard``
+    on a mesh of explicit axes (0.5 ..), which refuses a mere constraint, or a constraint."""
+    if not isinstance(value, Tracer):   # (run eagerly: under jax.disable_jit)
+        return jax.device_put(value, sharding)
+    return (_reshard if _explicit(sharding) else jax.lax.with_sharding_constraint)(value, sharding)
 
 
 def _batched_flags(fun, avals, in_axes, axis_name, size) -> list:
@@ -644,10 +650,15 @@ def _aval_of(x):
 
 
 def _leaf_sig(x) -> tuple:
-    """``(shape, dtype, weak_type)`` of a leaf, the unit of every cache key: equal for an
-    array and a tracer of its type, which avals (carrying sharding) may not be."""
-    aval = _aval_of(x)
-    return aval.shape, aval.dtype, aval.weak_type
+    return _aval_sig(_aval_of(x))
+
+
+def _aval_sig(aval) -> tuple:
+    """``(shape, dtype, weak_type, spec)``, the unit of every cache key: equal for an array and a
+    tracer of its type, which avals (carrying sharding) may not be; ``spec``: the partitioning
+    over explicit mesh axes, part of the type, else None."""
+    sharding = getattr(aval, 'sharding', None)
+    return aval.shape, aval.dtype, aval.weak_type, sharding.spec if _explicit(sharding) else None
 
 
 def _value_sig(value) -> tuple:
@@ -664,7 +675,8 @@ def _stale_sig(value, sig, weak_type: bool = False):
     except TypeError:
         return 'not a pytree of arrays'
     same = got == sig or (not weak_type and got[0] == sig[0]
-                          and all(a[:2] == b[:2] for a, b in zip(got[1], sig[1], strict=True)))
+                          and all(a[:2] + a[3:] == b[:2] + b[3:]
+                                  for a, b in zip(got[1], sig[1], strict=True)))
     return None if same else got
 
 
@@ -1885,9 +1897,10 @@ class _StaticArg:
 
 
 # -- A key in words -------------------------------------------------------------
-def _sig_text(shape, dtype, weak_type: bool) -> str:
-    """``float32[3,4]`` (``weak`` appended for a weakly typed value)."""
-    return f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
+def _sig_text(shape, dtype, weak_type: bool, spec=None) -> str:
+    """``float32[3,4]`` (``weak`` appended for a weakly typed value, then an explicit spec)."""
+    return (f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
+            + ('' if spec is None else f' {spec}'))
 
 
 def _value_text(sig) -> str:
@@ -2093,7 +2106,7 @@ class _TraceFrame(StateTraceStack):
             except TypeError as err:
                 raise TypeError(f'{state._describe()} holds a leaf that is not a JAX array '
                                 f'({err}); assign it an array') from None
-        self.sigs[id(state)] = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in avals))
+        self.sigs[id(state)] = (treedef, tuple(map(_aval_sig, avals)))
         if self._lift_aval is not None:
             avals = [self._lift_aval(state, a) for a in avals]
         if state in self.retracer.lessons.ref_states or self._in_loop():
@@ -2405,8 +2418,9 @@ class _RefCell:
             return level.content
         with contextlib.nullcontext() if at is None else _at_trace(at):
             leaves = [_ref_get(r, ()) for r in (self.refs if level is None else level.content)]
-            return self.treedef.unflatten([jax.lax.convert_element_type(x, a.dtype) if (
-                a.weak_type and not w) else x for x, a, w in zip(leaves, self.avals, self.weak)])
+            return self.treedef.unflatten([x if x.aval.weak_type == w else _weakly(x) if w else
+                                           jax.lax.convert_element_type(x, x.dtype)
+                                           for x, w in zip(leaves, self.weak)])   # (see weak)
 
     def final(self) -> bool:   # whether its Refs hold its value at the end (see _level)
         self._level()
@@ -2890,8 +2904,12 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
     return out, values
 
 
-def _kept_layout(state, new):
-    """``new`` laid out like ``state``'s multi-device value, lest XLA gather it onto one."""
+def _kept_layout(sf, state, new):
+    """``new`` laid out like ``state``'s multi-device value, lest XLA gather it onto one, unless
+    ``sf``'s ``keep_sharding`` leaves ``state`` out."""
+    if not sf._keep((), state):
+        return new
+
     def keep(old, value):
         sharding = _multi_device(old)
         same = sharding is not None and np.shape(old) == np.shape(value)
@@ -3263,17 +3281,22 @@ class StatefulFunction:
             if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves, True)
-        if token > 0 and token != plan.token:   # (plan.token: no written State spans devices)
-            new = [_kept_layout(state, value) if self._keep((), state) else value
-                   for state, value in zip(plan.write_states, new, strict=True)]
-        return out, tuple(new)
+        return out, tuple(self._laid_out_as_held(plan, new, token))
+
+    def _laid_out_as_held(self, plan, new, token) -> list:   # (token: see _layout_token)
+        if not 0 < token != plan.token:   # (plan.token: no written State spans devices)
+            return list(new)
+        return [_kept_layout(self, s, v) for s, v in zip(plan.write_states, new, strict=True)]
 
     def _run(self, entry, state_values, args, kwargs, leaves, token, lower=False):
         """Runs ``entry`` (``lower``: compiles it only); a negative ``token`` (``jaxpr_call``)
         donates and lays out nothing."""
         if not self._compiled_dispatch or not entry.traced.cacheable or (
                 entry.traced.rules and _under_jax_trace()):   # (see _cached)
-            return None if lower else entry.apply(state_values, leaves)
+            if lower:
+                return None
+            out, new = entry.apply(state_values, leaves)
+            return out, self._laid_out_as_held(entry.plan, new, token)
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
             statics = _static_positions(self, len(args))
             args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
@@ -3343,8 +3366,8 @@ class StatefulFunction:
                 with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
                     out, values = run(), frame._values
                 for state, written in zip(frame.states, frame.been_writen, strict=True):
-                    if written:
-                        _store.__wrapped__(state, values[id(state)])   # (this call holds it)
+                    if written:   # (this call holds it)
+                        _store.__wrapped__(state, _kept_layout(self, state, values[id(state)]))
         except TraceContextError as err:   # e.g. a write inside jax.grad in the body
             err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
                          'inside a JAX transformation in it needs a compiled call')
@@ -3506,6 +3529,12 @@ class StatefulFunction:
                 raise ValueError(
                     f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
                     f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
+        if any(map(_stale_sig, state_vals, described.state_sigs, itertools.repeat(True))):
+            given = dict(zip(map(id, states), state_vals))   # a weak type differs: trace for it
+            read = lambda s: given.get(id(s), s._value)   # noqa: E731
+            with StateTraceStack(new_arg=read):
+                _, entry, leaves = self._lookup(args, kwargs, read=read)
+            described = entry.described()
         # The compiled call takes values in plan order (a StatefulMapping's accessors may
         # order them otherwise); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
@@ -4138,7 +4167,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
 
     def pure(*dyn_args, states, **dyn_kwargs):
         dyn_args, dyn_kwargs, states = _key_data((dyn_args, dyn_kwargs, states), in_keys)
-        values = [states[n] if r else sig[0].unflatten([jnp.zeros(sh, dt) for sh, dt, _ in sig[1]])
+        values = [states[n] if r else sig[0].unflatten([jnp.zeros(sh, dt) for sh, dt, *_ in sig[1]])
                   for n, r, sig in zip(names, read, traced.state_sigs, strict=True)]
         full_args, full_kwargs = rebuild(_leaves((dyn_args, dyn_kwargs)))
         new, out = sf.jaxpr_call(values, *full_args, **full_kwargs)

@@ -873,8 +873,8 @@ class HelpersTest(unittest.TestCase):
                 sj._aval_of(not_jax)
 
     def test_leaf_sig(self):
-        self.assertEqual(sj._leaf_sig(jnp.ones(2, jnp.float32)), ((2,), jnp.float32, False))
-        self.assertEqual(sj._leaf_sig(1.0), ((), jnp.float32, True))
+        self.assertEqual(sj._leaf_sig(jnp.ones(2, jnp.float32)), ((2,), jnp.float32, False, None))
+        self.assertEqual(sj._leaf_sig(1.0), ((), jnp.float32, True, None))
         self.assertNotEqual(sj._leaf_sig(jnp.ones(2, jnp.int32)), sj._leaf_sig(jnp.ones(2)))
         seen = []
 
@@ -7336,6 +7336,26 @@ class StateSignatureTest(unittest.TestCase):
         _, out = sf.jaxpr_call([jnp.float32(3.0)], jnp.ones(2))
         np.testing.assert_allclose(out, np.full(2, 3.0))
 
+    def test_jaxpr_call_runs_the_program_on_the_weak_types_given(self):
+        # The values given, not the States', decide promotion, as in the explicit program.
+        xb = jnp.ones(2, jnp.bfloat16)
+        for held, given in ((1.0, jnp.float32(1.0)), (jnp.float32(1.0), 1.0)):
+            with self.subTest(held=held):
+                s = State(held, name='weak_given')
+
+                def f(x):
+                    s.value = s.value + 1
+                    return x + s.value
+                sf = StatefulFunction(f)
+                sf.make_jaxpr(xb)
+                new, out = sf.jaxpr_call([given], xb)
+                want_new = jnp.asarray(given) + 1 if isinstance(given, float) else given + 1
+                self.assertEqual(out.dtype, (xb + want_new).dtype)
+                self.assertEqual((new[0].dtype, new[0].weak_type),
+                                 (want_new.dtype, want_new.weak_type))
+                self.assertIs(s.value, held)
+                self.assertEqual(sf(xb).dtype, (xb + (jnp.asarray(held) + 1)).dtype)
+
 
 class _BindSpy:
     """Counts Python-level binds of ``lax.add_p`` (op-by-op evaluation)."""
@@ -9847,6 +9867,28 @@ class ShardingTest(unittest.TestCase):
         # The check means something: plain jax.jit gathers the sharded one.
         self.assertTrue(self._plain_jit_loses(_put_sharded(jnp.zeros(16), mesh, self.P('d'))))
 
+    def test_calls_run_op_by_op_keep_the_layout_too(self):
+        # grad(...)(x) outside any trace and a call under jax.disable_jit() run op by op, where
+        # nothing constrains a layout: a written State keeps its own all the same.
+        mesh = _mesh((8,), ('d',))
+        value = _put_sharded(jnp.arange(16.0), mesh, self.P('d'))
+        w, h = sj.ParamState(jnp.ones(16), name='w_op'), State(value, name='h_op')
+
+        def loss(x):
+            h.value = jnp.concatenate([h.value[8:], h.value[:8]]) * x   # XLA would gather it
+            return (w.value * h.value).sum()
+        for run in (lambda: sj.grad(loss, w)(2.0), lambda: StatefulFunction(loss)(2.0)):
+            for eager in (False, True):
+                with self.subTest(eager=eager), (jax.disable_jit() if eager
+                                                 else contextlib.nullcontext()):
+                    h.value = value
+                    run()
+                    _assert_same_layout(self, h.value, value, 'written op by op')
+                    np.testing.assert_allclose(_host(h.value), np.roll(np.arange(16.0), 8) * 2)
+        h.value = value
+        StatefulFunction(loss, keep_sharding=False)(2.0)   # the opt-out: XLA's layout
+        np.testing.assert_allclose(_host(h.value), np.roll(np.arange(16.0), 8) * 2)
+
     def test_2d_mesh_full_partial_and_replicated(self):
         mesh = _mesh((2, 4), ('a', 'b'))
         for spec in [self.P('a', 'b'), self.P('a', None), self.P(None, 'b'), self.P(),
@@ -9917,6 +9959,30 @@ class ShardingTest(unittest.TestCase):
         with use(mesh):
             value = _put_sharded(jnp.zeros(16), mesh, self.P('d'))
             self._check_kept(value)
+
+    def test_an_explicit_sharding_is_part_of_the_trace_key(self):
+        # Over explicit mesh axes a sharding is part of a value's type, which code may read
+        # while tracing: a new one retraces, for an argument as for a State, as jax.jit does.
+        axis_type = getattr(getattr(jax.sharding, 'AxisType', None), 'Explicit', None)
+        use = getattr(jax, 'set_mesh', None) or getattr(jax.sharding, 'use_mesh', None)
+        if axis_type is None or use is None or sj._reshard is None:
+            self.skipTest(f'JAX {jax.__version__} has no explicit sharding mode')
+        mesh = _mesh((8,), ('d',), axis_types=(axis_type,))
+        s, seen = State(jnp.zeros(16), name='typed_layout'), []
+
+        def f(x):
+            seen.append((str(jax.typeof(x).sharding.spec), str(jax.typeof(s.value).sharding.spec)))
+            s.value = s.value + 1
+            return jnp.zeros_like(x) + x * 2
+        sf, jf = StatefulFunction(f), jax.jit(lambda x: jnp.zeros_like(x) + x * 2)
+        with use(mesh):
+            for x_spec, s_spec in (('d', 'd'), (None, 'd'), (None, None)):
+                x = _put_sharded(jnp.arange(16.0), mesh, self.P(x_spec))
+                s.value = _put_sharded(s.value, mesh, self.P(s_spec))
+                out = sf(x)
+                self.assertEqual(seen[-1], (str(self.P(x_spec)), str(self.P(s_spec))))
+                self.assertEqual(out.sharding.spec, jf(x).sharding.spec)
+        self.assertEqual(len(seen), 3)
 
     def test_unsharded_states_get_no_constraint(self):
         s = State(jnp.zeros(4), name='single')
