@@ -150,10 +150,10 @@ _api_boundary = _probe('jax._src.traceback_util:api_boundary') or (lambda fun: f
 _forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
 
 
-def _rebuild(jaxpr, consts, like=None, **fields):
+def _rebuild(jaxpr, consts, **fields):
     """``jaxpr`` with ``fields`` replaced, closed over ``consts`` (None: open)."""
     if fields:
-        fields.setdefault('debug_info', getattr(like or jaxpr, 'debug_info', None))
+        fields.setdefault('debug_info', getattr(jaxpr, 'debug_info', None))
         jaxpr = jaxpr.replace(**fields)
     if consts is None:
         return jaxpr
