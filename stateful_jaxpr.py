@@ -440,6 +440,10 @@ _REFUSALS = {
     'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute"}
 
 
+def _deleted_buffer(err: BaseException) -> bool:   # a call given a deleted array (all releases)
+    return isinstance(err, RuntimeError) and 'has been deleted' in str(err)
+
+
 def _refusal(err: BaseException):
     if isinstance(err, NotImplementedError) and not str(err):
         return 'effects'
@@ -1024,7 +1028,8 @@ class State:
         return jax.tree_util.tree_map(func, self.value)
 
     def check_if_deleted(self) -> None:
-        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated)."""
+        """Raises ``ValueError`` if a leaf's buffer was deleted (e.g. donated); ``RuntimeError``
+        if a donating call that deleted it then failed."""
         if self._broken is not None:
             self._raise_broken()
         for leaf in _leaves(self._value):
@@ -1439,6 +1444,16 @@ def _reject_states(tree, what: str, refuse: Callable | None = None) -> None:
             _leaf_sig(leaf)
         except (TypeError, OverflowError) as err:
             raise refuse(err, jax.tree_util.keystr(path), leaf) from None
+
+
+
+def _refuse_non_jax(state, value, name: str) -> None:
+    """Refuses ``value``, assigned to ``state`` in the stateful function ``name``, unless JAX's."""
+    if not all(isinstance(x, (Tracer, jax.Array)) for x in _leaves(value)):   # (else checked)
+        _reject_states(value, '', lambda err, path, leaf: TypeError(
+            f'{state._describe()} was assigned {leaf!r} (a {type(leaf).__name__})'
+            + (f' at value{path}' if path else '') + f' in the stateful function {name!r}, which '
+            'is not a JAX type; assign arrays, scalars or pytrees of them'))
 
 
 # =============================================================================
@@ -2150,6 +2165,9 @@ class _TraceFrame(StateTraceStack):
         values = [v if type(v) is _RefCell and v.final() else v.read() if type(v) is _RefCell
                   else self.peel(v) if self._diffs else v
                   for v in (self._values[id(self.states[i])] for i in returned)]
+        for i, v in zip(returned, values):
+            if type(v) is not _RefCell:
+                _refuse_non_jax(self.states[i], v, self.name)
         kept = out_leaves + [x for v in values if type(v) is not _RefCell for x in _leaves(v)]
         first = dict(zip(map(id, self.cells), itertools.accumulate(
             [len(c.avals) for c in self.cells], initial=len(kept))))
@@ -2327,8 +2345,9 @@ _CANNOT = {
              'derivative.  Return the value from the inner differentiated function '
              '(has_aux=True) and assign it in the outer one',
     'dropped': 'is written inside a loop or jit body whose write JAX {jax} moved out of the body '
-               'or dropped while differentiating; return the value from the body and assign it '
-               'outside, or use JAX 0.6 or newer',
+               'or dropped while differentiating (or whose trace raised an error the function '
+               'caught); return the value from the body and assign it outside, or use JAX 0.6 '
+               'or newer',
     'thread': 'is written inside a nested transformation that JAX {jax} cannot thread state out '
               'of ({err}): return the value and assign it outside',
     'refs': 'is written inside a nested JAX transformation; ' + _NO_REFS + '.  Return the value '
@@ -2360,13 +2379,14 @@ class _RefCell:
     the innermost level, with its tangents; ``refs`` always get the primal.  An ended
     differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'linearized', 'improvised', 'adopted', 'weak')
+                 'linearized', 'blind', 'improvised', 'adopted', 'weak')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
         self.home, self.levels = home, []     # the stateful trace's own JAX trace, the levels
         self.nested = self.staged = False     # written inside a nested transformation, a body
         self.linearized = False               # written in a body under jax.linearize / grad
+        self.blind = False                    # in a body whose outer traces JAX hides (.. 0.5)
         self.improvised = improvised          # made at a write, in a trace that is redone
         self.adopted = False                  # ``refs`` are a differentiation's primal Refs
         self.weak = [a.weak_type for a in avals]   # per leaf: every value it held weakly typed
@@ -2437,8 +2457,9 @@ class _RefCell:
         self.weak = [w and _aval_of(x).weak_type for w, x in zip(self.weak, leaves)]
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (_stages(trace) and trace is not self.home)
-        path = _trace_path(self.home)[0]
+        path, whole = _trace_path(self.home)
         self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))
+        self.blind = self.blind or whole is not True
         if _drops_ref_tangents(self.home):
             raise _cannot('tangent', self.state._describe())
         level, at = self._level()
@@ -2542,7 +2563,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
     if lost := [c.state._describe() for c, own in zip(cells, owned, strict=True)
-                if not kept & own and c.staged and not c.adopted]:   # JAX .. 0.5, jax.grad / vjp
+                if not kept & own and c.blind and not c.adopted]:   # JAX .. 0.5, grad / vjp
         raise _cannot('dropped', ', '.join(lost))
     if _drops_jvp_refs(closed.jaxpr):
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
@@ -2606,6 +2627,8 @@ class _Retracer:
       Refs from its first touch, as does every later trace (a refusal is told if it recurs),
       under the shared epoch if written in a body JAX may have cached with the old Refs
       (isolated if it was isolated);
+    - saw JAX refuse a Ref program in which it lifted no State as Refs, the next run is
+      isolated: a body JAX cached may hide the write it refuses;
     - raised anything else, or did none of these, none follows: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
@@ -2677,6 +2700,8 @@ class _Retracer:
         elif self.pending and (err is None or _refusal(err)):   # (a refusal of improvised Refs?)
             epoch = (_Epoch.FRESH if lessons.isolate else _Epoch.SHARED if self.in_body
                      else _Epoch.PLAIN)
+        elif _refusal(err) and epoch is not _Epoch.FRESH and not self.refused[1]:
+            epoch = _Epoch.FRESH   # (no State to name: an isolated run may show the write)
         else:
             return False
         self._start(epoch)
@@ -2894,12 +2919,22 @@ def _write_back(who, plan, new) -> None:
         state._value = value
 
 
+def _name_deleted(err, states) -> None:
+    """Where ``err`` is JAX's for a deleted buffer, raises naming the State among ``states``."""
+    if _deleted_buffer(err):
+        list(map(State.check_if_deleted, states))
+
+
 def _locked_call(who, plan, dispatch, args, kwargs, strict):
     """The door for a compiled call: ``plan``'s States held while read, run by ``dispatch``,
     written back; gives ``(out, values read)``.  ``strict``: see ``_dispatch_body``."""
     with _Door(who, _hold(who, plan.states, plan.locks, plan.write_states), strict):
         values = list(map(_real_value, plan.states))
-        out, new = dispatch(*values, *args, **kwargs)
+        try:
+            out, new = dispatch(*values, *args, **kwargs)
+        except RuntimeError as err:   # (JAX's error for a deleted buffer names no State)
+            _name_deleted(err, plan.states)
+            raise
         _write_back(who, plan, new)
     return out, values
 
@@ -2931,27 +2966,32 @@ def _layout_token(sf, plan) -> int:
 
 def _donating(sf, jitted, plan):
     """The donating ``jitted``, refusing an array two States share (JAX may crash on it)."""
-    def checked(flat):   # (the donated States first: an array one of them shares is named)
-        owner = {}
-        for i in plan.donated + plan.kept:
-            for leaf in _leaves(flat[i]):
-                if (j := owner.setdefault(id(leaf), i)) != i and j in plan.donated:
+    def checked(flat, kwargs=None):   # (the donated States first: an array one shares is named)
+        owner, n = {}, len(plan.states)
+        given = () if kwargs is None else [*flat[n:], kwargs]   # (once JAX refused the call)
+        for i, value in [*((i, flat[i]) for i in plan.donated + plan.kept), *enumerate(given, n)]:
+            for leaf in _leaves(value):
+                if isinstance(leaf, jax.Array) and (j := owner.setdefault(id(leaf), i)) != i and (
+                        j in plan.donated):
                     raise ValueError(
                         f'{_who(sf)} would donate the array that {plan.states[j]._describe()} '
-                        f'and {plan.states[i]._describe()} both hold; give one of them a copy '
-                        '(jnp.copy) or leave it out of donate_states')
+                        'and ' + (plan.states[i]._describe() if i < n else 'an argument')
+                        + ' both hold; pass or give one of them a copy (jnp.copy), or leave the '
+                        'State out of donate_states')
         return flat
 
     def call(*flat, **kwargs):
         try:
             return jitted(*checked(flat), **kwargs)
         except BaseException as err:      # no State may keep a deleted buffer
-            for state in (plan.states[i] for i in plan.donated):
+            for state in (plan.states[i] for i in plan.donated if not _deleted_buffer(err)):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
                     state._broken = _Broken(
                         RuntimeError, f'{state._describe()} has no value: its buffer was donated '
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
+            if isinstance(err, Exception):   # (JAX refusing an argument that shares one: named)
+                checked(flat, kwargs)
             raise
     call.lower = lambda *flat, **kwargs: jitted.lower(*checked(flat), **kwargs)
     call._clear_cache = lambda: _forget_failed_calls(jitted)
@@ -3020,6 +3060,9 @@ def _call(sf, *args, **kwargs):
     except _Unprepared:   # a new signature: traced and compiled with no lock held
         _forget_failed_calls(fast.dispatch)
         return sf._call_slow(args, kwargs, fast.plan)
+    except RuntimeError as err:
+        _name_deleted(err, fast.states)
+        raise
     except (TypeError, ValueError, OverflowError):
         # An argument jax.jit refuses gets the slow path's clearer error here,
         # and a static argument hashable only by value goes the slow path.
@@ -3354,7 +3397,9 @@ class StatefulFunction:
         entry = self._build_entry(key, leaves, split) if self._traced_eagerly else None
 
         def run():
-            return self.fun(*args, **kwargs) if entry is None else entry.run_writing(leaves)
+            out = self.fun(*args, **kwargs) if entry is None else entry.run_writing(leaves)
+            _reject_states(out, 'the function returned ')
+            return out
         if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
             return run()
 
@@ -3364,10 +3409,17 @@ class StatefulFunction:
         try:
             with _Door(self, []) as door:
                 with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
-                    out, values = run(), frame._values
-                for state, written in zip(frame.states, frame.been_writen, strict=True):
-                    if written:   # (this call holds it)
-                        _store.__wrapped__(state, _kept_layout(self, state, values[id(state)]))
+                    try:
+                        out, values = run(), frame._values
+                    except RuntimeError as err:
+                        _name_deleted(err, frame.states)
+                        raise
+                written = [s for s, w in zip(frame.states, frame.been_writen, strict=True) if w]
+                for state in written:
+                    _refuse_non_jax(state, values[id(state)], self.name)
+                new = [_kept_layout(self, state, values[id(state)]) for state in written]
+                for state, value in zip(written, new):   # (held by this call; all or none stored)
+                    _store.__wrapped__(state, value)
         except TraceContextError as err:   # e.g. a write inside jax.grad in the body
             err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
                          'inside a JAX transformation in it needs a compiled call')
@@ -3693,10 +3745,7 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         def loss(grad_values, *args, **kwargs):
             merged = {**values, **dict(zip(uniq, grad_values, strict=True))}
             new, out = inner.jaxpr_call([merged[s] for s in touched], *args, **kwargs)
-            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError(f'grad(has_aux=True): {_who(inner)} must return a pair (loss, '
-                                f'aux), not {jax.tree_util.tree_structure(out)}')
-            value, aux = out if has_aux else (out, None)
+            value, aux = _loss_of(inner, out, has_aux)
             return value, (value, aux, new)
         diff = jax.grad(loss, (0, *(i % n + 1 for i in nums or ())), has_aux=True,
                         holomorphic=holomorphic, allow_int=allow_int)
@@ -3710,6 +3759,20 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         extra = (value,) * bool(return_value) + (aux,) * bool(has_aux)
         return (grads, *extra) if extra else grads
     return _OpByOp(run, name=f'grad({inner.name})')
+
+
+def _loss_of(inner, out, has_aux) -> tuple:
+    """``(loss, aux)`` from what ``inner`` returned, refused unless a scalar (and a pair)."""
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f'grad(has_aux=True): {_who(inner)} must return a pair (loss, aux), not '
+                        f'{jax.tree_util.tree_structure(out)}')
+    value, aux = out if has_aux else (out, None)
+    if not isinstance(value, (int, float, complex)) and getattr(value, 'shape', 0) != ():
+        got = (f'shape {value.shape}' if hasattr(value, 'shape')
+               else jax.tree_util.tree_structure(value))
+        raise TypeError(f'grad: {_who(inner)} must return a scalar loss, not {got}; reduce it '
+                        '(.sum(), .mean()) or differentiate it with jax.jacrev')
+    return value, aux
 
 
 class _OpByOp(StatefulFunction):
