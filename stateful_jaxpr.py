@@ -688,8 +688,9 @@ def _contains_tracer(tree) -> bool:
     return any(isinstance(x, Tracer) for x in _leaves(tree))
 
 
-# Bumped when a State outside any trace gets or loses a multi-device value: jax.jit retraces on
-# new shapes, not on new shardings, so the dispatcher's static key (``_layout_token``) must see it.
+# Bumped when a State outside any trace gets or loses a multi-device value, or a call gives it a
+# new layout: jax.jit retraces on new shapes, not on new shardings, so the dispatcher's static key
+# (``_layout_token``) must see it.
 _layout_epoch = 0
 
 
@@ -2898,9 +2899,10 @@ class _Entry:
         return out
 
 
-def _write_back(who, plan, new) -> None:
+def _write_back(who, plan, new, warm: bool = False) -> None:
     """Gives ``plan``'s written States the values a compiled call of ``who`` returned; under a
-    plain JAX trace, notes that the trace holds the values the call read (``_BAKED_STATES``)."""
+    plain JAX trace, notes that the trace holds the values the call read (``_BAKED_STATES``).
+    A ``warm`` call keeps layouts: its executable ran on the layouts the call that made it kept."""
     pairs = zip(plan.write_states, new, strict=True)
     if _under_jax_trace():
         _BAKED_STATES.update(plan.states)
@@ -2915,7 +2917,11 @@ def _write_back(who, plan, new) -> None:
                 'StatefulFunction (or StatefulMapping), or thread the values with jaxpr_call.')
         for state, value in pairs:
             _check_tracers_may_enter(state, value, ())
-    for state, value in pairs:
+    global _layout_epoch
+    for state, value in pairs:   # a layout the call gave anew: dispatchers keyed on the old go
+        if not warm and [*map(_multi_device, _leaves(state._value))] != [
+                *map(_multi_device, _leaves(value))]:
+            _layout_epoch += 1
         state._value = value
 
 
@@ -3052,7 +3058,7 @@ def _call(sf, *args, **kwargs):
                 for state, value in zip(writes, new):   # (strict=True would slow each call)
                     state._value = value
             elif writes or traced:
-                _write_back(sf, fast.plan, new)
+                _write_back(sf, fast.plan, new, warm=True)
         finally:
             del doors[-1]
             for lock in locks:

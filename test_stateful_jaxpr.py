@@ -10042,6 +10042,26 @@ class ShardingTest(unittest.TestCase):
         # The check means something: plain jax.jit gathers the sharded one.
         self.assertTrue(self._plain_jit_loses(_put_sharded(jnp.zeros(16), mesh, self.P('d'))))
 
+    def test_a_layout_another_call_gave_is_kept_by_a_warm_call(self):
+        mesh = _mesh((8,), ('d',))
+        rows = jax.sharding.NamedSharding(mesh, self.P('d'))
+        cols = jax.sharding.NamedSharding(mesh, self.P(None, 'd'))
+        h = State(jax.device_put(jnp.arange(64.0).reshape(8, 8), cols), name='s_relaid')
+
+        def step():
+            h.value = h.value.T * 2
+
+        def relayout():
+            h.value = jax.lax.with_sharding_constraint(h.value, rows)
+        sf = StatefulFunction(step)
+        sf()                                    # its warm path, made while h is by columns
+        StatefulFunction(relayout, keep_sharding=False)()
+        self.assertTrue(h.value.sharding.is_equivalent_to(rows, 2))
+        before = np.asarray(h.value)
+        sf()
+        np.testing.assert_array_equal(np.asarray(h.value), before.T * 2)
+        self.assertTrue(h.value.sharding.is_equivalent_to(rows, 2), h.value.sharding)
+
     def test_calls_run_op_by_op_keep_the_layout_too(self):
         # grad(...)(x) outside any trace and a call under jax.disable_jit() run op by op, where
         # nothing constrains a layout: a written State keeps its own all the same.
