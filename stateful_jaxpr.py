@@ -384,6 +384,27 @@ def _body_binding(eqn) -> tuple:
     return ([], (), None) if body is None else ([getattr(body, 'jaxpr', body)], eqn.invars, None)
 
 
+def _as_lax_scan(eqn, ats):
+    """``eqn`` where a scan whose body returns some carries unchanged (``ats``: _returned_inputs),
+    as a function of its operands calling lax.scan, which makes those carries constants (0.6 ..);
+    else None ('num_carry' .. 0.10, 'ft_in' 0.11 ..; 'length', 'reverse', 'unroll' all)."""
+    if eqn.primitive.name != 'scan' or eqn.params.get('_split_transpose'):
+        return None
+    p, n = eqn.params, _body_binding(eqn)[2]
+    k = p['num_carry'] if 'num_carry' in p else len(p['ft_in'].unpack()[1])
+    if all(j is None for j in ats[0][:k]):
+        return None
+
+    def run(*ops):
+        def step(carry, xs):
+            out = _jaxpr_as_fun(p['jaxpr'])(*ops[:n], *carry, *xs)
+            return list(out[:k]), list(out[k:])
+        carry, ys = jax.lax.scan(step, list(ops[n:n + k]), list(ops[n + k:]), length=p['length'],
+                                 reverse=p['reverse'], unroll=p['unroll'])
+        return [*carry, *ys]
+    return run
+
+
 def _call_body(eqn) -> tuple:
     """``(param, body)`` of a call ('jaxpr' or 'call_jaxpr'), else ``(None, None)``: 'pjit' became
     'jit' in 0.7, 'closed_call' / 'core_call' 'eval_jaxpr' in 0.11."""
@@ -2534,7 +2555,17 @@ def _forward_unchanged(jaxpr):
             eqn = eqn.replace(invars=[fwd(v) for v in eqn.invars],
                               params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
-        for v, *at in zip(eqn.outvars, *(_returned_inputs(b, carry) for b in bodies), strict=True):
+        ats = [_returned_inputs(b, carry) for b in bodies]
+        if run := _as_lax_scan(eqn, ats):
+            # Reverse mode would save such a carry once per step: as lax.scan does, a constant.
+            scan, _, consts = _trace_to_jaxpr(run, [v.aval for v in eqn.invars], run, 'scan')
+            if not consts:
+                to = dict(zip(scan.invars, eqn.invars, strict=True))
+                at_ = lambda v: to.get(v, v) if isinstance(v, Var) else v   # noqa: E731
+                eqns += [e.replace(invars=list(map(at_, e.invars))) for e in scan.eqns]
+                sub.update(zip(eqn.outvars, map(at_, scan.outvars), strict=True))
+                continue
+        for v, *at in zip(eqn.outvars, *ats, strict=True):
             if len(set(at)) == 1 and at[0] is not None:
                 sub[v] = operands[at[0]]
         eqns.append(eqn)

@@ -22,6 +22,7 @@ import gc
 import inspect
 import itertools
 import json
+import operator
 import pprint
 import random
 import re
@@ -3249,12 +3250,50 @@ class BackpropThroughTimeTest(unittest.TestCase):
             return sorted(len(e.params['ft_in'].unpack()[1]) if 'ft_in' in e.params
                           else e.params['num_carry'] for e in _eqns_within(closed.jaxpr)
                           if e.primitive.name == 'scan')
-        self.assertEqual(carries(sf.get_jaxpr(xs)),
-                         carries(jax.make_jaxpr(explicit)(w.value, v.value, xs)))
+        ours, theirs = carries(sf.get_jaxpr(xs)), carries(jax.make_jaxpr(explicit)(w.value,
+                                                                                  v.value, xs))
+        self.assertEqual(len(ours), len(theirs))
+        self.assertTrue(all(map(operator.le, ours, theirs)), (ours, theirs))   # (or fewer)
         want = jax.jit(explicit)(w.value, v.value, xs)
         value = sf(xs)
         for got, expected in zip((value, w.value, v.value), want, strict=True):
             np.testing.assert_array_equal(got, expected)
+
+    def test_grad_of_a_scan_reading_a_param_needs_the_explicit_programs_memory(self):
+        # A ParamState first touched in the body is lifted as Refs, which JAX's discharge
+        # carries through the loop; reverse mode would keep one copy per step of a carry.
+        steps, n = 200, 32
+        u = sj.ParamState(jax.random.normal(jax.random.PRNGKey(0), (n, n)) * 0.1, name='mem_u')
+        h = sj.HiddenState(jnp.zeros(n), name='mem_h')
+        xs = jax.random.normal(jax.random.PRNGKey(1), (steps, n))
+
+        def loss(xs):
+            def body(c, x):
+                h.value = jnp.tanh(h.value @ u.value + x)
+                return c + h.value.sum(), None
+            h.value = jnp.zeros(n)
+            return lax.scan(body, jnp.float32(0.0), xs)[0]
+
+        def explicit(uv, xs):
+            def body(carry, x):
+                c, hv = carry
+                hv = jnp.tanh(hv @ uv + x)
+                return (c + hv.sum(), hv), None
+            (c, hv), _ = lax.scan(body, (jnp.float32(0.0), jnp.zeros(n)), xs)
+            return c, hv
+        sf = StatefulFunction(lambda xs: sj.grad(loss, u, return_value=True)(xs))
+        values = [s.value for s in sf.get_states(xs)]
+        ours = jax.jit(sf.jaxpr_call).lower(values, xs).compile()
+        theirs = jax.jit(jax.value_and_grad(explicit, has_aux=True)).lower(u.value, xs).compile()
+        temp = lambda c: c.memory_analysis().temp_size_in_bytes   # noqa: E731
+        if temp(theirs) is None:
+            self.skipTest('this backend reports no memory analysis')
+        self.assertLessEqual(temp(ours), 1.1 * temp(theirs), (temp(ours), temp(theirs)))
+        (g, value), (c, hv) = sf(xs), jax.jit(explicit)(u.value, xs)
+        want = jax.grad(lambda uv: explicit(uv, xs)[0])(u.value)
+        np.testing.assert_allclose(value, c, rtol=1e-6)
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(h.value, hv, rtol=1e-6)
 
     def test_through_a_nested_stateful_function_and_per_lane(self):
         if _JAX_VERSION < (0, 7):
