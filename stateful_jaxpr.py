@@ -384,9 +384,9 @@ def _body_binding(eqn) -> tuple:
     return ([], (), None) if body is None else ([getattr(body, 'jaxpr', body)], eqn.invars, None)
 
 
-def _as_lax_scan(eqn, ats):
-    """``eqn`` where a scan whose body returns some carries unchanged (``ats``: _returned_inputs),
-    as a function of its operands calling lax.scan, which makes those carries constants (0.6 ..);
+def _hoisted_scan(eqn, ats):
+    """``(equations, outputs)`` running ``eqn`` where it is a scan whose body returns carries
+    unchanged (``ats``: _returned_inputs) through lax.scan, which makes them constants (0.6 ..),
     else None ('num_carry' .. 0.10, 'ft_in' 0.11 ..; 'length', 'reverse', 'unroll' all)."""
     if eqn.primitive.name != 'scan' or eqn.params.get('_split_transpose'):
         return None
@@ -402,7 +402,16 @@ def _as_lax_scan(eqn, ats):
         carry, ys = jax.lax.scan(step, list(ops[n:n + k]), list(ops[n + k:]), length=p['length'],
                                  reverse=p['reverse'], unroll=p['unroll'])
         return [*carry, *ys]
-    return run
+    try:
+        scan, _, consts = _trace_to_jaxpr(run, [v.aval for v in eqn.invars], run, 'scan')
+    except TypeError:   # (carries of two types, as JAX's discharge leaves some .. 0.5)
+        return None
+    to = dict(zip(scan.invars, eqn.invars, strict=True))
+    at = lambda v: to.get(v, v) if isinstance(v, Var) else v   # noqa: E731
+    if consts or any(at(scan.outvars[i]) is scan.outvars[i] for i, j in enumerate(ats[0])
+                     if j is not None):   # (lax.scan forwards none .. 0.5)
+        return None
+    return [e.replace(invars=list(map(at, e.invars))) for e in scan.eqns], map(at, scan.outvars)
 
 
 def _call_body(eqn) -> tuple:
@@ -2556,15 +2565,10 @@ def _forward_unchanged(jaxpr):
                               params={k: nest(v) for k, v in eqn.params.items()})
         bodies, operands, carry = _body_binding(eqn)
         ats = [_returned_inputs(b, carry) for b in bodies]
-        if run := _as_lax_scan(eqn, ats):
-            # Reverse mode would save such a carry once per step: as lax.scan does, a constant.
-            scan, _, consts = _trace_to_jaxpr(run, [v.aval for v in eqn.invars], run, 'scan')
-            if not consts:
-                to = dict(zip(scan.invars, eqn.invars, strict=True))
-                at_ = lambda v: to.get(v, v) if isinstance(v, Var) else v   # noqa: E731
-                eqns += [e.replace(invars=list(map(at_, e.invars))) for e in scan.eqns]
-                sub.update(zip(eqn.outvars, map(at_, scan.outvars), strict=True))
-                continue
+        if hoisted := _hoisted_scan(eqn, ats):   # reverse mode saves a carry once per step
+            eqns += hoisted[0]
+            sub.update(zip(eqn.outvars, hoisted[1], strict=True))
+            continue
         for v, *at in zip(eqn.outvars, *ats, strict=True):
             if len(set(at)) == 1 and at[0] is not None:
                 sub[v] = operands[at[0]]
