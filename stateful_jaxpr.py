@@ -679,8 +679,7 @@ def _format_site(site) -> str:
 
 
 def _aval_of(x):
-    aval = getattr(x, 'aval', None)
-    return _typeof(x) if aval is None else aval
+    return _typeof(x) if (aval := getattr(x, 'aval', None)) is None else aval
 
 
 def _leaf_sig(x) -> tuple:
@@ -1475,7 +1474,6 @@ def _reject_states(tree, what: str, refuse: Callable | None = None) -> None:
             _leaf_sig(leaf)
         except (TypeError, OverflowError) as err:
             raise refuse(err, jax.tree_util.keystr(path), leaf) from None
-
 
 
 def _refuse_non_jax(state, value, name: str) -> None:
