@@ -287,12 +287,14 @@ def _trace_path(home) -> tuple:
 
 def _body_of(trace) -> str:
     """'checkpoint' where ``trace`` builds a jax.checkpoint body, 'cond' a lax.cond / switch
-    branch, 'loop' a scan, fori_loop or while_loop body or condition, else '' (its debug info:
-    'checkpoint / remat' from 0.7, 'checkpoint' before; 'while_loop' for a body .. 0.5)."""
+    branch, 'loop' a scan, fori_loop or while_loop body or condition, 'mapped' a shard_map or
+    pmap body, else '' (its debug info: 'checkpoint / remat' from 0.7, 'checkpoint' before;
+    'while_loop' for a body .. 0.5; 'xla_pmap' .. 0.4)."""
     kind = str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
                        'traced_for', ''))
     return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in ('cond', 'switch')
-            else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith('while') else '')
+            else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith('while')
+            else 'mapped' if kind in ('shard_map', 'pmap', 'xla_pmap') else '')
 
 
 def _tells(path, trace) -> bool:
@@ -467,7 +469,8 @@ _REFUSALS = {
     'while': r'Reverse-mode differentiation does not work for lax.while_loop',   # reverse mode
     'jacrev': r"Batching rule for 'freeze' not implemented",   # vmap of a Ref made in jax.vjp, 0.7
     # a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10
-    'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute"}
+    'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute",
+    'mapped': r"'AbstractRef' object has no attribute"}   # a Ref into a shard_map body, 0.9 ..
 
 
 def _deleted_buffer(err: BaseException) -> bool:   # a call given a deleted array (all releases)
@@ -2162,7 +2165,8 @@ class _TraceFrame(StateTraceStack):
     def _in_loop(self) -> bool:
         """Whether a first touch now is in a loop body, whose reads must see an earlier
         iteration's write should a later touch write the State: lifted as Refs at once, so that
-        the trace needs no second run (not under jax.vmap, a cond or checkpoint body)."""
+        the trace needs no second run (not under jax.vmap, a cond, checkpoint, shard_map or pmap
+        body: shard_map and pmap take no Ref in)."""
         if (trace := _current_trace()) in self.loopless:   # (each frame around a touch asks)
             return False
         if not any(_body_of(t) == 'loop' for t in _trace_path(None)[0]):
@@ -2377,6 +2381,9 @@ _CANNOT = {
                'or dropped while differentiating (or whose trace raised an error the function '
                'caught); return the value from the body and assign it outside, or use JAX 0.6 '
                'or newer',
+    'mapped': 'is written inside a shard_map or pmap body, or read there while a loop, cond or '
+              'jit body writes it, which JAX {jax} cannot carry into it ({err}).  Return the value '
+              'from the body and assign it outside, or read it into a local variable before it',
     'thread': 'is written inside a nested transformation that JAX {jax} cannot thread state out '
               'of ({err}): return the value and assign it outside',
     'refs': 'is written inside a nested JAX transformation; ' + _NO_REFS + '.  Return the value '

@@ -2940,6 +2940,45 @@ class RefLiftingTest(unittest.TestCase):
         np.testing.assert_allclose(StatefulFunction(f)(x), 3.0 * x * w.value, rtol=1e-6)
         np.testing.assert_allclose(h.value, jnp.full(4, 2.0))
 
+    def test_a_shard_map_or_pmap_body_takes_states_as_values(self):
+        """shard_map and pmap take no Ref into their bodies on most releases: a State first
+        read in a loop there is a plain value; a State written there, or read there after a
+        write in a loop, gives the plain program's result or is refused by name, unchanged."""
+        mesh, P = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('d',)), jax.sharding.PartitionSpec
+        w, h = sj.ParamState(jnp.array(0.7), name='rl_w_mapped'), State(jnp.array(1.0), name='rl_h')
+        xs = jnp.linspace(0.1, 1.0, 5)
+        smap = lambda body: _shard_map(body, mesh, P(), P())   # noqa: E731
+        pmap = lambda body: lambda v: jax.pmap(body, axis_name='p')(v[None])[0]   # noqa: E731
+
+        def summed(write):   # a scan reading w (and writing h) in a shard_map / pmap body
+            def body(c, x):
+                if write:
+                    h.value = h.value * 0.5 + x
+                return c * w.value + x, None
+            return lambda v: lax.scan(body, 0.0, v)[0]
+
+        def bump(v):   # h written in a loop body: held as Refs
+            lax.scan(lambda c, x: (c, setattr(h, 'value', h.value + x)), 0.0, v)
+        want = lax.scan(lambda c, x: (c * 0.7 + x, None), 0.0, xs)[0]
+        for name, mapped in (('shard_map', smap), ('pmap', pmap)):
+            with self.subTest(name):
+                np.testing.assert_allclose(StatefulFunction(mapped(summed(False)))(xs), want,
+                                           rtol=1e-6)
+                got = StatefulFunction(lambda v: (bump(v), mapped(summed(False))(v))[1])(xs)
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+                h_t = lax.scan(lambda c, x: (c * 0.5 + x, None), 1.0, xs)[0]
+                for f, out, final in (
+                        (mapped(summed(True)), want, h_t),
+                        (lambda v: (bump(v), mapped(lambda u: u * h.value)(v))[1],
+                         xs * (1.0 + xs.sum()), 1.0 + xs.sum())):
+                    h.value = jnp.array(1.0)
+                    try:
+                        np.testing.assert_allclose(StatefulFunction(f)(xs), out, rtol=1e-6)
+                        np.testing.assert_allclose(h.value, final, rtol=1e-6)   # (JAX 0.7, 0.8)
+                    except sj.TraceContextError as err:
+                        self.assertIn("'rl_h'", str(err))
+                        self.assertEqual(float(h.value), 1.0)
+
     def test_a_body_cached_over_a_concrete_value_is_not_reused_after_a_write(self):
         """A module-level jitted function that closed over a State's concrete
         value in the first, aborted trace is not reused after a nested write."""
