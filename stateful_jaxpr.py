@@ -547,6 +547,12 @@ def _bind(eqn, values) -> list:
     return outs if eqn.primitive.multiple_results else [outs]
 
 
+def _type_mesh(aval):
+    """The mesh in ``aval``'s type (0.5 ..), else None: jax.jit traces anew for a new one."""
+    mesh = getattr(getattr(aval, 'sharding', None), 'mesh', None)
+    return None if mesh is None or mesh.empty else mesh
+
+
 def _explicit(sharding) -> bool:
     """Whether ``sharding``'s mesh has explicit axes: a sharding in a value's type (0.5 ..)."""
     return _AXIS_EXPLICIT in getattr(getattr(sharding, 'mesh', None), 'axis_types', ())
@@ -690,11 +696,12 @@ def _leaf_sig(x) -> tuple:
 
 
 def _aval_sig(aval) -> tuple:
-    """``(shape, dtype, weak_type, spec)``, the unit of every cache key: equal for an array and a
-    tracer of its type, which avals (carrying sharding) may not be; ``spec``: the partitioning
-    over explicit mesh axes, part of the type, else None."""
+    """``(shape, dtype, weak_type, spec, mesh)``, the unit of every cache key: equal for an array
+    and a tracer of its type, which avals (carrying sharding) may not be; ``spec``: the
+    partitioning over explicit mesh axes, else None; ``mesh``: its mesh; both part of the type."""
     sharding = getattr(aval, 'sharding', None)
-    return aval.shape, aval.dtype, aval.weak_type, sharding.spec if _explicit(sharding) else None
+    return (aval.shape, aval.dtype, aval.weak_type,
+            sharding.spec if _explicit(sharding) else None, _type_mesh(aval))
 
 
 def _value_sig(value) -> tuple:
@@ -703,15 +710,15 @@ def _value_sig(value) -> tuple:
     return treedef, tuple(map(_leaf_sig, leaves))
 
 
-def _stale_sig(value, sig, weak_type: bool = False):
-    """``value``'s signature where it is not ``sig``, else None; a weak type counts only with
-    ``weak_type`` (reusing a trace: it changes promotion there, as an argument's does)."""
+def _stale_sig(value, sig, exact: bool = False):
+    """``value``'s signature where it is not ``sig``, else None; a weak type or a mesh counts only
+    when ``exact`` (reusing a trace: code there may see either, as in an argument's)."""
     try:
         got = _value_sig(value)
     except TypeError:
         return 'not a pytree of arrays'
-    same = got == sig or (not weak_type and got[0] == sig[0]
-                          and all(a[:2] + a[3:] == b[:2] + b[3:]
+    same = got == sig or (not exact and got[0] == sig[0]
+                          and all(a[:2] + a[3:4] == b[:2] + b[3:4]
                                   for a, b in zip(got[1], sig[1], strict=True)))
     return None if same else got
 
@@ -1944,10 +1951,11 @@ class _StaticArg:
 
 
 # -- A key in words -------------------------------------------------------------
-def _sig_text(shape, dtype, weak_type: bool, spec=None) -> str:
-    """``float32[3,4]`` (``weak`` appended for a weakly typed value, then an explicit spec)."""
+def _sig_text(shape, dtype, weak_type: bool, spec=None, mesh=None) -> str:
+    """``float32[3,4]``, then ``weak`` for a weakly typed value, an explicit spec, the mesh."""
+    axes = '' if mesh is None else ' on mesh ' + ','.join(f'{a}={n}' for a, n in mesh.shape.items())
     return (f'{dtype}[{",".join(map(str, shape))}]' + (' weak' if weak_type else '')
-            + ('' if spec is None else f' {spec}'))
+            + ('' if spec is None else f' {spec}') + axes)
 
 
 def _value_text(sig) -> str:
@@ -3249,16 +3257,17 @@ class StatefulFunction:
         return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
     def _cached(self, key, read, plan=None):
-        """The entry under ``key`` (for ``plan``) if traced for the shapes ``read(state)`` gives;
-        one keeping a custom rule serves only our dispatcher's jit (``plan``): its rule's lazily
-        traced jaxprs close over what the first trace saw, States too."""
-        entry = self._cache._peek(key)
-        if entry is None or (plan is not None and entry.plan is not plan) or (
-                entry.traced.rules and plan is None and _under_jax_trace()):
-            return None
-        fresh = all(_stale_sig(read(state), sig, True) is None
-                    for state, sig in zip(entry.plan.states, entry.traced.state_sigs, strict=True))
-        return entry if fresh else None
+        """The entry under ``key`` (for ``plan``) traced for the types ``read(state)`` gives, among
+        the last few traced for it (a State may move between meshes and back); one keeping a
+        custom rule serves only our dispatcher's jit (``plan``): its rule's lazily traced jaxprs
+        close over what the first trace saw, States too."""
+        for entry in self._cache._peek(key, ()):
+            if (plan is None or entry.plan is plan) and not (
+                    entry.traced.rules and plan is None and _under_jax_trace()) and all(
+                    _stale_sig(read(state), sig, True) is None for state, sig in zip(
+                        entry.plan.states, entry.traced.state_sigs, strict=True)):
+                return entry
+        return None
 
     def _entry_for(self, key, leaves, split, *, count: bool, read=_real_value):
         """The valid entry for ``key``, tracing (once per key, under its lock) when needed."""
@@ -3269,18 +3278,18 @@ class StatefulFunction:
             with lock:
                 entry = hit = self._cached(key, read)
                 if entry is None:
-                    stale, entry = self._cache._peek(key), self._build_entry(key, leaves, split)
-                    self._note_miss(key, stale, entry)
+                    held, entry = self._cache._peek(key, ()), self._build_entry(key, leaves, split)
+                    self._note_miss(key, held[:1], entry)
                     # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
                     if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
-                        self._cache._store(key, entry)
+                        self._cache._store(key, (entry, *held[:3]))
         if count:
             self._cache._record(hit is not None)
         return entry
 
     def _note_miss(self, key, stale, entry) -> None:
-        """Counts why it traced for ``key`` (``stale``: the entry it replaces), logs if asked."""
-        cached = [(key, stale)] if stale is not None else self._cache._items()
+        """Counts why it traced for ``key`` (``stale``: the entries it has), logs if asked."""
+        cached = [(key, stale)] if stale else self._cache._items()
         first, near = not self._miss_causes, None
         if first:
             found = [('first trace', '')]
@@ -3288,7 +3297,7 @@ class StatefulFunction:
             labels = _arg_labels(key)
             near, old, found = min([(k, old, _key_differences(k, key, labels))
                                     for k, old in reversed(cached)], key=lambda c: len(c[2]))
-            found = found + _state_differences(old.traced, entry.traced)
+            found = found + _state_differences(old[0].traced, entry.traced)
         else:
             found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
                                          f'cacheable; cache_size={self._cache.maxsize})')]
@@ -3303,7 +3312,7 @@ class StatefulFunction:
             '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
             _public_class(self), self.name, _key_summary(key),
             'none' if near is None else f'({_key_summary(near)})',
-            ' (the same arguments; its States changed)' if stale is not None else '', lines)
+            ' (the same arguments; its States changed)' if stale else '', lines)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
         """Traces ``fun`` for these arguments into an entry whose ``apply`` runs the jaxpr."""
@@ -3493,8 +3502,9 @@ class StatefulFunction:
         return dict(self._miss_causes)
 
     # -- brainstate 0.2.1's accessors (its names, signatures, return types): what entries describe.
-    def _described_by_key(self, key, context: str) -> _Traced:
-        return self._cache.get(key, raise_on_miss=True, error_context=context).described()
+    def _described_by_key(self, key, context: str) -> _Traced:   # for the States as they are
+        held = self._cache.get(key, raise_on_miss=True, error_context=context)
+        return (self._cached(key, _real_value) or held[0]).described()
 
     def _described_for(self, args, kwargs, compile_if_miss: bool, context: str) -> _Traced:
         return (self._lookup(args, kwargs)[1].described() if compile_if_miss
@@ -3671,10 +3681,10 @@ class StatefulFunction:
 
     def __str__(self):
         keys = self._cache.keys()
-        if (entry := self._cache._peek(keys[-1]) if keys else None) is None:
+        if not (entries := self._cache._peek(keys[-1]) if keys else None):
             return f'{self!r}, not traced yet'
         return (f'{self!r}, last traced for ({_key_summary(keys[-1])}):\n'
-                + _pretty(entry.described(), keys[-1]))
+                + _pretty(entries[0].described(), keys[-1]))
 
     def __repr__(self):
         return f'{_public_class(self)}({self.name!r}, entries={len(self._cache)})'

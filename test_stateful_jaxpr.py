@@ -874,8 +874,9 @@ class HelpersTest(unittest.TestCase):
                 sj._aval_of(not_jax)
 
     def test_leaf_sig(self):
-        self.assertEqual(sj._leaf_sig(jnp.ones(2, jnp.float32)), ((2,), jnp.float32, False, None))
-        self.assertEqual(sj._leaf_sig(1.0), ((), jnp.float32, True, None))
+        self.assertEqual(sj._leaf_sig(jnp.ones(2, jnp.float32)),
+                         ((2,), jnp.float32, False, None, None))
+        self.assertEqual(sj._leaf_sig(1.0), ((), jnp.float32, True, None, None))
         self.assertNotEqual(sj._leaf_sig(jnp.ones(2, jnp.int32)), sj._leaf_sig(jnp.ones(2)))
         seen = []
 
@@ -10257,6 +10258,45 @@ class ShardingTest(unittest.TestCase):
                 self.assertEqual(out.sharding.spec, jf(x).sharding.spec)
         self.assertEqual(len(seen), 3)
 
+    def test_a_new_mesh_is_part_of_the_trace_key(self):
+        # A value's mesh is part of its type, which code may read while tracing: a State or an
+        # argument moved onto another mesh retraces, as jax.jit does, and the State keeps the
+        # layout it was given (a trace for the old mesh made JAX 0.7.2 return a GSPMDSharding).
+        one, two = _mesh((8,), ('x',)), _mesh((4, 2), ('x', 'y'))
+        if sj._type_mesh(sj._aval_of(_put_sharded(jnp.zeros(8), one, self.P('x')))) is None:
+            self.skipTest(f'JAX {jax.__version__} keeps no mesh in a value\'s type')
+        base, seen = jnp.arange(64.0).reshape(8, 8), []
+        s = State(_put_sharded(base, one, self.P('x')), name='moved')
+
+        def f(x):
+            seen.append((dict(jax.typeof(s.value).sharding.mesh.shape),
+                         dict(jax.typeof(x).sharding.mesh.shape)))
+            s.value = (s.value.T @ x).T
+            return x.sum()
+        sf, x = StatefulFunction(f, explain_cache_misses=True), jnp.eye(8) * 2
+        sf(x)
+        new = _put_sharded(base, two, self.P('y', 'x'))
+        s.value = new
+        with self.assertLogs('stateful_jaxpr', 'WARNING') as logs:
+            sf(x)
+        self.assertIn('on mesh x=8 -> float32[8,8] on mesh x=4,y=2', logs.output[0])
+        self.assertEqual(seen, [({'x': 8}, {}), ({'x': 4, 'y': 2}, {})])
+        self.assertIsInstance(s.value.sharding, jax.sharding.NamedSharding)
+        self.assertEqual(s.value.sharding, new.sharding)
+        np.testing.assert_allclose(_host(s.value), np.asarray(base) * 2)
+        sf(_put_sharded(x, two, self.P('x', 'y')))   # an argument on a new mesh: traced anew
+        self.assertEqual(seen[-1], ({'x': 4, 'y': 2}, {'x': 4, 'y': 2}))
+        self.assertEqual(len(seen), 3)
+        sf(_put_sharded(x, two, self.P('y', 'x')))   # a new layout on the same mesh: no trace
+        self.assertEqual(len(seen), 3)
+        for mesh, spec in ((one, self.P('x')), (two, self.P('y', 'x'))) * 2:   # moved back
+            s.value = back = _put_sharded(base, mesh, spec)
+            sf(x)
+            self.assertEqual(s.value.sharding, back.sharding)
+            new_vals, _ = sf.jaxpr_call([jnp.asarray(base)], x)   # a value on no mesh
+            np.testing.assert_allclose(new_vals[0], np.asarray(base) * 2)
+        self.assertEqual(len(seen), 4)   # the value on no mesh traced once, the rest kept
+
     def test_unsharded_states_get_no_constraint(self):
         s = State(jnp.zeros(4), name='single')
         sf = StatefulFunction(_filler(s))
@@ -12105,11 +12145,12 @@ class MappingFailureTest(unittest.TestCase):
 
         sm = sj.StatefulMapping(f, state_in_axes={0: lambda p, s: s is w},
                                 mapping_fn=jax.pmap)
+        sm(jnp.ones((8, 2)))   # puts w on pmap's mesh, a new type from JAX 0.10 (as jax.pmap)
         sm(jnp.ones((8, 2)))
         n = calls[0]
         sm(jnp.ones((8, 2)))
         self.assertEqual(calls[0], n)
-        np.testing.assert_allclose(w.value, 2 * np.ones((8, 2)))
+        np.testing.assert_allclose(w.value, 3 * np.ones((8, 2)))
 
 
 # -- collectives, random states under filters, batch sizes -----------------------
