@@ -458,7 +458,7 @@ _REFUSALS = {
     'checkpoint': r'partial-eval of `checkpoint`',  # a write in a differentiated checkpoint, .. 0.6
     # vmap of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under
     # differentiation, 0.4.38, also as a bare NotImplementedError
-    'effects': r'State effect not supported|Effects not supported.*Effect\('
+    'effects': r'^NotImplementedError: $|State effect not supported|Effects not supported.*Effect\('
                r'|does not have corresponding (jaxpr )?input|JaxprInputEffect.* is invalid',
     # a per-lane value into an unbatched Ref, 0.6 ..; under jax.jacfwd, in a jit body on 0.7,
     # anywhere on 0.8 .. as a vmap or swap shape error
@@ -470,7 +470,10 @@ _REFUSALS = {
     'jacrev': r"Batching rule for 'freeze' not implemented",   # vmap of a Ref made in jax.vjp, 0.7
     # a write in a body under nested reverse-mode differentiation, 0.8 .. 0.10
     'transpose': r"has no attribute '?accum|'ValAccum' object has no attribute",
-    'mapped': r"'AbstractRef' object has no attribute"}   # a Ref into a shard_map body, 0.9 ..
+    # a Ref into a shard_map body: with its checks on, .. 0.5 | any, 0.9 ..
+    'mapped': r"No replication rule for (get|swap)|'AbstractRef' object has no attribute",
+    # a per-device value into an outer Ref in shard_map: discharged, 0.7, 0.8 | written, 0.12 ..
+    'varying': r"^_RepError: |varying manual axes to match"}
 
 
 def _deleted_buffer(err: BaseException) -> bool:   # a call given a deleted array (all releases)
@@ -478,9 +481,8 @@ def _deleted_buffer(err: BaseException) -> bool:   # a call given a deleted arra
 
 
 def _refusal(err: BaseException):
-    if isinstance(err, NotImplementedError) and not str(err):
-        return 'effects'
-    return next((kind for kind, text in _REFUSALS.items() if re.search(text, str(err), re.S)), None)
+    said = f'{type(err).__name__}: {err}'
+    return next((kind for kind, text in _REFUSALS.items() if re.search(text, said, re.S)), None)
 
 
 def _unbound_axis(err: BaseException) -> bool:
@@ -2392,6 +2394,9 @@ _CANNOT = {
     'mapped': 'is written inside a shard_map or pmap body, or read there while a loop, cond or '
               'jit body writes it, which JAX {jax} cannot carry into it ({err}).  Return the value '
               'from the body and assign it outside, or read it into a local variable before it',
+    'varying': 'is written inside a shard_map body with a value that differs between devices '
+               '(varies over mesh axes), which one State cannot hold.  Return it from the body '
+               'through out_specs and assign it outside (reduced first, e.g. jax.lax.psum)',
     'thread': 'is written inside a nested transformation that JAX {jax} cannot thread state out '
               'of ({err}): return the value and assign it outside',
     'refs': 'is written inside a nested JAX transformation; ' + _NO_REFS + '.  Return the value '
@@ -2527,6 +2532,8 @@ class _RefCell:
         except Exception as err:
             if self.improvised:   # (a trace that is redone anyway: abort it, leaving no body)
                 raise _Redo from err
+            if _refusal(err) == 'varying':
+                raise _cannot('varying', self.state._describe()) from err
             raise TraceContextError(
                 f'{self.state._describe()} cannot be written inside this nested JAX transformation '
                 f'({type(err).__name__}: {err}).  A value varying across jax.vmap lanes cannot go '
@@ -2618,8 +2625,11 @@ def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
         raise _cannot('tangent', ', '.join(c.state._describe() for c in cells if c.staged))
     try:
         pure = _discharge(closed)
-    except NotImplementedError as err:
-        raise _cannot('thread', described, err) from err
+    except Exception as err:
+        if (kind := 'thread' if isinstance(err, NotImplementedError) else _refusal(err)) not in (
+                'thread', 'varying'):
+            raise
+        raise _cannot(kind, described, err) from err
     jaxpr = _picked(_forward_unchanged(pure).jaxpr, picks, closed.jaxpr)
     every = [*(v.aval for v in closed.jaxpr.outvars), *(a.update(weak_type=w) for c in cells
                                                          for a, w in zip(c.avals, c.weak))]

@@ -10297,6 +10297,33 @@ class ShardingTest(unittest.TestCase):
             np.testing.assert_allclose(new_vals[0], np.asarray(base) * 2)
         self.assertEqual(len(seen), 4)   # the value on no mesh traced once, the rest kept
 
+    def test_a_value_differing_between_shard_map_devices_is_refused_by_name(self):
+        # One State holds one value: a per-device value written in a shard_map body (JAX's
+        # checks on) is refused naming the State, which is left as it was; reduced over the
+        # mesh first, it gives the plain program's value where JAX takes Refs in (0.7, 0.8).
+        mesh, acc = _mesh((4,), ('d',)), State(jnp.zeros(2), name='per_device')
+        smap = getattr(jax, 'shard_map', None) or __import__(
+            'jax.experimental.shard_map', fromlist=['shard_map']).shard_map
+
+        def f(x, reduced):
+            def body(xb):
+                acc.value = acc.value + (lax.psum(xb.sum(), 'd') if reduced else xb.sum())
+                return xb * 2
+            return smap(body, mesh=mesh, in_specs=self.P('d'), out_specs=self.P('d'))(x)
+        x = jnp.arange(8.0)
+        with self.assertRaisesRegex(sj.TraceContextError, "'per_device' .*(differs between devices"
+                                    "|inside a shard_map or pmap body|cannot thread state out)"):
+            StatefulFunction(f, static_argnums=1)(x, False)
+        np.testing.assert_array_equal(acc.value, np.zeros(2))
+        try:
+            out = StatefulFunction(f, static_argnums=1)(x, True)
+        except sj.TraceContextError as err:   # (JAX 0.9 and newer take no Ref into the body)
+            self.assertIn("'per_device'", str(err))
+            np.testing.assert_array_equal(acc.value, np.zeros(2))
+        else:
+            np.testing.assert_allclose(_host(out), np.arange(8.0) * 2)
+            np.testing.assert_allclose(_host(acc.value), np.full(2, 28.0))
+
     def test_unsharded_states_get_no_constraint(self):
         s = State(jnp.zeros(4), name='single')
         sf = StatefulFunction(_filler(s))
