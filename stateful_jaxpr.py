@@ -796,8 +796,9 @@ def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None
            or trace in traces for leaf in _leaves(value)):
         return
     if slot != '_value':
-        fix = ('call restore_key() before the traced function returns, or backup_key() '
-               'outside it' if slot == '_backup' else 'give it a concrete value')
+        fix = ('call restore_key() inside the traced function that backed it up (a nested '
+               'StatefulFunction or checkpoint one too), or backup_key() outside that function'
+               if slot == '_backup' else 'give it a concrete value')
         problem = f'would keep a tracer in its {slot[1:]} after the trace that made it; {fix}'
     elif traces:
         problem = ('was assigned a traced value in a JAX transformation (lax.scan, lax.cond, an '
@@ -1371,9 +1372,11 @@ class StateTraceStack:
 
     def _commit(self):
         """Hands the side slots written inside on (tracers of States made inside are dropped)."""
+        self._hand_on([e for e in self._side.values()
+                       if not (e[0]._owner is self and _contains_tracer(e[2]))])
+
+    def _hand_on(self, entries) -> None:
         traces = tuple(f._jax_trace for f in _ctx.frames)
-        entries = [e for e in self._side.values()
-                   if not (e[0]._owner is self and _contains_tracer(e[2]))]
         for state, slot, value in entries:
             _check_tracers_may_enter(state, value, traces, slot)
         for entry in entries:
@@ -2152,6 +2155,9 @@ class _TraceFrame(StateTraceStack):
         self.result: dict = {}                  # what finish() found out
         retracer.bind()
 
+    def _hand_on(self, entries) -> None:   # by _trace_stateful, once no run follows this one
+        self.side = entries
+
     def _lift(self, state, current):
         """New jaxpr inputs for ``state``: Refs, in a _RefCell, if known to be written so."""
         if type(current) is _RefCell:    # an enclosing trace holds it as Refs
@@ -2812,7 +2818,9 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 jaxpr, consts, out_avals = _discharge_cells(
                     _rebuild(jaxpr, consts), cells, frames[-1].picks)
                 frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
-            return frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
+            traced = frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
+            StateTraceStack._hand_on(frames[-1], frames[-1].side)
+            return traced
 
 
 def _abstracted_tracer(abstracted_axes, split):

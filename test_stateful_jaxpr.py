@@ -1489,6 +1489,25 @@ class StateRobustnessTest(_ErrorsCase):
         self.assertIsNone(rng._backup)
         self.assertFalse(_tracer_in(rng))
 
+    def test_a_backup_restored_in_a_nested_function_that_traces_twice(self):
+        # The nested function closes over the outer trace's backup, so its trace runs again:
+        # only the run that stands hands its side slots on (once, not "without a backup").
+        for wrap in (StatefulFunction, sj.checkpoint):
+            with self.subTest(wrap.__name__):
+                rng = RandomState(5, name='rb_nested')
+                inner = wrap(lambda w: (rng.restore_key(), w * jax.random.normal(
+                    rng.split_key(), (3,)))[1].sum())
+
+                def f(w):
+                    rng.split_key(backup=True)
+                    return inner(w)
+                want = jax.random.split(jax.random.split(jax.random.PRNGKey(5))[0])
+                for run in (f, jax.value_and_grad(f)):
+                    rng.value = jax.random.PRNGKey(5)
+                    StatefulFunction(run)(0.5)
+                    np.testing.assert_array_equal(rng.value, want[0])
+                    self.assertIsNone(rng._backup)
+
     def test_backup_left_in_a_finished_trace_is_an_error(self):
         rng = RandomState(0, name='rb_pending')
 
