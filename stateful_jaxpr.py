@@ -198,13 +198,16 @@ def _staged_eqns(trace) -> list:
 
 
 def _map_eqns(jaxpr, fun):
-    """``jaxpr`` (open or closed) with ``fun`` mapped over its equations, nested ones included."""
+    """``jaxpr`` (open or closed) with ``fun`` mapped over its equations, nested ones included;
+    arg names JAX's discharge dropped filled in (0.7's while JVP adds to a condition's)."""
     inner = getattr(jaxpr, 'jaxpr', jaxpr)
+    info = getattr(inner, 'debug_info', None)
     nest = lambda v: (type(v)(map(nest, v)) if type(v) in (tuple, list) else   # noqa: E731
                       _map_eqns(v, fun) if isinstance(v, (ClosedJaxpr, Jaxpr)) else v)
     eqns = [new if (new := fun(e)) is not e or not _nested_jaxprs(e.params)
             else e.replace(params={k: nest(v) for k, v in e.params.items()}) for e in inner.eqns]
-    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns)
+    return _rebuild(inner, getattr(jaxpr, 'consts', None), eqns=eqns, debug_info=info and (
+        info._replace(arg_names=('',) * len(inner.invars)) if info.arg_names is None else info))
 
 
 # JAX's discharge inlines a custom_jvp / custom_vjp call in a body it discharges, dropping its

@@ -3519,20 +3519,24 @@ class BackpropThroughTimeTest(unittest.TestCase):
         np.testing.assert_allclose([looped.value, other.value], want[1:], rtol=1e-5)
 
     def test_reverse_mode_through_a_while_loop_is_refused_naming_the_state(self):
+        # Also in a function traced apart (checkpoint, a nested StatefulFunction), whose
+        # discharged loop JAX 0.7 could not differentiate even in forward mode.
         h = State(jnp.zeros(3), name='bptt_while')
 
-        def loss(w):
+        def plain(w):
             lax.while_loop(lambda i: i < 3, lambda i: (setattr(
                 h, 'value', jnp.tanh(w * h.value + 1.0)), i + 1)[1], 0)
             return h.value.sum()
-        with self.assertRaisesRegex(TraceContextError, 'bptt_while.*(scan|fori_loop|carry)'):
-            StatefulFunction(jax.grad(loss))(0.5)
-        np.testing.assert_array_equal(h.value, jnp.zeros(3))
-        if _JAX_VERSION >= (0, 7):   # forward mode through the loop works
-            got = StatefulFunction(lambda w: jax.jvp(loss, (w,), (1.0,))[1])(0.5)
-            want = jax.jvp(lambda w: lax.fori_loop(0, 3, lambda i, hv: jnp.tanh(
-                w * hv + 1.0), jnp.zeros(3)).sum(), (0.5,), (1.0,))[1]
-            np.testing.assert_allclose(got, want, rtol=1e-6)
+        want = jax.jvp(lambda w: lax.fori_loop(0, 3, lambda i, hv: jnp.tanh(
+            w * hv + 1.0), jnp.zeros(3)).sum(), (0.5,), (1.0,))[1]
+        for loss in (plain, sj.checkpoint(plain), StatefulFunction(plain)):
+            h.value = jnp.zeros(3)
+            with self.assertRaisesRegex(TraceContextError, 'bptt_while.*(scan|fori_loop|carry)'):
+                StatefulFunction(jax.grad(loss))(0.5)
+            np.testing.assert_array_equal(h.value, jnp.zeros(3))
+            if _JAX_VERSION >= (0, 7):   # forward mode through the loop works
+                got = StatefulFunction(lambda w: jax.jvp(loss, (w,), (1.0,))[1])(0.5)
+                np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 class NestedDifferentiationTest(unittest.TestCase):
