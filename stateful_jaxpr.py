@@ -3143,6 +3143,10 @@ def _call(sf, *args, **kwargs):
         # and a static argument hashable only by value goes the slow path.
         # Anything else came from running the computation: never run it twice.
         sf._cache_key(args, kwargs)
+        for state in fast.states:   # (one assigned a value JAX cannot take since: named)
+            _reject_states(state._value, '', lambda err, path, leaf: TypeError(
+                f'{state._describe()} holds {leaf!r} at value{path}, which is not a JAX type; '
+                'assign it an array'))
         if sf._statics_by_value:
             return sf._call_slow(args, kwargs)
         raise

@@ -4037,6 +4037,18 @@ class NestedDtypeAndResultTest(unittest.TestCase):
                 self.assertIn('not a JAX type', str(cm.exception))
 
 
+    def test_a_state_given_a_non_jax_value_outside_a_trace_is_named_by_every_call(self):
+        # Assigning it is allowed (as in brainstate); the next call, warm or not, names it.
+        s = State(jnp.zeros(3), name='ndt_oops')
+        sf = StatefulFunction(lambda x: setattr(s, 'value', s.value + x))
+        sf(1.0)
+        s.value = 'oops'
+        for call in (sf, StatefulFunction(lambda x: s.value + x)):
+            with self.assertRaisesRegex(TypeError, "ndt_oops.*'oops'.*assign it an array"):
+                call(1.0)
+            self.assertEqual(s.value, 'oops')
+
+
 class FailureSafetyTest(unittest.TestCase):
 
     def _check(self, fun, *args, exc=_Boom, states=()):
