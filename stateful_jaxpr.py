@@ -3480,8 +3480,14 @@ class StatefulFunction:
             out = self.fun(*args, **kwargs) if entry is None else entry.run_writing(leaves)
             _reject_states(out, 'the function returned ')
             return out
-        if type(_innermost_overlay(_ctx.frames)) is _EagerCall:
-            return run()
+        if type(outer := _innermost_overlay(_ctx.frames)) is _EagerCall:
+            kept = dict(outer._values), dict(outer._side)
+            try:
+                return run()
+            except BaseException:   # (its writes undone, as a failed compiled call's are)
+                outer._values = {**dict(zip(map(id, outer.states), outer._originals)), **kept[0]}
+                outer._side = kept[1]
+                raise
 
         def lift(state):   # the door, at the first touch
             door.locks.extend(_hold(self, (state,), (_state_lock(state),), (state,)))

@@ -8090,6 +8090,34 @@ class PlainTransformTest(unittest.TestCase):
         self.assertEqual(len(calls), 1)
         self.assertFalse(issubclass(calls[0], jax.core.Tracer))
 
+    def test_disable_jit_a_failed_nested_call_leaves_the_states_as_compiled(self):
+        # A nested call that raises after writing (caught by the caller): its writes are
+        # undone, as a failed compiled call's are, also in a loop body.
+        a, b = State(jnp.zeros(()), name='pt_fa'), State(jnp.zeros(()), name='pt_fb')
+
+        def inner(x):
+            a.value, b.value = a.value + x, jnp.ones(3)   # b: a new shape too
+            rng.split_key(backup=True)
+            raise _Boom('after writing')
+        inner_sf, rng = StatefulFunction(inner), RandomState(0, name='pt_frng')
+
+        def caught(x):
+            with contextlib.suppress(_Boom):
+                inner_sf(x)
+            return a.value
+
+        def outer(x):
+            a.value = a.value + 1.0
+            return caught(x) + lax.scan(lambda c, _: (c + caught(x), None), 0.0, None, 2)[0]
+        got = []
+        for eager in (False, True):
+            a.value, b.value, rng.value = jnp.zeros(()), jnp.zeros(()), jax.random.PRNGKey(0)
+            with jax.disable_jit() if eager else contextlib.nullcontext():
+                got.append((float(StatefulFunction(outer)(10.0)), float(a.value), b.value.shape,
+                            np.asarray(rng.value).tolist(), rng._backup))
+        self.assertEqual(got[1], got[0])
+        self.assertEqual(got[0][:3], (3.0, 1.0, ()))
+
     def test_disable_jit_refuses_a_write_inside_a_transformation_of_the_body(self):
         h = State(jnp.zeros(3), name='pt_h')
 
