@@ -846,6 +846,9 @@ class _Door:
             lock.release()
 
 
+_waiting, _waiting_lock = {}, threading.Lock()   # thread -> the lock it waits for, those it holds
+
+
 def _hold(who, states, locks, writes) -> tuple:
     """Takes ``locks`` (those of ``states`` sorted by id) all or none for the door calling it,
     waiting with none held; returns those taken.  One this thread holds is skipped: a callback
@@ -859,19 +862,41 @@ def _hold(who, states, locks, writes) -> tuple:
             return locks
         for taken in locks[:k]:
             taken.release()
-        if mine is not None:
+        if mine is None:
+            mine = {lock: door.who for door in _ctx.doors for lock in door.locks}
+            of = dict(zip(locks, sorted(states, key=id), strict=True))
+            for lock, state in of.items():
+                if mine.get(lock) is not None and state in writes:
+                    raise RuntimeError(
+                        f'{"an assignment or key draw" if who is None else _who(who)} would '
+                        f'change {state._describe()} in a host callback of the running call of '
+                        f'{_who(mine[lock])}, which holds it: its write-back would lose the '
+                        'change (or hand a key out twice).  Return the value from the callback '
+                        'instead')
+            locks = tuple(lock for lock in locks if lock not in mine)
+            continue
+        me = threading.get_ident()
+        with _waiting_lock:   # waiting with locks held (a callback): never in a ring of such waits
+            wanted, ring = lock, set()
+            while mine and wanted not in mine:
+                holder = next((t for t, (_, held) in _waiting.items() if wanted in held), None)
+                if holder is None or holder in ring:
+                    break
+                ring.add(holder)
+                wanted = _waiting[holder][0]
+            if mine and wanted in mine:
+                raise RuntimeError(
+                    f'{"an assignment or key draw" if who is None else _who(who)} in a host '
+                    f'callback would wait for {of[lock]._describe()}, which another call holds '
+                    'while its own callback waits for one this call holds.  Return the value '
+                    'from the callback and assign it after the call')
+            if mine:
+                _waiting[me] = lock, set(mine)
+        try:
             lock.acquire()
             lock.release()
-            continue
-        mine = {lock: door.who for door in _ctx.doors for lock in door.locks}
-        for state, lock in zip(sorted(states, key=id), locks, strict=True):
-            if mine.get(lock) is not None and state in writes:
-                raise RuntimeError(
-                    f'{"an assignment or key draw" if who is None else _who(who)} would change '
-                    f'{state._describe()} in a host callback of the running call of '
-                    f'{_who(mine[lock])}, which holds it: its write-back would lose the change '
-                    '(or hand a key out twice).  Return the value from the callback instead')
-        locks = tuple(lock for lock in locks if lock not in mine)
+        finally:
+            _waiting.pop(me, None)
 
 
 def _atomic(step):

@@ -9853,6 +9853,36 @@ class CallAtomicityTest(unittest.TestCase):
         self.assertFalse(errors, _format_thread_errors(errors))
         self.assertEqual((float(model.value), float(metric.value)), (202.0, 202.0))
 
+    def test_two_callbacks_waiting_for_each_others_call_raise_instead_of_deadlocking(self):
+        # f holds `a` and its callback assigns `b`; g holds `b` and its callback assigns `a`:
+        # a ring of waits no thread could leave, plain JAX having no locks to wait on.  The
+        # later waiter raises, naming the State; its call fails, and the other one completes.
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
+        a, b = State(jnp.zeros(()), name='ring_a'), State(jnp.zeros(()), name='ring_b')
+        both_in, armed = threading.Barrier(2, timeout=30), [False]
+
+        def make(mine, other):
+            def callback(x):
+                if armed[0]:
+                    both_in.wait()   # both calls hold their State now
+                    other.value = other.value + 1.0
+                return np.asarray(x, np.float32)
+
+            def f(x):
+                mine.value = mine.value + jax.pure_callback(
+                    callback, jax.ShapeDtypeStruct((), jnp.float32), x)
+                return x
+            return StatefulFunction(f)
+        calls = [make(a, b), make(b, a)]
+        for call in calls:
+            call(1.0)
+        armed[0] = True
+        errors = _run_threads([lambda i: jax.block_until_ready((calls[i](1.0), a.value,
+                                                                 b.value))] * 2, join_timeout=60)
+        self.assertEqual(len(errors), 1, _format_thread_errors(errors))
+        self.assertRegex(str(errors[0][1]), r"(?s)host callback would wait for State 'ring_")
+        self.assertEqual([float(a.value), float(b.value)], [2.0, 2.0])   # one call, its callback
+
     # -- tracing and compiling hold no lock ------------------------------------------
     def test_a_retrace_for_new_argument_shapes_holds_no_lock(self):
         shared = State(jnp.zeros(()), name='shared_total')
