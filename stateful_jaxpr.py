@@ -808,6 +808,10 @@ def _check_tracers_may_enter(state, value, traces, slot: str = '_value') -> None
                    'inner jax.jit, jax.grad ...) nested in the stateful function that created it: '
                    'no enclosing trace can thread it out.  Create the State outside the function, '
                    'or return the value from the transformation and assign it outside')
+    elif type(_innermost_overlay(_ctx.frames)) is _EagerCall:
+        problem = ('was assigned a traced value in a JAX transformation (jax.grad, jax.vmap ...) '
+                   'in a stateful function run eagerly under jax.disable_jit(), which it would '
+                   'outlive: call the function compiled, or return the value and assign it outside')
     else:
         problem = ('was assigned a JAX tracer outside any stateful trace (e.g. in a plain '
                    'jax.jit, jax.grad or jax.vmap), which it would outlive.  Wrap the outer '
@@ -3517,24 +3521,19 @@ class StatefulFunction:
         def lift(state):   # the door, at the first touch
             door.locks.extend(_hold(self, (state,), (_state_lock(state),), (state,)))
             return state._value
-        try:
-            with _Door(self, []) as door:
-                with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
-                    try:
-                        out, values = run(), frame._values
-                    except RuntimeError as err:
-                        _name_deleted(err, frame.states)
-                        raise
-                written = [s for s, w in zip(frame.states, frame.been_writen, strict=True) if w]
-                for state in written:
-                    _refuse_non_jax(state, values[id(state)], self.name)
-                new = [_kept_layout(self, state, values[id(state)]) for state in written]
-                for state, value in zip(written, new):   # (held by this call; all or none stored)
-                    _store.__wrapped__(state, value)
-        except TraceContextError as err:   # e.g. a write inside jax.grad in the body
-            err.add_note(f'{_who(self)} ran eagerly under jax.disable_jit(): a State written '
-                         'inside a JAX transformation in it needs a compiled call')
-            raise
+        with _Door(self, []) as door:
+            with _EagerCall.one_at_a_time, _EagerCall(lift, self.name) as frame:
+                try:
+                    out, values = run(), frame._values
+                except RuntimeError as err:
+                    _name_deleted(err, frame.states)
+                    raise
+            written = [s for s, w in zip(frame.states, frame.been_writen, strict=True) if w]
+            for state in written:
+                _refuse_non_jax(state, values[id(state)], self.name)
+            new = [_kept_layout(self, state, values[id(state)]) for state in written]
+            for state, value in zip(written, new):   # (held by this call; all or none stored)
+                _store.__wrapped__(state, value)
         return out
 
     def _call_in_trace(self, args, kwargs, wrap=None):

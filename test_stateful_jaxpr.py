@@ -8130,8 +8130,7 @@ class PlainTransformTest(unittest.TestCase):
         snapshot = _snapshot([h])
         with jax.disable_jit(), self.assertRaises(TraceContextError) as cm:
             sf(jnp.ones(3))
-        self.assertIn("'pt_h'", str(cm.exception))
-        self.assertIn('jax.disable_jit()', ' '.join(getattr(cm.exception, '__notes__', [])))
+        self.assertRegex(str(cm.exception), "'pt_h'.*run eagerly under jax.disable_jit")
         _assert_unchanged(self, [h], snapshot)
 
     def test_disable_jit_mapping_and_jaxpr_call(self):
