@@ -4078,10 +4078,15 @@ class StatefulMapping(StatefulFunction):
         if self.axis_size is not None:
             sizes.append(('axis_size', self.axis_size))
         _check_sizes(self, sizes)
-        traced, state_axes, found = self._discover(lane_avals, split, sizes,
-                                                   sizes[0][1] if sizes else 1)
-        if self.axis_name is not None and found and not sizes and found[0][1] != 1:
-            # Collectives saw a guessed axis size: trace again with the real one.
+        guess, found = not sizes and self.axis_name is not None, list(sizes)
+        try:
+            traced, state_axes, found = self._discover(lane_avals, split, found,
+                                                       sizes[0][1] if sizes else 1)
+        except Exception:   # (maybe code shaped by the guessed axis size: see below)
+            if not (guess and found and found[0][1] != 1):
+                raise
+        if guess and found and found[0][1] != 1:
+            # Collectives saw a guessed axis size: trace again with a batched State's.
             traced, state_axes, found = self._discover(lane_avals, split, [], found[0][1])
         if not found:
             raise ValueError(f'{_who(self)}: nothing is batched (no in_axes entry, no state in '
@@ -4145,8 +4150,9 @@ class StatefulMapping(StatefulFunction):
         return out_axes
 
     def _discover(self, lane_avals, split, sizes, size):
-        """Traces one lane: its trace, each state's axis (0 for a RandomState), all sizes seen."""
-        state_axes, sizes = {}, list(sizes)
+        """Traces one lane: its trace, each state's axis (0 for a RandomState), all sizes seen
+        (appended to ``sizes`` as seen)."""
+        state_axes = {}
 
         def lift_aval(state, aval):
             """A leaf of ``state`` as one lane sees it; the state's first leaf fixes its axis."""

@@ -11853,6 +11853,22 @@ class MappingArgsTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             sj.StatefulMapping(lambda: c.value * 2)()
 
+    def test_batched_by_a_state_alone_with_code_shaped_by_the_axis_size(self):
+        # Only a State gives the batch size: the lane's code may depend on it (all_gather
+        # into a matrix product), which a first trace at a guessed size would break.
+        v = sj.HiddenState(jnp.arange(12.0).reshape(4, 3), name='v_gathered')
+        w = sj.ParamState(jnp.linspace(0.0, 1.0, 16).reshape(4, 4), name='w_coupling')
+
+        def step():
+            v.value = w.value[lax.axis_index('i')] @ lax.all_gather(v.value, 'i')
+            return v.value[0]
+        want = jax.vmap(lambda h, m: m[lax.axis_index('i')] @ lax.all_gather(h, 'i'),
+                        (0, None), axis_name='i')(v.value, w.value)
+        out = sj.StatefulMapping(step, in_axes=(), state_in_axes=sj.HiddenState,
+                                 axis_name='i')()
+        np.testing.assert_allclose(out, want[:, 0], rtol=1e-6)
+        np.testing.assert_allclose(v.value, want, rtol=1e-6)
+
     def test_inconsistent_batch_sizes_list_all(self):
         odd = sj.State(jnp.zeros((13, 2)), name='odd_sized_state')
         keep = sj.State(jnp.ones(3), name='keep')
