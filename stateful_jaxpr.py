@@ -1954,7 +1954,8 @@ def _explain_bad_leaves(sf, dyn_args, dyn_kwargs):
                                  'default integer dtype; pass an array of a wide enough dtype '
                                  '(int64 needs jax_enable_x64) or mark it static')
         return TypeError(f'{where} has type {type(leaf).__name__}, which is not a JAX type; mark '
-                         'it static (static_argnums / static_argnames) or pass an array')
+                         'it static (static_argnums / static_argnames; for grad: bind it with '
+                         'functools.partial) or pass an array')
     for what, tree in (('argument ', dyn_args), ('keyword argument ', dyn_kwargs)):
         _reject_states(tree, f'{_who(sf)}: {what}', refuse)
 
@@ -2395,9 +2396,9 @@ _CANNOT = {
                'it (JAX 0.7 and newer keep it).  Carry its value through the loop (lax.scan(body, '
                '(c, h.value), xs), body returning it) or return it from the jit, then assign it',
     'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds), or read '
-             'there after a write in the differentiated function, under reverse-mode '
-             'differentiation or jax.linearize, which JAX cannot differentiate: loop with '
-             'lax.scan or a fori_loop with static bounds',
+             'there carrying a derivative, under reverse-mode differentiation or jax.linearize, '
+             'which JAX cannot differentiate: loop with lax.scan or a fori_loop with static '
+             'bounds',
     'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
                  'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
                  'differentiated function, or carry its value through the body and assign it after',
@@ -4331,6 +4332,9 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
             and all(isinstance(p, str) for p in platforms)):
         raise TypeError("export: platforms= takes a platform name or a sequence of names "
                         f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
+    if 'states' in kwargs:
+        raise ValueError("export: the function's keyword argument 'states' would clash with the "
+                         "exported function's states= (the States' values); rename it")
     sf = fun if isinstance(fun, StatefulFunction) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
     traced = sf._entry_for(key, leaves, split, count=True).described()
@@ -4508,9 +4512,11 @@ def constant_fold_jaxpr(jaxpr):
     """Evaluates every equation whose inputs are all known and inlines the results.
 
     Takes a ``Jaxpr`` or ``ClosedJaxpr``; returns the same kind with the same interface (invars,
-    outvar avals, debug info), so the same numbers.  Never folded: equations without inputs,
-    random-number, control-flow, callback and other effectful primitives, and ones that would
-    only materialise a large constant.  Nested ``pjit``/``closed_call`` bodies are folded too.
+    outvar avals, debug info), so the same numbers (a ``Jaxpr`` carrying its consts, JAX 0.11
+    and newer, may come back carrying more: evaluate it with its own ``consts``).  Never folded:
+    equations without inputs, random-number, control-flow, callback and other effectful
+    primitives, and ones that would only materialise a large constant.  Nested ``pjit`` /
+    ``closed_call`` bodies are folded too.
 
     Example
     -------

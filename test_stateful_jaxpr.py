@@ -3534,6 +3534,12 @@ class BackpropThroughTimeTest(unittest.TestCase):
             with self.assertRaisesRegex(TraceContextError, 'bptt_while.*(scan|fori_loop|carry)'):
                 StatefulFunction(jax.grad(loss))(0.5)
             np.testing.assert_array_equal(h.value, jnp.zeros(3))
+        w = sj.ParamState(jnp.float32(0.5), name='bptt_while_w')   # only read, differentiated
+        read = lambda: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * w.value),  # noqa: E731
+                                      (0, 1.0))[1]
+        with self.assertRaisesRegex(TraceContextError, "'bptt_while_w'.*read there carrying a "
+                                    'derivative.*lax.scan'):
+            StatefulFunction(lambda: sj.grad(read, w)())()
             if _JAX_VERSION >= (0, 7):   # forward mode through the loop works
                 got = StatefulFunction(lambda w: jax.jvp(loss, (w,), (1.0,))[1])(0.5)
                 np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -11041,6 +11047,14 @@ class GradTest(_ErrorsCase):
                                                           else 'lambda', 'scalar'],
                            fix=['.sum()', 'jax.jacrev'])
 
+    def test_an_argument_that_is_not_a_jax_value_says_how_to_pass_it(self):
+        w = sj.ParamState(jnp.ones(2), name='gr_tagged')
+        f = lambda x, tag: (x * w.value).sum() * len(tag)   # noqa: E731
+        self.check(TypeError, lambda: sj.grad(f, w)(jnp.ones(2), 'abc'), [w],
+                   culprit=['argument [1]', 'str'], fix=['functools.partial'])
+        np.testing.assert_array_equal(sj.grad(functools.partial(f, tag='abc'), w)(jnp.ones(2)),
+                                      [3.0, 3.0])   # the way out works
+
     def test_the_value_is_the_functions_own_bit_for_bit(self):
         # Outside any trace grad runs op by op, as jax.grad does: the value it returns is what
         # calling the function eagerly returns, exactly (a compiled program may fuse the sum).
@@ -13263,6 +13277,8 @@ class ExportRobustnessTest(unittest.TestCase):
                 self.assertIn('platforms=', str(cm.exception))
                 self.assertIn(repr(bad), str(cm.exception))
                 np.testing.assert_array_equal(w.value, np.ones(2))
+        with self.assertRaisesRegex(ValueError, "keyword argument 'states'.*rename it"):
+            sj.export(lambda x, states: x * w.value + states, jnp.ones(2), states=jnp.ones(2))
 
     def test_jax_export_errors_name_the_function(self):
         w = State(jnp.ones(2), name='w')
