@@ -2396,9 +2396,10 @@ _CANNOT = {
                'it (JAX 0.7 and newer keep it).  Carry its value through the loop (lax.scan(body, '
                '(c, h.value), xs), body returning it) or return it from the jit, then assign it',
     'while': 'is written inside a lax.while_loop (or a fori_loop with traced bounds), or read '
-             'there carrying a derivative, under reverse-mode differentiation or jax.linearize, '
-             'which JAX cannot differentiate: loop with lax.scan or a fori_loop with static '
-             'bounds',
+             'there carrying a derivative (read there after a write in the differentiated '
+             'function, or differentiated itself), under reverse-mode differentiation or '
+             'jax.linearize, which JAX cannot differentiate: loop with lax.scan or a fori_loop '
+             'with static bounds',
     'transpose': 'is written inside a loop or jit body under nested reverse-mode differentiation, '
                  'which JAX {jax} fails to transpose (JAX 0.7 and 0.11 do not): write it in the '
                  'differentiated function, or carry its value through the body and assign it after',
@@ -4333,8 +4334,7 @@ def export(fun, *args, platforms: str | Sequence[str] | None = None, **kwargs) -
         raise TypeError("export: platforms= takes a platform name or a sequence of names "
                         f"(e.g. 'cpu' or ['cpu', 'cuda']), got {platforms!r}")
     if 'states' in kwargs:
-        raise ValueError("export: the function's keyword argument 'states' would clash with the "
-                         "exported function's states= (the States' values); rename it")
+        raise ValueError("export: rename the keyword argument 'states', which clashes with states=")
     sf = fun if isinstance(fun, StatefulFunction) else StatefulFunction(fun)
     key, leaves, split = sf._cache_key(args, kwargs)
     traced = sf._entry_for(key, leaves, split, count=True).described()
