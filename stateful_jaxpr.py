@@ -148,6 +148,12 @@ _api_boundary = _probe('jax._src.traceback_util:api_boundary') or (lambda fun: f
 # A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
 # for good; clearing the function's C++ cache lets it back, its traces and executables kept.
 _forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
+# Settings that change what a trace builds (dtypes, promotion, precision, keys), which jax.jit
+# keys its caches on too: a trace made under others is not reused (all releases).
+_TRACE_SETTINGS = ('jax_enable_x64', 'jax_numpy_dtype_promotion', 'jax_numpy_rank_promotion',
+                   'jax_default_matmul_precision', 'jax_default_prng_impl',
+                   'jax_threefry_partitionable', 'jax_softmax_custom_jvp')
+_settings = functools.partial(lambda: tuple(getattr(jax.config, n, None) for n in _TRACE_SETTINGS))
 
 
 def _rebuild(jaxpr, consts, **fields):
@@ -2100,7 +2106,8 @@ def _state_differences(old_traced, new_traced) -> list:
               for s in new_traced.states if id(s) not in old_ids]
     found += [('vanished state', f'no longer touched: {s._describe()}')
               for s in old_traced.states if id(s) not in new_ids]
-    return found
+    return found + [('jax setting', f'{n}: {a!r} -> {b!r}') for n, a, b in zip(
+        _TRACE_SETTINGS, old_traced.settings, new_traced.settings, strict=True) if a != b]
 
 
 # =============================================================================
@@ -2120,7 +2127,8 @@ def _state_differences(old_traced, new_traced) -> list:
 class _Traced:
     """Everything one trace produced; immutable once built."""
     __slots__ = ('closed_jaxpr', 'out_tree', 'out_avals', 'states', 'returned', 'state_tree',
-                 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out', 'rules')
+                 'full_tree', 'state_sigs', 'trace_stack', 'cacheable', 'n_out', 'rules',
+                 'settings')
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -2273,7 +2281,7 @@ class _TraceFrame(StateTraceStack):
                        trace_stack=StateTraceStack(name=self.name).merge(self),
                        state_sigs=tuple(self.sigs[id(s)] for s in self.states),
                        cacheable=not any(isinstance(c, Tracer) for c in closed.consts),
-                       rules=_has_custom_rules(closed.jaxpr), **self.result)
+                       rules=_has_custom_rules(closed.jaxpr), settings=_settings(), **self.result)
 
     def peel(self, value, alive=frozenset()):
         """``value`` with each tracer of a differentiation a State was written in directly that
@@ -3317,8 +3325,9 @@ class StatefulFunction:
         the last few traced for it (a State may move between meshes and back); one keeping a
         custom rule serves only our dispatcher's jit (``plan``): its rule's lazily traced jaxprs
         close over what the first trace saw, States too."""
+        settings = _settings()
         for entry in self._cache._peek(key, ()):
-            if (plan is None or entry.plan is plan) and not (
+            if (plan is None or entry.plan is plan) and entry.traced.settings == settings and not (
                     entry.traced.rules and plan is None and _under_jax_trace()) and all(
                     _stale_sig(read(state), sig, True) is None for state, sig in zip(
                         entry.plan.states, entry.traced.state_sigs, strict=True)):

@@ -7521,6 +7521,34 @@ class StateSignatureTest(unittest.TestCase):
                 self.assertEqual(out.dtype, jnp.bfloat16)
                 np.testing.assert_allclose(np.asarray(out, np.float32), np.full(3, 3.0))
 
+    def test_a_trace_made_under_other_jax_settings_is_not_reused(self):
+        # jax_enable_x64 and dtype promotion change what a trace builds, as jax.jit's own
+        # cache knows: a trace made under other settings is neither reused nor dropped.
+        s = State(jnp.zeros(3, jnp.int32), name='setting_s')
+
+        def f(x):
+            s.value = s.value + jnp.arange(3)
+            return x * jnp.ones(3, jnp.bfloat16)
+        sf, x = StatefulFunction(f, explain_cache_misses=True), jnp.float32(1.5)
+        self.assertEqual(sf(x).dtype, jnp.float32)
+        self.addCleanup(jax.config.update, 'jax_enable_x64', jax.config.jax_enable_x64)
+        jax.config.update('jax_enable_x64', True)
+        s.value = jnp.zeros(3, jnp.int32)
+        with self.assertLogs('stateful_jaxpr', 'WARNING') as logs:
+            for call in (lambda: sf(x), lambda: sf(x=x)):   # the warm path, the slow path
+                s.value = jnp.zeros(3, jnp.int32)
+                self.assertEqual(call().dtype, jnp.float32)
+                self.assertEqual(s.value.dtype, jnp.int64)   # as jax.jit of it gives
+        self.assertIn('jax_enable_x64: False -> True', logs.output[0])
+        jax.config.update('jax_enable_x64', False)
+        with jax.numpy_dtype_promotion('strict'), self.assertRaises(Exception) as cm:
+            sf(x)
+        self.assertEqual(type(cm.exception).__name__, 'TypePromotionError')
+        s.value = jnp.zeros(3, jnp.int32)
+        self.assertEqual(sf(x).dtype, jnp.float32)   # the first trace, kept
+        self.assertEqual(s.value.dtype, jnp.int32)
+        self.assertEqual(sf.get_miss_causes()['jax setting'], 1)   # (a failed trace: none)
+
     def test_weak_type_of_a_written_pytree_leaf(self):
         s = State({'a': 1.0, 'b': jnp.zeros(2)}, name='tree')
 
