@@ -1939,9 +1939,20 @@ def _static_positions(sf, nargs: int) -> tuple:
     return tuple(sorted({i % nargs for i in sf.static_argnums}))
 
 
+def _static_key(value):
+    """``(type, make_hashable(value), the types within)``: [1, [2]] and [1, (2,)], or [1] and
+    [True], trace apart (as jax.jit's 1 and 1.0 may)."""
+    def types(obj):
+        kids = (sorted((repr(k), types(v)) for k, v in obj.items()) if isinstance(obj, dict) else
+                map(types, obj) if isinstance(obj, (list, tuple, set, frozenset)) else None)
+        return type(obj) if kids is None else (type(obj), (frozenset if isinstance(
+            obj, (set, frozenset)) else tuple)(kids))
+    return type(value), make_hashable(value), types(value)
+
+
 def _hash_static(sf, where: str, value):
     _reject_states(value, f'{_who(sf)}: static {where}')
-    h = type(value), make_hashable(value)   # (as jax.jit's: 1 and 1.0 may trace apart)
+    h = _static_key(value)
     try:
         hash(h)
     except TypeError:
@@ -1985,7 +1996,7 @@ class _StaticArg:
     __slots__ = ('value', '_key')
 
     def __init__(self, value):
-        self.value, self._key = value, (type(value), make_hashable(value))
+        self.value, self._key = value, _static_key(value)
 
     def __hash__(self):
         return hash(self._key)
@@ -2047,7 +2058,7 @@ def _key_summary(key) -> str:
     """The call a cache key describes, in words: ``argument 0: float32[3], ...``."""
     sigs = key['dyn_args'][1] + key['dyn_kwargs'][1]
     items = [f'{name}: {_sig_text(*sig)}' for name, sig in zip(_arg_labels(key), sigs, strict=True)]
-    items += [f'{name}={value!r}' for name, (_, value) in _static_items(key)]
+    items += [f'{name}={value!r}' for name, (_, value, *_) in _static_items(key)]
     more = f', ... ({len(items) - 6} more)' if len(items) > 6 else ''
     return ', '.join(items[:6]) + more or 'no arguments'
 
@@ -2082,7 +2093,8 @@ def _key_differences(old, new, labels) -> list:
     """``(cause, line)`` for each way cache key ``new`` (argument labels ``labels``) differs."""
     olds, news = dict(_static_items(old)), dict(_static_items(new))
     shown = lambda d, k, other: '(not passed)' if k not in d else repr(d[k][1]) + (  # noqa: E731
-        f' ({d[k][0].__name__})' if k in other and other[k][0] is not d[k][0] else '')
+        f' ({d[k][0].__name__})' if k in other and other[k][0] is not d[k][0] else
+        ' (of other types within)' if k in other and other[k][2] != d[k][2] else '')
     found = [('static argument', f'{k}: {shown(olds, k, news)} -> {shown(news, k, olds)}')
              for k in {**olds, **news} if olds.get(k, _MISSING) != news.get(k, _MISSING)]
     for part, what in (('dyn_args', 'positional'), ('dyn_kwargs', 'keyword')):

@@ -7380,6 +7380,12 @@ class CachingTest(unittest.TestCase):
                                      ['tuple', 'int'], ['Pair', 'int'], ['list', 'int'],
                                      ['int', 'float'], ['int', 'bool']])
             self.assertEqual(float(s.value), before + 9)
+        # Also within a list or dict, hashed by value: [1, [2]] is not [1, (2,)].
+        nested = StatefulFunction(lambda x, cfg: x * (10.0 if isinstance(cfg[1], list) else 1.0)
+                                  + (5.0 if cfg[0] is True else 0.0), static_argnums=1)
+        for cfg, want in (([1, [2]], 10.0), ([1, (2,)], 1.0), ([True, (2,)], 6.0),
+                          ({0: 1, 1: [2]}, 10.0), ({0: True, 1: (2,)}, 6.0)):
+            self.assertEqual(float(nested(1.0, cfg)), want, cfg)
         jf = StatefulFunction(lambda x, k: jnp.asarray(k) * x, static_argnums=1)
         self.assertEqual(jf(jnp.int32(3), 1).dtype, jnp.int32)
         self.assertEqual(jf(jnp.int32(3), 1.0).dtype, jax.jit(
