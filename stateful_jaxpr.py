@@ -3046,9 +3046,14 @@ def _write_back(who, plan, new, warm: bool = False) -> None:
 
 
 def _name_deleted(err, states) -> None:
-    """Where ``err`` is JAX's for a deleted buffer, raises naming the State among ``states``."""
+    """Where ``err`` is JAX's for a deleted buffer, raises naming the State among ``states``;
+    where it names the compiled call's inputs (``_dispatch_body``'s ``flat``), says which is
+    which."""
     if _deleted_buffer(err):
         list(map(State.check_if_deleted, states))
+    if 'flat[' in str(err):
+        err.add_note(', '.join(f'flat[{i}]: {s._describe()}' for i, s in enumerate(states))
+                     + f'; flat[{len(states)}] on: the arguments')
 
 
 def _locked_call(who, plan, dispatch, args, kwargs, strict):
@@ -3189,7 +3194,7 @@ def _call(sf, *args, **kwargs):
     except RuntimeError as err:
         _name_deleted(err, fast.states)
         raise
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError) as err:
         # An argument jax.jit refuses gets the slow path's clearer error here,
         # and a static argument hashable only by value goes the slow path.
         # Anything else came from running the computation: never run it twice.
@@ -3200,6 +3205,7 @@ def _call(sf, *args, **kwargs):
                 'assign it an array'))
         if sf._statics_by_value:
             return sf._call_slow(args, kwargs)
+        _name_deleted(err, fast.states)
         raise
     next(fast.hits)
     return out
@@ -3478,8 +3484,12 @@ class StatefulFunction:
             kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
                       for k, v in kwargs.items()}
         jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
-        return (_compile_ahead(jitted.lower(*state_values, *args, **kwargs)) if lower
-                else jitted(*state_values, *args, **kwargs))
+        try:
+            return (_compile_ahead(jitted.lower(*state_values, *args, **kwargs)) if lower
+                    else jitted(*state_values, *args, **kwargs))
+        except (ValueError, TypeError) as err:
+            _name_deleted(err, entry.plan.states)
+            raise
 
     @_api_boundary
     def _call_slow(self, args, kwargs, warm_plan=None):

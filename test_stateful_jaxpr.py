@@ -10457,6 +10457,19 @@ class ShardingTest(unittest.TestCase):
             np.testing.assert_allclose(_host(out), np.arange(8.0) * 2)
             np.testing.assert_allclose(_host(acc.value), np.full(2, 28.0))
 
+    def test_states_on_incompatible_devices_are_named(self):
+        # JAX names the compiled call's inputs flat[i]: a note says which State each is.
+        devices = jax.devices('cpu')
+        c = State(jax.device_put(jnp.ones(3), devices[3]), name='on_three')
+        d = State(jax.device_put(jnp.ones(3), devices[4]), name='on_four')
+        sf = StatefulFunction(lambda x: setattr(c, 'value', c.value + d.value + x))
+        for _ in range(2):
+            with self.assertRaisesRegex(ValueError, 'incompatible devices') as cm:
+                sf(1.0)
+            notes = ' '.join(getattr(cm.exception, '__notes__', []))
+            self.assertRegex(notes, r"flat\[0\]: State 'on_three'.*flat\[1\]: State 'on_four'")
+            self.assertEqual(c.value.devices(), {devices[3]})
+
     def test_unsharded_states_get_no_constraint(self):
         s = State(jnp.zeros(4), name='single')
         sf = StatefulFunction(_filler(s))
