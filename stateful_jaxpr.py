@@ -3230,7 +3230,7 @@ class StatefulFunction:
     donate_states : filter, optional
         Written states whose old buffers are donated, updated in place (``True``: all).
     keep_sharding : filter
-        Written states that keep their value's sharding (default: all).
+        Written states spread over devices that keep their sharding (default: all).
     explain_cache_misses : bool, optional
         Log why each retrace happened (default: see :func:`explain_cache_misses`).
 
