@@ -3047,11 +3047,11 @@ def _write_back(who, plan, new, warm: bool = False) -> None:
 
 def _name_deleted(err, states) -> None:
     """Where ``err`` is JAX's for a deleted buffer, raises naming the State among ``states``;
-    where it names the compiled call's inputs (``_dispatch_body``'s ``flat``), says which is
-    which."""
+    where it may be about the compiled call's inputs, which JAX names by ``_dispatch_body``'s
+    ``flat``, says which is which."""
     if _deleted_buffer(err):
         list(map(State.check_if_deleted, states))
-    if 'flat[' in str(err):
+    if isinstance(err, (ValueError, TypeError)):
         err.add_note(', '.join(f'flat[{i}]: {s._describe()}' for i, s in enumerate(states))
                      + f'; flat[{len(states)}] on: the arguments')
 
