@@ -167,13 +167,11 @@ def _rebuild(jaxpr, consts, **fields):
 
 
 def _nested_jaxprs(params) -> list:
-    """The jaxprs (open or closed) among the values of an equation's ``params``."""
     return [i for v in params.values() for i in (v if isinstance(v, (tuple, list)) else (v,))
             if isinstance(i, (ClosedJaxpr, Jaxpr))]
 
 
 def _all_eqns(jaxpr):
-    """The equations of ``jaxpr`` and of every jaxpr nested in them."""
     for eqn in jaxpr.eqns:
         yield eqn
         for sub in _nested_jaxprs(eqn.params):
@@ -671,7 +669,6 @@ def _outside(skip_jax: bool):
 
 
 def _user_site():
-    """``(filename, lineno, function)`` of the first caller outside this module's library code."""
     frame = _outside(skip_jax=False)[0]
     return frame and (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
@@ -926,7 +923,6 @@ def _atomic(step):
 
 @_atomic
 def _store(state, value) -> None:
-    """Gives ``state`` a checked ``value``."""
     global _layout_epoch
     if any(map(_multi_device, _leaves((value, state._value)))):
         _layout_epoch += 1
@@ -991,7 +987,6 @@ class State:
         self._assign(v, written=False)
 
     def _assign(self, v, written: bool) -> None:
-        """Checks ``v`` and hands it to the innermost stateful trace, else to the State."""
         self._check_value(v)
         if _ctx.check_tree:
             frame = _innermost_overlay(_ctx.frames)
@@ -2205,7 +2200,6 @@ class _TraceFrame(StateTraceStack):
         self._inputs: dict = {}                 # id(input tracer) -> its State
         self.cells: list = []                   # the _RefCells, for the discharge
         self.sigs: dict = {}                    # id(state) -> its traced signature
-        self.result: dict = {}                  # what finish() found out
         retracer.bind()
 
     def _hand_on(self, entries) -> None:   # by _trace_stateful, once no run follows this one
@@ -2271,12 +2265,11 @@ class _TraceFrame(StateTraceStack):
             if type(v) is not _RefCell:
                 _refuse_non_jax(self.states[i], v, self.name)
         kept = out_leaves + [x for v in values if type(v) is not _RefCell for x in _leaves(v)]
-        first = dict(zip(map(id, self.cells), itertools.accumulate(
-            [len(c.avals) for c in self.cells], initial=len(kept))))
+        after = itertools.count(len(kept))   # the discharge gives each cell's finals in turn
+        finals = {id(c): [next(after) for _ in c.avals] for c in self.cells}
         spare = iter(range(len(out_leaves), len(kept)))
         self.picks = [*range(len(out_leaves)), *(i for v in values for i in (
-            range(first[id(v)], first[id(v)] + len(v.avals)) if type(v) is _RefCell
-            else itertools.islice(spare, len(_leaves(v)))))]
+            finals[id(v)] if type(v) is _RefCell else itertools.islice(spare, len(_leaves(v)))))]
         shaped = [v.treedef.unflatten(v.avals) if type(v) is _RefCell else v for v in values]
         # (out, per State its value or None): as brainstate's jaxpr_call and out_treedef expose it.
         part = tuple(map(dict(zip(returned, shaped)).get, range(len(self.states))))
@@ -2375,6 +2368,7 @@ def _traced_write(state, value, frames, written: bool):
                 local = True
                 target._diffs.update((id(t), t) for t in path)
                 target._diff_written[id(state)] = state
+            target.retracer.wrote(state)
         else:
             if not _HAS_REFS:
                 raise _cannot('refs', state._describe())
@@ -2384,8 +2378,6 @@ def _traced_write(state, value, frames, written: bool):
             entry = target.cell(state, treedef, [_aval_of(x) for x in leaves], True)
             target._values[id(state)] = entry
             target.retracer.wrote_unlifted([state], _in_body(path, whole))
-        if type(entry) is not _RefCell:
-            target.retracer.wrote(state)
     if type(entry) is _RefCell:
         entry.write(value)
         return
@@ -2465,7 +2457,6 @@ _CANNOT = {
 
 
 def _cannot(kind: str, described: str, err=None) -> TraceContextError:
-    """The error for the States ``described`` doing what ``kind`` names (see _CANNOT)."""
     return TraceContextError(f'{described} ' + _CANNOT[kind].format(jax=jax.__version__, err=err))
 
 
@@ -2978,8 +2969,7 @@ class _Unprepared(BaseException):
 _real_value = operator.attrgetter('_value')     # a State's own value
 _traced_value = operator.attrgetter('value')    # its value as the current trace sees it
 _plan_tokens = itertools.count(1)
-# After this many plan switches a function stays on the slow path (see _call_slow).
-_MAX_PLAN_SWITCHES = 3
+_MAX_PLAN_SWITCHES = 3   # plan switches after which a function stays on the slow path
 
 
 class _Plan:
@@ -3010,7 +3000,6 @@ class _Entry:
         return self._described
 
     def run_writing(self, leaves, wrap=None):
-        """Runs the pure form (``wrap``-ped) on the States as read here, assigns the written."""
         run = self.apply if wrap is None else wrap(self.apply)
         out, new = run([s.value for s in self.plan.states], leaves)
         for state, value, w in zip(self.plan.write_states, new, self.plan.written, strict=True):
@@ -3135,9 +3124,7 @@ class _EagerCall(StateTraceStack):
     one_at_a_time = threading.RLock()
 
 
-# The warm path: the last slow call's plan and dispatcher while they apply (slots: every warm
-# call reads them); ``leaf_type``: the first written State's value's type; ``hits``: the cache's;
-# ``door``: the strict door a warm call of ``sf`` pushes.
+# The warm path: the last slow call's plan and dispatcher while they apply (slots: read each call).
 class _Fast:
     __slots__ = ('plan', 'dispatch', 'nargs', 'epoch', 'rules', 'states', 'locks', 'writes',
                  'leaf_type', 'hits', 'door')
@@ -3561,7 +3548,7 @@ class StatefulFunction:
                 except RuntimeError as err:
                     _name_deleted(err, frame.states)
                     raise
-            written = [s for s, w in zip(frame.states, frame.been_writen, strict=True) if w]
+            written = frame.get_write_states()
             for state in written:
                 _refuse_non_jax(state, values[id(state)], self.name)
             new = [_kept_layout(self, state, values[id(state)]) for state in written]
@@ -3878,7 +3865,6 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
     uniq = list(dict.fromkeys(states))   # each State once
 
     def run(*args, **kwargs):
-        """A call: ``jax.grad`` of ``inner``'s pure form; the States it writes are then set."""
         n, touched = len(args), inner.get_states(*args, **kwargs)
         if any(not -n <= i < n for i in nums or ()):
             raise TypeError(f'grad(argnums={argnums!r}) of {_who(inner)}: the call passed '
@@ -4082,7 +4068,6 @@ class StatefulMapping(StatefulFunction):
                  name: str | None = None, mapping_fn: Callable = jax.vmap,
                  unexpected_out_state_mapping: str = 'auto', *, donate_states=None,
                  keep_sharding=True, explain_cache_misses: bool | None = None):
-        """Checks and keeps the mapping's own options; the rest go to StatefulFunction."""
         if abstracted_axes is not None:
             raise NotImplementedError('StatefulMapping does not support abstracted_axes; '
                                       'map over concrete shapes instead')
