@@ -1355,6 +1355,7 @@ class StateTraceStack:
         self._new_arg, self._overlays = new_arg, True
 
     def _lift(self, state, current):   # (a _TraceFrame also needs ``current``)
+        self._values[id(state)] = current   # what new_arg sees, should it read the State
         return self._new_arg(state)
 
     def new_arg(self, state: State) -> None:
@@ -3977,17 +3978,6 @@ def _lane_aval(axis: int, aval, error: Callable):
     return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
 
 
-def _brainstate_order(states, in_axes, out_axes, rng_index) -> list:
-    """``states`` in brainstate's order: batched in, by axis; others, by out axis; RandomStates."""
-    def grouped(indices, axis_of):   # stable: groups in order of first appearance
-        axes = list(dict.fromkeys(map(axis_of, indices)))
-        return sorted(indices, key=lambda i: axes.index(axis_of(i)))
-    plain = [i for i in range(len(states)) if i not in rng_index]
-    first = grouped([i for i in plain if in_axes[i] is not None], in_axes.__getitem__)
-    rest = [i for i in grouped(plain, lambda i: out_axes.get(i, in_axes[i])) if i not in first]
-    return [states[i] for i in first + rest + rng_index]
-
-
 def _lane_args(sf, leaves, split):
     """The flat arguments' avals in a lane, their axes, the batch sizes they imply, their avals."""
     static_args, dyn_args, _, dyn_kwargs = split
@@ -4131,8 +4121,8 @@ class StatefulMapping(StatefulFunction):
             return out, list(written) + [k[0] for k in keys.values()]
 
         def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function
-            for state in _brainstate_order(states, state_axes, out_axes, rng_index):
-                state.value          # the first touch fixes the jaxpr input order
+            for state in states:     # the first touch fixes the jaxpr input order, as in the lanes
+                state.value
             return self(*args, **kwargs)
         rebuild = _rebuilder(split)   # not ``split``, which holds the call's arrays
         return _Entry(traced, self._plan_for(states, (*out_axes, *rng_index)), apply,

@@ -1313,6 +1313,13 @@ class StateTraceStackTest(unittest.TestCase):
         with st:
             self.assertEqual(b.value, 102.0)
 
+    def test_new_arg_may_read_the_state_it_lifts(self):
+        h = State({'x': 1.0, 'y': 2.0})
+        with StateTraceStack(lambda st: jax.tree_util.tree_map(lambda v: v * 10, st.value)) as st:
+            self.assertEqual(h.value, {'x': 10.0, 'y': 20.0})
+        self.assertEqual(h.value, {'x': 1.0, 'y': 2.0})
+        self.assertEqual((st.states, st.been_writen), ([h], [False]))
+
     def test_new_arg_must_be_callable(self):
         with self.assertRaisesRegex(TypeError, "new_arg.*name='one'"):
             StateTraceStack('one')
@@ -11570,6 +11577,21 @@ class MappingStateAxesTest(unittest.TestCase):
         np.testing.assert_array_equal(b.value, b0)
         self.assertEqual(b.value.shape, (3,))
 
+    def test_the_accessors_list_states_in_first_touch_order(self):
+        s0, bb, rng = State(jnp.zeros(())), State(jnp.arange(3.0), tag='b'), RandomState(3)
+
+        def f(x):
+            k = rng.split_key()
+            s0.value = s0.value + 1.0
+            return bb.value * x + jax.random.uniform(k)
+        sm = sj.StatefulMapping(f, in_axes=0, state_in_axes={0: 'b'})
+        self.assertEqual(sm.get_states(jnp.ones(3)), (rng, s0, bb))
+        closed = sm.get_jaxpr(jnp.ones(3))
+        self.assertEqual([a.shape for a in closed.in_avals], [(3,), (2,), (), (3,)])   # x first
+        new, out = sm.jaxpr_call([rng.value, s0.value, bb.value], jnp.ones(3))
+        self.assertEqual([v.shape for v in new], [(2,), (), (3,)])
+        self.assertEqual(out.shape, (3,))
+
     def test_dict_filter_axis0(self):
         w = sj.ParamState(jnp.arange(12.0).reshape(4, 3), name='w')
         other = sj.ParamState(jnp.ones(5), name='other')    # not matched: broadcast
@@ -14205,7 +14227,9 @@ class _BrainstateChecks:
             recs[impl] = rec
         a, b = recs['bs'], recs['sj']
         self._last_records = recs
-        problems = []
+        problems = []   # (a program both stop early shows its error, not an empty agreement)
+        if all('<program raised>' in r.items for r in (a, b)):
+            problems.append(f'{prefix}: the program raised in both: {b.items["<program raised>"]!r}')
         for key in list(dict.fromkeys(list(a.items) + list(b.items))):
             if _is_accepted_difference(f'{prefix}.{key}'):
                 continue
@@ -14781,6 +14805,10 @@ class BrainstateFidelityTest(_BrainstateChecks, _BrainstateCase):
             c = ns.State(jnp.ones(2), name='c')
             with ns.StateTraceStack(new_arg=lambda st: st._value * 0 + 7) as t3:
                 rec('new_arg.inside', lambda: c.value)
+            c2 = ns.State(jnp.ones(2), name='c2')
+            with ns.StateTraceStack(new_arg=lambda st: st.value * 3) as t4:
+                rec('new_arg.reads_the_state', lambda: c2.value)
+            rec('new_arg.reads_the_state.states', lambda: t4.states)
             rec('new_arg.after_exit', lambda: c.value)
             rec('new_arg.recovery', lambda: (t3.recovery_original_values(), c.value)[1])
         self._assert_no_differences(self._compare_programs('StateTraceStack', program))
@@ -14885,6 +14913,18 @@ class BrainstateFidelityTest(_BrainstateChecks, _BrainstateCase):
             rng3 = ns.RandomState(1, name='rng3')
             rec('axis_size_in_axes_None', lambda: ns.StatefulMapping(
                 lambda: jax.random.uniform(rng3.split_key()), in_axes=None, axis_size=3)())
+            # States touched before the batched one: the accessors keep first-touch order
+            s0 = ns.State(jnp.zeros(()), name='s0')
+            bb = ns.State(jnp.arange(3.0), name='bb', tag='b')
+            rng5 = ns.RandomState(3, name='rng5')
+
+            def touch_batched_last(x):
+                k = rng5.split_key()
+                s0.value = s0.value + 1.0
+                return bb.value * x + jax.random.uniform(k)
+            _record_accessors(rec, 'batched_last', ns.StatefulMapping(
+                touch_batched_last, in_axes=0, state_in_axes={0: 'b'}),
+                (jnp.ones(3),))
             rng4 = ns.RandomState(2, name='rng4')
             rec('per_lane_keys', lambda: (ns.StatefulMapping(
                 lambda: rng4.split_key(), in_axes=0, axis_size=3)(), rng4.value))
