@@ -148,12 +148,23 @@ _api_boundary = _probe('jax._src.traceback_util:api_boundary') or (lambda fun: f
 # A jax.jit signature whose first call raised (a trace aborted) stays on JAX's slow Python path
 # for good; clearing the function's C++ cache lets it back, its traces and executables kept.
 _forget_failed_calls = operator.methodcaller('_clear_cache')   # all releases
-# Settings that change what a trace builds (dtypes, promotion, precision, keys), which jax.jit
-# keys its caches on too: a trace made under others is not reused (all releases).
-_TRACE_SETTINGS = ('jax_enable_x64', 'jax_numpy_dtype_promotion', 'jax_numpy_rank_promotion',
-                   'jax_default_matmul_precision', 'jax_default_prng_impl',
-                   'jax_threefry_partitionable', 'jax_softmax_custom_jvp')
-_settings = functools.partial(lambda: tuple(getattr(jax.config, n, None) for n in _TRACE_SETTINGS))
+# Settings that change what a trace builds (dtypes, promotion, precision, keys, the meshes in
+# context), which jax.jit keys its caches on too: a trace made under others is not reused (all
+# releases; one a release lacks reads None).
+_TRACE_SETTINGS = {name: functools.partial(getattr, jax.config, name, None) for name in (
+    'jax_enable_x64', 'jax_numpy_dtype_promotion', 'jax_numpy_rank_promotion',
+    'jax_default_matmul_precision', 'jax_default_prng_impl', 'jax_threefry_partitionable',
+    'jax_softmax_custom_jvp', 'jax_random_seed_offset', 'jax_high_dynamic_range_gumbel')}
+_with_mesh = _probe('jax._src.config:mesh_context_manager')   # ``with mesh:``
+_abstract_mesh_now = _probe('jax._src.mesh:get_abstract_mesh') or (lambda: None)
+_TRACE_SETTINGS.update({
+    'mesh': _probe('jax._src.mesh:get_concrete_mesh') or (lambda: None),   # jax.set_mesh
+    'abstract mesh': lambda: _abstract_mesh_now() or None,   # (0.4.38: () outside a jit, None in)
+    'with mesh': lambda: getattr(_with_mesh, 'value', None)})
+
+
+def _settings() -> tuple:
+    return tuple(get() for get in _TRACE_SETTINGS.values())
 
 
 def _rebuild(jaxpr, consts, **fields):

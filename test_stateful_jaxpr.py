@@ -7562,6 +7562,20 @@ class StateSignatureTest(unittest.TestCase):
         self.assertEqual(s.value.dtype, jnp.int32)
         self.assertEqual(sf.get_miss_causes()['jax setting'], 1)   # (a failed trace: none)
 
+    def test_a_trace_made_under_another_random_seed_offset_is_not_reused(self):
+        s = State(jnp.zeros(2), name='noise')
+
+        def f(x):
+            s.value = jax.random.normal(jax.random.PRNGKey(0), (2,))
+            return x + s.value
+        sf, x = StatefulFunction(f), jnp.zeros(2)
+        self.addCleanup(jax.config.update, 'jax_random_seed_offset', 0)
+        for offset in (0, 7, 0):
+            jax.config.update('jax_random_seed_offset', offset)
+            want = jax.jit(lambda x: x + jax.random.normal(jax.random.PRNGKey(0), (2,)))(x)
+            np.testing.assert_array_equal(sf(x), want)
+            np.testing.assert_array_equal(s.value, want)
+
     def test_weak_type_of_a_written_pytree_leaf(self):
         s = State({'a': 1.0, 'b': jnp.zeros(2)}, name='tree')
 
@@ -10228,6 +10242,19 @@ class ShardingTest(unittest.TestCase):
 
     def setUp(self):
         _need_8_devices(self)
+
+    def test_a_trace_made_under_another_context_mesh_is_not_reused(self):
+        use = getattr(jax, 'set_mesh', None) or getattr(jax.sharding, 'use_mesh', None) or (
+            lambda mesh: mesh)   # (.. 0.4: ``with mesh:``)
+        f = lambda x: jax.lax.with_sharding_constraint(x * 2, self.P('x'))  # noqa: E731
+        sf, x = StatefulFunction(f), jnp.arange(8.0)
+        for devices in ([0, 1], [2, 3], [0, 1, 2, 3]):
+            mesh = jax.sharding.Mesh(np.array(jax.devices('cpu'))[devices], ('x',))
+            with use(mesh):
+                want = jax.jit(f)(x)
+                got = sf(x)
+            self.assertEqual(got.sharding.device_set, want.sharding.device_set)
+            np.testing.assert_array_equal(got, want)
 
     def _check_kept(self, value, calls=3, **sf_kwargs):
         """A state starting at ``value`` keeps its layout over several calls,
