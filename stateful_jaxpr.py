@@ -1947,10 +1947,10 @@ def _static_positions(sf, nargs: int) -> tuple:
 
 
 def _static_key(value):
-    """``(type, make_hashable(value), the types within)``: [1, [2]] and [1, (2,)], or [1] and
-    [True], trace apart (as jax.jit's 1 and 1.0 may)."""
+    """``(type, make_hashable(value), the types within)``: [1, [2]] and [1, (2,)], [1] and
+    [True] (as jax.jit's 1 and 1.0 may), or dicts in another order, trace apart."""
     def types(obj):
-        kids = (sorted((repr(k), types(v)) for k, v in obj.items()) if isinstance(obj, dict) else
+        kids = ([(repr(k), types(v)) for k, v in obj.items()] if isinstance(obj, dict) else
                 map(types, obj) if isinstance(obj, (list, tuple, set, frozenset)) else None)
         return type(obj) if kids is None else (type(obj), (frozenset if isinstance(
             obj, (set, frozenset)) else tuple)(kids))
@@ -3130,6 +3130,17 @@ def _donating(sf, jitted, plan):
     return call
 
 
+def _typed_keywords(jitted, names):
+    """``jitted`` given its static keyword arguments as _StaticArgs, hashed with their types:
+    jax.jit may take a static keyword's 1 for True and run the program traced for the other."""
+    def typed(kwargs):
+        return {k: _StaticArg(v) if k in names else v for k, v in kwargs.items()}
+    call = lambda *flat, **kwargs: jitted(*flat, **typed(kwargs))   # noqa: E731
+    call.lower = lambda *flat, **kwargs: jitted.lower(*flat, **typed(kwargs))
+    call._clear_cache = lambda: _forget_failed_calls(jitted)
+    return call
+
+
 class _EagerCall(StateTraceStack):
     """The overlay of a call run eagerly (``_call_eagerly``); such calls take their locks one at a
     time, lest two take them in opposite orders."""
@@ -3440,6 +3451,8 @@ class StatefulFunction:
                              donate_argnums=plan.donated if donating else ())
             if donating:
                 jitted = _donating(self, jitted, plan)
+            if self.static_argnames:
+                jitted = _typed_keywords(jitted, self.static_argnames)
             plan.dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
@@ -3453,7 +3466,7 @@ class StatefulFunction:
         state_values, args = flat[:len(plan.states)], flat[len(plan.states):]
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
-            kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
+        kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values, strict=True))
         entry = self._cached(key, lambda state: given[id(state)], plan)
@@ -3480,8 +3493,6 @@ class StatefulFunction:
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
             statics = _static_positions(self, len(args))
             args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
-            kwargs = {k: _StaticArg(v) if k in self.static_argnames else v
-                      for k, v in kwargs.items()}
         jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
         try:
             return (_compile_ahead(jitted.lower(*state_values, *args, **kwargs)) if lower

@@ -7393,6 +7393,15 @@ class CachingTest(unittest.TestCase):
         for cfg, want in (([1, [2]], 10.0), ([1, (2,)], 1.0), ([True, (2,)], 6.0),
                           ({0: 1, 1: [2]}, 10.0), ({0: True, 1: (2,)}, 6.0)):
             self.assertEqual(float(nested(1.0, cfg)), want, cfg)
+        # A static keyword's 1 and True run their own programs, on the warm path too; a static
+        # dict's items run in the order the function sees them.
+        kw = StatefulFunction(lambda x, *, flag: x + (10.0 if flag is True else 1.0),
+                              static_argnames='flag')
+        self.assertEqual([float(kw(0.0, flag=f)) for f in (True, 1, True, 1)], [10, 1, 10, 1])
+        ordered = StatefulFunction(lambda x, cfg: jnp.stack([x * v for v in cfg.values()]),
+                                   static_argnums=1)
+        for cfg in ({'a': 1.0, 'b': 2.0}, {'b': 2.0, 'a': 1.0}):
+            np.testing.assert_array_equal(ordered(1.0, cfg), list(cfg.values()))
         jf = StatefulFunction(lambda x, k: jnp.asarray(k) * x, static_argnums=1)
         self.assertEqual(jf(jnp.int32(3), 1).dtype, jnp.int32)
         self.assertEqual(jf(jnp.int32(3), 1.0).dtype, jax.jit(
