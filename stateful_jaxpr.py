@@ -1097,8 +1097,9 @@ class State:
                     f'{self._describe()}.replace() got a {type(value).__name__} as the value; '
                     f'pass a {type(self).__name__} or a plain value')
             return value.replace(**metadata) if metadata else value
+        metadata = {**self.metadata, **metadata}   # (``name`` too: the new State's)
         return _new_state(type(self), self.value if value is _MISSING else value,
-                          self.name, {**self.metadata, **metadata})
+                          metadata.pop('name', self.name), metadata)
 
     def to_state_ref(self) -> 'TreefyState':
         """A pytree snapshot of this State: its class, value and metadata."""
