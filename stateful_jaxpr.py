@@ -1581,8 +1581,8 @@ class OfType(_Filter):
             raise TypeError(f'OfType(type) needs a class (e.g. ParamState), got {type!r}')
         self.type = type
 
-    def __call__(self, path, x):
-        return isinstance(x, self.type)
+    def __call__(self, path, x):   # (a TreefyState stands for a State of its ``type``)
+        return isinstance(x, self.type) or type(x) is TreefyState and issubclass(x.type, self.type)
 
 
 class WithTag(_Filter):

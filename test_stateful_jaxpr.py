@@ -1711,6 +1711,12 @@ class FilterTest(unittest.TestCase):
         self.long = sj.LongTermState(jnp.zeros(2), name='long', tag='weights')
         self.all = [self.param, self.hidden, self.plain, self.long]
 
+    def test_a_type_filter_matches_a_snapshot_of_a_state_of_that_type(self):
+        refs = [s.to_state_ref() for s in self.all]
+        for filt in (sj.ParamState, sj.OfType(sj.LongTermState)):
+            self.assertEqual([sj.to_predicate(filt)((), r) for r in refs],
+                             self.matches(filt))
+
     def matches(self, filt):
         pred = sj.to_predicate(filt)
         self.assertTrue(callable(pred))
