@@ -3402,11 +3402,13 @@ class StatefulFunction:
             return
         lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
             '  - nothing the cache key or the States show (the entry was not cacheable)'
+        changed = ' and '.join(dict.fromkeys(
+            'a JAX setting' if cause == 'jax setting' else 'its States' for cause, _ in found))
         logging.getLogger(__name__).warning(
             '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
             _public_class(self), self.name, _key_summary(key),
             'none' if near is None else f'({_key_summary(near)})',
-            ' (the same arguments; its States changed)' if stale else '', lines)
+            f' (the same arguments; {changed} changed)' if stale and changed else '', lines)
 
     def _build_entry(self, key, leaves, split) -> _Entry:
         """Traces ``fun`` for these arguments into an entry whose ``apply`` runs the jaxpr."""
@@ -3723,25 +3725,30 @@ class StatefulFunction:
         except TypeError:
             raise TypeError(f'{_who(self)}.jaxpr_call(state_vals, ...) needs a sequence of state '
                             f'values in get_states() order, got {state_vals!r}') from None
-        _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals')
-        _, entry, leaves = self._lookup(args, kwargs)
-        described = entry.described()
-        if len(state_vals) != len(states := described.states):
-            raise ValueError(
-                f'State length mismatch: {_who(self)} touches {len(states)} state(s) '
-                f'({", ".join(s._label() for s in states)}) but jaxpr_call got {len(state_vals)} '
-                'value(s); pass one value per state in get_states() order')
-        for state, value, sig in zip(states, state_vals, described.state_sigs, strict=True):
-            if (got := _stale_sig(value, sig)) is not None:
-                raise ValueError(
-                    f'jaxpr_call: the value given for {state._describe()} has structure/shapes '
-                    f'{got}; it was traced with {sig}; pass a value of the traced shape and dtype')
-        if any(map(_stale_sig, state_vals, described.state_sigs, itertools.repeat(True))):
-            given = dict(zip(map(id, states), state_vals))   # a weak type differs: trace for it
+        _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals', lambda e, path, leaf:
+                       ValueError(f'{_who(self)}.jaxpr_call: state_vals{path} is not a JAX type '
+                                  f'({e}); pass arrays, one pytree of them per State'))
+        held = self._cache._peek(self._cache_key(args, kwargs)[0], ())   # traced for the values
+        states = held[0].described().states if held else ()            # given, not the States'
+        for retry in (False, True):
+            given = dict(zip(map(id, states), state_vals))
             read = lambda s: given.get(id(s), s._value)   # noqa: E731
-            with StateTraceStack(new_arg=read):
-                _, entry, leaves = self._lookup(args, kwargs, read=read)
+            with StateTraceStack(new_arg=read) if given else contextlib.nullcontext():
+                _, entry, leaves = self._lookup(args, kwargs, not retry, read)
             described = entry.described()
+            if len(state_vals) != len(states := described.states):
+                raise ValueError(
+                    f'State length mismatch: {_who(self)} touches {len(states)} state(s) ('
+                    f'{", ".join(s._label() for s in states)}) but jaxpr_call got '
+                    f'{len(state_vals)} value(s); pass one value per state in get_states() order')
+            stale = list(map(_stale_sig, state_vals, described.state_sigs, itertools.repeat(True)))
+            if not any(stale):
+                break
+        else:   # (still other: a State touched in another order for the values given)
+            got, sig, state = next(c for c in zip(stale, described.state_sigs, states) if c[0])
+            raise ValueError(f'jaxpr_call: the value given for {state._describe()} is '
+                             f'{_value_text(got)}, traced as {_value_text(sig)}; pass '
+                             'values in get_states() order')
         # The compiled call takes values in plan order (a StatefulMapping's accessors may
         # order them otherwise); returned states not written come back as given.
         where = {id(st): i for i, st in enumerate(states)}
