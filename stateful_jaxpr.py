@@ -474,8 +474,8 @@ def _write_hazard(eqn):
 # How JAX refuses a Ref program, by its error texts (all releases unless marked).
 _REFUSALS = {
     'checkpoint': r'partial-eval of `checkpoint`',  # a write in a differentiated checkpoint, .. 0.6
-    # vmap of a cond, a cond under reverse mode; a checkpoint, .. 0.7; a jit under
-    # differentiation, 0.4.38, also as a bare NotImplementedError
+    'cond': r'State effect not supported in cond partial-eval',   # a cond under reverse mode
+    # vmap of a cond; checkpoint, .. 0.7; jit under differentiation, 0.4.38 (or a bare error)
     'effects': r'^NotImplementedError: $|State effect not supported|Effects not supported.*Effect\('
                r'|does not have corresponding (jaxpr )?input|JaxprInputEffect.* is invalid',
     # a per-lane value into an unbatched Ref, 0.6 ..; under jax.jacfwd, in a jit body on 0.7,
@@ -2436,9 +2436,10 @@ _CANNOT = {
                   'with stateful_jaxpr.checkpoint, which writes its States outside the '
                   'rematerialized part, or write the State outside the checkpointed function',
     'cond': 'is written inside a lax.cond / lax.switch branch under reverse-mode differentiation '
-            '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot differentiate a '
-            'write.  Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), '
-            'or return the value from the cond and assign it outside',
+            '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot carry a write.  '
+            'Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), or '
+            'return the value from the cond (or switch) and assign it outside, or differentiate '
+            'with stateful_jaxpr.grad, which traces the function before differentiating it',
     'apart': 'is read by a custom_vjp / custom_jvp rule that JAX traces apart from the program '
              '(one applied in a loop, cond or jit body, or a nested StatefulFunction, under a '
              'differentiation), leaving the value behind.  Read it outside the custom function '
@@ -2492,12 +2493,12 @@ class _RefCell:
     the innermost level, with its tangents; ``refs`` always get the primal.  An ended
     differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'linearized', 'blind', 'improvised', 'adopted', 'weak')
+                 'linearized', 'blind', 'improvised', 'adopted', 'weak', 'in_cond')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
         self.home, self.levels = home, []     # the stateful trace's own JAX trace, the levels
-        self.nested = self.staged = False     # written inside a nested transformation, a body
+        self.nested = self.staged = self.in_cond = False   # written nested, in a body, a cond
         self.linearized = False               # written in a body under jax.linearize / grad
         self.blind = False                    # in a body whose outer traces JAX hides (.. 0.5)
         self.improvised = improvised          # made at a write, in a trace that is redone
@@ -2571,6 +2572,7 @@ class _RefCell:
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (_stages(trace) and trace is not self.home)
         path, whole = _trace_path(self.home)
+        self.in_cond = self.in_cond or any(_body_of(t) == 'cond' for t in path)
         self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))
         self.blind = self.blind or whole is not True
         if _drops_ref_tangents(self.home):
@@ -2831,13 +2833,15 @@ class _Retracer:
         return True
 
     def fail(self, err, cells):
-        """Raises the error of the final run: JAX's refusal named by the States it concerns (those
-        written in a body, else nested), the first one where JAX refused more than once."""
+        """Raises the error of the final run: JAX's refusal named by the States it concerns (for a
+        cond's, those written in one; else in a body, else nested), the first if it recurred."""
         if _refusal(err) and self.refused:
             err, cells = self.refused
         kind = None if isinstance(err, TraceContextError) else _refusal(err)
         if kind is not None and cells:
-            culprits = [c for c in cells if c.staged] or [c for c in cells if c.nested]
+            culprits = [c for c in cells if kind == 'cond' and c.in_cond]
+            kind = 'effects' if kind == 'cond' and not culprits else kind
+            culprits = culprits or [c for c in cells if c.staged] or [c for c in cells if c.nested]
             named = sorted(c.state._describe() for c in culprits or cells)
             raise _cannot(kind, ', '.join(named), err) from err
         raise err

@@ -2392,11 +2392,53 @@ class NestedWriteTest(unittest.TestCase):
             np.testing.assert_allclose(sf(jnp.float32(1.0)), 3.0)
             np.testing.assert_allclose(s.value, 3.0)
         else:
-            with self.assertRaisesRegex(TraceContextError, r"'cw_state'.*(cannot carry it "
-                                        r"through|drop the written value's derivative)"):
+            with self.assertRaisesRegex(TraceContextError, r"'cw_state'.*(cannot carry a write"
+                                        r"|drop the written value's derivative)"):
                 sf(jnp.float32(1.0))
             np.testing.assert_allclose(s.value, 2.0)
         self.assertFalse(_tracer_in(s))
+
+    def test_write_in_cond_in_a_loop_under_grad_names_that_state_and_stateful_grad(self):
+        # JAX refuses any State effect in a lax.cond / lax.switch under reverse mode, here in a
+        # scan body (a State written there is a Ref): the refusal names the State the branch
+        # writes, not one the body writes beside it, and gives the ways out;
+        # stateful_jaxpr.grad, which traces the function first, runs it as the explicit-carry
+        # program does.
+        xs = jnp.linspace(0.0, 1.0, 5)
+        branch = {'cond': lambda x, bump: lax.cond(x > 0.5, bump, lambda: None),
+                  'switch': lambda x, bump: lax.switch(jnp.int32(x > 0.5), [lambda: None, bump])}
+        for how, pick in branch.items():
+            with self.subTest(how=how):
+                w = sj.ParamState(jnp.float32(0.8), name='cc_w')
+                n, h = State(jnp.int32(0), name='cc_count'), sj.HiddenState(1.0, name='cc_h')
+
+                def loss(wv):
+                    def body(c, x):
+                        h.value = jnp.sin(wv * h.value + x)
+                        pick(x, lambda: setattr(n, 'value', n.value + 1))
+                        return c + h.value, None
+                    return lax.scan(body, 0.0, xs)[0]
+
+                def explicit(wv, n0, h0):
+                    def body(c, x):
+                        acc, nn, hh = c
+                        hh = jnp.sin(wv * hh + x)
+                        nn = lax.cond(x > 0.5, lambda: nn + 1, lambda: nn)
+                        return (acc + hh, nn, hh), None
+                    (acc, nn, hh), _ = lax.scan(body, (0.0, n0, h0), xs)
+                    return acc, (nn, hh)
+                with self.assertRaises(TraceContextError) as caught:
+                    StatefulFunction(lambda: jax.grad(loss)(w.value))()
+                if _JAX_VERSION >= (0, 6):   # (before, the write of cc_h in the scan first)
+                    self.assertRegex(str(caught.exception), r"^State 'cc_count' [^,]*lax.cond"
+                                     r".*jnp.where.*stateful_jaxpr.grad")
+                self.assertEqual((int(n.value), float(h.value)), (0, 1.0))
+                self.assertFalse(_tracer_in(n) or _tracer_in(h))
+                got = sj.grad(lambda: loss(w.value), w)()
+                want, (nn, hh) = jax.grad(explicit, has_aux=True)(0.8, jnp.int32(0), 1.0)
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+                self.assertEqual(int(n.value), int(nn))
+                np.testing.assert_allclose(h.value, hh, rtol=1e-6)
 
     def test_checkpoint_write(self):
         s = State(jnp.zeros(2), name='nw_remat')
