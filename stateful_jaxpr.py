@@ -3090,15 +3090,13 @@ def _kept_layout(sf, state, new):
     return jax.tree_util.tree_map(keep, state._value, new) if same_tree else new
 
 
-def _layout_token(sf, plan) -> int:
+def _layout_token(plan) -> int:
     """``plan``'s dispatcher key for the layout its written states have now."""
     layout = tuple(_multi_device(leaf) for state in plan.write_states
                    for leaf in _leaves(state._value))
     if not any(layout):
         return plan.token
-    token = plan.layouts.setdefault(layout, next(_plan_tokens))
-    sf._plans_by_token[token] = plan
-    return token
+    return plan.layouts.setdefault(layout, next(_plan_tokens))
 
 
 def _donating(sf, jitted, plan):
@@ -3323,7 +3321,6 @@ class StatefulFunction:
         self._key_locks = weakref.WeakValueDictionary()   # per key; weak: evicted keys go
         self._statics_by_value = False   # some static argument hashes only by value
         self._plans = weakref.WeakValueDictionary()            # the entries' plans, by key
-        self._plans_by_token = weakref.WeakValueDictionary()   # and by dispatcher token
         self._fast, self._plan_switches = None, 0   # a _Fast; see _call_slow
 
     # -- entries -----------------------------------------------------------------
@@ -3443,16 +3440,14 @@ class StatefulFunction:
         plan_key = (tuple(map(id, states)), write_index, written)
         if (plan := self._plans.get(plan_key)) is None:
             plan = self._plans[plan_key] = _Plan(states, write_index, self._donate, written)
-            self._plans_by_token[plan.token] = plan
         return plan
 
     # -- compiled calls ------------------------------------------------------------
-    def _dispatcher(self, token: int, nargs: int, donating: bool = False):
+    def _dispatcher(self, plan, token: int, nargs: int, donating: bool = False):
         """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
-        plan = self._plans_by_token[abs(token)]
         if (jitted := plan.dispatchers.get((token, nargs, donating))) is None:
             statics = _static_positions(self, nargs) if self.static_argnums else ()
-            jitted = jax.jit(functools.partial(self._dispatch_body, token),
+            jitted = jax.jit(functools.partial(self._dispatch_body, weakref.ref(plan), token),
                              static_argnums=tuple(i + len(plan.states) for i in statics),
                              static_argnames=self.static_argnames or None,
                              donate_argnums=plan.donated if donating else ())
@@ -3463,13 +3458,13 @@ class StatefulFunction:
             plan.dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
-    def _dispatch_body(self, token, *flat, **kwargs):
+    def _dispatch_body(self, plan_ref, token, *flat, **kwargs):
         """Traced by jax.jit on a dispatcher miss, which under a strict door (the warm path's) it
         aborts; takes the States' values first, one argument each (then jax.jit's fast path
         flattens no list); a negative token (jaxpr_call) keeps no layout."""
         if token > 0 and (doors := _ctx.doors) and doors[-1].who is self and doors[-1].strict:
             raise _Unprepared
-        plan = self._plans_by_token[abs(token)]
+        plan = plan_ref()   # (weak, as the plan holds this jax.jit; the caller holds the plan)
         state_values, args = flat[:len(plan.states)], flat[len(plan.states):]
         if self._statics_by_value:
             args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
@@ -3500,12 +3495,13 @@ class StatefulFunction:
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
             statics = _static_positions(self, len(args))
             args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
-        jitted = self._dispatcher(token, len(args), token > 0 and bool(entry.plan.donated))
+        plan = entry.plan
+        jitted = self._dispatcher(plan, token, len(args), token > 0 and bool(plan.donated))
         try:
             return (_compile_ahead(jitted.lower(*state_values, *args, **kwargs)) if lower
                     else jitted(*state_values, *args, **kwargs))
         except (ValueError, TypeError) as err:
-            _name_deleted(err, entry.plan.states)
+            _name_deleted(err, plan.states)
             raise
 
     @_api_boundary
@@ -3515,15 +3511,15 @@ class StatefulFunction:
         strict); the warm path from then on.  ``warm_plan``: the warm path's, which missed."""
         if jax.config.jax_disable_jit and not _under_jax_trace():
             return self._call_eagerly(args, kwargs)
-        ntraces, strict, epoch = _ctx.ntraces, not _under_jax_trace(), None
+        ntraces, strict, epoch, plans = _ctx.ntraces, not _under_jax_trace(), None, self._plans
 
         def run(*values):   # the layout as the States have it under the locks
             nonlocal epoch, token
-            epoch, token = _layout_epoch, _layout_token(self, plan)
+            epoch, token = _layout_epoch, _layout_token(plan)
             return self._run(entry, values, args, kwargs, leaves, token)
         while True:
             _, entry, leaves = self._lookup(args, kwargs, count=False)
-            plan, token = entry.plan, _layout_token(self, entry.plan)
+            plan, token = entry.plan, _layout_token(entry.plan)
             key = (token, len(args), bool(plan.donated))
             if strict and (warm_plan is not None or key not in entry.prepared):
                 with contextlib.suppress(_Unprepared):
@@ -3534,7 +3530,7 @@ class StatefulFunction:
                 out, values = _locked_call(self, plan, run, (), {}, strict)
                 break
             except _Unprepared:   # (rare) prepared for other values
-                _forget_failed_calls(self._dispatcher(token, len(args), bool(plan.donated)))
+                _forget_failed_calls(self._dispatcher(plan, token, *key[1:]))
                 strict = False
         for frame in _ctx.frames:   # recording stacks see what the call touched
             for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen,
@@ -3543,8 +3539,10 @@ class StatefulFunction:
         self._plan_switches += warm_plan is not None and plan is not warm_plan
         warm = (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
                 and self._plan_switches < _MAX_PLAN_SWITCHES)
-        self._fast = _Fast(self, plan, self._dispatcher(token, len(args), bool(plan.donated)),
-                           len(args), epoch, entry.traced.rules) if warm else None
+        self._fast = _Fast(self, plan, self._dispatcher(plan, token, *key[1:]), len(args), epoch,
+                           entry.traced.rules) if warm else None
+        if plans is not self._plans:   # cleared since (it clears _fast last): no warm path left
+            self._fast = None
         self._cache._record(_ctx.ntraces == ntraces)
         return out
 

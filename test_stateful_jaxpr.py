@@ -22,6 +22,7 @@ import gc
 import inspect
 import itertools
 import json
+import logging
 import operator
 import pprint
 import random
@@ -7562,6 +7563,37 @@ class CachingTest(unittest.TestCase):
             self.assertEqual(v['size'], 0)
         self.assertEqual(float(sf(3.0)), 3.0)
 
+    def test_clear_cache_during_a_call_lets_it_finish_and_the_next_retrace(self):
+        c, traces = State(jnp.zeros(()), name='c'), []
+
+        def f(x):   # (clear_cache() from the running program: as from another thread)
+            traces.append(1)
+            c.value = c.value + 1
+            jax.debug.callback(lambda: sf.clear_cache())
+            return x * 2
+        sf = StatefulFunction(f)
+        for n in range(1, 4):
+            self.assertEqual(float(sf(1.0)), 2.0)
+            self.assertEqual((float(c.value), len(traces)), (n, n))
+
+    def test_clear_cache_between_the_trace_and_the_run(self):
+        c = State(jnp.zeros(()), name='c')
+
+        def f(x):
+            c.value = c.value + x.sum()
+            return x * 2
+        sf = StatefulFunction(f, explain_cache_misses=True)
+        sf(jnp.ones(1))
+        logger, clear = logging.getLogger('stateful_jaxpr'), lambda _: sf.clear_cache() or True
+        logger.addFilter(clear)   # the retrace's warning comes after its trace, before its run
+        try:
+            with self.assertLogs(logger, 'WARNING'):
+                np.testing.assert_array_equal(sf(jnp.ones(2)), [2.0, 2.0])
+        finally:
+            logger.removeFilter(clear)
+        self.assertEqual(float(c.value), 3.0)
+        self.assertEqual((float(sf(jnp.ones(1))[0]), float(c.value)), (2.0, 4.0))
+
     def test_lru_bounds_entries(self):
         sf = StatefulFunction(lambda x: x + 1)
         sf._cache = sj.BoundedCache(maxsize=3)
@@ -9544,6 +9576,28 @@ class ThreadSafetyTest(unittest.TestCase):
         self.assertEqual(float(shared.value), 5.0)
 
     # -- trace stacks are thread-local ------------------------------------------
+    def test_clear_cache_while_other_threads_call(self):
+        c = sj.State(jnp.zeros((), jnp.int32), name='c')
+
+        def f(x):
+            c.value = c.value + 1
+            return x * 2
+        sf, done, results = sj.StatefulFunction(f), threading.Event(), []
+
+        def call(_):   # (shapes in turn: calls take the slow path too)
+            while not done.is_set():
+                results.append(float(sf(jnp.ones(1 + len(results) % 3))[0]))
+
+        def clear(_):
+            try:
+                for _ in range(30):
+                    sf.clear_cache()
+                    time.sleep(0.002)
+            finally:
+                done.set()
+        self.assertNoThreadErrors(_run_threads([clear] + [call] * 3))
+        self.assertEqual((set(results), int(c.value)), ({2.0}, len(results)))
+
     def test_state_trace_stack_is_thread_local(self):
         a = sj.State(jnp.asarray(1.0), name='a')
         b = sj.State(jnp.asarray(2.0), name='b')
