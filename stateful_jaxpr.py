@@ -1939,12 +1939,26 @@ def _static_spec(value, what: str) -> tuple:
 
 
 def _static_positions(sf, nargs: int) -> tuple:
+    """The static positions of a call with ``nargs`` positional arguments: ``static_argnums``,
+    and those the signature gives ``static_argnames`` where no ``static_argnums`` are (as
+    jax.jit: a static argument passed by position stays static)."""
     for i in sf.static_argnums:
         if not -nargs <= i < nargs:
             raise ValueError(
                 f'{_who(sf)}: static_argnums contains {i}, but the call passed only {nargs} '
                 'positional argument(s); pass that argument positionally or fix static_argnums')
-    return tuple(sorted({i % nargs for i in sf.static_argnums}))
+    return tuple(sorted({i % nargs for i in sf.static_argnums} | {
+        i for i in sf._named_at if i < nargs}))
+
+
+def _positions_of(fun, names) -> tuple:
+    """The positions of ``fun``'s parameters named ``names`` that a caller may pass by position."""
+    try:
+        params = inspect.signature(fun).parameters.values() if names else ()
+    except (TypeError, ValueError):   # (no signature: keywords only)
+        return ()
+    return tuple(i for i, p in enumerate(params) if p.name in names and p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _static_key(value):
@@ -3235,7 +3249,8 @@ class StatefulFunction:
     Parameters
     ----------
     static_argnums, static_argnames
-        Compile-time constant arguments (negative positions count from the end).
+        Compile-time constant arguments (negative positions count from the end; one named and
+        passed by position is static too, as under ``jax.jit``).
     axis_env : sequence of (name, size), optional
         Named axes bound while tracing (for ``lax.axis_index`` / collectives).
     abstracted_axes : optional
@@ -3281,6 +3296,7 @@ class StatefulFunction:
                             'or awaited); make it a plain function that returns its value')
         self.fun, self.static_argnums = fun, _static_spec(static_argnums, 'static_argnums')
         self.static_argnames = _static_spec(static_argnames, 'static_argnames')
+        self._named_at = () if self.static_argnums else _positions_of(fun, self.static_argnames)
         env = tuple(axis_env) if isinstance(axis_env, (list, tuple)) else axis_env
         for what, value, ok, want in (
                 ('name', name, name is None or isinstance(name, str), 'a str or None'),
@@ -3446,7 +3462,7 @@ class StatefulFunction:
     def _dispatcher(self, plan, token: int, nargs: int, donating: bool = False):
         """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
         if (jitted := plan.dispatchers.get((token, nargs, donating))) is None:
-            statics = _static_positions(self, nargs) if self.static_argnums else ()
+            statics = _static_positions(self, nargs)
             jitted = jax.jit(functools.partial(self._dispatch_body, weakref.ref(plan), token),
                              static_argnums=tuple(i + len(plan.states) for i in statics),
                              static_argnames=self.static_argnames or None,

@@ -7445,6 +7445,14 @@ class CachingTest(unittest.TestCase):
         for cfg, want in (([1, [2]], 10.0), ([1, (2,)], 1.0), ([True, (2,)], 6.0),
                           ({0: 1, 1: [2]}, 10.0), ({0: True, 1: (2,)}, 6.0)):
             self.assertEqual(float(nested(1.0, cfg)), want, cfg)
+        # A static_argnames argument passed by position is static, as under jax.jit.
+        def by_flag(x, flag=False):
+            return x * 2 if flag is True else x
+        named = StatefulFunction(by_flag, static_argnames='flag')
+        want = jax.jit(by_flag, static_argnames='flag')
+        for call in ((1.0, True), (1.0, False), (1.0,)):
+            self.assertEqual(float(named(*call)), float(want(*call)), call)
+        self.assertEqual(float(named(1.0, flag=True)), 2.0)
         # A static keyword's 1 and True run their own programs, on the warm path too; a static
         # dict's items run in the order the function sees them.
         kw = StatefulFunction(lambda x, *, flag: x + (10.0 if flag is True else 1.0),
