@@ -4083,8 +4083,8 @@ class StatefulMapping(StatefulFunction):
     ``in_axes`` / ``out_axes`` are ``jax.vmap``'s (keyword arguments map over axis 0); ``axis_size``
     is the batch size where nothing is batched; ``axis_name`` names the axis for collectives;
     ``mapping_fn`` is ``jax.vmap``, ``jax.pmap`` or a shard_map-based mapper like them.  The rest is
-    :class:`StatefulFunction`'s; its accessors describe the whole mapped call, states ordered as in
-    brainstate (batched-in by axis, then by the axis they leave with, then RandomStates).
+    :class:`StatefulFunction`'s; its accessors describe the whole mapped call, its States in the
+    order the function first touched them (as brainstate's).
 
     Example
     -------
