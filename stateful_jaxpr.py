@@ -3746,12 +3746,13 @@ class StatefulFunction:
         _reject_states(state_vals, f'{_who(self)}.jaxpr_call: state_vals', lambda e, path, leaf:
                        ValueError(f'{_who(self)}.jaxpr_call: state_vals{path} is not a JAX type '
                                   f'({e}); pass arrays, one pytree of them per State'))
-        held = self._cache._peek(self._cache_key(args, kwargs)[0], ())   # traced for the values
-        states = held[0].described().states if held else ()            # given, not the States'
+        # Traced for the values given: by a cached entry's States, else by first touch, in order.
+        held = self._cache._peek(self._cache_key(args, kwargs)[0], ())
+        states, order = (held[0].described().states if held else ()), iter(state_vals)
         for retry in (False, True):
             given = dict(zip(map(id, states), state_vals))
             read = lambda s: given.get(id(s), s._value)   # noqa: E731
-            with StateTraceStack(new_arg=read) if given else contextlib.nullcontext():
+            with StateTraceStack(new_arg=read if given else lambda s: next(order, s._value)):
                 _, entry, leaves = self._lookup(args, kwargs, not retry, read)
             described = entry.described()
             if len(state_vals) != len(states := described.states):
@@ -3767,8 +3768,7 @@ class StatefulFunction:
             raise ValueError(f'jaxpr_call: the value given for {state._describe()} is '
                              f'{_value_text(got)}, traced as {_value_text(sig)}; pass '
                              'values in get_states() order')
-        # The compiled call takes values in plan order (a StatefulMapping's accessors may
-        # order them otherwise); returned states not written come back as given.
+        # The compiled call takes them in plan order; returned states not written come back as given
         where = {id(st): i for i, st in enumerate(states)}
         at = [where[id(st)] for st in entry.plan.states]
         # A custom rule JAX traces now reads the States as given, not as they are.

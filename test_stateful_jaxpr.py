@@ -7947,6 +7947,14 @@ class CallingTest(unittest.TestCase):
             self.assertEqual((new.dtype, float(out)), (want.dtype, float(want_out)))
             np.testing.assert_array_equal(s.value, jnp.zeros(held))   # untouched
         self.assertEqual(traces, [(3,), (4,), (3,)])   # one per type of the values given
+        # A first trace for new arguments takes the values given too, though the State's own
+        # value could not trace with them.
+        for fresh in (StatefulFunction(f), sf):
+            s.value, traces[:] = jnp.ones(3), []
+            (new,), out = fresh.jaxpr_call([jnp.ones(5)], jnp.ones(5))
+            np.testing.assert_array_equal(new, jnp.full(5, 2.0))
+            self.assertEqual((float(out), traces), (10.0, [(5,)]))
+            np.testing.assert_array_equal(s.value, jnp.ones(3))
 
     def test_jaxpr_call_under_grad_with_written_states(self):
         s = State(jnp.ones(()), name='s')
