@@ -2169,18 +2169,20 @@ class _Traced:
             setattr(self, k, v)
 
     def runner(self, staged: str | None = None) -> Callable:
-        """``run(state_values, flat_args, whole_program=False) -> (out, returned_state_values)``:
-        the equations bound one by one, or ``staged`` as one jit equation of that name (_staged),
+        """``run(state_values, flat_args, how='') -> (out, returned_state_values)``: the
+        equations bound one by one, or ``staged`` as one jit equation of that name (_staged),
         unless a custom rule must see them inline (it reads States when JAX traces it) or the
-        function closed over an enclosing trace's value (a jit equation holds only constants)."""
+        function closed over an enclosing trace's value (a jit equation holds only constants);
+        ``how``: 'whole', a jit's whole program, inlined in any case; 'eager', one by one."""
         closed, n_out = self.closed_jaxpr, self.n_out
         inline = staged is None or self.rules or _contains_tracer(closed.consts)
-        run = _jaxpr_as_fun(closed) if inline else _staged(closed, staged)
-        whole = run if inline else _staged(closed, staged, whole=True)
+        runs = {'eager': _jaxpr_as_fun(closed)}
+        runs[''] = runs['eager'] if inline else _staged(closed, staged)
+        runs['whole'] = runs[''] if inline else _staged(closed, staged, whole=True)
         out_tree, state_tree = self.out_tree, self.state_tree
 
-        def apply(state_values, flat_args, whole_program: bool = False):
-            outs = (whole if whole_program else run)(*flat_args, *_leaves(state_values))
+        def apply(state_values, flat_args, how: str = ''):
+            outs = runs[how](*flat_args, *_leaves(state_values))
             return out_tree.unflatten(outs[:n_out]), state_tree.unflatten(outs[n_out:])
         return apply
 
@@ -3478,8 +3480,9 @@ class StatefulFunction:
         """Traced by jax.jit on a dispatcher miss, which under a strict door (the warm path's) it
         aborts; takes the States' values first, one argument each (then jax.jit's fast path
         flattens no list); a negative token (jaxpr_call) keeps no layout."""
-        if token > 0 and (doors := _ctx.doors) and doors[-1].who is self and doors[-1].strict:
-            raise _Unprepared
+        if token > 0 and (doors := _ctx.doors) and doors[-1].who is self and doors[-1].strict and (
+                jax.config.jax_disable_jit or not _eager(_current_trace())):
+            raise _Unprepared   # (run eagerly otherwise: jax_debug_nans' rerun, as jax.jit's)
         plan = plan_ref()   # (weak, as the plan holds this jax.jit; the caller holds the plan)
         state_values, args = flat[:len(plan.states)], flat[len(plan.states):]
         if self._statics_by_value:
@@ -3491,7 +3494,8 @@ class StatefulFunction:
         if entry is None:   # a State changed shape since the caller looked its entry up
             if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
-        out, new = entry.apply(list(state_values), leaves, True)
+        out, new = entry.apply(list(state_values), leaves,   # (eager: jax_debug_nans' rerun)
+                               'eager' if _eager(_current_trace()) else 'whole')
         return out, tuple(self._laid_out_as_held(plan, new, token))
 
     def _laid_out_as_held(self, plan, new, token) -> list:   # (token: see _layout_token)
@@ -4154,18 +4158,19 @@ class StatefulMapping(StatefulFunction):
         out_axes = self._out_axes(traced, state_axes, rng_index, in_batched, n)
         write_axes = {r: out_axes[i] for r, i in enumerate(traced.returned) if i in out_axes}
 
-        def lane(lane_args, lane_states):   # (whole: a mapping is rarely nested)
-            out, returned = run(lane_states, lane_args, whole_program=True)
+        def lane(how, lane_args, lane_states):   # (whole: a mapping is rarely nested)
+            out, returned = run(lane_states, lane_args, how)
             return out, [returned[r] for r in write_axes]
 
-        mapped = self.mapping_fn(lane, in_axes=(list(arg_axes), state_axes),
-                                 out_axes=(self.out_axes, list(write_axes.values())),
-                                 axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
+        mapped = {how: self.mapping_fn(functools.partial(lane, how), in_axes=(
+            list(arg_axes), state_axes), out_axes=(self.out_axes, list(write_axes.values())),
+            axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
+            for how in ('whole', 'eager')}
 
-        def apply(state_values, flat_args, *_):   # each RandomState: one key per lane, one kept
+        def apply(state_values, flat_args, how=''):   # each RandomState: one key per lane, one kept
             keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
             values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
-            out, written = mapped(list(flat_args), values)
+            out, written = mapped[how or 'whole'](list(flat_args), values)
             return out, list(written) + [k[0] for k in keys.values()]
 
         def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function

@@ -8250,6 +8250,39 @@ class PlainTransformTest(unittest.TestCase):
             sf(jnp.float32(1.0))
         self.assertEqual(spy.count, 0)
 
+    def test_debug_nans_raises_as_jax_jit_does_running_the_program_as_often(self):
+        """Under jax_debug_nans a NaN raises FloatingPointError after one compiled run and one
+        de-optimized rerun, as jax.jit of the hand-threaded program does, on a first call and
+        on the warm path, and the State keeps its value (a StatefulMapping's too)."""
+        jax.config.update('jax_debug_nans', True)
+        self.addCleanup(jax.config.update, 'jax_debug_nans', False)
+        for mapped in (False, True):
+            runs = {'ours': 0, 'jax': 0}
+            s = State(jnp.ones((2, 3)), name='pt_nan')
+
+            def f(x):
+                jax.debug.callback(lambda: runs.__setitem__('ours', runs['ours'] + 1))
+                s.value = s.value + x
+                return jnp.log(x - 2.0)
+
+            def pure(v, x):
+                jax.debug.callback(lambda: runs.__setitem__('jax', runs['jax'] + 1))
+                return jnp.log(x - 2.0), v + x
+            sf = sj.StatefulMapping(f, state_in_axes={0: sj.OfType(State)}) if mapped else (
+                StatefulFunction(f))
+            jf = jax.jit(jax.vmap(pure) if mapped else pure)
+            with contextlib.redirect_stdout(io.StringIO()):   # (JAX says it reruns)
+                for x, value in [(1.0, 1.0), (3.0, 4.0), (1.0, 4.0)]:   # first call, warm path
+                    for call in (lambda: sf(jnp.full((2, 3), x)),
+                                 lambda: jf(s.value, jnp.full((2, 3), x))):
+                        with (self.assertRaises(FloatingPointError) if x == 1.0
+                              else contextlib.nullcontext()):
+                            call()
+                    jax.effects_barrier()
+                    self.assertEqual(runs['ours'], runs['jax'])
+                    np.testing.assert_array_equal(s.value, np.full((2, 3), value, np.float32))
+            self.assertEqual(runs['ours'], 5)
+
     def test_disable_jit_fresh_function_nested_and_with_loops(self):
         t = State(jnp.zeros(3), name='pt_t')
         calls = []
