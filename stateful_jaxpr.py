@@ -2451,8 +2451,9 @@ _CANNOT = {
                   'again to rematerialize it, so the write would happen twice.  Checkpoint it '
                   'with stateful_jaxpr.checkpoint, which writes its States outside the '
                   'rematerialized part, or write the State outside the checkpointed function',
-    'cond': 'is written inside a lax.cond / lax.switch branch under reverse-mode differentiation '
-            '(jax.grad, jax.vjp, jax.linearize ...), where JAX {jax} cannot carry a write.  '
+    'cond': 'is written inside a lax.cond / lax.switch branch under differentiation (reverse '
+            'mode: jax.grad, jax.vjp, jax.linearize ...; any before JAX 0.7), where JAX {jax} '
+            'cannot carry a write.  '
             'Compute both outcomes and select: s.value = jnp.where(pred, new, s.value), or '
             'return the value from the cond (or switch) and assign it outside, or differentiate '
             'with stateful_jaxpr.grad, which traces the function before differentiating it',
@@ -2588,11 +2589,12 @@ class _RefCell:
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (_stages(trace) and trace is not self.home)
         path, whole = _trace_path(self.home)
-        self.in_cond = self.in_cond or any(_body_of(t) == 'cond' for t in path)
+        self.in_cond = self.in_cond or any(_body_of(t) == 'cond' for t in path) and (
+            whole is not True or any(_jvps(t) or _linearizes(t) for t in path))   # (under one)
         self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))
         self.blind = self.blind or whole is not True
         if _drops_ref_tangents(self.home):
-            raise _cannot('tangent', self.state._describe())
+            raise _cannot('cond' if self.in_cond else 'tangent', self.state._describe())
         level, at = self._level()
         if at is not None:   # (a differentiated value already)
             raise _cannot(_body_of(at), self.state._describe())   # 'checkpoint' or 'cond'
@@ -2855,8 +2857,8 @@ class _Retracer:
             err, cells = self.refused
         kind = None if isinstance(err, TraceContextError) else _refusal(err)
         if kind is not None and cells:
-            culprits = [c for c in cells if kind == 'cond' and c.in_cond]
-            kind = 'effects' if kind == 'cond' and not culprits else kind
+            culprits = [c for c in cells if kind in ('cond', 'tangent') and c.in_cond]
+            kind = 'cond' if culprits else 'effects' if kind == 'cond' else kind
             culprits = culprits or [c for c in cells if c.staged] or [c for c in cells if c.nested]
             named = sorted(c.state._describe() for c in culprits or cells)
             raise _cannot(kind, ', '.join(named), err) from err

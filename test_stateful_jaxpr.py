@@ -2398,6 +2398,20 @@ class NestedWriteTest(unittest.TestCase):
                 sf(jnp.float32(1.0))
             np.testing.assert_allclose(s.value, 2.0)
         self.assertFalse(_tracer_in(s))
+        # A written value with a tangent: the cond's refusal, on every release (directly under
+        # jax.grad or, from 0.6, in a jit there), and stateful_jaxpr.grad runs it.
+        def scaled(p):
+            lax.cond(p > 0, lambda: setattr(s, 'value', s.value * p), lambda: None)
+            return s.value * 3.0
+        for how in (scaled, lambda p: jax.jit(scaled)(p))[:1 + (_JAX_VERSION >= (0, 6))]:
+            s.value = jnp.float32(2.0)
+            with self.assertRaisesRegex(TraceContextError,
+                                        r"^State 'cw_state'[^,]*lax.cond.*jnp.where.*\.grad"):
+                StatefulFunction(jax.grad(how))(jnp.float32(1.5))
+            np.testing.assert_allclose(s.value, 2.0)
+            self.assertFalse(_tracer_in(s))
+        np.testing.assert_allclose(sj.grad(scaled, argnums=0)(jnp.float32(1.5)), 6.0)
+        np.testing.assert_allclose(s.value, 3.0)
 
     def test_write_in_cond_in_a_loop_under_grad_names_that_state_and_stateful_grad(self):
         # JAX refuses any State effect in a lax.cond / lax.switch under reverse mode, here in a
