@@ -4528,8 +4528,11 @@ def _fold(jaxpr, consts, in_values=()):
     def substitute(atom):
         if isinstance(atom, Literal) or atom not in known or atom in invars:
             return atom
-        if consts is None or np.shape(known[atom]) == ():
-            return _literal(np.asarray(known[atom]), atom.aval)
+        if consts is None or np.shape(known[atom]) == ():   # a weak type stays: a Python scalar
+            value = np.asarray(known[atom])                  # or (rare) the array itself
+            if getattr(atom.aval, 'weak_type', False):
+                value = value.item() if value.shape == () else known[atom]
+            return _literal(value, atom.aval)
         const_values[atom] = known[atom]
         return atom
 

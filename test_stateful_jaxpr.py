@@ -13791,6 +13791,23 @@ class FoldInterfaceTest(unittest.TestCase):
         for a, b in zip(_eval_closed(cj, *args), _eval_closed(_reclose(bare, cj.consts), *args)):
             np.testing.assert_array_equal(a, b)
 
+    def test_weak_types_survive_folding(self):
+        """A folded weakly typed value stays weak, as a result and feeding the equations after
+        it, so promotion with the results is unchanged (float16 stays float16)."""
+        def f(x):
+            return x + jnp.sin(2.0), jnp.sin(2.0), jnp.broadcast_to(jnp.cos(1.0), (3,)) * x
+
+        cj = jax.make_jaxpr(f)(jnp.ones(3, jnp.int32))
+        half = jnp.ones(3, jnp.float16)
+        for folded in (sj.constant_fold_jaxpr(cj),
+                       _reclose(sj.constant_fold_jaxpr(cj.jaxpr), cj.consts)):
+            self.assertNotIn('sin', _prims(folded))
+            for run in (_eval_closed, lambda j, x: jax.jit(functools.partial(_eval_closed, j))(x)):
+                got, want = run(folded, jnp.ones(3, jnp.int32)), run(cj, jnp.ones(3, jnp.int32))
+                self.assertEqual([(jnp.asarray(g) + half).dtype for g in got], [jnp.float16] * 3)
+                for g, w in zip(got, want, strict=True):
+                    np.testing.assert_allclose(g, w, rtol=1e-6)
+
     def test_nested_jit_body_folded(self):
         K = jnp.arange(3.0) + 1
 
