@@ -2963,7 +2963,7 @@ def _pretty(traced: _Traced, key) -> str:
         seen[base] = n = seen.get(base, 0) + 1
         labels.append(base if n == 1 else f'{base}#{n}')
         for path in _leaf_paths(sig[0]):
-            state_of.append(i)
+            state_of.append((i, tuple(path)))   # (an output is unchanged from its own leaf)
             in_roles.append(f'state {labels[i]!r}{keystr(path)} ({type(s).__name__}), '
                             f'{roles[i]}, created at {s.source_info}')
     extra = len(jaxpr.invars) - len(args) - len(in_roles)   # abstracted_axes sizes
@@ -2972,7 +2972,7 @@ def _pretty(traced: _Traced, key) -> str:
     out_roles = [f'result{keystr(path)}' for path in _leaf_paths(traced.out_tree)]
     for path, var in zip(_leaf_paths(traced.state_tree), jaxpr.outvars[traced.n_out:], strict=True):
         i = traced.returned[path[0].idx]
-        unchanged = isinstance(var, Var) and state_of_invar.get(var) == i
+        unchanged = isinstance(var, Var) and state_of_invar.get(var) == (i, tuple(path[1:]))
         out_roles.append(f'state {labels[i]!r}{keystr(tuple(path[1:]))}: '
                          + ('returned unchanged' if unchanged else 'new value'))
     names_in, names_out = _jaxpr_names(text, len(jaxpr.invars), len(jaxpr.outvars))
@@ -3394,7 +3394,7 @@ class StatefulFunction:
                 entry = hit = self._cached(key, read)
                 if entry is None:
                     held, entry = self._cache._peek(key, ()), self._build_entry(key, leaves, split)
-                    self._note_miss(key, held[:1], entry)
+                    self._note_miss(key, held, entry)
                     # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
                     if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
                         self._cache._store(key, (entry, *held[:3]))
@@ -3412,7 +3412,10 @@ class StatefulFunction:
             labels = _arg_labels(key)
             near, old, found = min([(k, old, _key_differences(k, key, labels))
                                     for k, old in reversed(cached)], key=lambda c: len(c[2]))
-            found = found + _state_differences(old[0].traced, entry.traced)
+            found = found + min([_state_differences(e.traced, entry.traced) for e in old], key=len)
+            if not found and entry.traced.rules and _under_jax_trace():   # (see _cached)
+                found = [('custom rule', 'a custom_vjp / custom_jvp rule: an entry keeping one '
+                          'serves only compiled calls, so each under a JAX transformation traces')]
         else:
             found = [('no cached entry', 'no entry is cached (cleared, evicted or not '
                                          f'cacheable; cache_size={self._cache.maxsize})')]
@@ -3424,7 +3427,8 @@ class StatefulFunction:
         lines = '\n'.join(f'  - {line}' for _, line in found if line) or \
             '  - nothing the cache key or the States show (the entry was not cacheable)'
         changed = ' and '.join(dict.fromkeys(
-            'a JAX setting' if cause == 'jax setting' else 'its States' for cause, _ in found))
+            'a JAX setting' if cause == 'jax setting' else 'its States' for cause, _ in found
+            if cause != 'custom rule'))
         logging.getLogger(__name__).warning(
             '%s(%r) traced again for (%s).\nNearest cached entry: %s%s\nWhat differs:\n%s',
             _public_class(self), self.name, _key_summary(key),
@@ -4362,6 +4366,9 @@ class Exported:
             result = self.exported.call(*_key_data(args), **_key_data(kwargs),
                                         states=_key_data({n: states[n] for n in needed}))
         except (TypeError, ValueError, NotImplementedError) as err:
+            if fixed := ', '.join(map(' = '.join, self.manifest['static_arguments'].items())):
+                err = type(err)(f'{str(err).rstrip()} (the static arguments, fixed at export and '
+                                f'not passed: {fixed})')
             raise _named(err, name) from err
         return _key_data(result, self.manifest['result_keys'])
 

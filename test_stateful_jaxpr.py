@@ -12959,6 +12959,19 @@ def _line_of(marker):
 
 class PrettyJaxprTest(unittest.TestCase):
 
+    def test_a_leaf_moved_within_its_state_is_a_new_value(self):
+        pair = State({'a': jnp.zeros(2), 'b': jnp.ones(2)}, name='pair')
+        keep = State((jnp.zeros(2), jnp.ones(2)), name='keep')
+
+        def f(x):
+            pair.value = {'a': pair.value['b'], 'b': pair.value['a']}
+            keep.value = (keep.value[0], keep.value[1] + x)
+            return x
+        legend = _legend(StatefulFunction(f).pretty_jaxpr(jnp.float32(1.0)))
+        self.assertEqual([r for _, _, r in legend['outputs']][1:], [
+            "state 'pair'['a']: new value", "state 'pair'['b']: new value",
+            "state 'keep'[0]: returned unchanged", "state 'keep'[1]: new value"])
+
     def test_legend_names_every_input_and_output(self):
         opt = State({'mu': jnp.zeros(3), 'nu': jnp.zeros(3)}, name='opt')   # site: opt
         w = sj.ParamState(jnp.ones(3), name='w')
@@ -13101,6 +13114,34 @@ class ExplainCacheMissesTest(unittest.TestCase):
         sf.clear_cache()
         self.assertEqual(sf.get_miss_causes(), {})
 
+    def test_the_nearest_entry_is_the_one_matching_the_states(self):
+        w = State(jnp.ones(3), name='w')
+        sf = StatefulFunction(lambda x: x.sum() * w.value, explain_cache_misses=True)
+        sf(jnp.ones(3))
+        w.value = jnp.ones(3, jnp.int32)
+        self._messages(lambda: sf(jnp.ones(3)))   # the same arguments, a second entry
+        w.value = jnp.ones(3)
+        sf(jnp.ones(3))                           # the first entry again: a hit
+        msg, = self._messages(lambda: sf(jnp.ones(4)))
+        self.assertEqual(msg.split('What differs:\n')[1], '  - argument 0: float32[3] -> float32[4]')
+        self.assertEqual(sf.get_miss_causes(), {
+            'first trace': 1, 'state shape/dtype': 1, 'argument shape/dtype': 1})
+
+    def test_a_retrace_for_a_custom_rule_under_a_jax_transformation_says_so(self):
+        w = State(jnp.ones(3), name='w')
+
+        @jax.custom_vjp
+        def double(a):
+            return a * 2
+        double.defvjp(lambda a: (a * 2, None), lambda _, t: (t * 2,))
+        sf = StatefulFunction(lambda x: double(x) * w.value, explain_cache_misses=True)
+        sf(jnp.ones(3))
+        msg, = self._messages(lambda: jax.jit(sf)(jnp.ones(3)))
+        self.assertEqual(msg.split('\n', 1)[1], 'Nearest cached entry: (argument 0: float32[3])\n'
+                         'What differs:\n  - a custom_vjp / custom_jvp rule: an entry keeping one '
+                         'serves only compiled calls, so each under a JAX transformation traces')
+        self.assertEqual(sf.get_miss_causes(), {'first trace': 1, 'custom rule': 1})
+
     def test_a_setting_change_is_not_called_a_state_change(self):
         s = State(jnp.zeros(3), name='unchanged')
 
@@ -13116,8 +13157,12 @@ class ExplainCacheMissesTest(unittest.TestCase):
         self.assertIn('Nearest cached entry: (argument 0: float32[]) (the same arguments; '
                       'a JAX setting changed)\n', msg)
         self.assertNotIn('its States', msg)
-        s.value = jnp.zeros(4)
+        s.value = jnp.zeros(4)   # (the nearest entry: the one with the setting now, if any)
         jax.config.update('jax_numpy_rank_promotion', 'allow')
+        msg, = self._messages(lambda: sf(jnp.float32(1)))
+        self.assertIn('(the same arguments; its States changed)', msg)
+        s.value = jnp.zeros(5)
+        jax.config.update('jax_numpy_rank_promotion', 'raise')
         msg, = self._messages(lambda: sf(jnp.float32(1)))
         self.assertIn('(the same arguments; its States and a JAX setting changed)', msg)
 
@@ -13329,6 +13374,9 @@ class ExportTest(unittest.TestCase):
         self.assertEqual((sorted(out), sorted(new)), (['noise', 'ys'], ['h', 'last', 'rng']))
         self.assertEqual(sj.deserialize(ex.serialize()).manifest, m)
         self.assertIn("'last' written", repr(ex))
+        with self.assertRaisesRegex(ValueError, r"(?s)exported 'step'.*static arguments, fixed "
+                                    r"at export and not passed: keyword 'scale' = 0\.5\)"):
+            ex(jnp.ones((2, 3)), scale=0.5, states={'h': h.value, 'w': w.value, 'rng': rng.value})
         two = sj.export(sf, jnp.ones((2, 3)), scale=0.5, platforms=['cpu', 'cuda'])
         self.assertEqual(two.exported.platforms, ('cpu', 'cuda'))
 
