@@ -3086,7 +3086,7 @@ def _locked_call(who, plan, dispatch, args, kwargs, strict):
     with _Door(who, _hold(who, plan.states, plan.locks, plan.write_states), strict):
         values = list(map(_real_value, plan.states))
         try:
-            out, new = dispatch(*values, *args, **kwargs)
+            new, out = dispatch(*values, *args, **kwargs)
         except RuntimeError as err:   # (JAX's error for a deleted buffer names no State)
             _name_deleted(err, plan.states)
             raise
@@ -3207,7 +3207,7 @@ def _call(sf, *args, **kwargs):
         doors.append(fast.door)
         try:
             values = map(_real_value, fast.states)   # (jax.jit's fast path takes no **{})
-            out, new = (fast.dispatch(*values, *args, **kwargs) if kwargs
+            new, out = (fast.dispatch(*values, *args, **kwargs) if kwargs
                         else fast.dispatch(*values, *args))
             writes, traced = fast.writes, not _eager(_current_trace())
             if writes and type(new[0]) is fast.leaf_type and not traced:
@@ -3502,7 +3502,7 @@ class StatefulFunction:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves,   # (eager: jax_debug_nans' rerun)
                                'eager' if _eager(_current_trace()) else 'whole')
-        return out, tuple(self._laid_out_as_held(plan, new, token))
+        return tuple(self._laid_out_as_held(plan, new, token)), out   # (the order: see _run)
 
     def _laid_out_as_held(self, plan, new, token) -> list:   # (token: see _layout_token)
         if not 0 < token != plan.token:   # (plan.token: no written State spans devices)
@@ -3510,14 +3510,15 @@ class StatefulFunction:
         return [_kept_layout(self, s, v) for s, v in zip(plan.write_states, new, strict=True)]
 
     def _run(self, entry, state_values, args, kwargs, leaves, token, lower=False):
-        """Runs ``entry`` (``lower``: compiles it only); a negative ``token`` (``jaxpr_call``)
-        donates and lays out nothing."""
+        """Runs ``entry`` (``lower``: compiles it only): ``(new state values, out)``, the States
+        first, as jax.jit gives a donated buffer to the first output of its type; a negative
+        ``token`` (``jaxpr_call``) donates and lays out nothing."""
         if not self._compiled_dispatch or not entry.traced.cacheable or (
                 entry.traced.rules and _under_jax_trace()):   # (see _cached)
             if lower:
                 return None
             out, new = entry.apply(state_values, leaves)
-            return out, self._laid_out_as_held(entry.plan, new, token)
+            return self._laid_out_as_held(entry.plan, new, token), out
         if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
             statics = _static_positions(self, len(args))
             args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
@@ -3785,7 +3786,7 @@ class StatefulFunction:
         rules = entry.traced.rules and _under_jax_trace()
         with StateTraceStack(new_arg=lambda s: state_vals[where[id(s)]] if id(s) in where
                              else _baked(s)) if rules else contextlib.nullcontext():
-            out, new = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
+            new, out = self._run(entry, [state_vals[i] for i in at], args, kwargs, leaves,
                                  -entry.plan.token)
         returned = set(described.returned)
         new_vals = [v if i in returned else None for i, v in enumerate(state_vals)]
