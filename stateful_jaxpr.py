@@ -116,6 +116,8 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _EPOCH_AXES = itertools.count()   # numbers _fresh_epoch's axes
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
+_PmapSharding = _probe('jax.sharding:PmapSharding') or ()   # jax.pmap's results, .. 0.9: no jit
+_mapped_aval = _src_core.mapped_aval   # an aval less one axis, its sharding's too (all releases)
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
 _JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
 _LinearizeTrace = _probe('jax._src.interpreters.ad:LinearizeTrace')   # 0.4.38 ..
@@ -586,6 +588,16 @@ def _laid_out(value, sharding):
     return (_reshard if _explicit(sharding) else jax.lax.with_sharding_constraint)(value, sharding)
 
 
+def _lane_key_layout(batched):
+    """The layout per-lane keys take along axis 0: that of the first of ``batched`` ((value,
+    axis) pairs) whose axis lies on explicit mesh axes, which JAX maps with no unsharded one."""
+    for value, axis in batched:
+        sharding = getattr(_aval_of(value), 'sharding', None)
+        if axis is not None and _explicit(sharding) and (on := sharding.spec[axis]) is not None:
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(on))
+    return None
+
+
 def _batched_flags(fun, avals, in_axes, axis_name, size) -> list:
     """Whether each output of ``jax.vmap(fun, in_axes)`` varies across lanes: a custom_vmap
     identity's rule sees how JAX batches its operands (under jax.eval_shape: nothing runs)."""
@@ -752,9 +764,10 @@ def _contains_tracer(tree) -> bool:
 _layout_epoch = 0
 
 
-def _multi_device(leaf):
+def _multi_device(leaf):   # (a layout to keep: jax.jit takes no PmapSharding, so none kept)
     sharding = None if isinstance(leaf, Tracer) else getattr(leaf, 'sharding', None)
-    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+    return sharding if sharding is not None and len(sharding.device_set) > 1 and not isinstance(
+        sharding, _PmapSharding) else None
 
 
 # =============================================================================
@@ -2173,11 +2186,11 @@ class _Traced:
         equations bound one by one, or ``staged`` as one jit equation of that name (_staged),
         unless a custom rule must see them inline (it reads States when JAX traces it) or the
         function closed over an enclosing trace's value (a jit equation holds only constants);
-        ``how``: 'whole', a jit's whole program, inlined in any case; 'eager', one by one."""
+        ``how``: 'whole', a jit's whole program, inlined in any case; 'inline', one by one."""
         closed, n_out = self.closed_jaxpr, self.n_out
         inline = staged is None or self.rules or _contains_tracer(closed.consts)
-        runs = {'eager': _jaxpr_as_fun(closed)}
-        runs[''] = runs['eager'] if inline else _staged(closed, staged)
+        runs = {'inline': _jaxpr_as_fun(closed)}
+        runs[''] = runs['inline'] if inline else _staged(closed, staged)
         runs['whole'] = runs[''] if inline else _staged(closed, staged, whole=True)
         out_tree, state_tree = self.out_tree, self.state_tree
 
@@ -3501,7 +3514,7 @@ class StatefulFunction:
             if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves,   # (eager: jax_debug_nans' rerun)
-                               'eager' if _eager(_current_trace()) else 'whole')
+                               'inline' if _eager(_current_trace()) else 'whole')
         return tuple(self._laid_out_as_held(plan, new, token)), out   # (the order: see _run)
 
     def _laid_out_as_held(self, plan, new, token) -> list:   # (token: see _layout_token)
@@ -4034,7 +4047,7 @@ def _lane_aval(axis: int, aval, error: Callable):
     shape = tuple(aval.shape)
     if not 0 <= (a := axis + len(shape) if axis < 0 else axis) < len(shape):
         raise error()
-    return a, ShapedArray(shape[:a] + shape[a + 1:], aval.dtype, weak_type=aval.weak_type)
+    return a, _mapped_aval(shape[a], a, aval)
 
 
 def _lane_args(sf, leaves, split):
@@ -4172,12 +4185,16 @@ class StatefulMapping(StatefulFunction):
         mapped = {how: self.mapping_fn(functools.partial(lane, how), in_axes=(
             list(arg_axes), state_axes), out_axes=(self.out_axes, list(write_axes.values())),
             axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
-            for how in ('whole', 'eager')}
+            for how in ('whole', 'inline')}
 
         def apply(state_values, flat_args, how=''):   # each RandomState: one key per lane, one kept
             keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
-            values = [keys[i][1:] if i in keys else v for i, v in enumerate(state_values)]
-            out, written = mapped[how or 'whole'](list(flat_args), values)
+            layout = keys and _lane_key_layout([*zip(flat_args, arg_axes), *(
+                (x, state_axes[i]) for i, v in enumerate(state_values) for x in _leaves(v))])
+            values = [(_reshard(keys[i][1:], layout) if layout else keys[i][1:]) if i in keys
+                      else v for i, v in enumerate(state_values)]
+            # (then by equation: a key's lane type may lack the mesh its lanes now have)
+            out, written = mapped['inline' if layout else how or 'whole'](list(flat_args), values)
             return out, list(written) + [k[0] for k in keys.values()]
 
         def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function

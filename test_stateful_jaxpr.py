@@ -10593,6 +10593,40 @@ class ShardingTest(unittest.TestCase):
             value = _put_sharded(jnp.zeros(16), mesh, self.P('d'))
             self._check_kept(value)
 
+    def test_a_mapping_over_an_axis_sharded_on_explicit_mesh_axes(self):
+        # The lanes' types drop the mapped axis's mesh axis; the per-lane keys are laid out
+        # along it, as a hand-written program must reshard them (which JAX 0.9 cannot batch),
+        # also for a key made off the mesh.
+        axis_type = getattr(getattr(jax.sharding, 'AxisType', None), 'Explicit', None)
+        use = getattr(jax, 'set_mesh', None) or getattr(jax.sharding, 'use_mesh', None)
+        if axis_type is None or use is None or sj._reshard is None:
+            self.skipTest(f'JAX {jax.__version__} has no explicit sharding mode')
+        mesh = _mesh((4, 2), ('b', 'm'), axis_types=(axis_type,) * 2)
+        results = []
+        for sharded, draw in itertools.product((False, True), (False, True)):
+            h, rng = sj.HiddenState(jnp.ones((8, 6)), name='ex_h'), sj.RandomState(0)
+
+            def lane(x):
+                noise = jax.random.normal(rng.split_key(), (6,)) if draw else 0.0
+                h.value = h.value * 2 + x + noise
+                return h.value.sum()
+            with use(mesh):
+                if sharded:
+                    h.value = _put_sharded(h.value, mesh, self.P('b', None))
+                x = jnp.arange(48.0).reshape(8, 6)
+                x = _put_sharded(x, mesh, self.P('b', None)) if sharded else x
+                m = sj.StatefulMapping(lane, in_axes=0, state_in_axes={0: sj.HiddenState})
+                if sharded and draw and _JAX_VERSION < (0, 10):   # (plain JAX fails too)
+                    continue
+                out = m(x)
+            if sharded:
+                self.assertEqual(h.value.sharding.spec, self.P('b', None))
+            results.append((draw, _host(out), _host(h.value), _host(jax.random.key_data(
+                rng.value))))
+        for draw, *got in results[2:]:
+            for a, b in zip(got, results[draw][1:], strict=True):
+                np.testing.assert_array_equal(a, b)
+
     def test_an_explicit_sharding_is_part_of_the_trace_key(self):
         # Over explicit mesh axes a sharding is part of a value's type, which code may read
         # while tracing: a new one retraces, for an argument as for a State, as jax.jit does.
@@ -12611,6 +12645,29 @@ class MappingFailureTest(unittest.TestCase):
         sm(jnp.ones((8, 2)))
         self.assertEqual(calls[0], n)
         np.testing.assert_allclose(w.value, 3 * np.ones((8, 2)))
+
+    def test_states_a_pmap_wrote_are_written_by_later_compiled_calls(self):
+        # jax.pmap leaves a PmapSharding (.. 0.9), which no jax.jit call may lay a value out
+        # with: plain jax.jit places the results its own way, and so do later calls.
+        _need_8_pmap_devices(self)
+        h, c = sj.HiddenState(jnp.zeros((8, 2)), name='pm_h'), State(jnp.zeros(2), name='pm_c')
+
+        def lane(x):
+            h.value = h.value + x
+            c.value = c.value + lax.psum(x, 'i')
+            return x.sum()
+        sj.StatefulMapping(lane, in_axes=0, state_in_axes={0: sj.HiddenState}, axis_name='i',
+                           mapping_fn=jax.pmap)(jnp.ones((8, 2)))
+
+        def bump(x):
+            h.value = h.value + x
+            c.value = c.value * x
+        for call in (StatefulFunction(bump), sj.StatefulMapping(
+                bump, in_axes=None, state_in_axes={0: sj.HiddenState})):
+            call(jnp.float32(2.0))
+            call(jnp.float32(2.0))
+        np.testing.assert_allclose(_host(h.value), np.full((8, 2), 9.0))
+        np.testing.assert_allclose(_host(c.value), np.full(2, 128.0))
 
 
 # -- collectives, random states under filters, batch sizes -----------------------
