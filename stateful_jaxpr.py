@@ -116,7 +116,8 @@ _extend_axis_env = _probe('jax._src.core:extend_axis_env_nd')  # all releases
 _EPOCH_AXES = itertools.count()   # numbers _fresh_epoch's axes
 _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
-_PmapSharding = _probe('jax.sharding:PmapSharding') or ()   # jax.pmap's results, .. 0.9: no jit
+_PmapSharding = _probe('jax.sharding:PmapSharding') or ()   # jax.pmap's results, .. 0.9
+_jit_takes = lambda sharding: not isinstance(sharding, _PmapSharding)   # noqa: E731 (as a layout)
 _mapped_aval = _src_core.mapped_aval   # an aval less one axis, its sharding's too (all releases)
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
 _JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
@@ -764,10 +765,10 @@ def _contains_tracer(tree) -> bool:
 _layout_epoch = 0
 
 
-def _multi_device(leaf):   # (a layout to keep: jax.jit takes no PmapSharding, so none kept)
+def _multi_device(leaf):   # (a layout to keep, one jax.jit takes)
     sharding = None if isinstance(leaf, Tracer) else getattr(leaf, 'sharding', None)
-    return sharding if sharding is not None and len(sharding.device_set) > 1 and not isinstance(
-        sharding, _PmapSharding) else None
+    return sharding if sharding is not None and len(sharding.device_set) > 1 and _jit_takes(
+        sharding) else None
 
 
 # =============================================================================
