@@ -306,13 +306,16 @@ def _trace_path(home) -> tuple:
     return path, True
 
 
+def _made_for(trace) -> str:   # what JAX builds ``trace``'s jaxpr for: its debug info says
+    return str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None), 'traced_for', ''))
+
+
 def _body_of(trace) -> str:
     """'checkpoint' where ``trace`` builds a jax.checkpoint body, 'cond' a lax.cond / switch
-    branch, 'loop' a scan, fori_loop or while_loop body or condition, 'mapped' a shard_map or
-    pmap body, else '' (its debug info: 'checkpoint / remat' from 0.7, 'checkpoint' before;
-    'while_loop' for a body .. 0.5; 'xla_pmap' .. 0.4)."""
-    kind = str(getattr(getattr(getattr(trace, 'frame', None), 'debug_info', None),
-                       'traced_for', ''))
+    branch, 'loop' a scan, fori_loop or while_loop body or condition ('while...'), 'mapped' a
+    shard_map or pmap body, else '' (its debug info: 'checkpoint / remat' from 0.7, 'checkpoint'
+    before; 'while_loop' for a body .. 0.5; 'xla_pmap' .. 0.4)."""
+    kind = _made_for(trace)
     return ('checkpoint' if kind.startswith('checkpoint') else 'cond' if kind in ('cond', 'switch')
             else 'loop' if kind in ('scan', 'fori_loop') or kind.startswith('while')
             else 'mapped' if kind in ('shard_map', 'pmap', 'xla_pmap') else '')
@@ -2524,12 +2527,13 @@ class _RefCell:
     the innermost level, with its tangents; ``refs`` always get the primal.  An ended
     differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'linearized', 'blind', 'improvised', 'adopted', 'weak', 'in_cond')
+                 'linearized', 'blind', 'improvised', 'adopted', 'weak', 'in_cond', 'in_while')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
         self.home, self.levels = home, []     # the stateful trace's own JAX trace, the levels
-        self.nested = self.staged = self.in_cond = False   # written nested, in a body, a cond
+        self.nested = self.staged = self.in_cond = self.in_while = False   # written nested, in a
+        # body, a cond under a differentiation, a while loop under a linearization
         self.linearized = False               # written in a body under jax.linearize / grad
         self.blind = False                    # in a body whose outer traces JAX hides (.. 0.5)
         self.improvised = improvised          # made at a write, in a trace that is redone
@@ -2606,6 +2610,8 @@ class _RefCell:
         self.in_cond = self.in_cond or any(_body_of(t) == 'cond' for t in path) and (
             whole is not True or any(_jvps(t) or _linearizes(t) for t in path))   # (under one)
         self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))
+        self.in_while = self.in_while or any(map(_linearizes, path)) and any(
+            _made_for(t).startswith('while') for t in path)   # (its writes rerun by the linear map)
         self.blind = self.blind or whole is not True
         if _drops_ref_tangents(self.home):
             raise _cannot('cond' if self.in_cond else 'tangent', self.state._describe())
@@ -2713,7 +2719,7 @@ def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
     owned = [set(itertools.islice(refs, len(c.refs))) for c in cells]
     looping = set().union(*(_written_refs(e) for e, found in per_eqn if 'while' in found))
     if culprits := [c.state._describe() for c, own in zip(cells, owned, strict=True)
-                    if c.linearized and own & looping]:
+                    if c.linearized and own & looping or c.in_while]:
         raise _cannot('while', ', '.join(culprits))
     kept = set().union(*(_written_refs(e) for e in closed.jaxpr.eqns if _nested_jaxprs(e.params)))
     if lost := [c.state._describe() for c, own in zip(cells, owned, strict=True)

@@ -3527,6 +3527,33 @@ class BackpropThroughTimeTest(unittest.TestCase):
             return
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
+    def test_a_while_loop_write_under_linearize_never_leaves_a_wrong_state(self):
+        # JAX reruns a linearized while loop's writes when the linear function is applied: the
+        # State would be written twice (a level's own Refs, not its inputs, are written there).
+        s = State(jnp.float32(0.0), name='lin_while_s')
+        for tangent in (False, True):
+            def fn(y):
+                def body(i):
+                    s.value = s.value + (y if tangent else 1.0)
+                    return i + 1
+                lax.while_loop(lambda i: i < 2, body, 0)
+                return s.value * y
+
+            def step(x):
+                out, f_jvp = jax.linearize(fn, x)
+                return out, f_jvp(jnp.float32(1.0))
+            with self.subTest(tangent=tangent):
+                s.value = jnp.float32(0.0)
+                try:
+                    got = StatefulFunction(step)(jnp.float32(2.0))
+                except TraceContextError as err:
+                    self.assertIn('lin_while_s', str(err))
+                    self.assertEqual(float(s.value), 0.0)
+                    continue
+                want = 4.0 if tangent else 2.0   # the explicit-carry program's final value
+                self.assertEqual(float(s.value), want)
+                np.testing.assert_allclose(got, (2 * want, 2 * want if tangent else want))
+
     def test_a_state_written_under_grad_and_read_in_a_while_loop(self):
         # Reverse mode through a while loop reading a State written in the differentiated
         # function: plain JAX's value where JAX can, else a refusal naming the State and the read.
