@@ -558,6 +558,21 @@ _abstract_mesh = _probe('jax._src.config:abstract_mesh_context_manager')   # 0.4
 _set_abstract_mesh = _probe('jax._src.mesh:set_abstract_mesh')
 
 
+# JAX's error for a NaN in a jit equation bound eagerly under jax_debug_nans, private 0.5 .. 0.11
+_PrivateNanError = _probe('jax._src.api_util:InternalFloatingPointError') or ()
+
+
+def _evaluated(closed) -> Callable:
+    """``closed`` bound one by one, NaNs checked as jax_debug_nans says (JAX's jaxpr_as_fun
+    turns it off, for the thread's later jit calls too) and raised as FloatingPointError."""
+    def run(*args):
+        try:
+            return _src_core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+        except _PrivateNanError as err:
+            raise FloatingPointError(f'invalid value ({err.ty}) encountered in {err.name}') from None
+    return run
+
+
 def _compile_ahead(lowered):
     """``lowered.compile()``, so that a jax.jit call on the same arguments finds the result."""
     with (_set_abstract_mesh(None) if _set_abstract_mesh and getattr(_abstract_mesh, 'value', 0)
@@ -2190,11 +2205,12 @@ class _Traced:
         equations bound one by one, or ``staged`` as one jit equation of that name (_staged),
         unless a custom rule must see them inline (it reads States when JAX traces it) or the
         function closed over an enclosing trace's value (a jit equation holds only constants);
-        ``how``: 'whole', a jit's whole program, inlined in any case; 'inline', one by one."""
+        ``how``: 'whole', a jit's whole program, inlined in any case; 'eager', one by one, NaNs
+        checked where jax_debug_nans says (JAX's rerun of a jit)."""
         closed, n_out = self.closed_jaxpr, self.n_out
         inline = staged is None or self.rules or _contains_tracer(closed.consts)
-        runs = {'inline': _jaxpr_as_fun(closed)}
-        runs[''] = runs['inline'] if inline else _staged(closed, staged)
+        runs = {'eager': _evaluated(closed), '': _jaxpr_as_fun(closed) if inline else _staged(
+            closed, staged)}
         runs['whole'] = runs[''] if inline else _staged(closed, staged, whole=True)
         out_tree, state_tree = self.out_tree, self.state_tree
 
@@ -3521,7 +3537,7 @@ class StatefulFunction:
             if (entry := self._entry_for(key, leaves, split, count=False)).plan is not plan:
                 raise _Unprepared
         out, new = entry.apply(list(state_values), leaves,   # (eager: jax_debug_nans' rerun)
-                               'inline' if _eager(_current_trace()) else 'whole')
+                               'eager' if _eager(_current_trace()) else 'whole')
         return tuple(self._laid_out_as_held(plan, new, token)), out   # (the order: see _run)
 
     def _laid_out_as_held(self, plan, new, token) -> list:   # (token: see _layout_token)
@@ -4192,7 +4208,7 @@ class StatefulMapping(StatefulFunction):
         mapped = {how: self.mapping_fn(functools.partial(lane, how), in_axes=(
             list(arg_axes), state_axes), out_axes=(self.out_axes, list(write_axes.values())),
             axis_name=self.axis_name, axis_size=None if any(in_batched) else n)
-            for how in ('whole', 'inline')}
+            for how in ('whole', 'eager')}
 
         def apply(state_values, flat_args, how=''):   # each RandomState: one key per lane, one kept
             keys = {i: jax.random.split(state_values[i], n + 1) for i in rng_index}
@@ -4201,7 +4217,7 @@ class StatefulMapping(StatefulFunction):
             values = [(_reshard(keys[i][1:], layout) if layout else keys[i][1:]) if i in keys
                       else v for i, v in enumerate(state_values)]
             # (then by equation: a key's lane type may lack the mesh its lanes now have)
-            out, written = mapped['inline' if layout else how or 'whole'](list(flat_args), values)
+            out, written = mapped['eager' if layout else how or 'whole'](list(flat_args), values)
             return out, list(written) + [k[0] for k in keys.values()]
 
         def whole(*args, **kwargs):   # the accessors' view: the mapped call as one function

@@ -8295,8 +8295,6 @@ class PlainTransformTest(unittest.TestCase):
         """Under jax_debug_nans a NaN raises FloatingPointError after one compiled run and one
         de-optimized rerun, as jax.jit of the hand-threaded program does, on a first call and
         on the warm path, and the State keeps its value (a StatefulMapping's too)."""
-        jax.config.update('jax_debug_nans', True)
-        self.addCleanup(jax.config.update, 'jax_debug_nans', False)
         for mapped in (False, True):
             runs = {'ours': 0, 'jax': 0}
             s = State(jnp.ones((2, 3)), name='pt_nan')
@@ -8312,7 +8310,9 @@ class PlainTransformTest(unittest.TestCase):
             sf = sj.StatefulMapping(f, state_in_axes={0: sj.OfType(State)}) if mapped else (
                 StatefulFunction(f))
             jf = jax.jit(jax.vmap(pure) if mapped else pure)
-            with contextlib.redirect_stdout(io.StringIO()):   # (JAX says it reruns)
+            # (the setting in this thread: a global one JAX's own jaxpr evaluator stops checking
+            # in this thread, and JAX says it reruns)
+            with jax.debug_nans(True), contextlib.redirect_stdout(io.StringIO()):
                 for x, value in [(1.0, 1.0), (3.0, 4.0), (1.0, 4.0)]:   # first call, warm path
                     for call in (lambda: sf(jnp.full((2, 3), x)),
                                  lambda: jf(s.value, jnp.full((2, 3), x))):
@@ -8323,6 +8323,32 @@ class PlainTransformTest(unittest.TestCase):
                     self.assertEqual(runs['ours'], runs['jax'])
                     np.testing.assert_array_equal(s.value, np.full((2, 3), value, np.float32))
             self.assertEqual(runs['ours'], 5)
+
+    def test_debug_nans_in_a_nested_function_or_jaxpr_call_and_later_jit_calls(self):
+        # A nested StatefulFunction's and jaxpr_call's NaN too, as JAX's public error; and JAX
+        # still checks later jit calls: our rerun, unlike JAX's jaxpr evaluator, turns no check
+        # off in the thread (a fresh one, where the global setting applies).
+        self.addCleanup(jax.config.update, 'jax_debug_nans', jax.config.jax_debug_nans)
+        jax.config.update('jax_debug_nans', True)
+        s, raised = State(jnp.ones(3), name='pt_nan_nested'), []
+        inner = StatefulFunction(lambda x: (setattr(s, 'value', s.value + x), jnp.log(x))[1])
+        outer, plain = StatefulFunction(lambda x: inner(x) * 2), jax.jit(lambda x: jnp.log(x) + 1)
+
+        def calls():
+            for call in (outer, lambda x: inner.jaxpr_call([s.value], x), plain):
+                call(jnp.ones(3))
+                try:
+                    call(-jnp.ones(3))
+                except FloatingPointError:
+                    raised.append(True)
+                else:
+                    raised.append(False)
+        with contextlib.redirect_stdout(io.StringIO()):
+            thread = threading.Thread(target=calls)
+            thread.start()
+            thread.join()
+        self.assertEqual(raised, [True] * 3)
+        np.testing.assert_array_equal(s.value, np.full(3, 2.0, np.float32))   # (jaxpr_call: pure)
 
     def test_disable_jit_fresh_function_nested_and_with_loops(self):
         t = State(jnp.zeros(3), name='pt_t')
