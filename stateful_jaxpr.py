@@ -118,6 +118,9 @@ _AXIS_EXPLICIT = _probe('jax.sharding:AxisType.Explicit')      # 0.5 ..
 _reshard = _probe('jax.sharding:reshard', 'jax.experimental.shard:reshard')  # 0.7 | 0.5 ..
 _PmapSharding = _probe('jax._src.sharding_impls:PmapSharding') or ()   # jax.pmap's, .. 0.9
 _jit_takes = lambda sharding: not isinstance(sharding, _PmapSharding)   # noqa: E731 (as a layout)
+# XLA may run a host callback on a thread of its own (0.10 ..), a dummy one to Python: whose call
+# it serves is unknown there.
+_on_xla_thread = lambda: isinstance(threading.current_thread(), threading._DummyThread)  # noqa: E731
 _mapped_aval = _src_core.mapped_aval   # an aval less one axis, its sharding's too (all releases)
 _MAKE_JAXPR_HAS_ABSTRACTED_AXES = _takes(jax.make_jaxpr, 'abstracted_axes')  # .. 0.8.1
 _JaxprTrace = _probe('jax._src.interpreters.partial_eval:DynamicJaxprTrace')   # all releases
@@ -942,6 +945,12 @@ def _hold(who, states, locks, writes) -> tuple:
                     'from the callback and assign it after the call')
             if mine:
                 _waiting[me] = lock, set(mine)
+            elif _on_xla_thread():   # (a wait for the call it serves would never end)
+                raise RuntimeError(
+                    f'{"an assignment or key draw" if who is None else _who(who)} in a host '
+                    f'callback JAX runs on a thread of its own would wait for '
+                    f'{of[lock]._describe()}, which a running call holds, maybe its own.  Return '
+                    'the value from the callback and assign it after the call')
         try:
             lock.acquire()
             lock.release()

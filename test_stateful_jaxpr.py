@@ -10092,6 +10092,37 @@ class CallAtomicityTest(unittest.TestCase):
         add_100(1.0)                                        # outside a call: fine
         self.assertEqual(float(s.value), 101.0)
 
+    def test_an_assignment_in_a_callback_on_an_xla_thread_raises_instead_of_hanging(self):
+        # XLA may run a host callback on a thread of its own (JAX 0.10 ..), whose call is unknown
+        # there: an assignment that would wait for a State a running call holds raises.
+        _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
+        big, errors = State(jnp.zeros((600, 600)), name='held_big'), []
+
+        def assign(x):
+            big.value = big.value
+
+        @StatefulFunction
+        def g(x):
+            y = big.value @ big.value + x
+            jax.debug.callback(assign, y.sum())
+            big.value = y * 0
+            return y.sum()
+
+        def calls():
+            for _ in range(10):
+                try:
+                    jax.block_until_ready(g(1.0))
+                except Exception as err:   # (JAX's error around the callback's)
+                    errors.append(str(err))
+        thread = threading.Thread(target=calls, daemon=True)
+        thread.start()
+        thread.join(120)
+        self.assertFalse(thread.is_alive(), 'a host callback waits for its own call')
+        if _JAX_VERSION >= (0, 10):   # (before, the callback may run once its call has ended)
+            self.assertEqual(len(errors), 10)
+        for err in errors:
+            self.assertRegex(err, r"(?s)RuntimeError: .*State 'held_big'.*running call")
+
     def test_a_call_in_a_callback_reads_but_never_writes_what_its_call_holds(self):
         _on_cpu(self)   # its host callbacks call into JAX: only the CPU runtime allows that
         held, other = State(jnp.ones(()), name='held_s'), State(jnp.zeros(()), name='other')
