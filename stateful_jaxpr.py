@@ -562,7 +562,8 @@ _set_abstract_mesh = _probe('jax._src.mesh:set_abstract_mesh')
 
 
 # JAX's error for a NaN in a jit equation bound eagerly under jax_debug_nans, private 0.5 .. 0.11
-_PrivateNanError = _probe('jax._src.api_util:InternalFloatingPointError') or ()
+_PrivateNanError = _probe('jax._src.api_util:InternalFloatingPointError',   # 0.6 ..
+                          'jax._src.dispatch:InternalFloatingPointError') or ()   # 0.5
 
 
 def _evaluated(closed) -> Callable:
