@@ -2564,7 +2564,7 @@ class _RefCell:
         self.blind = False                    # in a body whose outer traces JAX hides (.. 0.5)
         self.improvised = improvised          # made at a write, in a trace that is redone
         self.adopted = False                  # ``refs`` are a differentiation's primal Refs
-        self.weak = [a.weak_type for a in avals]   # per leaf: every value it held weakly typed
+        self.weak = [a.weak_type for a in avals]   # per leaf: the last value written is weak
 
     def _level(self):
         """``(level, at)``: the innermost level here (None: none), ended ones folded into their
@@ -2629,7 +2629,7 @@ class _RefCell:
         """Writes ``value`` at the current trace: into the innermost level, and its primal into
         ``refs``; refuses what JAX could not differentiate there."""
         leaves, trace = self._leaves_for(value), _current_trace()
-        self.weak = [w and _aval_of(x).weak_type for w, x in zip(self.weak, leaves)]
+        self.weak = [_aval_of(x).weak_type for x in leaves]
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (_stages(trace) and trace is not self.home)
         path, whole = _trace_path(self.home)
@@ -2770,11 +2770,13 @@ def _discharge_cells(closed: ClosedJaxpr, cells, picks) -> tuple:
                 f'a State among {described} changed shape inside a nested transformation '
                 f'({before.str_short()} became {after.aval.str_short()}), e.g. by writing '
                 'a per-lane value inside jax.vmap; map the function with StatefulMapping instead')
-    if weak := {i for i, (a, v) in enumerate(zip(avals, jaxpr.outvars))
-                if a.weak_type and not v.aval.weak_type}:   # lost in JAX's Refs
+    if weak := {i: a.weak_type for i, (a, v) in enumerate(zip(avals, jaxpr.outvars))
+                if a.weak_type != v.aval.weak_type}:   # lost in JAX's Refs, or its cond's pick
         run = _jaxpr_as_fun(_rebuild(jaxpr, pure.consts))
-        weaken = lambda *xs: [_weakly(x) if i in weak else x for i, x in enumerate(run(*xs))]
-        traced, _, consts = _trace_to_jaxpr(weaken, [v.aval for v in jaxpr.invars], run, 'weak')
+        retyped = lambda *xs: [x if i not in weak else _weakly(x) if weak[i] else
+                               jax.lax.convert_element_type(x, x.dtype)
+                               for i, x in enumerate(run(*xs))]
+        traced, _, consts = _trace_to_jaxpr(retyped, [v.aval for v in jaxpr.invars], run, 'weak')
         return _rebuild(traced, None, debug_info=getattr(jaxpr, 'debug_info', None)), consts, avals
     return jaxpr, pure.consts, avals
 

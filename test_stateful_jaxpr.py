@@ -7733,17 +7733,19 @@ class StateSignatureTest(unittest.TestCase):
     def test_weak_type_of_a_state_written_in_a_body(self):
         # A body's write goes through JAX's Refs, whose values are strongly typed: the State
         # (and a result read from it) must still come out as the explicit carry does, weak
-        # where every value written was weak, strong after a strong one, step after step.
+        # where the value last written was weak (a Python scalar resets a strong State to a weak
+        # one), strong after a strong one, step after step.
         loops = {'scan': lambda body, v: jax.lax.scan(lambda c, _: (body(c), None), v, None, 2)[0],
                  'fori_loop': lambda body, v: jax.lax.fori_loop(0, 2, lambda i, c: body(c), v),
                  'while_loop': lambda body, v: jax.lax.while_loop(
                      lambda c: c[1] < 2, lambda c: (body(c[0]), c[1] + 1), (v, 0))[0],
                  'jit': lambda body, v: jax.jit(body)(v)}
-        updates = {'weak': lambda v: v * 2 + 1, 'strong': lambda v: v * jnp.float32(0.5)}
+        updates = {'weak': lambda v: v * 2 + 1, 'strong': lambda v: v * jnp.float32(0.5),
+                   'reset': lambda v: 0.25}
         x = jnp.ones(2, jnp.bfloat16)
         for (loop, run), (kind, update), init in itertools.product(
-                loops.items(), updates.items(), (1.5, 2)):
-            if kind == 'strong' and isinstance(init, int):
+                loops.items(), updates.items(), (1.5, 2, jnp.float32(1.5))):
+            if kind in ('strong', 'reset') and isinstance(init, int):
                 continue
             with self.subTest(loop=loop, update=kind, init=init):
                 s = State(init)
@@ -7798,6 +7800,18 @@ class StateSignatureTest(unittest.TestCase):
         sf = StatefulFunction(lambda x: scan(s, x))
         new, _ = sf.jaxpr_call([s.value], 1.0)
         self.assertTrue(new[0].weak_type)
+
+    def test_a_cond_write_reads_back_the_weak_type_it_is_stored_with(self):
+        # JAX's cond takes one branch's weak type; whichever, a read after the cond and the
+        # State after the call must agree.
+        for init, value in ((1.5, jnp.float32(2.0)), (jnp.float32(1.5), 2.0)):
+            s = State(init)
+
+            def f(x):
+                jax.lax.cond(x > 0, lambda: s.__setattr__('value', value), lambda: None)
+                return s.value
+            with self.subTest(init=init):
+                self.assertEqual(StatefulFunction(f)(1.0).weak_type, s.value.weak_type)
 
     def test_a_body_write_keeps_the_shape_the_state_had_when_called(self):
         # Written in a loop body, the State is traced as Refs of the shape it had when called:
