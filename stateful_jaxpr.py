@@ -3976,7 +3976,8 @@ def grad(fun: Callable | None = None, grad_states=None, argnums=None, holomorphi
         n, touched = len(args), inner.get_states(*args, **kwargs)
         if any(not -n <= i < n for i in nums or ()):
             raise TypeError(f'grad(argnums={argnums!r}) of {_who(inner)}: the call passed '
-                            f'{n} positional argument(s)')
+                            f'{n} positional argument(s); pass the argument positionally '
+                            'or fix argnums')
         _check_grad_states(inner, uniq, touched, check_states, allow_int)
         values = {s: s.value for s in touched}
 

@@ -9035,7 +9035,7 @@ _BAD_INPUT_CASES = [
      lambda fx: _P(sj.grad, fx.write, None, 'a'), ['argnums', "'a'"]),
     ('grad', 'grad(argnums=1) of a call with one argument', TypeError,
      lambda fx: _P(sj.grad(lambda x: fx.write(x).sum(), argnums=1), jnp.ones(3)),
-     ['argnums=1', '1 positional']),
+     ['argnums=1', '1 positional', 'fix argnums']),
     ('grad', 'grad of a State the loss never touches', ValueError,
      lambda fx: _P(sj.grad(lambda x: fx.write(x).sum(), [fx.s, fx.t]), jnp.ones(3)),
      ["'bi_t'", 'check_states=False']),
