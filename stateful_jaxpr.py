@@ -2666,10 +2666,10 @@ class _RefCell:
                 raise _cannot('varying', self.state._describe()) from err
             raise TraceContextError(
                 f'{self.state._describe()} cannot be written inside this nested JAX transformation '
-                f'({type(err).__name__}: {err}).  A value varying across jax.vmap lanes cannot go '
-                'into an unbatched State (jax.jacfwd / jax.hessian batch every value on recent '
-                'JAX): map the function with StatefulMapping, differentiate with jax.jacrev, or '
-                'return the value from the transformation and assign it outside') from err
+                f'({type(err).__name__}: {err}).  A value written inside jax.vmap (one varying '
+                'across lanes; on recent JAX any, under jax.jacfwd / jax.hessian too) cannot go '
+                'into an unbatched State: map the function with StatefulMapping, use jax.jacrev, '
+                'or return the value from the transformation and assign it outside') from err
 
     def _leaves_for(self, value) -> list:
         """``value``'s leaves, checked against the Refs; a weakly typed leaf is cast

@@ -4349,6 +4349,24 @@ class ErrorsTracingTest(_ErrorsCase):
         self.assertIn('reverse order', msg)
         _assert_unchanged(self, [s], snapshot)
 
+    def test_a_constant_written_under_vmap_is_not_called_varying(self):
+        # JAX 0.7 writes a lane-invariant value into an unbatched State; later releases batch
+        # every value written there: refused then, naming the State, never calling it varying.
+        s = State(jnp.zeros(()), name='vconst')
+
+        def f(xs):
+            def g(x):
+                s.value = jnp.float32(1.0)
+                return x * 2
+            return jax.vmap(g)(xs)
+        try:
+            np.testing.assert_array_equal(StatefulFunction(f)(jnp.ones(3)), np.full(3, 2.0))
+            self.assertEqual(float(s.value), 1.0)
+        except TraceContextError as err:
+            self.assertRegex(str(err), r"'vconst'.*inside jax.vmap \(one varying across lanes; "
+                             'on recent JAX any')
+            self.assertEqual(float(s.value), 0.0)
+
     def test_a_non_array_written_at_top_level_names_the_state(self):
         s = sj.State(jnp.zeros(2), name='er_str_write')
         for what, value in (('a string', 'hello'), ('an object in a dict', {'k': object()})):
