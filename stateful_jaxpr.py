@@ -1564,12 +1564,14 @@ def check_state_value_tree(val: bool = True):
 
 
 def _reject_states(tree, what: str, refuse: Callable | None = None) -> None:
-    """Refuses a State among ``tree``'s leaves (``what`` names ``tree``); with ``refuse``, then a
-    leaf JAX cannot take: raises ``refuse(error, keystr, leaf)``, the error JAX gave made plain."""
+    """Refuses a State among ``tree``'s leaves (``what`` names ``tree``; ending in a space, it is
+    a verb, as 'returned '); with ``refuse``, then a leaf JAX cannot take: raises
+    ``refuse(error, keystr, leaf)``, the error JAX gave made plain."""
     pairs = jax.tree_util.tree_flatten_with_path(tree)[0]
     for path, leaf in pairs:
         if isinstance(leaf, State):
-            where = f'{what}{jax.tree_util.keystr(path)} is' if path else what.rstrip()
+            verb = not path and what.endswith(' ')
+            where = what.rstrip() if verb else f'{what}{jax.tree_util.keystr(path)} is'
             raise ValueError(f'{where} a State ({leaf._describe()}); return or pass its '
                              'value instead (state.value)')
     for path, leaf in pairs if refuse is not None else ():

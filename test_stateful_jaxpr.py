@@ -8979,7 +8979,7 @@ _BAD_INPUT_CASES = [
     ('StatefulFunction', 'warm sf(a State)', ValueError,
      lambda fx: _P(fx.warm(), fx.s), ['argument [0]', "'bi_s'"]),
     ('StatefulFunction', 'static argument a State', ValueError,
-     lambda fx: _P(fx.sfs, 1.0, fx.s), ['static positional argument 1', "'bi_s'"]),
+     lambda fx: _P(fx.sfs, 1.0, fx.s), ['static positional argument 1 is a State', "'bi_s'"]),
     ('StatefulFunction', 'static argument missing', ValueError,
      lambda fx: _P(fx.sfs, 1.0), ['static_argnums contains 1']),
     ('StatefulFunction', 'static argument an array', TypeError,
