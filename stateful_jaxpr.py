@@ -3162,9 +3162,7 @@ def _layout_token(plan) -> int:
     """``plan``'s dispatcher key for the layout its written states have now."""
     layout = tuple(_multi_device(leaf) for state in plan.write_states
                    for leaf in _leaves(state._value))
-    if not any(layout):
-        return plan.token
-    return plan.layouts.setdefault(layout, next(_plan_tokens))
+    return plan.layouts.setdefault(layout, next(_plan_tokens)) if any(layout) else plan.token
 
 
 def _donating(sf, jitted, plan):
@@ -3541,8 +3539,7 @@ class StatefulFunction:
             raise _Unprepared   # (run eagerly otherwise: jax_debug_nans' rerun, as jax.jit's)
         plan = plan_ref()   # (weak, as the plan holds this jax.jit; the caller holds the plan)
         state_values, args = flat[:len(plan.states)], flat[len(plan.states):]
-        if self._statics_by_value:
-            args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
+        args = tuple(a.value if isinstance(a, _StaticArg) else a for a in args)
         kwargs = {k: v.value if isinstance(v, _StaticArg) else v for k, v in kwargs.items()}
         key, leaves, split = self._cache_key(args, kwargs)
         given = dict(zip(map(id, plan.states), state_values, strict=True))
@@ -3762,9 +3759,8 @@ class StatefulFunction:
         described = self._described_by_key(cache_key, 'State trace')
         for state, sig in zip(described.states, described.state_sigs, strict=True):
             if (got := _stale_sig(state._value, sig)) is not None:
-                raise ValueError(
-                    f'{state._describe()} changed from {sig} to {got} since it was traced; '
-                    'the next call retraces (or call clear_cache())')
+                raise ValueError(f'{state._describe()} changed from {sig} to {got} since it was '
+                                 'traced; the next call retraces (or call clear_cache())')
         return True
 
     def validate_all_states(self) -> dict:
