@@ -1756,7 +1756,6 @@ class _StateCatcher(collections.abc.Sequence):
         self.state_ids, self.states = set(), []
 
     def append(self, state: State) -> None:
-        """Adds ``state`` (tagging it) unless excluded or already caught."""
         if id(state) in self.state_ids or self.state_to_exclude((), state):
             return
         if self.state_tag is not None:
