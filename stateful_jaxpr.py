@@ -831,7 +831,7 @@ def _slot(state, slot: str):
 
 def _set_slot(state, slot: str, value) -> None:
     if (frame := _innermost_overlay(_ctx.frames)) is not None:
-        frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack._commit
+        frame._side[id(state), slot] = (state, slot, value)   # see StateTraceStack.__exit__
         return
     _check_tracers_may_enter(state, value, (), slot)
     setattr(state, slot, value)
@@ -918,15 +918,15 @@ def _hold(who, states, locks, writes) -> tuple:
             taken.release()
         if mine is None:
             mine = {lock: door.who for door in _ctx.doors for lock in door.locks}
+            actor = 'an assignment or key draw' if who is None else _who(who)
             of = dict(zip(locks, sorted(states, key=id), strict=True))
             for lock, state in of.items():
                 if mine.get(lock) is not None and state in writes:
                     raise RuntimeError(
-                        f'{"an assignment or key draw" if who is None else _who(who)} would '
-                        f'change {state._describe()} in a host callback of the running call of '
-                        f'{_who(mine[lock])}, which holds it: its write-back would lose the '
-                        'change (or hand a key out twice).  Return the value from the callback '
-                        'instead')
+                        f'{actor} would change {state._describe()} in a host callback of the '
+                        f'running call of {_who(mine[lock])}, which holds it: its write-back would '
+                        'lose the change (or hand a key out twice).  Return the value from the '
+                        'callback instead')
             locks = tuple(lock for lock in locks if lock not in mine)
             continue
         me = threading.get_ident()
@@ -940,16 +940,14 @@ def _hold(who, states, locks, writes) -> tuple:
                 wanted = _waiting[holder][0]
             if mine and wanted in mine:
                 raise RuntimeError(
-                    f'{"an assignment or key draw" if who is None else _who(who)} in a host '
-                    f'callback would wait for {of[lock]._describe()}, which another call holds '
-                    'while its own callback waits for one this call holds.  Return the value '
-                    'from the callback and assign it after the call')
+                    f'{actor} in a host callback would wait for {of[lock]._describe()}, which '
+                    'another call holds while its own callback waits for one this call holds.  '
+                    'Return the value from the callback and assign it after the call')
             if mine:
                 _waiting[me] = lock, set(mine)
             elif _on_xla_thread():   # (a wait for the call it serves would never end)
                 raise RuntimeError(
-                    f'{"an assignment or key draw" if who is None else _who(who)} in a host '
-                    f'callback JAX runs on a thread of its own would wait for '
+                    f'{actor} in a host callback JAX runs on a thread of its own would wait for '
                     f'{of[lock]._describe()}, which a running call holds, maybe its own.  Return '
                     'the value from the callback and assign it after the call')
         try:
@@ -1011,7 +1009,6 @@ class State:
                  '_owner', '_creation_trace', '_broken', '__weakref__', '__dict__')
 
     def __init__(self, value, name: str | None = None, **metadata):
-        """Checks ``value``; notes where, in which trace and at which stack depth it is made."""
         self._name, self._metadata, self._source = name, metadata, _user_site()
         self._check_value(value)
         self._value, self._broken = value, None   # _broken: a _Broken while nothing is readable
@@ -1077,16 +1074,6 @@ class State:
 
     def _raise_broken(self):
         raise self._broken.error(self._broken.message)
-
-    def _orphan(self) -> None:   # its overlay ended: a tracer it kept from there leaves a shape
-        self._owner = None
-        if _contains_tracer(self._value):
-            self._value = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                                 if isinstance(x, Tracer) else x, self._value)
-            self._broken = _Broken(
-                TraceContextError, f'{self._describe()} holds a tracer from the finished trace '
-                'that created it; return its value from the traced function, or create the State '
-                'outside it', 'tracer from a finished trace')
 
     name = _slot_property('_name', 'The name given at creation (or ``None``).')
     metadata = _slot_property('_metadata', 'Free-form metadata given at creation.', False)
@@ -1453,15 +1440,11 @@ class StateTraceStack:
                                'stacks in the reverse order they were entered (nested `with`)')
         frames.pop()
         try:
-            if exc_type is None:
-                self._commit()
+            if exc_type is None:   # (tracers of States made inside are dropped)
+                self._hand_on([e for e in self._side.values()
+                               if not (e[0]._owner is self and _contains_tracer(e[2]))])
         finally:
             self._close()
-
-    def _commit(self):
-        """Hands the side slots written inside on (tracers of States made inside are dropped)."""
-        self._hand_on([e for e in self._side.values()
-                       if not (e[0]._owner is self and _contains_tracer(e[2]))])
 
     def _hand_on(self, entries) -> None:
         traces = tuple(f._jax_trace for f in _ctx.frames)
@@ -1473,7 +1456,15 @@ class StateTraceStack:
     def _close(self):
         """Ends an overlay; States made inside that kept a tracer keep only its shape."""
         for state in self._owned:
-            state._orphan()
+            state._owner = None
+            if _contains_tracer(state._value):
+                state._value = jax.tree_util.tree_map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Tracer)
+                    else x, state._value)
+                state._broken = _Broken(
+                    TraceContextError, f'{state._describe()} holds a tracer from the finished '
+                    'trace that created it; return its value from the traced function, or create '
+                    'the State outside it', 'tracer from a finished trace')
         self._owned, self._values, self._side = [], {}, {}
 
     original_state_values = property(lambda self: tuple(self._originals), doc="Each recorded "
