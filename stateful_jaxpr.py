@@ -361,6 +361,12 @@ def _diff_refs(value, avals, refs) -> list:
             for x, a, r in zip(jax.tree_util.tree_leaves(value), avals, refs)]
 
 
+def _tied(value, ref):
+    """``value``, tied to ``ref``'s by a select: 0.8 .. 0.10 transpose no loop writing a value
+    with no derivative into a Ref made inside the differentiation (refused: 'transpose')."""
+    return jax.lax.select(True, value, _ref_get(ref, ()))
+
+
 def _set_refs(refs, values, primal: bool) -> None:
     """Writes ``values`` into ``refs``, their primals if ``primal``; refused, the other (.. 0.5)."""
     for ref, value in zip(refs, values):
@@ -2307,6 +2313,7 @@ class _TraceFrame(StateTraceStack):
         cell = _RefCell(state, [_new_arg(self._jax_trace, _ref_type(a)) for a in avals],
                         treedef, avals, self._jax_trace, improvised)
         self.cells.append(cell)
+        cell.tie = self.retracer.lessons.tie   # (see _tied)
         self._inputs.update(dict.fromkeys(map(id, cell.refs), state))
         return cell
 
@@ -2545,7 +2552,8 @@ class _RefCell:
     the innermost level, with its tangents; ``refs`` always get the primal.  An ended
     differentiation's level hands its primal to its parent's."""
     __slots__ = ('state', 'refs', 'treedef', 'avals', 'home', 'levels', 'nested', 'staged',
-                 'linearized', 'blind', 'improvised', 'adopted', 'weak', 'in_cond', 'in_while')
+                 'linearized', 'blind', 'improvised', 'adopted', 'weak', 'in_cond', 'in_while',
+                 'tie')
 
     def __init__(self, state, refs, treedef, avals, home, improvised):
         self.state, self.refs, self.treedef, self.avals = state, refs, treedef, avals
@@ -2645,7 +2653,7 @@ class _RefCell:
                 level.written = True
             if level is not None and level.refs:
                 for ref, leaf in zip(level.content, leaves, strict=True):
-                    _ref_set(ref, (), leaf)
+                    _ref_set(ref, (), _tied(leaf, ref) if self.tie else leaf)
             # A differentiation of the stateful trace itself whose level holds Refs carries the
             # value in their primals, which ``refs`` take when it ends: no second loop carry.
             adopts = level is not None and level.refs and len(self.levels) == 1 and (
@@ -2786,11 +2794,12 @@ _Epoch = enum.Enum('_Epoch', 'PLAIN SHARED FRESH')
 
 class _Lessons:
     """What earlier traces of one function teach its later ones (changed by _Retracer alone): the
-    States lifted as Refs from their first touch, and whether every run is isolated."""
-    __slots__ = ('ref_states', 'isolate')
+    States lifted as Refs from their first touch, whether every run is isolated, and whether
+    writes into a differentiation's Refs are tied to their old values."""
+    __slots__ = ('ref_states', 'isolate', 'tie')
 
     def __init__(self):
-        self.ref_states, self.isolate = weakref.WeakSet(), False
+        self.ref_states, self.isolate, self.tie = weakref.WeakSet(), False, False
 
 
 class _Retracer:
@@ -2812,6 +2821,8 @@ class _Retracer:
       (isolated if it was isolated);
     - saw JAX refuse a Ref program in which it lifted no State as Refs, the next run is
       isolated: a body JAX cached may hide the write it refuses;
+    - saw JAX fail to transpose a loop writing a differentiation's Refs, the next run ties each
+      such write to the Ref's old value (``_tied``), as does every later trace;
     - raised anything else, or did none of these, none follows: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
@@ -2883,6 +2894,8 @@ class _Retracer:
         elif self.pending and (err is None or _refusal(err)):   # (a refusal of improvised Refs?)
             epoch = (_Epoch.FRESH if lessons.isolate else _Epoch.SHARED if self.in_body
                      else _Epoch.PLAIN)
+        elif _refusal(err) == 'transpose' and not lessons.tie:
+            lessons.tie = True   # (see _tied)
         elif _refusal(err) and epoch is not _Epoch.FRESH and not self.refused[1]:
             epoch = _Epoch.FRESH   # (no State to name: an isolated run may show the write)
         else:

@@ -3101,8 +3101,14 @@ class LoopWriteUnderDifferentiationTest(unittest.TestCase):
                 lambda c, xi: (c, h.set(h.get() + xi)), 0.0, jnp.ones(2)),
             'fori': lambda h, x: lax.fori_loop(
                 0, 2, lambda i, c: (h.set(h.get() + 1.0), c)[1], 0.0),
+            # (a constant, JAX 0.8 .. 0.10 cannot transpose into a Ref made in a differentiation)
+            'reset': lambda h, x: lax.scan(
+                lambda c, _: (c, h.set(jnp.full(4, 0.25))), 0.0, None, length=2),
+            'reset_fori': lambda h, x: lax.fori_loop(
+                0, 2, lambda i, c: (h.set(jnp.full(4, 0.25)), c)[1], 0.0),
         }
-        wants = {'scan': 2.0, 'scan_carry': 3.0, 'scan_xs': 2.0, 'fori': 2.0}
+        wants = {'scan': 2.0, 'scan_carry': 3.0, 'scan_xs': 2.0, 'fori': 2.0, 'reset': 0.25,
+                 'reset_fori': 0.25}
 
         class Box:   # a State seen through get / set, as the loops above use it
             def __init__(self, state):
