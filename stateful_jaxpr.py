@@ -2564,7 +2564,9 @@ class _RefCell:
         self.blind = False                    # in a body whose outer traces JAX hides (.. 0.5)
         self.improvised = improvised          # made at a write, in a trace that is redone
         self.adopted = False                  # ``refs`` are a differentiation's primal Refs
-        self.weak = [a.weak_type for a in avals]   # per leaf: the last value written is weak
+        # Per leaf: whether the last value written is weak, as a loop carry's or a jit's result;
+        # a cond branch's write keeps it (JAX's cond keeps branch 0's, which often passes it on).
+        self.weak = [a.weak_type for a in avals]
 
     def _level(self):
         """``(level, at)``: the innermost level here (None: none), ended ones folded into their
@@ -2629,10 +2631,11 @@ class _RefCell:
         """Writes ``value`` at the current trace: into the innermost level, and its primal into
         ``refs``; refuses what JAX could not differentiate there."""
         leaves, trace = self._leaves_for(value), _current_trace()
-        self.weak = [_aval_of(x).weak_type for x in leaves]
         self.nested = self.nested or trace is not self.home
         self.staged = self.staged or (_stages(trace) and trace is not self.home)
         path, whole = _trace_path(self.home)
+        if not any(_body_of(t) == 'cond' for t in path):   # (see weak)
+            self.weak = [_aval_of(x).weak_type for x in leaves]
         self.in_cond = self.in_cond or any(_body_of(t) == 'cond' for t in path) and (
             whole is not True or any(_jvps(t) or _linearizes(t) for t in path))   # (under one)
         self.linearized = self.linearized or any(map(_stages, path)) and any(map(_linearizes, path))

@@ -7837,6 +7837,32 @@ class StateSignatureTest(unittest.TestCase):
             with self.subTest(init=init):
                 self.assertEqual(StatefulFunction(f)(1.0).weak_type, s.value.weak_type)
 
+    def test_a_branch_write_keeps_the_weak_type_as_jax_cond_does(self):
+        # JAX's cond / switch give their result branch 0's weak type (lax.cond's false branch):
+        # here it passes the State on, or writes the State's kind of value.
+        bf = jnp.ones(2, jnp.bfloat16)
+        branches = {'cond': lambda v: [lambda c: c, lambda c: v],   # (false, true)
+                    'switch': lambda v: [lambda c: c, lambda c: v]}
+        for (kind, make), (init, value) in itertools.product(
+                branches.items(), ((0.5, jnp.float32(2.0)), (jnp.float32(0.5), 2.0))):
+            s = State(init)
+
+            def f(i):
+                fns = [lambda fn=fn: s.__setattr__('value', fn(s.value)) for fn in make(value)]
+                lax.switch(i, fns) if kind == 'switch' else lax.cond(i > 0, fns[1], fns[0])
+                return s.value * bf
+
+            def explicit(c, i):
+                fns = make(value)
+                c = lax.switch(i, fns, c) if kind == 'switch' else lax.cond(i > 0, *fns[::-1], c)
+                return c * bf, c
+            with self.subTest(kind=kind, init=init):
+                for i in (1, 0):
+                    want, carry = jax.jit(explicit)(init, i)
+                    got = StatefulFunction(f)(i)
+                    self.assertEqual((got.dtype, s.value.weak_type), (want.dtype, carry.weak_type))
+                    s.value = init
+
     def test_a_body_write_keeps_the_shape_the_state_had_when_called(self):
         # Written in a loop body, the State is traced as Refs of the shape it had when called:
         # a top-level write giving it another shape first is refused, naming the way out.
