@@ -2897,8 +2897,9 @@ class _Retracer:
         elif self.pending and (err is None or _refusal(err)):   # (a refusal of improvised Refs?)
             epoch = (_Epoch.FRESH if lessons.isolate else _Epoch.SHARED if self.in_body
                      else _Epoch.PLAIN)
-        elif _refusal(err) == 'transpose' and not lessons.tie:
-            lessons.tie = True   # (see _tied)
+        elif _refusal(err) == 'transpose' and not lessons.tie:   # (see _tied; a body JAX
+            lessons.tie = lessons.isolate = True                 # cached is not tied)
+            epoch = _Epoch.FRESH
         elif _refusal(err) and epoch is not _Epoch.FRESH and not self.refused[1]:
             epoch = _Epoch.FRESH   # (no State to name: an isolated run may show the write)
         else:

@@ -3138,6 +3138,36 @@ class LoopWriteUnderDifferentiationTest(unittest.TestCase):
                 np.testing.assert_allclose(h.value, jnp.full(4, wants[name]))
 
 
+    def test_a_constant_and_a_derivative_written_in_one_body_defined_once(self):
+        # The body is one function for every run of the trace, so JAX may serve its cached
+        # trace to a run that must trace it again (JAX 0.8 .. 0.10: see the constant above).
+        s, t = State(jnp.float32(3.0), name='lwd_s'), State(jnp.zeros(2), name='lwd_t')
+
+        def body(c, xi):
+            s.value = jnp.float32(2.0)
+            t.value = t.value + c * xi
+            return c * s.value, None
+
+        def loss(x):
+            return (lax.scan(body, x, jnp.arange(3.0))[0] * t.value).sum()
+
+        def explicit(x, a, b):
+            def step(carry, xi):
+                c, a, b = carry
+                return (c * 2.0, jnp.float32(2.0), b + c * xi), None
+            (c, a, b), _ = lax.scan(step, (x, a, b), jnp.arange(3.0))
+            return (c * b).sum(), (a, b)
+        x = jnp.array([0.5, 1.5])
+        if _JAX_VERSION < (0, 7):
+            self.assertRaises(TraceContextError, StatefulFunction(jax.grad(loss)), x)
+            return
+        got = StatefulFunction(jax.grad(loss))(x)
+        want, (a, b) = jax.grad(explicit, has_aux=True)(x, jnp.float32(3.0), jnp.zeros(2))
+        np.testing.assert_allclose(got, want)
+        np.testing.assert_allclose(s.value, a)
+        np.testing.assert_allclose(t.value, b)
+
+
 class BackpropThroughTimeTest(unittest.TestCase):
     """A State written inside a loop, cond or jit body under a differentiation gives the
     values, derivatives and final State of the program that carries it explicitly (JAX 0.7
