@@ -540,7 +540,9 @@ def _jaxpr_names(text: str, n_in: int, n_out: int):
 def _jit_equation():
     """A jax.jit equation to copy: its primitive ('pjit' .. 0.6, 'jit') and params vary."""
     inner = jax.jit(lambda x: x + 1)   # (not jax.make_jaxpr, which binds an axis environment)
-    jaxpr = _trace_to_jaxpr(lambda x: [inner(x)], [ShapedArray((), np.float32)], inner, 'jit')[0]
+    with jax.disable_jit(False):   # (the first ask may come under jax.disable_jit)
+        jaxpr = _trace_to_jaxpr(lambda x: [inner(x)], [ShapedArray((), np.float32)], inner,
+                                'jit')[0]
     return jaxpr.eqns[0]
 
 

@@ -8516,6 +8516,24 @@ class PlainTransformTest(unittest.TestCase):
         self.assertRegex(str(cm.exception), "'pt_h'.*run eagerly under jax.disable_jit")
         _assert_unchanged(self, [h], snapshot)
 
+    def test_disable_jit_first_in_the_process_leaves_later_calls_working(self):
+        # What the module learns from JAX once per process (the jit equation it copies) may be
+        # asked for first under jax.disable_jit(): learnt right there too, not an eager result.
+        sj._jit_equation.cache_clear()
+        self.addCleanup(sj._jit_equation.cache_clear)
+        s = State(jnp.zeros(3), name='dj_first')
+
+        def f(x):
+            s.value = s.value + x
+            return x * 2
+        m = sj.StatefulMapping(f, state_in_axes={0: ...})
+        with jax.disable_jit():
+            np.testing.assert_array_equal(m(jnp.ones(3)), 2 * jnp.ones(3))
+        np.testing.assert_array_equal(m(jnp.ones(3)), 2 * jnp.ones(3))
+        np.testing.assert_array_equal(s.value, 2 * jnp.ones(3))
+        outer = StatefulFunction(lambda y: StatefulFunction(lambda z: z * 3)(y))
+        np.testing.assert_array_equal(outer(jnp.ones(3)), 3 * jnp.ones(3))
+
     def test_disable_jit_mapping_and_jaxpr_call(self):
         def run(eager):
             rng = RandomState(3, name='pt_rng')
