@@ -1358,10 +1358,17 @@ class RandomState(State):
 
     @_atomic
     def restore_key(self) -> None:
-        """Sets the key saved by :meth:`backup_key` (and forgets the backup)."""
+        """Sets the key saved by :meth:`backup_key` (and forgets the backup); in a traced
+        function, one saved there (a compiled call would keep one saved outside as a constant)."""
         if (backup := _slot(self, '_backup')) is None:
             raise ValueError(f'{self._describe()}: restore_key() without a backup_key(); '
                              'call backup_key() first')
+        if type(_innermost_overlay(_ctx.frames)) is _TraceFrame and not any(
+                (id(self), '_backup') in frame._side for frame in _ctx.frames):
+            raise TraceContextError(
+                f'{self._describe()}: restore_key() in a traced function restores a key backed '
+                'up outside it, which every later call of the compiled function would restore '
+                'again; call restore_key() before the function, or backup_key() inside it too')
         self.value = backup
         _set_slot(self, '_backup', None)
 

@@ -1519,6 +1519,28 @@ class StateRobustnessTest(_ErrorsCase):
                     np.testing.assert_array_equal(rng.value, want[0])
                     self.assertIsNone(rng._backup)
 
+    def test_a_backup_made_outside_is_not_restored_in_a_trace(self):
+        # A compiled call would restore the first call's backup again on every later call.
+        rng = RandomState(0, name='rb_outside')
+
+        def f(x):
+            rng.restore_key()
+            return x + jax.random.uniform(rng.split_key())
+        for call in (StatefulFunction(f), sj.StatefulMapping(f)):
+            rng.backup_key()
+            backup, key = rng._backup, rng.value
+            self.check(TraceContextError, lambda: call(jnp.zeros(3)), [rng],
+                       culprit=self.site('rb_outside') + ['restore_key()', 'backed up outside'],
+                       fix=['before the function', 'backup_key() inside it'])
+            self.assertIs(rng._backup, backup)
+            self.assertIs(rng.value, key)
+            rng.restore_key()
+        with jax.disable_jit():   # (each call runs the body: the current backup)
+            rng.backup_key()
+            np.testing.assert_array_equal(StatefulFunction(f)(jnp.zeros(())), jax.random.uniform(
+                jax.random.split(jax.random.PRNGKey(0))[1]))
+            self.assertIsNone(rng._backup)
+
     def test_backup_left_in_a_finished_trace_is_an_error(self):
         rng = RandomState(0, name='rb_pending')
 
