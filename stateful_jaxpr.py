@@ -1121,7 +1121,6 @@ class State:
     def __copy__(self) -> 'State':
         new = self.replace()   # copy.copy keeps the creation site and stack level too
         new._source, new._stack_level = self._source, self.stack_level
-        vars(new).update(vars(self))
         return new
 
     def replace(self, value=_MISSING, **metadata) -> 'State':
@@ -1135,8 +1134,10 @@ class State:
                     f'pass a {type(self).__name__} or a plain value')
             return value.replace(**metadata) if metadata else value
         metadata = {**self.metadata, **metadata}   # (``name`` too: the new State's)
-        return _new_state(type(self), self.value if value is _MISSING else value,
-                          metadata.pop('name', self.name), metadata)
+        new = _new_state(type(self), self.value if value is _MISSING else value,
+                         metadata.pop('name', self.name), metadata)
+        vars(new).update(vars(self))   # what a subclass set on itself
+        return new
 
     def to_state_ref(self) -> 'TreefyState':
         """A pytree snapshot of this State: its class, value and metadata."""

@@ -16,6 +16,7 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 import argparse
 import collections
 import contextlib
+import copy
 import io
 import functools
 import gc
@@ -950,6 +951,17 @@ class StateTest(unittest.TestCase):
                 s.value = {'c': 2.0}
         self.assertEqual(s.value, {'b': 2.0})
 
+    def test_copy_and_replace_keep_what_a_subclass_set_on_itself(self):
+        class Trace(State):
+            def __init__(self, value, decay):
+                super().__init__(value, name='tr')
+                self.decay = decay
+        t = Trace(jnp.ones(2), 0.5)
+        for new in (t.copy(), t.replace(jnp.zeros(2)), copy.copy(t)):
+            self.assertIs(type(new), Trace)
+            self.assertEqual((new.decay, new.name), (0.5, 'tr'))
+        np.testing.assert_array_equal(t.replace(jnp.zeros(2)).value, np.zeros(2))
+
     def test_restore_value_records_read_not_write(self):
         s = State(1.0)
         with StateTraceStack() as st:
@@ -1652,7 +1664,6 @@ class StateRobustnessTest(_ErrorsCase):
                    culprit=["'rb_impl'", 'uint32[4]'], fix=['raw uint32[2]', 'typed key'])
 
     def test_hashabledict_copies_and_pickles(self):
-        import copy
         import pickle
         d = sj.hashabledict(b=(1, 2), a=('x', 3.5))
         for twin in (copy.copy(d), copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
@@ -1667,7 +1678,6 @@ class StateRobustnessTest(_ErrorsCase):
         self.assertEqual(copy.deepcopy(key), key)
 
     def test_copy_of_a_state_owns_its_metadata(self):
-        import copy
         s = sj.ParamState(jnp.ones(2), name='rb_copy', tag='a')
         c = copy.copy(s)
         self.assertIs(type(c), sj.ParamState)
