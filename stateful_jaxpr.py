@@ -1041,25 +1041,31 @@ class State:
         self._assign(v, written=True)
 
     def restore_value(self, v) -> None:
-        """Sets the value without recording a write (a read is recorded)."""
+        """Sets a value of the same pytree structure without recording a write (a read is)."""
         self._assign(v, written=False)
 
     def _assign(self, v, written: bool) -> None:
+        self._refuse(v, written)
+        if frames := _ctx.frames:
+            _traced_write(self, v, frames, written=written)
+        else:
+            _store(self, v)
+
+    def _refuse(self, v, written: bool) -> None:
+        """Raises where ``v`` may not be assigned (so that a group checks all before writing)."""
         self._check_value(v)
-        if _ctx.check_tree:
+        if _ctx.check_tree or not written:
             frame = _innermost_overlay(_ctx.frames)
             cur = self._value if frame is None else frame._values.get(id(self), self._value)
             old = cur.treedef if type(cur) is _RefCell else jax.tree_util.tree_structure(cur)
             if old != (new := jax.tree_util.tree_structure(v)):
                 raise ValueError(
                     f'the pytree structure of {self._describe()} would change from {old} to '
-                    f'{new} inside check_state_value_tree(); assign a value with the same '
-                    'structure or leave the check_state_value_tree() block')
-        if frames := _ctx.frames:
-            _traced_write(self, v, frames, written=written)
-        else:
+                    f'{new} ' + ('inside check_state_value_tree(); assign a value with the same '
+                                 'structure or leave the check_state_value_tree() block' if written
+                                 else 'in restore_value(); assign a new structure to .value'))
+        if not _ctx.frames:
             _check_tracers_may_enter(self, v, ())
-            _store(self, v)
 
     def _check_value(self, v) -> None:
         """Refuses a value no State may hold (subclasses restrict values further)."""
@@ -1531,9 +1537,12 @@ class StateTraceStack:
         if (got := (len(read_state_vals), len(write_state_vals))) != (len(self.states),) * 2:
             raise ValueError(f'State length mismatch: expected {len(self.states)} read and '
                              f'write values, got {got[0]} and {got[1]}')
-        for state, rv, wv, written in zip(self.states, read_state_vals, write_state_vals,
-                                          self.been_writen, strict=True):
-            state._assign(wv if written else rv, written)
+        pairs = [(state, wv if written else rv, written) for state, rv, wv, written in zip(
+            self.states, read_state_vals, write_state_vals, self.been_writen, strict=True)]
+        for pair in pairs:   # (all refused or none: each checked before any is written)
+            pair[0]._refuse(*pair[1:])
+        for state, value, written in pairs:
+            state._assign(value, written)
 
     def merge(self, *others: 'StateTraceStack') -> 'StateTraceStack':
         """Adds the states of ``others`` to this stack (writes OR-ed); returns ``self``."""

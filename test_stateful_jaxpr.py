@@ -1344,6 +1344,29 @@ class StateTraceStackTest(unittest.TestCase):
 # -- States passed, returned or stored where they do not belong -----------------
 class ErrorsStateMisuseTest(_ErrorsCase):
 
+    def test_restore_value_keeps_the_pytree_structure(self):
+        # As brainstate's: restore_value puts back a value of the State's own structure.
+        s = sj.State(jnp.ones(3), name='er_restore_tree')
+        self.check(ValueError, lambda: s.restore_value((1.0, 2.0)), [s],
+                   culprit=self.site('er_restore_tree') + ['restore_value()'], fix=['.value'])
+        with StateTraceStack(), self.assertRaisesRegex(ValueError, 'restore_value'):
+            s.restore_value({'a': jnp.ones(3)})
+        s.restore_value(jnp.zeros(3))
+        np.testing.assert_array_equal(s.value, np.zeros(3))
+
+    def test_assign_state_vals_refuses_all_or_none(self):
+        a, h = State(jnp.ones(()), name='er_group_a'), sj.HiddenState(jnp.ones(2), name='er_group_h')
+        with StateTraceStack() as st:
+            a.value = a.value * 2
+            _ = h.value
+        for assign in (st.assign_state_vals, lambda vals: st.assign_state_vals_v2(vals, vals)):
+            self.check(ValueError, lambda: assign([jnp.full((), 5.0), {'x': jnp.ones(2)}]),
+                       [a, h], culprit=self.site('er_group_h'))
+        st.assign_state_vals([jnp.full((), 5.0), jnp.zeros(2)])
+        self.assertEqual(float(a.value), 5.0)
+        np.testing.assert_array_equal(h.value, np.zeros(2))
+
+
     def test_state_as_positional_argument(self):
         s = sj.State(jnp.ones(2), name='er_arg')
         sf = sj.StatefulFunction(lambda x: x * 2)
