@@ -3193,10 +3193,10 @@ def _layout_token(plan) -> int:
 
 def _donating(sf, jitted, plan):
     """The donating ``jitted``, refusing an array two States share (JAX may crash on it)."""
-    def checked(flat, kwargs=None):   # (the donated States first: an array one shares is named)
+    def checked(flat, kwargs):   # (the donated States first: an array one shares is named)
         owner, n = {}, len(plan.states)
-        given = () if kwargs is None else [*flat[n:], kwargs]   # (once JAX refused the call)
-        for i, value in [*((i, flat[i]) for i in plan.donated + plan.kept), *enumerate(given, n)]:
+        for i, value in [*((i, flat[i]) for i in plan.donated + plan.kept),
+                         *enumerate([*flat[n:], kwargs], n)]:
             for leaf in _leaves(value):
                 if isinstance(leaf, jax.Array) and (j := owner.setdefault(id(leaf), i)) != i and (
                         j in plan.donated):
@@ -3209,7 +3209,7 @@ def _donating(sf, jitted, plan):
 
     def call(*flat, **kwargs):
         try:
-            return jitted(*checked(flat), **kwargs)
+            return jitted(*checked(flat, kwargs), **kwargs)
         except BaseException as err:      # no State may keep a deleted buffer
             for state in (plan.states[i] for i in plan.donated if not _deleted_buffer(err)):
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in _leaves(state._value)):
@@ -3217,10 +3217,8 @@ def _donating(sf, jitted, plan):
                         RuntimeError, f'{state._describe()} has no value: its buffer was donated '
                         f'to a call of {_who(sf)} that then failed ({type(err).__name__}: {err}); '
                         'assign it a new value', 'buffer deleted by a failed donating call')
-            if isinstance(err, Exception):   # (JAX refusing an argument that shares one: named)
-                checked(flat, kwargs)
             raise
-    call.lower = lambda *flat, **kwargs: jitted.lower(*checked(flat), **kwargs)
+    call.lower = lambda *flat, **kwargs: jitted.lower(*checked(flat, kwargs), **kwargs)
     call._clear_cache = lambda: _forget_failed_calls(jitted)
     return call
 
