@@ -3223,13 +3223,17 @@ def _donating(sf, jitted, plan):
     return call
 
 
-def _typed_keywords(jitted, names):
-    """``jitted`` given its static keyword arguments as _StaticArgs, hashed with their types:
-    jax.jit may take a static keyword's 1 for True and run the program traced for the other."""
-    def typed(kwargs):
-        return {k: _StaticArg(v) if k in names else v for k, v in kwargs.items()}
-    call = lambda *flat, **kwargs: jitted(*flat, **typed(kwargs))   # noqa: E731
-    call.lower = lambda *flat, **kwargs: jitted.lower(*flat, **typed(kwargs))
+def _typed_statics(jitted, positions, names):
+    """``jitted`` given its static arguments as _StaticArgs, hashed with the types within: jax.jit
+    may take a static (1, 2) for (1.0, 2), or a keyword's 1 for True, and run the program traced
+    for the other (``positions``: in its flat arguments)."""
+    def typed(flat, kwargs):
+        flat = list(flat)
+        for i in positions:
+            flat[i] = flat[i] if type(flat[i]) is _StaticArg else _StaticArg(flat[i])
+        return flat, {k: _StaticArg(v) if k in names else v for k, v in kwargs.items()}
+    call = lambda *flat, **kwargs: (lambda f, k: jitted(*f, **k))(*typed(flat, kwargs))  # noqa
+    call.lower = lambda *flat, **kwargs: (lambda f, k: jitted.lower(*f, **k))(*typed(flat, kwargs))
     call._clear_cache = lambda: _forget_failed_calls(jitted)
     return call
 
@@ -3298,16 +3302,13 @@ def _call(sf, *args, **kwargs):
         _name_deleted(err, fast.states)
         raise
     except (TypeError, ValueError, OverflowError) as err:
-        # An argument jax.jit refuses gets the slow path's clearer error here,
-        # and a static argument hashable only by value goes the slow path.
+        # An argument jax.jit refuses gets the slow path's clearer error here.
         # Anything else came from running the computation: never run it twice.
         sf._cache_key(args, kwargs)
         for state in fast.states:   # (one assigned a value JAX cannot take since: named)
             _reject_states(state._value, '', lambda err, path, leaf: TypeError(
                 f'{state._describe()} holds {leaf!r} at value{path}, which is not a JAX type; '
                 'assign it an array'))
-        if sf._statics_by_value:
-            return sf._call_slow(args, kwargs)
         _name_deleted(err, fast.states)
         raise
     next(fast.hits)
@@ -3411,7 +3412,6 @@ class StatefulFunction:
         self._cache.clear()
         self._miss_causes = collections.Counter()   # why traces happened (_note_miss)
         self._key_locks = weakref.WeakValueDictionary()   # per key; weak: evicted keys go
-        self._statics_by_value = False   # some static argument hashes only by value
         self._plans = weakref.WeakValueDictionary()            # the entries' plans, by key
         self._fast, self._plan_switches = None, 0   # a _Fast; see _call_slow
 
@@ -3436,10 +3436,6 @@ class StatefulFunction:
             raise
         key = hashabledict(static_args=static_key, dyn_args=(tree_a, sigs_a),
                            static_kwargs=static_kw_key, dyn_kwargs=(tree_k, sigs_k))
-        try:
-            hash((static_args, tuple(static_kwargs.items())))
-        except TypeError:
-            self._statics_by_value = True   # hashable only by value: jax.jit needs it wrapped
         return key, leaves_a + leaves_k, (static_args, dyn_args, static_kwargs, dyn_kwargs)
 
     def _cached(self, key, read, plan=None):
@@ -3542,15 +3538,15 @@ class StatefulFunction:
     def _dispatcher(self, plan, token: int, nargs: int, donating: bool = False):
         """One jax.jit per plan and layout, held by the plan: saves hashing it as static."""
         if (jitted := plan.dispatchers.get((token, nargs, donating))) is None:
-            statics = _static_positions(self, nargs)
+            statics = tuple(i + len(plan.states) for i in _static_positions(self, nargs))
             jitted = jax.jit(functools.partial(self._dispatch_body, weakref.ref(plan), token),
-                             static_argnums=tuple(i + len(plan.states) for i in statics),
+                             static_argnums=statics,
                              static_argnames=self.static_argnames or None,
                              donate_argnums=plan.donated if donating else ())
             if donating:
                 jitted = _donating(self, jitted, plan)
-            if self.static_argnames:
-                jitted = _typed_keywords(jitted, self.static_argnames)
+            if statics or self.static_argnames:
+                jitted = _typed_statics(jitted, statics, self.static_argnames)
             plan.dispatchers[(token, nargs, donating)] = jitted
         return jitted
 
@@ -3590,9 +3586,6 @@ class StatefulFunction:
                 return None
             out, new = entry.apply(state_values, leaves)
             return self._laid_out_as_held(entry.plan, new, token), out
-        if self._statics_by_value:   # as _StaticArgs, which jax.jit hashes
-            statics = _static_positions(self, len(args))
-            args = tuple(_StaticArg(a) if i in statics else a for i, a in enumerate(args))
         plan = entry.plan
         jitted = self._dispatcher(plan, token, len(args), token > 0 and bool(plan.donated))
         try:
@@ -3635,7 +3628,7 @@ class StatefulFunction:
                                strict=True):
                 frame._touch(*touched)
         self._plan_switches += warm_plan is not None and plan is not warm_plan
-        warm = (self._compiled_dispatch and entry.traced.cacheable and not self._statics_by_value
+        warm = (self._compiled_dispatch and entry.traced.cacheable
                 and self._plan_switches < _MAX_PLAN_SWITCHES)
         self._fast = _Fast(self, plan, self._dispatcher(plan, token, *key[1:]), len(args), epoch,
                            entry.traced.rules) if warm else None

@@ -7582,13 +7582,14 @@ class CachingTest(unittest.TestCase):
                   if mapped else StatefulFunction(f, static_argnums=1, static_argnames='kw'))
             x = jnp.ones(2, jnp.float32) if mapped else jnp.float32(1)
             before = float(s.value)
-            for k, kw in ((1, 0), (1.0, 0), (True, 0), ((1, 2), 0), (Pair(1, 2), 0), ([1, 2], 0),
-                          (1, 0.0), (1, False), (1.0, 0)):
-                sf(x, k, kw=kw)
+            for k, kw in ((1, 0), (1.0, 0), (True, 0), ((1, 2), 0), ((1.0, 2), 0), (Pair(1, 2), 0),
+                          ([1, 2], 0), (1, 0.0), (1, False), (1.0, 0), ((1, 2), 0)):
+                got = sf(x, k, kw=kw)   # (each after a warm call of another)
+                np.testing.assert_array_equal(got, x * jnp.asarray(k).astype(x.dtype).sum())
             self.assertEqual(kinds, [['int', 'int'], ['float', 'int'], ['bool', 'int'],
-                                     ['tuple', 'int'], ['Pair', 'int'], ['list', 'int'],
-                                     ['int', 'float'], ['int', 'bool']])
-            self.assertEqual(float(s.value), before + 9)
+                                     ['tuple', 'int'], ['tuple', 'int'], ['Pair', 'int'],
+                                     ['list', 'int'], ['int', 'float'], ['int', 'bool']])
+            self.assertEqual(float(s.value), before + 11)
         # Also within a list or dict, hashed by value: [1, [2]] is not [1, (2,)].
         nested = StatefulFunction(lambda x, cfg: x * (10.0 if isinstance(cfg[1], list) else 1.0)
                                   + (5.0 if cfg[0] is True else 0.0), static_argnums=1)
