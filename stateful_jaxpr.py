@@ -166,7 +166,19 @@ _abstract_mesh_now = _probe('jax._src.mesh:get_abstract_mesh') or (lambda: None)
 _TRACE_SETTINGS.update({
     'mesh': _probe('jax._src.mesh:get_concrete_mesh') or (lambda: None),   # jax.set_mesh
     'abstract mesh': lambda: _abstract_mesh_now() or None,   # (0.4.38: () outside a jit, None in)
-    'with mesh': lambda: getattr(_with_mesh, 'value', None)})
+    'with mesh': lambda: getattr(_with_mesh, 'value', None),
+    # Any other in JAX's trace context, which jax.jit keys its traces on: all but the axis
+    # environment, which a run binds itself (the places it changes, probed; all releases).
+    'other': lambda: tuple(None if v == () else v for i, v in enumerate(_trace_context())
+                           if i not in _axis_env_places())})
+_trace_context = _probe('jax._src.config:trace_context') or tuple
+
+
+@functools.lru_cache(maxsize=None)
+def _axis_env_places() -> frozenset:
+    plain = _trace_context()
+    with _axis_env([('stateful_jaxpr.probe', 1)] if _extend_axis_env else ()):
+        return frozenset(i for i, (a, b) in enumerate(zip(plain, _trace_context())) if a != b)
 
 
 def _settings() -> tuple:
@@ -2199,7 +2211,9 @@ def _state_differences(old_traced, new_traced) -> list:
               for s in new_traced.states if id(s) not in old_ids]
     found += [('vanished state', f'no longer touched: {s._describe()}')
               for s in old_traced.states if id(s) not in new_ids]
-    return found + [('jax setting', f'{n}: {a!r} -> {b!r}') for n, a, b in zip(
+    return found + [('jax setting', f'{n}: {a!r} -> {b!r}' if n != 'other' else 'a setting '
+                     'jax.jit keys its traces on: ' + ', '.join(f'{x!r} -> {y!r}' for x, y in zip(
+                         a, b) if x != y)) for n, a, b in zip(
         _TRACE_SETTINGS, old_traced.settings, new_traced.settings, strict=True) if a != b]
 
 

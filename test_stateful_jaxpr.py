@@ -7827,6 +7827,36 @@ class StateSignatureTest(unittest.TestCase):
             np.testing.assert_array_equal(sf(x), want)
             np.testing.assert_array_equal(s.value, want)
 
+    def test_a_trace_made_under_any_setting_jax_jit_keys_on_is_not_reused(self):
+        # Not only the settings the module names: jax_explicit_x64_dtypes (JAX 0.9 ..) say.
+        if not hasattr(jax.config, 'jax_explicit_x64_dtypes'):
+            self.skipTest(f'JAX {jax.__version__} has no jax_explicit_x64_dtypes')
+        s = State(jnp.zeros(3), name='any_setting')
+
+        def f(x):
+            s.value = s.value + jnp.asarray(x, dtype=jnp.float64)
+            return jnp.arange(3, dtype=jnp.float64) * x
+        pure = jax.jit(lambda v, x: (v + jnp.asarray(x, dtype=jnp.float64),
+                                     jnp.arange(3, dtype=jnp.float64) * x))
+        sf, x = StatefulFunction(f, explain_cache_misses=True), jnp.float32(1)
+        self.addCleanup(jax.config.update, 'jax_explicit_x64_dtypes',
+                        jax.config.jax_explicit_x64_dtypes)
+        def check(call):
+            s.value = jnp.zeros(3)
+            new, out = pure(jnp.zeros(3), x)
+            got = call()
+            self.assertEqual((got.dtype, s.value.dtype), (out.dtype, new.dtype))
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            for mode in ('warn', 'allow', 'warn'):
+                jax.config.update('jax_explicit_x64_dtypes', mode)
+                with self.assertLogs('stateful_jaxpr', 'WARNING') as logs:
+                    check(lambda: sf(x))   # the warm path
+                    check(lambda: sf(x=x))     # the slow path
+                    logging.getLogger('stateful_jaxpr').warning('(one at least)')
+                if mode == 'allow':
+                    self.assertIn('a setting jax.jit keys its traces on', logs.output[0])
+
     def test_weak_type_of_a_written_pytree_leaf(self):
         s = State({'a': 1.0, 'b': jnp.zeros(2)}, name='tree')
 
