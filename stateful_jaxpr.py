@@ -2429,10 +2429,11 @@ def _touch_all(state, frames, write: bool):
     if start == 0 and state._broken is not None:
         state._raise_broken()
     current, source = state._value, None
-    for frame in frames[start:]:
-        current = frame._touch(state, current, write)
+    for i, frame in enumerate(frames[start:], start):
         if frame._overlays:
-            source = frame
+            current, source = frame._touch(state, current, write), frame
+        elif i >= state._stack_level:   # (as brainstate's: a recorder below its level sees none)
+            frame._touch(state, current, write)
     return current, source
 
 
@@ -3637,10 +3638,11 @@ class StatefulFunction:
             except _Unprepared:   # (rare) prepared for other values
                 _forget_failed_calls(self._dispatcher(plan, token, *key[1:]))
                 strict = False
-        for frame in _ctx.frames:   # recording stacks see what the call touched
+        for i, frame in enumerate(_ctx.frames):   # recording stacks see what the call touched
             for touched in zip(plan.states, values, entry.traced.trace_stack.been_writen,
                                strict=True):
-                frame._touch(*touched)
+                if i >= touched[0]._stack_level:   # (see _touch_all)
+                    frame._touch(*touched)
         self._plan_switches += warm_plan is not None and plan is not warm_plan
         warm = (self._compiled_dispatch and entry.traced.cacheable
                 and self._plan_switches < _MAX_PLAN_SWITCHES)

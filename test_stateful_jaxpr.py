@@ -1243,6 +1243,24 @@ class RandomStateTest(unittest.TestCase):
 
 class StateTraceStackTest(unittest.TestCase):
 
+    def test_a_recorder_sees_states_from_its_level_on(self):
+        # As brainstate's: a State made inside a stack, or raised past it, is not recorded there.
+        with StateTraceStack() as st:
+            d = State(1.0, name='made_inside')
+            d.value = 2.0
+            sf_made = State(jnp.ones(2))
+            StatefulFunction(lambda: sf_made.value.sum())()   # (a compiled call's touches too)
+        self.assertEqual(st.states, [])
+        f = State(1.0, name='raised')
+        f.increase_stack_level()
+        with StateTraceStack() as outer, StateTraceStack() as inner:
+            f.value = 2.0
+        self.assertEqual((outer.states, inner.states, inner.been_writen), ([], [f], [True]))
+        f.decrease_stack_level()
+        with StateTraceStack() as outer:
+            self.assertEqual(StatefulFunction(lambda: f.value * 2)(), 4.0)
+        self.assertEqual(outer.states, [f])
+
     def test_first_touch_order_and_writes(self):
         a, b, c = State(1.0), State(2.0), State(3.0)
         with StateTraceStack() as st:
