@@ -994,10 +994,16 @@ def _atomic(step):
 
 @_atomic
 def _store(state, value) -> None:
+    _store_all([(state, value)])
+
+
+def _store_all(pairs) -> None:
+    """Stores each ``(state, value)``, all or none: whether a layout changes (``_layout_epoch``)
+    is found for all first, as flattening a value may fail."""
     global _layout_epoch
-    if any(map(_multi_device, _leaves((value, state._value)))):
-        _layout_epoch += 1
-    state._value, state._broken = value, None
+    _layout_epoch += any(map(_multi_device, _leaves([(v, s._value) for s, v in pairs])))
+    for state, value in pairs:
+        state._value, state._broken = value, None
 
 
 _BAKED_STATES = weakref.WeakSet()   # States read under a plain JAX trace (outside stateful traces)
@@ -3153,10 +3159,10 @@ def _write_back(who, plan, new, warm: bool = False) -> None:
         for state, value in pairs:
             _check_tracers_may_enter(state, value, ())
     global _layout_epoch
-    for state, value in pairs:   # a layout the call gave anew: dispatchers keyed on the old go
-        if not warm and [*map(_multi_device, _leaves(state._value))] != [
-                *map(_multi_device, _leaves(value))]:
-            _layout_epoch += 1
+    pairs = list(pairs)   # a layout the call gave anew: dispatchers keyed on the old go
+    _layout_epoch += not warm and any([*map(_multi_device, _leaves(state._value))] != [
+        *map(_multi_device, _leaves(value))] for state, value in pairs)   # (all before any is set)
+    for state, value in pairs:
         state._value = value
 
 
@@ -3687,8 +3693,7 @@ class StatefulFunction:
             for state in written:
                 _refuse_non_jax(state, values[id(state)], self.name)
             new = [_kept_layout(self, state, values[id(state)]) for state in written]
-            for state, value in zip(written, new):   # (held by this call; all or none stored)
-                _store.__wrapped__(state, value)
+            _store_all(list(zip(written, new)))   # (held by this call)
         return out
 
     def _call_in_trace(self, args, kwargs, wrap=None):

@@ -4267,6 +4267,44 @@ class NestedDtypeAndResultTest(unittest.TestCase):
 
 class FailureSafetyTest(unittest.TestCase):
 
+    def test_a_value_that_fails_to_flatten_at_the_store_stores_none(self):
+        # The call has run; storing its results checks every old value (its layout) first.
+        @jax.tree_util.register_pytree_node_class
+        class Touchy:
+            def __init__(self, x):
+                self.x = x
+
+            def tree_flatten(self):
+                if fired and self is old:
+                    raise _Boom('the old value refuses to flatten now')
+                return (self.x,), None
+
+            @classmethod
+            def tree_unflatten(cls, aux, children):
+                nonlocal fired   # (once the call's results are back)
+                fired = fired or ready and all(isinstance(c, jax.Array) and not isinstance(
+                    c, jax.core.Tracer) for c in children)
+                return cls(*children)
+
+        def body(x):
+            a.value = a.value + x
+            p.value = Touchy(p.value.x + x)
+        for eager in (False, True):
+            with self.subTest(eager=eager):
+                ready = fired = False
+                a, p = State(jnp.zeros(2), name='fs_a'), State(Touchy(jnp.zeros(2)), name='fs_p')
+                sf = StatefulFunction(body)
+                old = p.value   # (a first call, whose store finds the layouts: not a warm one)
+                with jax.disable_jit() if eager else contextlib.nullcontext():
+                    ready = True
+                    with self.assertRaises(_Boom):
+                        sf(jnp.ones(2))
+                ready = fired = False
+                self.assertIs(p.value, old)
+                np.testing.assert_array_equal(a.value, np.zeros(2))
+                sf(jnp.ones(2))
+                np.testing.assert_array_equal(a.value, np.ones(2))
+
     def _check(self, fun, *args, exc=_Boom, states=()):
         sf = StatefulFunction(fun)
         snap = _snapshot(states)
