@@ -3482,10 +3482,12 @@ class StatefulFunction:
             with lock:
                 entry = hit = self._cached(key, read)
                 if entry is None:
+                    plans = self._plans   # (swapped by clear_cache: a trace it raced is not kept)
                     held, entry = self._cache._peek(key, ()), self._build_entry(key, leaves, split)
                     self._note_miss(key, held, entry)
                     # (a rule traced under a JAX trace must not reach our dispatcher: see _cached)
-                    if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace()):
+                    if entry.traced.cacheable and not (entry.traced.rules and _under_jax_trace(
+                            )) and plans is self._plans:
                         self._cache._store(key, (entry, *held[:3]))
         if count:
             self._cache._record(hit is not None)

@@ -9587,6 +9587,32 @@ def _open_stack_reading(name, state, opened):
 class ThreadSafetyTest(unittest.TestCase):
     """Thread safety: shared callables, caches and States under many threads."""
 
+    def test_clear_cache_during_another_threads_trace(self):
+        # The trace the clear raced is not kept: a call after clear_cache() sees the new State.
+        old = State(jnp.zeros(()), name='ts_old')
+        holder = types.SimpleNamespace(h=old)
+        in_trace, release = threading.Event(), threading.Event()
+
+        def step(x):
+            h = holder.h
+            if not in_trace.is_set():
+                in_trace.set()
+                release.wait(10)
+            h.value = h.value + x
+            return x
+        sf = StatefulFunction(step)
+        thread = threading.Thread(target=lambda: sf(jnp.float32(1)), daemon=True)
+        thread.start()
+        self.assertTrue(in_trace.wait(10))
+        holder.h = new = State(jnp.zeros(()), name='ts_new')
+        sf.clear_cache()
+        release.set()
+        thread.join(20)
+        self.assertFalse(thread.is_alive())
+        sf(jnp.float32(1))
+        self.assertGreaterEqual(float(new.value), 1.0)   # (the raced call: before or after)
+        self.assertEqual(float(old.value) + float(new.value), 2.0)
+
     def assertNoThreadErrors(self, errors):
         if errors:
             self.fail(f'{len(errors)} worker thread(s) failed:\n' + _format_thread_errors(errors))
