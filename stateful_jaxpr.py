@@ -4067,7 +4067,7 @@ def checkpoint(fun: Callable | None = None, *, prevent_cse: bool = True, policy=
     trains through time with the memory of the explicit-carry program under ``jax.checkpoint``;
     a RandomState drawn inside advances once per call.  ``prevent_cse`` and ``policy`` are
     ``jax.checkpoint``'s; ``static_argnums`` as for StatefulFunction.  Outside any JAX trace it
-    is ``fun``.  Without ``fun``, a decorator.
+    runs op by op, as ``jax.checkpoint`` does (JAX arrays out).  Without ``fun``, a decorator.
 
     Example
     -------
@@ -4087,7 +4087,7 @@ def checkpoint(fun: Callable | None = None, *, prevent_cse: bool = True, policy=
     @functools.wraps(fun)
     def remat(*args, **kwargs):
         if not _under_jax_trace():
-            return fun(*args, **kwargs)
+            return inner(*args, **kwargs)
         return inner._call_in_trace(args, kwargs, rematerialized)
     return remat
 

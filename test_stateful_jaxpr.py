@@ -11984,6 +11984,23 @@ class CheckpointTest(_ErrorsCase):
 
     H, I = 4, 2
 
+    def test_outside_any_trace_it_runs_as_jax_checkpoint_does(self):
+        # JAX arrays out, as jax.checkpoint gives eagerly, its writes and draws made once.
+        h, rng = State(jnp.zeros(2), name='ck_eager_h'), RandomState(0, name='ck_eager_rng')
+
+        def f(x):
+            h.value = h.value + x
+            return np.ones(2) * x, 3.0, jax.random.uniform(rng.split_key())
+        want = jax.checkpoint(lambda x: (np.ones(2) * x, 3.0))(np.float32(2.0))
+        got = sj.checkpoint(f)(np.float32(2.0))
+        for a, b in zip(got, want):   # (a Python scalar out: JAX's literal type, as there)
+            self.assertIs(type(a), type(b))
+            self.assertEqual(jax.numpy.asarray(a).dtype, jax.numpy.asarray(b).dtype)
+            np.testing.assert_array_equal(a, b)
+        self.assertIsInstance(got[2], jax.Array)
+        np.testing.assert_array_equal(h.value, [2.0, 2.0])
+        np.testing.assert_array_equal(rng.value, jax.random.split(jax.random.PRNGKey(0))[0])
+
     def _weights(self, name):
         k = jax.random.split(jax.random.PRNGKey(3), 3)
         return [sj.ParamState(0.5 * jax.random.normal(k[i], (self.I + self.H, self.H)),
