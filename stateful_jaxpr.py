@@ -3970,8 +3970,9 @@ def _check_grad_states(inner, uniq, touched, check_states: bool, allow_int: bool
 def _grad_targets(grad_states, argnums) -> tuple:
     """``(states, tree, argnums)``: the States in ``grad_states``'s order and its structure,
     and the argument numbers as a tuple (None: no argument gradients)."""
-    pairs, tree = jax.tree_util.tree_flatten_with_path(
-        grad_states, is_leaf=lambda x: isinstance(x, State))
+    pairs, tree = jax.tree_util.tree_flatten_with_path(   # (a dict of any kind: a dict, as
+        dict(grad_states) if isinstance(grad_states, dict) else grad_states,   # brainstate's)
+        is_leaf=lambda x: isinstance(x, State))
     for path, x in pairs:
         if not isinstance(x, State):
             raise TypeError(f'grad(grad_states=...) takes States, but grad_states'

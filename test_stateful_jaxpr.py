@@ -11714,6 +11714,17 @@ class GradTest(_ErrorsCase):
     threaded by hand, returned in brainstate 0.2.1's conventions; the States end as the
     loss wrote them."""
 
+    def test_grad_states_in_a_dict_of_another_kind_come_back_in_a_dict(self):
+        # As brainstate's: grad_states copied into a plain dict (so in sorted key order).
+        w, b = sj.ParamState(jnp.ones(2), name='od_w'), sj.ParamState(jnp.zeros(2), name='od_b')
+        loss = lambda: (w.value * 3.0 + b.value).sum()   # noqa: E731
+        for kind in (collections.OrderedDict, lambda pairs: collections.defaultdict(int, pairs)):
+            got = sj.grad(loss, kind([('w', w), ('b', b)]))()
+            self.assertIs(type(got), dict)
+            self.assertEqual(list(got), ['b', 'w'])
+            np.testing.assert_array_equal(got['w'], [3.0, 3.0])
+            np.testing.assert_array_equal(got['b'], [1.0, 1.0])
+
     def test_every_return_convention_matches_hand_threaded_jax_grad(self):
         for kind, argnums, has_aux, return_value in itertools.product(
                 ('none', 'state', 'list', 'tuple', 'dict'), (None, 1, (0, 1)), (False, True),
