@@ -2547,14 +2547,14 @@ _CANNOT = {
     'parents': 'was written inside a differentiated function and is used inside a jit or loop '
                'body nested in some transformation, where JAX {jax} cannot tell whether that '
                'differentiation is still running.  Read the value into a local variable before '
-               'the body, or use JAX 0.6 or newer',
+               'the body, or use JAX 0.7 or newer',
     'outer': 'was written inside a differentiation nested in another (jax.grad inside jax.grad '
              '...) and is read in the outer one, where JAX {jax} cannot give it the outer '
              'derivative.  Return the value from the inner differentiated function '
              '(has_aux=True) and assign it in the outer one',
     'dropped': 'is written inside a loop or jit body whose write JAX {jax} moved out of the body '
                'or dropped while differentiating (or whose trace raised an error the function '
-               'caught); return the value from the body and assign it outside, or use JAX 0.6 '
+               'caught); return the value from the body and assign it outside, or use JAX 0.7 '
                'or newer',
     'mapped': 'is written inside a shard_map or pmap body, or read there while a loop, cond or '
               'jit body writes it, which JAX {jax} cannot carry into it ({err}).  Return the value '
