@@ -3464,8 +3464,8 @@ class StatefulFunction:
         the last few traced for it (a State may move between meshes and back); one keeping a
         custom rule serves only our dispatcher's jit (``plan``): its rule's lazily traced jaxprs
         close over what the first trace saw, States too."""
-        settings = _settings()
-        for entry in self._cache._peek(key, ()):
+        settings = (entries := self._cache._peek(key, ())) and _settings()
+        for entry in entries:
             if (plan is None or entry.plan is plan) and entry.traced.settings == settings and not (
                     entry.traced.rules and plan is None and _under_jax_trace()) and all(
                     _stale_sig(read(state), sig, True) is None for state, sig in zip(
