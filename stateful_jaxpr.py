@@ -2316,8 +2316,9 @@ class _TraceFrame(StateTraceStack):
 
     def _lift(self, state, current):
         """New jaxpr inputs for ``state``: Refs, in a _RefCell, if known to be written so."""
-        if type(current) is _RefCell:    # an enclosing trace holds it as Refs
-            treedef, avals = current.treedef, list(current.avals)
+        if type(current) is _RefCell:    # an enclosing trace holds it as Refs (of its value's
+            treedef, avals = current.treedef, [   # weak type, see _RefCell.weak)
+                a.update(weak_type=w) for a, w in zip(current.avals, current.weak, strict=True)]
         else:
             leaves, treedef = jax.tree_util.tree_flatten(current)
             try:

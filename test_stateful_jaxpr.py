@@ -7997,6 +7997,20 @@ class StateSignatureTest(unittest.TestCase):
         new, _ = sf.jaxpr_call([s.value], 1.0)
         self.assertTrue(new[0].weak_type)
 
+    def test_a_nested_function_reads_the_weak_type_a_body_wrote(self):
+        # A weak State written strongly in a loop body, then read by a nested function (traced
+        # apart: its second call, or one with an entry cached): float32, as plain JAX gives.
+        s = State(1.0, name='nested_weak_s')
+        g = StatefulFunction(lambda x: s.value * jnp.ones(2, jnp.bfloat16))
+
+        def f(x):
+            jax.lax.fori_loop(0, 2, lambda i, c: s.__setattr__('value', s.value + x), None)
+            return g(x), g(x)
+        want = jax.jit(lambda x: (1.0 + x + x) * jnp.ones(2, jnp.bfloat16))(jnp.float32(1.001))
+        for got in StatefulFunction(f)(jnp.float32(1.001)):
+            self.assertEqual(got.dtype, want.dtype)
+            np.testing.assert_array_equal(got, want)
+
     def test_a_cond_write_reads_back_the_weak_type_it_is_stored_with(self):
         # JAX's cond takes one branch's weak type; whichever, a read after the cond and the
         # State after the call must agree.
