@@ -224,10 +224,21 @@ def _consts_within(jaxpr) -> tuple:
     return (*getattr(jaxpr, 'consts', ()), *_nested_consts(getattr(jaxpr, 'jaxpr', jaxpr).eqns))
 
 
-def _staged_eqns(trace) -> list:
-    """What a jaxpr ``trace`` staged: ``frame.eqns`` (.. 0.6), ``frame.tracing_eqns`` (0.7 ..)."""
-    eqns = getattr(trace.frame, 'tracing_eqns', None) or getattr(trace.frame, 'eqns', ())
-    return [e for e in (e() if callable(e) else e for e in eqns) if e is not None]
+def _staging(trace) -> list:
+    """The list a jaxpr ``trace`` stages into, in order: ``frame.eqns`` (.. 0.6), weak references
+    in ``frame.tracing_eqns`` (0.7 ..)."""
+    return getattr(trace.frame, 'tracing_eqns', None) or getattr(trace.frame, 'eqns', [])
+
+
+def _staged_eqns(trace, start: int = 0) -> list:
+    """What a jaxpr ``trace`` staged, but the first ``start`` (see _staging)."""
+    return [e for e in (e() if callable(e) else e for e in _staging(trace)[start:])
+            if e is not None]
+
+
+def _effectful(eqn) -> bool:
+    """Whether ``eqn`` does more than compute: an effect but reading a Ref."""
+    return any(not isinstance(e, _ReadEffect) for e in eqn.effects)
 
 
 def _map_eqns(jaxpr, fun):
@@ -1425,6 +1436,7 @@ class StateTraceStack:
         self.name = name
         self.states, self.been_writen, self._originals, self._index = [], [], [], {}
         self._overlays, self._values, self._side, self._owned = False, {}, {}, []
+        self._lifted = {}   # id(state) -> what its first touch lifted (an overlay's)
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(f'StateTraceStack(new_arg, name) got new_arg={new_arg!r}, not a '
@@ -1451,10 +1463,22 @@ class StateTraceStack:
             self.been_writen.append(write)
             self._originals.append(current)
             if self._overlays:
-                self._values[id(state)] = self._lift(state, current)
+                self._values[id(state)] = self._lifted[id(state)] = self._lift(state, current)
         elif write:
             self.been_writen[index] = True
         return self._values[id(state)] if self._overlays else current
+
+    def _attempt(self, run: Callable):
+        """``run()``; should it raise, what it wrote in this overlay (values, side slots, marks)
+        is undone, as a failed nested call writes nothing."""
+        values, side, written = dict(self._values), dict(self._side), list(self.been_writen)
+        try:
+            return run()
+        except BaseException:
+            self._values = {**values, **{k: self._lifted[k] for k in self._values.keys() - values}}
+            self._side, self.been_writen[:] = side, written + [False] * (
+                len(self.been_writen) - len(written))
+            raise
 
     def read_its_value(self, state: State) -> None:
         """Records a read of ``state``."""
@@ -1494,18 +1518,9 @@ class StateTraceStack:
             _set_slot(*entry)
 
     def _close(self):
-        """Ends an overlay; States made inside that kept a tracer keep only its shape."""
-        for state in self._owned:
-            state._owner = None
-            if _contains_tracer(state._value):
-                state._value = jax.tree_util.tree_map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Tracer)
-                    else x, state._value)
-                state._broken = _Broken(
-                    TraceContextError, f'{state._describe()} holds a tracer from the finished '
-                    'trace that created it; return its value from the traced function, or create '
-                    'the State outside it', 'tracer from a finished trace')
-        self._owned, self._values, self._side = [], {}, {}
+        """Ends an overlay (see _release)."""
+        _release(self._owned)
+        self._owned, self._values, self._side, self._lifted = [], {}, {}, {}
 
     original_state_values = property(lambda self: tuple(self._originals), doc="Each recorded "
                                      "state's value when this stack first saw it.")
@@ -1577,6 +1592,21 @@ class StateTraceStack:
         rows = ', '.join(f'{s._label()}:{"w" if w else "r"}'
                          for s, w in zip(self.states, self.been_writen, strict=True))
         return f'StateTraceStack(name={self.name!r}, states=[{rows}])'
+
+
+def _release(states) -> None:
+    """Ends the ownership of ``states`` made inside a finished trace: those that kept a tracer
+    keep only its shape."""
+    for state in states:
+        state._owner = None
+        if _contains_tracer(state._value):
+            state._value = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Tracer)
+                else x, state._value)
+            state._broken = _Broken(
+                TraceContextError, f'{state._describe()} holds a tracer from the finished '
+                'trace that created it; return its value from the traced function, or create '
+                'the State outside it', 'tracer from a finished trace')
 
 
 @contextlib.contextmanager
@@ -2309,6 +2339,7 @@ class _TraceFrame(StateTraceStack):
         self._inputs: dict = {}                 # id(input tracer) -> its State
         self.cells: list = []                   # the _RefCells, for the discharge
         self.sigs: dict = {}                    # id(state) -> its traced signature
+        self.inlined: set = set()               # ids of the nested functions run inline here
         retracer.bind()
 
     def _hand_on(self, entries) -> None:   # by _trace_stateful, once no run follows this one
@@ -2357,17 +2388,38 @@ class _TraceFrame(StateTraceStack):
         self._inputs.update(dict.fromkeys(map(id, cell.refs), state))
         return cell
 
+    def inline(self, name: str, fun: Callable, args, kwargs):
+        """``fun(*args, **kwargs)`` run in this trace, as if written here (a nested
+        StatefulFunction's, see its _call_in_trace), its result made JAX values as a trace of its
+        own would.  Should it raise, what it wrote here is undone, as a failed nested call writes
+        nothing; where it staged an effect here (a Ref written, a callback), which cannot be
+        undone, the run starts again with every nested function traced apart."""
+        staged = len(_staging(self._jax_trace))
+        owned = [(state, state._value) for state in self._owned]   # (written past this frame)
+
+        def run():
+            try:
+                return _result(name, fun(*args, **kwargs))
+            except Exception:
+                if any(map(_effectful, _staged_eqns(self._jax_trace, staged))):
+                    self.retracer.inline_failed()
+                _store_all(owned)
+                raise
+        try:
+            out = self._attempt(run)
+        finally:   # (States made inside: as at the end of a trace of its own)
+            _release(self._owned[len(owned):])
+            del self._owned[len(owned):]
+        return jax.tree_util.tree_map(lambda x: x if isinstance(x, Tracer) else jnp.asarray(x),
+                                      out)
+
     def finish(self, out, return_only_write: bool) -> list:
         """The flat jaxpr outputs: ``out``'s leaves, then the returned states' values but those a
         _RefCell holds, which the discharge gives after them (``picks``: where each output is)."""
         if leaked := {self._inputs[id(c)] for c in _nested_consts(_staged_eqns(self._jax_trace))
                       if id(c) in self._inputs}:   # read by a rule JAX traced apart, left there
             raise _cannot('apart', ', '.join(sorted(s._describe() for s in leaked)))
-        _reject_states(out, 'the function returned ', lambda err, path, leaf: err if isinstance(
-            err, OverflowError) else TypeError(
-            f'the stateful function {self.name!r} returned {leaf!r} (a {type(leaf).__name__}) at '
-            f'result{path}, which is not a JAX type; return arrays, scalars or pytrees of them'))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(_result(self.name, out))
         returned = [i for i, w in enumerate(self.been_writen) if w or not return_only_write]
         values = [v if type(v) is _RefCell and v.final() else v.read() if type(v) is _RefCell
                   else self.peel(v) if self._diffs else v
@@ -2421,6 +2473,15 @@ class _TraceFrame(StateTraceStack):
     def _close(self):
         super()._close()
         self._originals = [None] * len(self.states)   # a finished trace's tracers
+
+
+def _result(name: str, out):
+    """``out``, refused where a leaf is a State or not a JAX type."""
+    _reject_states(out, 'the function returned ', lambda err, path, leaf: err if isinstance(
+        err, OverflowError) else TypeError(
+        f'the stateful function {name!r} returned {leaf!r} (a {type(leaf).__name__}) at '
+        f'result{path}, which is not a JAX type; return arrays, scalars or pytrees of them'))
+    return out
 
 
 # -- Traced reads and writes --------------------------------------------------
@@ -2838,12 +2899,13 @@ _Epoch = enum.Enum('_Epoch', 'PLAIN SHARED FRESH')
 
 class _Lessons:
     """What earlier traces of one function teach its later ones (changed by _Retracer alone): the
-    States lifted as Refs from their first touch, whether every run is isolated, and whether
-    writes into a differentiation's Refs are tied to their old values."""
-    __slots__ = ('ref_states', 'isolate', 'tie')
+    States lifted as Refs from their first touch, whether every run is isolated, whether
+    writes into a differentiation's Refs are tied to their old values, and whether nested
+    functions are traced apart, never inline (see _TraceFrame.inline)."""
+    __slots__ = ('ref_states', 'isolate', 'tie', 'apart')
 
     def __init__(self):
-        self.ref_states, self.isolate, self.tie = weakref.WeakSet(), False, False
+        self.ref_states, self.isolate, self.tie, self.apart = weakref.WeakSet(), False, False, False
 
 
 class _Retracer:
@@ -2917,6 +2979,10 @@ class _Retracer:
     def wrote_unlifted(self, states, in_body: bool = False) -> None:
         self.pending.update(states)
         self.in_body |= in_body
+
+    def inline_failed(self) -> None:   # (every nested function: one may be made anew per run)
+        self.lessons.apart = True
+        raise _Redo
 
     def wrote(self, state) -> None:
         if id(state) in self.nested_reads:
@@ -3674,13 +3740,7 @@ class StatefulFunction:
             _reject_states(out, 'the function returned ')
             return out
         if type(outer := _innermost_overlay(_ctx.frames)) is _EagerCall:
-            kept = dict(outer._values), dict(outer._side)
-            try:
-                return run()
-            except BaseException:   # (its writes undone, as a failed compiled call's are)
-                outer._values = {**dict(zip(map(id, outer.states), outer._originals)), **kept[0]}
-                outer._side = kept[1]
-                raise
+            return outer._attempt(run)   # (its writes undone, as a failed compiled call's are)
 
         def lift(state):   # the door, at the first touch
             door.locks.extend(_hold(self, (state,), (_state_lock(state),), (state,)))
@@ -3701,9 +3761,21 @@ class StatefulFunction:
 
     def _call_in_trace(self, args, kwargs, wrap=None):
         """A call inside an enclosing stateful trace, which threads states through ``value``;
-        ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form."""
-        ntraces = _ctx.ntraces
-        _, entry, leaves = self._lookup(args, kwargs, count=False, read=_traced_value)
+        ``wrap`` (e.g. jax.checkpoint) transforms the entry's pure form.  A first call made
+        directly in that trace, with traced arguments and no entry cached, runs inline, as its
+        body written there would: a trace of its own lifts each State it touches once more per
+        level.  Later calls in the trace bind one entry."""
+        ntraces, frame = _ctx.ntraces, _innermost_overlay(_ctx.frames)
+        key, leaves, split = self._cache_key(args, kwargs)
+        if wrap is None and type(frame) is _TraceFrame and type(self) is StatefulFunction and (
+                _current_trace() is frame._jax_trace and id(self) not in frame.inlined
+                and self.axis_env is None is self.abstracted_axes
+                and not frame.retracer.lessons.apart
+                and all(isinstance(x, Tracer) for x in leaves)
+                and self._cached(key, _traced_value) is None):
+            frame.inlined.add(id(self))   # (its arguments rebuilt, as a trace of its own has)
+            return frame.inline(self.name, self.fun, *_rebuilder(split)(leaves))
+        entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
         out = entry.run_writing(leaves, wrap)
         self._cache._record(_ctx.ntraces == ntraces)
         return out

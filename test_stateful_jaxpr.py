@@ -4101,6 +4101,122 @@ class RunCountTest(unittest.TestCase):
     transformation other than differentiations alone that it did not first touch in a loop
     body there, once per later signature (see _Retracer's docstring)."""
 
+    def test_a_nested_function_runs_inline_once_then_binds_one_trace(self):
+        # Its first call in a trace runs in that trace, as its body written there would; a
+        # second traces it apart, once, and every later call binds that trace.
+        s, runs = State(jnp.zeros(3), name='inline_s'), collections.Counter()
+
+        def step(x):
+            runs['step'] += 1
+            s.value = s.value * 0.5 + x
+            return s.value.sum()
+        inner = StatefulFunction(step)
+
+        def outer(x, k):
+            return sum(inner(x) for _ in range(k))
+        for k, want in ((1, 1), (2, 2), (5, 2)):
+            runs.clear()
+            sf = StatefulFunction(outer, static_argnums=1)
+            inner.clear_cache()
+            closed = sf.get_jaxpr(jnp.ones(3), k)
+            self.assertEqual(runs['step'], want)
+            calls = [e for e in closed.jaxpr.eqns if sj._call_body(e)[1] is not None]
+            self.assertEqual(len(calls), k - 1)   # (the first call's equations are the trace's)
+            s.value = jnp.zeros(3)
+            expected, v = 0.0, np.zeros(3)
+            for _ in range(k):
+                v = v * 0.5 + 1.0
+                expected += v.sum()
+            self.assertAlmostEqual(float(sf(jnp.ones(3), k)), expected, places=5)
+            np.testing.assert_allclose(s.value, v)
+        runs.clear()   # (an entry cached before: bound at once, no run)
+        StatefulFunction(outer, static_argnums=1).get_jaxpr(jnp.ones(3), 1)
+        self.assertEqual(runs['step'], 0)
+
+    def test_a_nested_call_with_an_untraced_argument_or_result_acts_as_traced_apart(self):
+        # A NumPy argument crosses into a trace of its own (float32, as jax.jit's); NumPy and
+        # Python results come out as JAX values, as from such a trace.
+        seen = []
+
+        def inner(x, c):
+            seen.append(type(c))
+            return x * 2.0, np.arange(3.0), 0.5
+
+        def outer(x):
+            y, r, h = StatefulFunction(inner)(x, np.float64(3.0))
+            z, r2, h2 = StatefulFunction(inner)(x, x)
+            seen.extend([r.dtype, r2.dtype, type(h2), h2.dtype])
+            return y + z + r2.sum() + h2
+        closed = StatefulFunction(outer).get_jaxpr(jnp.float32(1.0))
+        self.assertTrue(issubclass(seen[0], jax.core.Tracer))   # (traced apart)
+        self.assertTrue(issubclass(seen[1], jax.core.Tracer))   # (inline: the tracer itself)
+        self.assertEqual(seen[2:4], [jnp.float32, jnp.float32])
+        self.assertTrue(issubclass(seen[4], (jax.Array, jax.core.Tracer)))
+        self.assertEqual(seen[5], jnp.float32)
+        self.assertEqual(len([e for e in closed.jaxpr.eqns if sj._call_body(e)[1] is not None]), 1)
+        self.assertEqual(float(StatefulFunction(outer)(jnp.float32(1.0))), 7.5)
+
+    def test_a_failed_nested_call_leaves_no_write_behind(self):
+        # Caught by its caller, a failed nested call writes nothing:
+        # not a State the enclosing function made, nor one it made itself, nor marks a State
+        # written; nor does it change the caller's argument containers.
+        made = {}
+
+        def inner(x):
+            made['s'].value = made['s'].value + x
+            made['t'] = State(x * 2.0, name='inline_made_t')
+            raise _Boom('after writing')
+
+        def outer(x, d):
+            made['s'] = State(jnp.zeros(2), name='inline_made_s')
+            with contextlib.suppress(_Boom):
+                StatefulFunction(inner)(x)
+            StatefulFunction(lambda d: d.__setitem__('a', d['a'] * 2.0))(d)   # (a copy of d)
+            return made['s'].value, d['a']
+        d = {'a': jnp.ones(2)}
+        got = StatefulFunction(outer)(jnp.ones(2), d)
+        np.testing.assert_array_equal(got[0], [0.0, 0.0])
+        np.testing.assert_array_equal(got[1], [1.0, 1.0])
+        self.assertIs(type(d['a']), type(jnp.ones(2)))
+        with self.assertRaisesRegex(TraceContextError, 'finished trace'):
+            made['t'].value
+        h = State(jnp.zeros(2), name='inline_unwritten_h')   # (read-only: under jax.jit too)
+
+        def fails(x):
+            h.value = x
+            raise _Boom('after writing')
+        fails_sf = StatefulFunction(fails)
+
+        def reads(x):
+            with contextlib.suppress(_Boom):
+                fails_sf(x)
+            return h.value.sum()
+        self.assertFalse(StatefulFunction(reads).get_write_states(jnp.ones(2)))
+        self.assertEqual(float(jax.jit(StatefulFunction(reads))(jnp.ones(2))), 0.0)
+
+    def test_a_nested_call_failing_inline_leaves_nothing_behind(self):
+        # Caught by its caller, a failed nested call writes nothing and stages nothing, as a
+        # failed trace of its own would: an effect it staged (a callback) makes the trace run
+        # again with nested functions traced apart, also one made anew on each run.
+        s, seen, runs = State(jnp.zeros(()), name='inline_fail_s'), [], collections.Counter()
+
+        def inner(x):
+            runs['inner'] += 1
+            s.value = s.value + x
+            jax.debug.callback(lambda v: seen.append(float(v)), x)
+            raise _Boom('after a callback')
+        made_once = StatefulFunction(inner)
+        for fresh in (False, True):
+            def outer(x, fresh=fresh):
+                runs['outer'] += 1
+                with contextlib.suppress(_Boom):
+                    (StatefulFunction(inner) if fresh else made_once)(x)
+                return s.value + 1.0
+            runs.clear()
+            self.assertEqual(float(StatefulFunction(outer)(jnp.float32(2.0))), 1.0)
+            jax.effects_barrier()
+            self.assertEqual((seen, float(s.value), runs['outer']), ([], 0.0, 2))
+
     def test_runs(self):
         h, w = State(jnp.zeros(3), name='rc_h'), State(jnp.ones(3), name='rc_w')
         runs = [0]
@@ -8332,7 +8448,7 @@ class CallingTest(unittest.TestCase):
 
     def test_nesting_past_the_stack_raises_recursion_error(self):
         # Python's own error, not a trace stack left open by an exit that ran out of stack.
-        fun, states = (lambda x: x), [State(jnp.zeros(()), name=f's{i}') for i in range(80)]
+        fun, states = (lambda x: x), [State(jnp.zeros(()), name=f's{i}') for i in range(300)]
         for s in states:
             def fun(x, inner=fun, s=s):
                 s.value = s.value + x
@@ -8346,7 +8462,7 @@ class CallingTest(unittest.TestCase):
         finally:
             sys.setrecursionlimit(limit)
         self.assertEqual(sj._ctx.frames, [])
-        self.assertEqual([float(s.value) for s in states], [0.0] * 80)
+        self.assertEqual([float(s.value) for s in states], [0.0] * 300)
         self.assertFalse(any(_tracer_in(s) for s in states))
 
     def test_read_only_composition_through_scan_cond_jit(self):
