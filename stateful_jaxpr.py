@@ -3775,7 +3775,8 @@ class StatefulFunction:
                 and self._cached(key, _traced_value) is None):
             frame.inlined.add(id(self))   # (its arguments rebuilt, as a trace of its own has)
             return frame.inline(self.name, self.fun, *_rebuilder(split)(leaves))
-        entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
+        find = lambda: self._entry_for(key, leaves, split, count=False, read=_traced_value)  # noqa
+        entry = frame._attempt(find) if type(frame) is _TraceFrame else find()   # (see inline)
         out = entry.run_writing(leaves, wrap)
         self._cache._record(_ctx.ntraces == ntraces)
         return out
