@@ -2498,10 +2498,13 @@ def _touch_all(state, frames, write: bool):
         state._raise_broken()
     current, source = state._value, None
     for i, frame in enumerate(frames[start:], start):
-        if frame._overlays:
-            current, source = frame._touch(state, current, write), frame
+        if frame._overlays:   # (a trace frame is written where the write lands, see below)
+            current, source = frame._touch(state, current, write and type(
+                frame) is not _TraceFrame), frame
         elif i >= state._stack_level:   # (as brainstate's: a recorder below its level sees none)
             frame._touch(state, current, write)
+    if write and type(source) is _TraceFrame:   # (one a nested trace, failing, never reaches)
+        source.been_writen[source._index[id(state)]] = True
     return current, source
 
 
@@ -3775,8 +3778,7 @@ class StatefulFunction:
                 and self._cached(key, _traced_value) is None):
             frame.inlined.add(id(self))   # (its arguments rebuilt, as a trace of its own has)
             return frame.inline(self.name, self.fun, *_rebuilder(split)(leaves))
-        find = lambda: self._entry_for(key, leaves, split, count=False, read=_traced_value)  # noqa
-        entry = frame._attempt(find) if type(frame) is _TraceFrame else find()   # (see inline)
+        entry = self._entry_for(key, leaves, split, count=False, read=_traced_value)
         out = entry.run_writing(leaves, wrap)
         self._cache._record(_ctx.ntraces == ntraces)
         return out

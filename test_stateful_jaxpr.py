@@ -4194,6 +4194,9 @@ class RunCountTest(unittest.TestCase):
             return h.value.sum()
         self.assertFalse(StatefulFunction(reads).get_write_states(jnp.ones(2)))
         self.assertEqual(float(jax.jit(StatefulFunction(reads))(jnp.ones(2))), 0.0)
+        in_scan = StatefulFunction(lambda x: jax.lax.scan(   # (nor in a trace around the caller)
+            lambda c, _: (c + StatefulFunction(reads)(x), None), 0.0, None, 1)[0])
+        np.testing.assert_array_equal(jax.grad(lambda x: in_scan(x))(jnp.ones(2)), [0.0, 0.0])
 
     def test_a_nested_call_failing_inline_leaves_nothing_behind(self):
         # Caught by its caller, a failed nested call writes nothing and stages nothing, as a
