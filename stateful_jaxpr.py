@@ -2400,8 +2400,9 @@ class _TraceFrame(StateTraceStack):
         def run():
             try:
                 return _result(name, fun(*args, **kwargs))
-            except Exception:
-                if any(map(_effectful, _staged_eqns(self._jax_trace, staged))):
+            except Exception as err:   # (a refusal: one traced apart may do what this cannot)
+                if isinstance(err, TraceContextError) or any(
+                        map(_effectful, _staged_eqns(self._jax_trace, staged))):
                     self.retracer.inline_failed()
                 _store_all(owned)
                 raise

@@ -4198,6 +4198,21 @@ class RunCountTest(unittest.TestCase):
             lambda c, _: (c + StatefulFunction(reads)(x), None), 0.0, None, 1)[0])
         np.testing.assert_array_equal(jax.grad(lambda x: in_scan(x))(jnp.ones(2)), [0.0, 0.0])
 
+    def test_a_nested_call_writes_in_a_body_a_state_its_caller_made(self):
+        # Refused where the caller writes it so itself; inline, the call is traced apart.
+        made = []
+
+        def inner(x):
+            jax.lax.scan(lambda c, xi: (made[0].__setattr__('value', made[0].value + xi),
+                                        None)[::-1], None, jnp.stack([x, x]))
+            return made[0].value * 1.0
+
+        def outer(x):
+            made[:] = [State(jnp.zeros(3), name='inline_made_in_caller')]
+            return StatefulFunction(inner)(x), made[0].value
+        for got in StatefulFunction(outer)(jnp.ones(3)):
+            np.testing.assert_array_equal(got, [2.0, 2.0, 2.0])
+
     def test_a_nested_call_failing_inline_leaves_nothing_behind(self):
         # Caught by its caller, a failed nested call writes nothing and stages nothing, as a
         # failed trace of its own would: an effect it staged (a callback) makes the trace run
