@@ -224,21 +224,10 @@ def _consts_within(jaxpr) -> tuple:
     return (*getattr(jaxpr, 'consts', ()), *_nested_consts(getattr(jaxpr, 'jaxpr', jaxpr).eqns))
 
 
-def _staging(trace) -> list:
-    """The list a jaxpr ``trace`` stages into, in order: ``frame.eqns`` (.. 0.6), weak references
-    in ``frame.tracing_eqns`` (0.7 ..)."""
-    return getattr(trace.frame, 'tracing_eqns', None) or getattr(trace.frame, 'eqns', [])
-
-
-def _staged_eqns(trace, start: int = 0) -> list:
-    """What a jaxpr ``trace`` staged, but the first ``start`` (see _staging)."""
-    return [e for e in (e() if callable(e) else e for e in _staging(trace)[start:])
-            if e is not None]
-
-
-def _effectful(eqn) -> bool:
-    """Whether ``eqn`` does more than compute: an effect but reading a Ref."""
-    return any(not isinstance(e, _ReadEffect) for e in eqn.effects)
+def _staged_eqns(trace) -> list:
+    """What a jaxpr ``trace`` staged: ``frame.eqns`` (.. 0.6), ``frame.tracing_eqns`` (0.7 ..)."""
+    eqns = getattr(trace.frame, 'tracing_eqns', None) or getattr(trace.frame, 'eqns', ())
+    return [e for e in (e() if callable(e) else e for e in eqns) if e is not None]
 
 
 def _map_eqns(jaxpr, fun):
@@ -2391,20 +2380,17 @@ class _TraceFrame(StateTraceStack):
     def inline(self, name: str, fun: Callable, args, kwargs):
         """``fun(*args, **kwargs)`` run in this trace, as if written here (a nested
         StatefulFunction's, see its _call_in_trace), its result made JAX values as a trace of its
-        own would.  Should it raise, what it wrote here is undone, as a failed nested call writes
-        nothing; where it staged an effect here (a Ref written, a callback), which cannot be
-        undone, the run starts again with every nested function traced apart."""
-        staged = len(_staging(self._jax_trace))
+        own would.  Should it raise, what it wrote here is undone, and a run whose code catches
+        the error starts again with every nested function traced apart (see _Retracer): what it
+        staged here (a Ref written, a callback) cannot be undone."""
         owned = [(state, state._value) for state in self._owned]   # (written past this frame)
 
         def run():
             try:
                 return _result(name, fun(*args, **kwargs))
-            except Exception as err:   # (a refusal: one traced apart may do what this cannot)
-                if isinstance(err, TraceContextError) or any(
-                        map(_effectful, _staged_eqns(self._jax_trace, staged))):
-                    self.retracer.inline_failed()
+            except Exception as err:
                 _store_all(owned)
+                self.retracer.inline_raised(err)
                 raise
         try:
             out = self._attempt(run)
@@ -2933,6 +2919,8 @@ class _Retracer:
       isolated: a body JAX cached may hide the write it refuses;
     - saw JAX fail to transpose a loop writing a differentiation's Refs, the next run ties each
       such write to the Ref's old value (``_tied``), as does every later trace;
+    - ran a nested function inline that raised an error its caller caught, or a refusal, or
+      failed at its end after running one inline (``rerun_apart``), the next run traces each apart;
     - raised anything else, or did none of these, none follows: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
@@ -2940,7 +2928,7 @@ class _Retracer:
     (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('lessons', 'epoch', 'isolated', 'binding', 'pending', 'in_body', 'nested_reads',
-                 'refused')
+                 'refused', 'aborted', 'inline_error')
 
     def __init__(self, lessons: _Lessons):
         self.lessons, self.binding, self.refused = lessons, contextlib.ExitStack(), None
@@ -2949,6 +2937,11 @@ class _Retracer:
     def _start(self, epoch: _Epoch) -> None:
         self.epoch = _Epoch.FRESH if _BAKED_STATES else epoch   # the run's; ``isolated``: now
         self.isolated, self.pending, self.in_body, self.nested_reads = False, set(), False, set()
+        self.aborted, self.inline_error = False, None
+
+    def _abort(self):   # (the run is redone even where the user's code catches the _Redo)
+        self.aborted = True
+        raise _Redo
 
     def bind(self) -> None:   # until unbind: the run's epoch (fresh inside a shared run)
         if self.epoch is _Epoch.SHARED and not _ctx.shared_epoch:
@@ -2974,19 +2967,33 @@ class _Retracer:
         if concrete:
             self.lessons.isolate = True
             if in_body and not self.isolated:
-                raise _Redo
+                self._abort()
 
     def read_unknown_end(self, state) -> None:
         self.lessons.ref_states.add(state)
-        raise _Redo
+        self._abort()
 
     def wrote_unlifted(self, states, in_body: bool = False) -> None:
         self.pending.update(states)
         self.in_body |= in_body
 
-    def inline_failed(self) -> None:   # (every nested function: one may be made anew per run)
+    def inline_raised(self, err) -> None:
+        """A nested call run inline raised ``err``; a refusal (one traced apart may do what this
+        cannot) stops the run, as does any other caught (see next_run)."""
+        self.inline_error = self.inline_error or err
+        if isinstance(err, TraceContextError):
+            self.lessons.apart = True   # (every nested function: one may be made anew per run)
+            self._abort()
+
+    def rerun_apart(self, inlined) -> bool:
+        """Whether a run that ``inlined`` nested functions and failed at its end runs again with
+        them traced apart: each raises its own error from its call, where the caller may catch
+        it."""
+        if not inlined or self.lessons.apart:
+            return False
         self.lessons.apart = True
-        raise _Redo
+        self._start(self.epoch)
+        return True
 
     def wrote(self, state) -> None:
         if id(state) in self.nested_reads:
@@ -3000,8 +3007,10 @@ class _Retracer:
         lessons.ref_states.update(self.pending)
         if _refusal(err) and not (self.refused and self.refused[1]):
             self.refused = err, cells
-        if isinstance(err, _Redo):
+        if isinstance(err, _Redo) or self.aborted:
             epoch = _Epoch.FRESH if lessons.isolate else epoch
+        elif self.inline_error not in (None, err) and not lessons.apart:
+            lessons.apart = True   # (the error caught: what the call staged stays)
         elif epoch is not _Epoch.FRESH and (isinstance(err, jax.errors.UnexpectedTracerError)
                                             or any(isinstance(c, Tracer) for c in consts)):
             lessons.isolate, epoch = True, _Epoch.FRESH   # (or the caller's tracers: once)
@@ -3056,16 +3065,21 @@ def _trace_stateful(fun: Callable, flat_avals: Sequence, rebuild: Callable, *,
                 (jaxpr, out_avals, consts), err = trace(flat_fun, flat_avals), None
             except (Exception, _Redo) as caught:
                 err, consts = caught, ()
-            if retracer.next_run(err, consts, cells := frames[-1].cells if frames else ()):
+            again = retracer.next_run(err, consts, cells := frames[-1].cells if frames else ())
+            if cells and not again and err is None:   # (collectives need the axes still bound)
+                try:
+                    jaxpr, consts, out_avals = _discharge_cells(
+                        _rebuild(jaxpr, consts), cells, frames[-1].picks)
+                    frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
+                except Exception:
+                    if not (again := retracer.rerun_apart(frames[-1].inlined)):
+                        raise
+            if again:
                 for catcher, n in marks:   # (a redone run's States were never made)
                     list(map(catcher.remove, catcher.states[n:]))
                 continue
             if err is not None:
                 retracer.fail(err, cells)
-            if cells:   # (collectives need the axes still bound)
-                jaxpr, consts, out_avals = _discharge_cells(
-                    _rebuild(jaxpr, consts), cells, frames[-1].picks)
-                frames[-1].cells = None   # (the Ref jaxpr's tracers go before the gc resumes)
             traced = frames[-1].traced(_rebuild(jaxpr, consts), out_avals)
             StateTraceStack._hand_on(frames[-1], frames[-1].side)
             return traced

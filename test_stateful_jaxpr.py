@@ -4236,6 +4236,63 @@ class RunCountTest(unittest.TestCase):
             jax.effects_barrier()
             self.assertEqual((seen, float(s.value), runs['outer']), ([], 0.0, 2))
 
+    def test_a_nested_call_whose_error_its_caller_catches_acts_as_traced_apart(self):
+        # Its caller catching every error (BaseException, as a bare except does): a call refused
+        # inline, or one that failed after a loop body wrote a State (JAX 0.4.38 and 0.5 then
+        # refuse the trace) gives what the call traced apart gives; so does a refusal that only
+        # the end of the enclosing trace finds, raised from the call, where the caller catches it.
+        made, t = [], State(jnp.float32(10.0), name='inline_caught_t')
+
+        def refused(x):   # (writes in a loop body a State its caller made)
+            def body(c, _):
+                made[0].value = made[0].value + x
+                return c, None
+            jax.lax.scan(body, None, None, length=3)
+            return made[0].value
+
+        def outer(x):
+            made[:] = [State(x * 2.0, name='inline_caught_made')]
+            try:
+                return StatefulFunction(refused)(x)
+            except BaseException:
+                return -x
+        for x in (jnp.float32(1.0), jnp.ones(2), jnp.float32(1.0)):
+            np.testing.assert_array_equal(StatefulFunction(outer)(x), x * 5.0)
+        for inside in (True, False):
+            def fails(x, inside=inside):
+                def body(c, _):
+                    t.value = t.value + x
+                    if inside:
+                        raise _Boom('in a loop body, after a write')
+                    return c, None
+                jax.lax.scan(body, None, None, length=2)
+                raise _Boom('after a loop wrote')
+
+            def catches(x):
+                try:
+                    StatefulFunction(fails)(x)
+                except BaseException:
+                    pass
+                t.value = t.value + 0.5
+                return t.value
+            self.assertEqual(float(StatefulFunction(catches)(jnp.float32(1.0))), 10.5)
+            self.assertEqual(float(t.value), 10.5)
+            t.value = jnp.float32(10.0)
+        if _while_condition_keeps_stale_reads():
+            def loops(x):
+                def body(c):
+                    t.value = t.value + x
+                    return c + 1
+                return jax.lax.while_loop(lambda c: t.value < 15.0, body, 0)
+
+            def guarded(x):
+                try:
+                    return StatefulFunction(loops)(x)
+                except TraceContextError:
+                    return -1
+            self.assertEqual(int(StatefulFunction(guarded)(jnp.float32(1.0))), -1)
+            self.assertEqual(float(t.value), 10.0)
+
     def test_runs(self):
         h, w = State(jnp.zeros(3), name='rc_h'), State(jnp.ones(3), name='rc_w')
         runs = [0]
