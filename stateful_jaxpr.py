@@ -2388,9 +2388,10 @@ class _TraceFrame(StateTraceStack):
         def run():
             try:
                 return _result(name, fun(*args, **kwargs))
-            except Exception as err:
+            except BaseException as err:
                 _store_all(owned)
-                self.retracer.inline_raised(err)
+                if not isinstance(err, _Redo):
+                    self.retracer.inline_raised(err)
                 raise
         try:
             out = self._attempt(run)
@@ -2889,13 +2890,12 @@ _Epoch = enum.Enum('_Epoch', 'PLAIN SHARED FRESH')
 
 class _Lessons:
     """What earlier traces of one function teach its later ones (changed by _Retracer alone): the
-    States lifted as Refs from their first touch, whether every run is isolated, whether
-    writes into a differentiation's Refs are tied to their old values, and whether nested
-    functions are traced apart, never inline (see _TraceFrame.inline)."""
-    __slots__ = ('ref_states', 'isolate', 'tie', 'apart')
+    States lifted as Refs from their first touch, whether every run is isolated, and whether
+    writes into a differentiation's Refs are tied to their old values."""
+    __slots__ = ('ref_states', 'isolate', 'tie')
 
     def __init__(self):
-        self.ref_states, self.isolate, self.tie, self.apart = weakref.WeakSet(), False, False, False
+        self.ref_states, self.isolate, self.tie = weakref.WeakSet(), False, False
 
 
 class _Retracer:
@@ -2920,7 +2920,8 @@ class _Retracer:
     - saw JAX fail to transpose a loop writing a differentiation's Refs, the next run ties each
       such write to the Ref's old value (``_tied``), as does every later trace;
     - ran a nested function inline that raised an error its caller caught, or a refusal, or
-      failed at its end after running one inline (``rerun_apart``), the next run traces each apart;
+      failed at its end after running one inline (``rerun_apart``), the next run and every later
+      one of this trace runs each apart (``apart``; one may be made anew per run);
     - raised anything else, or did none of these, none follows: the error, or the result.
 
     A run writing a State a body traced before read (``wrote``) goes on isolated, so JAX traces
@@ -2928,10 +2929,11 @@ class _Retracer:
     (``_BAKED_STATES``): any cached jaxpr may hold it.
     """
     __slots__ = ('lessons', 'epoch', 'isolated', 'binding', 'pending', 'in_body', 'nested_reads',
-                 'refused', 'aborted', 'inline_error')
+                 'refused', 'aborted', 'inline_error', 'apart')
 
     def __init__(self, lessons: _Lessons):
         self.lessons, self.binding, self.refused = lessons, contextlib.ExitStack(), None
+        self.apart = False   # (for every run of this trace: see next_run)
         self._start(_Epoch.FRESH if lessons.isolate else _Epoch.PLAIN)
 
     def _start(self, epoch: _Epoch) -> None:
@@ -2982,16 +2984,16 @@ class _Retracer:
         cannot) stops the run, as does any other caught (see next_run)."""
         self.inline_error = self.inline_error or err
         if isinstance(err, TraceContextError):
-            self.lessons.apart = True   # (every nested function: one may be made anew per run)
+            self.apart = True
             self._abort()
 
     def rerun_apart(self, inlined) -> bool:
         """Whether a run that ``inlined`` nested functions and failed at its end runs again with
         them traced apart: each raises its own error from its call, where the caller may catch
         it."""
-        if not inlined or self.lessons.apart:
+        if not inlined or self.apart:
             return False
-        self.lessons.apart = True
+        self.apart = True
         self._start(self.epoch)
         return True
 
@@ -3009,8 +3011,8 @@ class _Retracer:
             self.refused = err, cells
         if isinstance(err, _Redo) or self.aborted:
             epoch = _Epoch.FRESH if lessons.isolate else epoch
-        elif self.inline_error not in (None, err) and not lessons.apart:
-            lessons.apart = True   # (the error caught: what the call staged stays)
+        elif self.inline_error not in (None, err) and not self.apart:
+            self.apart = True   # (the error caught: what the call staged stays)
         elif epoch is not _Epoch.FRESH and (isinstance(err, jax.errors.UnexpectedTracerError)
                                             or any(isinstance(c, Tracer) for c in consts)):
             lessons.isolate, epoch = True, _Epoch.FRESH   # (or the caller's tracers: once)
@@ -3788,7 +3790,7 @@ class StatefulFunction:
         if wrap is None and type(frame) is _TraceFrame and type(self) is StatefulFunction and (
                 _current_trace() is frame._jax_trace and id(self) not in frame.inlined
                 and self.axis_env is None is self.abstracted_axes
-                and not frame.retracer.lessons.apart
+                and not frame.retracer.apart
                 and all(isinstance(x, Tracer) for x in leaves)
                 and self._cached(key, _traced_value) is None):
             frame.inlined.add(id(self))   # (its arguments rebuilt, as a trace of its own has)

@@ -4239,9 +4239,11 @@ class RunCountTest(unittest.TestCase):
     def test_a_nested_call_whose_error_its_caller_catches_acts_as_traced_apart(self):
         # Its caller catching every error (BaseException, as a bare except does): a call refused
         # inline, or one that failed after a loop body wrote a State (JAX 0.4.38 and 0.5 then
-        # refuse the trace) gives what the call traced apart gives; so does a refusal that only
-        # the end of the enclosing trace finds, raised from the call, where the caller catches it.
+        # refuse the trace; any error, an Exception or not) gives what the call traced apart
+        # gives; so does a refusal that only the end of the enclosing trace finds, raised from
+        # the call, where the caller catches it.
         made, t = [], State(jnp.float32(10.0), name='inline_caught_t')
+        halt = type('_Halt', (BaseException,), {})
 
         def refused(x):   # (writes in a loop body a State its caller made)
             def body(c, _):
@@ -4258,15 +4260,15 @@ class RunCountTest(unittest.TestCase):
                 return -x
         for x in (jnp.float32(1.0), jnp.ones(2), jnp.float32(1.0)):
             np.testing.assert_array_equal(StatefulFunction(outer)(x), x * 5.0)
-        for inside in (True, False):
-            def fails(x, inside=inside):
+        for inside, error in ((True, _Boom), (False, _Boom), (False, halt)):
+            def fails(x, inside=inside, error=error):
                 def body(c, _):
                     t.value = t.value + x
                     if inside:
-                        raise _Boom('in a loop body, after a write')
+                        raise error('in a loop body, after a write')
                     return c, None
                 jax.lax.scan(body, None, None, length=2)
-                raise _Boom('after a loop wrote')
+                raise error('after a loop wrote')
 
             def catches(x):
                 try:
