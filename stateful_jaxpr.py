@@ -1425,7 +1425,6 @@ class StateTraceStack:
         self.name = name
         self.states, self.been_writen, self._originals, self._index = [], [], [], {}
         self._overlays, self._values, self._side, self._owned = False, {}, {}, []
-        self._lifted = {}   # id(state) -> what its first touch lifted (an overlay's)
         if new_arg is not None:
             if not callable(new_arg):
                 raise TypeError(f'StateTraceStack(new_arg, name) got new_arg={new_arg!r}, not a '
@@ -1452,7 +1451,7 @@ class StateTraceStack:
             self.been_writen.append(write)
             self._originals.append(current)
             if self._overlays:
-                self._values[id(state)] = self._lifted[id(state)] = self._lift(state, current)
+                self._values[id(state)] = self._lift(state, current)
         elif write:
             self.been_writen[index] = True
         return self._values[id(state)] if self._overlays else current
@@ -1464,7 +1463,7 @@ class StateTraceStack:
         try:
             return run()
         except BaseException:
-            self._values = {**values, **{k: self._lifted[k] for k in self._values.keys() - values}}
+            self._values = {**dict(zip(map(id, self.states), self._originals)), **values}
             self._side, self.been_writen[:] = side, written + [False] * (
                 len(self.been_writen) - len(written))
             raise
@@ -1509,7 +1508,7 @@ class StateTraceStack:
     def _close(self):
         """Ends an overlay (see _release)."""
         _release(self._owned)
-        self._owned, self._values, self._side, self._lifted = [], {}, {}, {}
+        self._owned, self._values, self._side = [], {}, {}
 
     original_state_values = property(lambda self: tuple(self._originals), doc="Each recorded "
                                      "state's value when this stack first saw it.")
@@ -2380,24 +2379,19 @@ class _TraceFrame(StateTraceStack):
     def inline(self, name: str, fun: Callable, args, kwargs):
         """``fun(*args, **kwargs)`` run in this trace, as if written here (a nested
         StatefulFunction's, see its _call_in_trace), its result made JAX values as a trace of its
-        own would.  Should it raise, what it wrote here is undone, and a run whose code catches
-        the error starts again with every nested function traced apart (see _Retracer): what it
-        staged here (a Ref written, a callback) cannot be undone."""
-        owned = [(state, state._value) for state in self._owned]   # (written past this frame)
-
-        def run():
-            try:
-                return _result(name, fun(*args, **kwargs))
-            except BaseException as err:
-                _store_all(owned)
-                if not isinstance(err, _Redo):
-                    self.retracer.inline_raised(err)
-                raise
+        own would.  Should it raise, the error ends the run, or else, caught, the run starts
+        again with every nested function traced apart (see _Retracer): what it wrote and staged
+        here (a Ref written, a callback) cannot be undone."""
+        made = len(self._owned)
         try:
-            out = self._attempt(run)
+            out = _result(name, fun(*args, **kwargs))
+        except BaseException as err:
+            if not isinstance(err, _Redo):
+                self.retracer.inline_raised(err)
+            raise
         finally:   # (States made inside: as at the end of a trace of its own)
-            _release(self._owned[len(owned):])
-            del self._owned[len(owned):]
+            _release(self._owned[made:])
+            del self._owned[made:]
         return jax.tree_util.tree_map(lambda x: x if isinstance(x, Tracer) else jnp.asarray(x),
                                       out)
 
